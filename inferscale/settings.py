@@ -1,0 +1,111 @@
+"""The one settings class of InferScale.
+
+Every knob a deployment sets lives here and is read from the environment with the
+``INFERSCALE_`` prefix (``INFERSCALE_ARTIFACT_ROOT=s3://bucket/prefix``), or from a
+``.env`` file. Components never read the environment themselves: callers build a
+:class:`Settings` once (CLI start-up, a Prefect task, a test) and derive the frozen
+component configs from it (``EncoderConfig``, ``StoreConfig``, ...).
+
+``offline_environment()`` sets the variables that keep Hugging Face, Mem0 and Prefect
+off the network; the CLI, flows and engine start-up call it before importing them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "inferscale"
+
+
+class Settings(BaseSettings):
+    """Deployment settings; environment prefix ``INFERSCALE_``."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERSCALE_", env_file=".env", extra="ignore")
+
+    # -- where things live
+    home: Path = Field(default_factory=default_home, description="cache and local data root")
+    artifact_root: str = Field(
+        default="", description="artifact store root URI; local dir or s3://bucket/prefix "
+        "(default: {home}/artifacts)"
+    )
+    s3_endpoint_url: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: SecretStr | None = None
+    s3_region: str | None = None
+
+    # -- the serving model and the encoder
+    model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    kv_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    window: int = Field(default=5, ge=0, description="turns of context before each fact")
+    max_fact_tokens: int = Field(default=256, ge=1)
+    max_window_tokens: int = Field(default=4096, ge=0)
+    encode_batch_tokens: int = Field(default=16384, ge=64)
+
+    # -- facts, embeddings
+    fact_mode: Literal["mem0", "raw"] = "mem0"
+    embedder: str = Field(default="embedded", description="'embedded' = packaged MiniLM, "
+                          "a local sentence-transformers path, or 'openai'")
+    llm_base_url: str | None = Field(default=None, description="OpenAI-compatible endpoint; "
+                                     "unset = start a local vLLM server with the model")
+    llm_model: str | None = None
+    openai_api_key: SecretStr | None = None
+    openai_embedding_model: str = "text-embedding-3-small"
+
+    # -- serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    top_k: int = Field(default=10, ge=1)
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> user id")
+    admin_key: SecretStr | None = None
+    trusted_user_header: str | None = Field(
+        default=None, description="header a trusted gateway sets to the user id")
+    gpu_budget_bytes: int = Field(default=8 << 30, ge=0)
+    host_budget_bytes: int = Field(default=32 << 30, ge=0)
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
+    max_model_len: int = 8192
+    enforce_eager: bool | None = Field(default=None, description="default: eager on CPU")
+
+    def resolved_artifact_root(self) -> str:
+        return self.artifact_root or str(self.home / "artifacts")
+
+    def storage_options(self) -> dict:
+        """fsspec options for the artifact root (s3fs keys when set)."""
+        opts: dict = {}
+        if self.s3_endpoint_url:
+            opts["client_kwargs"] = {"endpoint_url": self.s3_endpoint_url}
+            if self.s3_region:
+                opts["client_kwargs"]["region_name"] = self.s3_region
+        if self.s3_access_key_id:
+            opts["key"] = self.s3_access_key_id
+        if self.s3_secret_access_key:
+            opts["secret"] = self.s3_secret_access_key.get_secret_value()
+        return opts
+
+
+def offline_environment() -> None:
+    """Keep libraries off the network in the embedded configuration.
+
+    Called by entry points before importing transformers, mem0 or prefect. Values the
+    caller already set win.
+    """
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "MEM0_TELEMETRY": "False",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(key, value)
