@@ -1,0 +1,207 @@
+"""The context-window encoder: relocation, the limiting case, batching, edge cases."""
+
+import pytest
+import torch
+
+from inferscale.compose import ComposeError, Composer
+from inferscale.encode import (
+    PREFIX_ID, EncodeError, EncoderConfig, FactSpec, Segment, TurnText, build_batch,
+    encode_facts, encode_segments, plan_batches, window_segments,
+)
+from inferscale.rope import RotaryTables, rotate_keys
+from tests.conftest import tiny_llama, tiny_qwen3
+from tests.test_rope import ROPE_TYPES
+
+
+def joint_prefill_kv(model, ids: list[int]):
+    """Post-RoPE K and V ``[L, T, H, D]`` of one plain prefill of ``ids``."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
+    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
+    return keys, values
+
+
+def encode_one(model, context: list[int], chunk: list[int]):
+    seg = Segment(tuple(context), (("c", tuple(chunk)),))
+    (enc,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=4096)
+    return enc
+
+
+def _models():
+    return {
+        "llama3-scaling": lambda: tiny_llama(ROPE_TYPES["llama3"]),
+        "yarn": lambda: tiny_llama(ROPE_TYPES["yarn"]),
+        "qwen3-knorm": tiny_qwen3,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_models()))
+def test_relocation_tiny_models(name):
+    """Keys prefilled at p..p+c-1 == stored pre-RoPE keys rotated to p..p+c-1."""
+    model = _models()[name]()
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(0, 256, (37,), generator=g).tolist()
+    chunk = torch.randint(0, 256, (9,), generator=g).tolist()
+    keys, values = joint_prefill_kv(model, context + chunk)
+    enc = encode_one(model, context, chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    # and the stored keys really are pre-RoPE: unrotated they differ from the cache
+    assert (enc.keys - keys[:, p:]).abs().max().item() > 1e-2
+
+
+@pytest.mark.slow
+def test_relocation_smollm2_real_weights(smollm2):
+    tok, model = smollm2.tokenizer, smollm2.model
+    context = tok.encode("Caroline: I adopted a dog named Rex last spring.\n"
+                         "Melanie: That's lovely, how is he doing?\n", add_special_tokens=False)
+    chunk = tok.encode("- He loves long walks by the river.\n", add_special_tokens=False)
+    keys, values = joint_prefill_kv(model, context + chunk)
+    enc = encode_one(model, context, chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+
+
+def _limiting_case(model, prefix: list[int], facts: list[list[int]], tol: float):
+    """Each fact encoded with the whole memory before it == one joint prefill."""
+    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
+    before = list(prefix)
+    for i, f in enumerate(facts):
+        segments.append(Segment(tuple(before), ((f"f{i}", tuple(f)),)))
+        before += f
+    # several segments per batch: exercises padding and the block mask
+    chunks = {c.chunk_id: c for c in encode_segments(
+        model, segments, out_dtype=torch.float32, batch_tokens=4096)}
+    order = [PREFIX_ID] + [f"f{i}" for i in range(len(facts))]
+    k = torch.cat([chunks[c].keys for c in order], dim=1)
+    v = torch.cat([chunks[c].values for c in order], dim=1)
+    composed_k = rotate_keys(k, torch.arange(k.shape[1]), RotaryTables.from_model(model))
+    ref_k, ref_v = joint_prefill_kv(model, before)
+    assert (composed_k - ref_k).abs().max().item() <= tol
+    assert (v - ref_v).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("name", sorted(_models()))
+def test_limiting_case_tiny_models(name):
+    model = _models()[name]()
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 256, (11,), generator=g).tolist()
+    facts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3, 14)]
+    _limiting_case(model, prefix, facts, 1e-4)
+
+
+@pytest.mark.slow
+def test_limiting_case_smollm2(smollm2):
+    composer = Composer(smollm2.tokenizer)
+    facts = ["Caroline adopted a dog named Rex.", "Rex is a golden retriever.",
+             "Caroline works as a nurse in Boston.", "She ran a marathon in May 2023."]
+    _limiting_case(smollm2.model, composer.prefix_ids(), [composer.fact_ids(f) for f in facts],
+                   1e-4)
+
+
+def test_block_mask_isolates_facts_of_one_turn():
+    """Two facts sharing one pass get exactly what each would get alone."""
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    window, f1, f2 = list(range(10, 30)), list(range(40, 47)), list(range(60, 65))
+    shared = Segment(tuple(window), (("a", tuple(f1)), ("b", tuple(f2))))
+    got = {c.chunk_id: c for c in encode_segments(model, [shared], out_dtype=torch.float32,
+                                                  batch_tokens=4096)}
+    alone_b = encode_one(model, window, f2)
+    torch.testing.assert_close(got["b"].keys, alone_b.keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["b"].values, alone_b.values, rtol=0, atol=1e-5)
+
+
+def test_build_batch_positions_and_mask():
+    segs = [Segment((1, 2, 3), (("a", (4, 5)), ("b", (6,)))), Segment((), (("c", (7, 8)),))]
+    batch = build_batch(segs, pad_id=0, device=torch.device("cpu"), mask_dtype=torch.float32)
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 3]
+    assert batch["position_ids"][1].tolist()[:2] == [0, 1]
+    allowed = batch["attention_mask"][0, 0] == 0
+    assert allowed[5].tolist() == [True, True, True, False, False, True]  # b sees window+self
+    assert allowed[4].tolist() == [True, True, True, True, True, False]
+    pad_row = batch["attention_mask"][1, 0, 4] == 0
+    assert pad_row.tolist() == [False, False, False, False, True, False]
+    assert batch["spans"] == [("a", 0, 2), ("b", 2, 1), ("c", 3, 2)]
+
+
+def test_plan_batches_respects_token_budget():
+    segs = [Segment(tuple(range(n)), (("x%d" % n, (1,)),)) for n in (3, 50, 7, 20, 90)]
+    batches = plan_batches(segs, batch_tokens=100)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    for b in batches:
+        longest = max(segs[i].length for i in b)
+        assert len(b) == 1 or longest * len(b) <= 100
+
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+TURNS = [TurnText("A", "I got a dog."), TurnText("B", "What is his name?"),
+         TurnText("A", "He is called Rex."), TurnText("B", "Nice!")]
+
+
+@pytest.mark.slow
+def test_window_edges(smol_tokenizer):
+    composer = Composer(smol_tokenizer)
+    cfg = EncoderConfig(window=2)
+    facts = [FactSpec("f0", "A has a dog.", 0), FactSpec("f2", "The dog is Rex.", 2),
+             FactSpec("f2b", "A named the dog Rex.", 2)]
+    segs = window_segments(TURNS, facts, composer, cfg)
+    assert segs[0].context == ()  # turn 0: window stops at the conversation start
+    expected = "".join(f"{t.speaker}: {t.text}\n" for t in TURNS[0:2])
+    assert smol_tokenizer.decode(list(segs[1].context)) == expected
+    assert [cid for cid, _ in segs[1].chunks] == ["f2", "f2b"]  # one pass for one turn
+    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0))
+    assert all(s.context == () for s in w0)
+    long_window = window_segments(TURNS, facts, composer, EncoderConfig(window=50))
+    assert len(long_window[1].context) == len(segs[1].context)
+    truncated = window_segments(TURNS, facts, composer,
+                                EncoderConfig(window=2, max_window_tokens=4))
+    assert truncated[1].context == segs[1].context[-4:]  # keeps the most recent tokens
+
+
+@pytest.mark.slow
+def test_fact_edge_cases(smol_tokenizer):
+    composer = Composer(smol_tokenizer)
+    with pytest.raises(ComposeError, match="empty"):
+        window_segments(TURNS, [FactSpec("e", "   ", 0)], composer, EncoderConfig())
+    with pytest.raises(EncodeError, match="outside the conversation"):
+        window_segments(TURNS, [FactSpec("x", "fact", 9)], composer, EncoderConfig())
+    with pytest.raises(EncodeError, match="duplicate"):
+        window_segments(TURNS, [FactSpec("x", "a", 0), FactSpec("x", "b", 1)], composer,
+                        EncoderConfig())
+    long_fact = " ".join(["word"] * 2000)
+    (seg,) = window_segments(TURNS, [FactSpec("l", long_fact, 1)], composer,
+                             EncoderConfig(max_fact_tokens=32))
+    ids = seg.chunks[0][1]
+    assert len(ids) == 32 and smol_tokenizer.decode(list(ids)).endswith("\n")
+
+
+def test_config_validation():
+    with pytest.raises(EncodeError):
+        EncoderConfig(window=-1)
+    with pytest.raises(EncodeError):
+        EncoderConfig(dtype="int8")
+
+
+@pytest.mark.slow
+def test_encode_facts_end_to_end(smollm2):
+    cfg = EncoderConfig(window=2, dtype="bfloat16")
+    facts = [FactSpec("f1", "A has a dog named Rex.", 2), FactSpec("f0", "A got a dog.", 0)]
+    mem = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, cfg,
+                       smollm2.fingerprint, progress=False)
+    assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID, "f1", "f0"]
+    for c in mem.chunks:
+        assert c.keys.shape == (30, len(c.token_ids), 3, 64)
+        assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
+    assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
+    assert mem.stats["facts"] == 2
