@@ -128,15 +128,20 @@ class Segment:
 def plan_batches(segments: Sequence[Segment], batch_tokens: int) -> list[list[int]]:
     """Group segment indices into batches of at most ``batch_tokens`` padded tokens.
 
-    Segments are sorted by length so padding stays small; a segment longer than
+    Segments are sorted by length so padding stays small, and single-chunk segments are
+    kept apart from multi-chunk ones: a batch of single-chunk segments needs no block
+    mask and runs the model's plain causal attention. A segment longer than
     ``batch_tokens`` gets a batch of its own.
     """
-    order = sorted(range(len(segments)), key=lambda i: segments[i].length)
+    order = sorted(range(len(segments)),
+                   key=lambda i: (len(segments[i].chunks) > 1, segments[i].length))
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = max([segments[j].length for j in current] + [segments[i].length])
-        if current and longest * (len(current) + 1) > batch_tokens:
+        kind_changes = current and (len(segments[current[0]].chunks) > 1) != (
+            len(segments[i].chunks) > 1)
+        if current and (kind_changes or longest * (len(current) + 1) > batch_tokens):
             batches.append(current)
             current = []
         current.append(i)
@@ -151,7 +156,8 @@ def build_batch(segments: Sequence[Segment], pad_id: int, device: torch.device,
 
     Returns ``input_ids [B, S]``, ``position_ids [B, S]``, ``attention_mask [B, 1, S, S]``
     (0 where attention is allowed, dtype-min elsewhere; padding rows see themselves so no
-    row is empty), and ``select_b``/``select_s`` ``[N]``: the (row, column) of every chunk
+    row is empty) or ``None`` when every segment has one chunk (then plain causal
+    attention over right-padded rows is exact for every real token), and ``select_b``/``select_s`` ``[N]``: the (row, column) of every chunk
     token in order, plus ``spans``: per chunk ``(chunk_id, start, length)`` into ``N``.
     """
     B = len(segments)
@@ -178,17 +184,20 @@ def build_batch(segments: Sequence[Segment], pad_id: int, device: torch.device,
             sel_b.extend([b] * n)
             sel_s.extend(range(col, col + n))
             col += n
-    q = group[:, :, None]  # [B, S, 1]
-    k = group[:, None, :]  # [B, 1, S]
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
-    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
-    allowed |= torch.eye(S, dtype=torch.bool)  # padding rows attend to themselves
-    mask = torch.zeros((B, 1, S, S), dtype=mask_dtype)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(mask_dtype).min)
+    mask = None
+    if any(len(seg.chunks) > 1 for seg in segments):
+        group = group.to(device)
+        q = group[:, :, None]  # [B, S, 1]
+        k = group[:, None, :]  # [B, 1, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+        allowed = causal & (k >= 0) & ((k == 0) | (k == q))
+        allowed |= torch.eye(S, dtype=torch.bool, device=device)  # padding rows see themselves
+        mask = torch.zeros((B, 1, S, S), dtype=mask_dtype, device=device)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(mask_dtype).min)
     return {
         "input_ids": ids.to(device),
         "position_ids": pos.to(device),
-        "attention_mask": mask.to(device),
+        "attention_mask": mask,
         "select_b": torch.tensor(sel_b, dtype=torch.long, device=device),
         "select_s": torch.tensor(sel_s, dtype=torch.long, device=device),
         "spans": spans,

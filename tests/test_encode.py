@@ -128,6 +128,9 @@ def test_build_batch_positions_and_mask():
     pad_row = batch["attention_mask"][1, 0, 4] == 0
     assert pad_row.tolist() == [False, False, False, False, True, False]
     assert batch["spans"] == [("a", 0, 2), ("b", 2, 1), ("c", 3, 2)]
+    # single-chunk segments only: no block mask, plain causal attention
+    single = build_batch(segs[1:], pad_id=0, device=torch.device("cpu"), mask_dtype=torch.float32)
+    assert single["attention_mask"] is None
 
 
 def test_plan_batches_respects_token_budget():
@@ -137,6 +140,9 @@ def test_plan_batches_respects_token_budget():
     for b in batches:
         longest = max(segs[i].length for i in b)
         assert len(b) == 1 or longest * len(b) <= 100
+    mixed = segs + [Segment((1,), (("m", (2,)), ("n", (3,))))]
+    for b in plan_batches(mixed, batch_tokens=1000):
+        assert len({len(mixed[i].chunks) > 1 for i in b}) == 1  # never mixed
 
 
 

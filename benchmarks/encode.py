@@ -1,0 +1,175 @@
+"""Encoding throughput against plain batched prefill of the same model, same device.
+
+Every turn of a LoCoMo conversation is taken as one fact; for each window ``w`` the
+whole conversation is encoded (instruction prefix + one fact per turn, each with its
+``w`` preceding turns) and, in the same run, the identical padded batches are run
+through the model's plain causal prefill (no capture, no mask, nothing kept). The ratio
+``prefill_seconds / encode_seconds`` is the share of plain prefill throughput the
+encoder keeps.
+
+    python benchmarks/encode.py --model embedded --device cpu \
+        --out benchmarks/results/encode-cpu.json
+    python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \
+        --out benchmarks/results/encode-h200.json   # random weights, bf16
+
+``llama-3.1-8b-shape`` builds Llama-3.1-8B's architecture with random weights
+(transformers ``from_config``) and, having no Llama-3 tokenizer offline, tokenizes with
+the embedded SmolLM2 tokenizer (ids fit Llama's vocabulary; only shapes matter here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inferscale.settings import Settings, offline_environment  # noqa: E402
+
+offline_environment()
+
+from inferscale.compose import Composer  # noqa: E402
+from inferscale.encode import (  # noqa: E402
+    EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_segments, plan_batches,
+    window_segments,
+)
+from inferscale.logs import read_locomo  # noqa: E402
+
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+)
+
+
+def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from inferscale.models import load_model, resolve_checkpoint
+
+    home = Settings().home
+    if model_name == "llama-3.1-8b-shape":
+        tok_dir = tokenizer_path or str(resolve_checkpoint("embedded", home))
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        cfg = LlamaConfig(**LLAMA31_8B, attn_implementation="sdpa")
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+        return model, tok, "llama-3.1-8b-shape (random weights)"
+    loaded = load_model(model_name, home, device=device, dtype=dtype)
+    return loaded.model, loaded.tokenizer, str(loaded.checkpoint)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def plain_prefill(model, segments, batch_tokens: int, pad_id: int, device: str) -> float:
+    """The same padded batches through the decoder with its own causal attention."""
+    decoder = getattr(model, model.base_model_prefix)
+    sync(device)
+    start = time.perf_counter()
+    for batch in plan_batches(segments, batch_tokens):
+        inputs = build_batch([segments[i] for i in batch], pad_id, torch.device(device),
+                             next(model.parameters()).dtype)
+        decoder(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                use_cache=False)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def timed_encode(model, segments, cfg: EncoderConfig, pad_id: int, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    for _ in encode_segments(model, segments, out_dtype=cfg.torch_dtype,
+                             batch_tokens=cfg.batch_tokens, pad_id=pad_id):
+        pass
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="embedded",
+                    help="'embedded', an HF checkpoint, or 'llama-3.1-8b-shape'")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, "
+                    "bfloat16 on CUDA)")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="stored K/V dtype")
+    ap.add_argument("--conversation", default="../shared/data/locomo/conv-26.json")
+    ap.add_argument("--windows", type=int, nargs="+", default=[0, 5, 20, 50])
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="padded tokens per pass (default 8192 CPU, 65536 CUDA)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
+    ap.add_argument("--out", default=None, help="write the result JSON here")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    batch_tokens = args.batch_tokens or (65536 if cuda else 8192)
+
+    model, tok, model_desc = load(args.model, args.device, dtype, args.tokenizer)
+    turns_table = read_locomo(args.conversation).turns
+    turns = [TurnText(s, t) for s, t in zip(turns_table.column("speaker").to_pylist(),
+                                            turns_table.column("text").to_pylist())]
+    facts = [FactSpec(f"t{i}", t.text, i) for i, t in enumerate(turns)]
+    composer = Composer(tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    # warm-up: kernels, allocator
+    warm = window_segments(turns, facts[:8], composer, EncoderConfig(window=2))
+    timed_encode(model, warm, EncoderConfig(batch_tokens=batch_tokens), pad_id, args.device)
+    plain_prefill(model, warm, batch_tokens, pad_id, args.device)
+
+    rows = []
+    for w in args.windows:
+        cfg = EncoderConfig(window=w, dtype=args.kv_dtype, batch_tokens=batch_tokens)
+        segments = [Segment((), (("prefix", tuple(composer.prefix_ids())),))]
+        segments += window_segments(turns, facts, composer, cfg)
+        forward_tokens = sum(s.length for s in segments)
+        fact_tokens = sum(len(ids) for s in segments for _, ids in s.chunks)
+        enc_s = timed_encode(model, segments, cfg, pad_id, args.device)
+        pre_s = plain_prefill(model, segments, batch_tokens, pad_id, args.device)
+        row = {
+            "window": w, "facts": len(facts), "fact_tokens": fact_tokens,
+            "forward_tokens": forward_tokens, "encode_seconds": round(enc_s, 3),
+            "prefill_seconds": round(pre_s, 3),
+            "encode_tokens_per_s": round(forward_tokens / enc_s, 1),
+            "prefill_tokens_per_s": round(forward_tokens / pre_s, 1),
+            "encode_vs_prefill_throughput": round(pre_s / enc_s, 3),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    w50 = next((r for r in rows if r["window"] == 50), rows[-1])
+    result = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
+        + f" ({args.device}, torch {torch.__version__})",
+        "model": model_desc, "model_dtype": dtype, "kv_dtype": args.kv_dtype,
+        "batch_tokens": batch_tokens, "conversation": Path(args.conversation).name,
+        "rows": rows,
+        "summary": {
+            "w50_conversation_seconds": w50["encode_seconds"],
+            "encode_vs_prefill_throughput": w50["encode_vs_prefill_throughput"],
+        },
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()

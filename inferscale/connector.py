@@ -1,0 +1,453 @@
+"""InferScale's vLLM KV connector: inject a user's memory KV, prefill only the query.
+
+Loaded by vLLM through ``kv_connector_module_path="inferscale.connector"`` and
+``kv_connector="InferScaleConnector"`` (see ``inferscale.engine.kv_transfer_config``);
+settings come only from ``kv_connector_extra_config`` (:class:`ConnectorConfig`).
+
+Scheduler side (engine-core process)
+    A request names its memory in ``kv_transfer_params["inferscale"]``: ``user``,
+    ``version`` and the ordered ``chunks`` (``"prefix"`` then fact ids). The scheduler
+    keeps a *residency view* — which (user, version) the workers hold, under which model
+    fingerprint, and each chunk's token ids — built only from what the workers report
+    (:class:`ResidencyReport`). :meth:`get_num_new_matched_tokens` reports the memory
+    tokens as externally available only when the user's version is resident, the
+    fingerprint is the engine's, every chunk is known and the prompt begins with exactly
+    the chunks' token ids; otherwise 0 and the request simply prefills (the reason is
+    logged). A miss on a user the workers do not hold asks them to reload it in the
+    background (unless an admin evicted it). ``build_connector_meta`` turns each admitted
+    request into a :class:`LoadSpec` with its slot mapping.
+
+Worker side (worker process)
+    :meth:`start_load_kv` checks every load against the worker's own
+    :class:`~inferscale.resident.ResidentStore` (never trusting the scheduler's view),
+    gathers the needed tokens of all requests of the step into one staging buffer (gpu
+    tier: ``index_select``; host tier: pinned host->device copies of just those rows),
+    rotates all keys of all layers in one call of the model's own rotary op at their
+    virtual positions, and writes each layer with the attention backend's own cache
+    writer through the slot mapping. A load that cannot be served is reported through
+    ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks
+    (``kv_load_failure_policy="recompute"``): never wrong KV.
+
+Version differences live in ``inferscale.vllm_compat``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from inferscale.resident import Resident, ResidentStore
+from inferscale.vllm_compat import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
+    attention_layers, block_ids_of, rotate_with_model, write_layer_kv,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("inferscale.connector")
+PARAMS_KEY = "inferscale"
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, from ``kv_connector_extra_config``."""
+
+    model_fingerprint: str
+    artifact_root: str = ""
+    storage_options: dict = field(default_factory=dict)
+    gpu_budget_bytes: int = 8 << 30
+    host_budget_bytes: int = 32 << 30
+    reload_tier: str = "host"  # where background reloads land
+    auto_reload: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise ValueError("kv_connector_extra_config needs 'model_fingerprint'")
+        if self.reload_tier not in ("gpu", "host"):
+            raise ValueError(f"reload_tier must be 'gpu' or 'host', got {self.reload_tier!r}")
+        if self.gpu_budget_bytes < 0 or self.host_budget_bytes < 0:
+            raise ValueError("byte budgets must be >= 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict) -> "ConnectorConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys: {sorted(unknown)}")
+        return cls(**extra)
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadSpec:
+    """One request's memory load for this step: tokens ``[start, end)`` of its memory."""
+
+    req_id: str
+    user: str
+    version: str
+    chunks: list[str]
+    start: int
+    end: int
+    slot_mapping: list[int]  # paged-cache slot of each token in [start, end)
+    block_ids: list[int]  # blocks covering [start, end), reported if the load fails
+
+
+@dataclass
+class ReloadOrder:
+    """Ask workers to hydrate a user's version in the background."""
+
+    user: str
+    version: str
+    tier: str
+
+
+@dataclass
+class InferScaleMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    reloads: list[ReloadOrder] = field(default_factory=list)
+
+
+@dataclass
+class ResidentInfo:
+    """What the scheduler needs to know about one resident (user, version)."""
+
+    user: str
+    version: str
+    fingerprint: str
+    token_ids: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, r: Resident) -> "ResidentInfo":
+        return cls(r.user, r.version, r.fingerprint, r.token_ids)
+
+
+@dataclass
+class ResidencyReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: residency changes since the last report, oldest first.
+
+    ``changes`` holds ``("add", ResidentInfo)`` and ``("remove", (user, version))``.
+    """
+
+    changes: list[tuple[str, Any]] = field(default_factory=list)
+    failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
+
+    def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
+        # Tensor parallelism is refused at start-up, so there is one worker; merging
+        # keeps every change in order.
+        return ResidencyReport(self.changes + other.changes,
+                               self.failed_reloads + other.failed_reloads)
+
+
+@dataclass
+class _Plan:
+    user: str
+    version: str
+    chunks: list[str]
+    start: int
+    end: int
+
+
+# ---------------------------------------------------------------------------- connector
+
+
+class InferScaleConnector(KVConnectorBase_V1):
+    """Memory KV injection for vLLM (scheduler and worker sides; see module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_extra_config(
+            dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or \
+                vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError("InferScaleConnector supports one worker (TP=PP=1)")
+        self.block_size = vllm_config.cache_config.block_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._view: dict[tuple[str, str], ResidentInfo] = {}
+            self._held: dict[str, str] = {}  # user -> version the workers hold
+            self._plans: dict[str, _Plan] = {}
+            self._to_load: dict[str, _Plan] = {}
+            self._reloads: dict[tuple[str, str], ReloadOrder] = {}
+            self._reload_pending: set[tuple[str, str]] = set()
+            self.injected_tokens: dict[str, int] = {}
+        else:
+            self.store = ResidentStore(self._worker_device(vllm_config),
+                                       self.config.gpu_budget_bytes,
+                                       self.config.host_budget_bytes)
+            self.rotary: torch.nn.Module | None = None
+            self.model_dtype = vllm_config.model_config.dtype
+            self.admin_evicted: set[str] = set()
+            self._invalid_blocks: set[int] = set()
+            self._failed_reloads: list[tuple[str, str, str]] = []
+            self._reload_lock = threading.Lock()
+            self._reload_threads: list[threading.Thread] = []
+            self.loaded_tokens = 0
+
+    @staticmethod
+    def _worker_device(vllm_config: "VllmConfig") -> torch.device:
+        device = getattr(vllm_config.device_config, "device", None)
+        if device is not None and torch.device(device).type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ======================================================================= scheduler
+
+    def _params(self, request: "Request") -> dict | None:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if not isinstance(params, dict):
+            return None
+        return params
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject."""
+        params = self._params(request)
+        if params is None:
+            return 0, False
+        user, version = str(params.get("user")), str(params.get("version"))
+        chunks = [str(c) for c in params.get("chunks") or []]
+        why = self._refusal(user, version, chunks, request)
+        if why is not None:
+            log.info("request %s (user %s, version %s): prefilling memory, %s",
+                     request.request_id, user, version[:12], why)
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        info = self._view[(user, version)]
+        memory = sum(len(info.token_ids[c]) for c in chunks)
+        end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
+        if end <= num_computed_tokens:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def _refusal(self, user: str, version: str, chunks: list[str],
+                 request: "Request") -> str | None:
+        """Why this request's memory cannot be injected, or None when it can."""
+        info = self._view.get((user, version))
+        if info is None:
+            held = self._held.get(user)
+            if held is None:
+                self._order_reload(user, version)
+                return "user not resident"
+            return f"stale version (workers hold {held[:12]})"
+        if info.fingerprint != self.config.model_fingerprint:
+            return "artifact model fingerprint differs from the engine's"
+        if not chunks:
+            return "no chunks named"
+        ids: list[int] = []
+        for c in chunks:
+            if c not in info.token_ids:
+                return f"unknown chunk {c!r}"
+            ids.extend(info.token_ids[c])
+        prompt = request.prompt_token_ids or []
+        if len(prompt) <= len(ids) or list(prompt[:len(ids)]) != ids:
+            return "prompt does not begin with the memory's token ids"
+        return None
+
+    def _order_reload(self, user: str, version: str) -> None:
+        key = (user, version)
+        if self.config.auto_reload and self.config.artifact_root and \
+                key not in self._reload_pending:
+            self._reloads[key] = ReloadOrder(user, version, self.config.reload_tier)
+            self._reload_pending.add(key)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        if num_external_tokens > 0 and plan is not None:
+            plan.start = plan.end - num_external_tokens
+            self._to_load[request.request_id] = plan
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
+        bs = self.block_size
+        slots = [block_ids[i // bs] * bs + i % bs for i in range(start, end)]
+        blocks = block_ids[start // bs:(end - 1) // bs + 1]
+        return slots, blocks
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = InferScaleMetadata(reloads=list(self._reloads.values()))
+        self._reloads.clear()
+        block_ids: dict[str, list[int]] = {}
+        for new_req in scheduler_output.scheduled_new_reqs:
+            block_ids[new_req.req_id] = block_ids_of(new_req)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption
+            if req_id in self._to_load and cached.new_block_ids[i] is not None:
+                block_ids[req_id] = list(cached.new_block_ids[i][0])
+        for req_id, plan in list(self._to_load.items()):
+            if req_id not in block_ids:
+                continue  # not scheduled this step; stays pending
+            slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
+            meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
+                                       plan.start, plan.end, slots, blocks))
+            self.injected_tokens[req_id] = plan.end - plan.start
+            del self._to_load[req_id]
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(report, ResidencyReport):
+            return
+        for op, payload in report.changes:
+            if op == "remove":
+                user, version = payload
+                self._view.pop((user, version), None)
+                if self._held.get(user) == version:
+                    del self._held[user]
+                continue
+            info: ResidentInfo = payload
+            old = self._held.get(info.user)
+            if old is not None and old != info.version:
+                self._view.pop((info.user, old), None)
+            self._view[(info.user, info.version)] = info
+            self._held[info.user] = info.version
+            self._reload_pending.discard((info.user, info.version))
+        for user, version, reason in report.failed_reloads:
+            log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
+            self._reload_pending.discard((user, version))
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._plans.pop(request.request_id, None)
+        self._to_load.pop(request.request_id, None)
+        injected = self.injected_tokens.pop(request.request_id, 0)
+        return False, {PARAMS_KEY: {"injected_tokens": injected}}
+
+    # ======================================================================= worker
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Called once by the worker extension: take the model's own rotary module."""
+        from inferscale.vllm_compat import find_rotary
+
+        if self.rotary is None:
+            self.rotary = find_rotary(model)
+
+    def hydrate(self, resident: Resident, tier: str) -> Resident:
+        """Put a hydrated artifact in the store (worker extension, background reloads)."""
+        if resident.fingerprint != self.config.model_fingerprint:
+            raise ValueError(f"artifact fingerprint {resident.fingerprint} is not the "
+                             f"engine's {self.config.model_fingerprint}")
+        self.admin_evicted.discard(resident.user)
+        return self.store.put(resident, tier)
+
+    def evict(self, user: str) -> bool:
+        """Admin eviction: drop the user and do not reload it until hydrated again."""
+        self.admin_evicted.add(user)
+        return self.store.evict(user)
+
+    def _reload(self, order: ReloadOrder) -> None:
+        from inferscale.worker_ext import load_resident
+
+        try:
+            resident = load_resident(self.config, order.user, order.version)
+            if order.user in self.admin_evicted:
+                raise RuntimeError("evicted by an admin since the reload was ordered")
+            self.hydrate(resident, order.tier)
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged
+            with self._reload_lock:
+                self._failed_reloads.append((order.user, order.version, str(exc)))
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, InferScaleMetadata)
+        for order in meta.reloads:
+            if order.user in self.admin_evicted:
+                self._failed_reloads.append((order.user, order.version, "evicted by an admin"))
+                continue
+            t = threading.Thread(target=self._reload, args=(order,), daemon=True,
+                                 name=f"inferscale-reload-{order.user}")
+            t.start()
+            self._reload_threads.append(t)
+        if meta.loads:
+            self._inject(meta.loads, forward_context)
+
+    def _inject(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> None:
+        layers = attention_layers(forward_context)
+        if not layers:
+            return
+        device, dtype = layers[0][1].kv_cache.device, self.model_dtype
+        ready: list[tuple[LoadSpec, Resident]] = []
+        for spec in loads:
+            resident = self.store.get(spec.user, spec.version)
+            problem = self._check(spec, resident)
+            if problem:
+                log.warning("request %s: cannot inject memory (%s); recomputing its blocks",
+                            spec.req_id, problem)
+                self._invalid_blocks.update(spec.block_ids)
+                continue
+            ready.append((spec, resident))
+        if not ready:
+            return
+        n = sum(spec.end - spec.start for spec, _ in ready)
+        first = ready[0][1].slab
+        _, _, L, H, D = first.shape
+        staging = torch.empty((n, 2, L, H, D), dtype=first.dtype, device=device)
+        positions, slots, at = [], [], 0
+        for spec, resident in ready:
+            width = spec.end - spec.start
+            self.store.gather(resident, spec.chunks, spec.start, spec.end, staging[at:at + width])
+            positions.append(torch.arange(spec.start, spec.end))
+            slots.extend(spec.slot_mapping)
+            at += width
+        pos = torch.cat(positions).to(device)  # [N]
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)  # [N]
+        keys = staging[:, 0].to(dtype).reshape(n, L * H, D)  # [N, L*H, D] pre-RoPE
+        keys = rotate_with_model(self.rotary, pos, keys).view(n, L, H, D)
+        keys = keys.transpose(0, 1).contiguous()  # [L, N, H, D]
+        values = staging[:, 1].to(dtype).transpose(0, 1).contiguous()  # [L, N, H, D]
+        for idx, layer in layers:
+            write_layer_kv(layer, keys[idx], values[idx], slot_mapping)
+        self.loaded_tokens += n
+
+    def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
+        if resident is None:
+            return f"user {spec.user} version {spec.version[:12]} is not resident"
+        if self.rotary is None:
+            return "no rotary module attached"
+        if any(c not in resident.index for c in spec.chunks):
+            return "unknown chunk"
+        total = sum(resident.index[c][1] for c in spec.chunks)
+        if spec.end > total or len(spec.slot_mapping) != spec.end - spec.start:
+            return "load range outside the memory"
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv completes every load before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # memory is only ever loaded
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> ResidencyReport | None:
+        events = self.store.take_events()
+        with self._reload_lock:
+            failed, self._failed_reloads = self._failed_reloads, []
+        if not events and not failed:
+            return None
+        changes = [("add", ResidentInfo.of(e.resident)) if e.op == "add"
+                   else ("remove", (e.user, e.version)) for e in events]
+        return ResidencyReport(changes, failed)

@@ -1,0 +1,197 @@
+"""The worker-resident memory store: per user, one KV slab and its chunk index.
+
+Lives in the vLLM worker process (owned by the connector's worker side). Hydration
+(``inferscale.worker_ext`` through the engine's collective RPC, or a reload the
+scheduler asked for) puts a user's slab here; ``start_load_kv`` gathers chunks from it.
+
+Two tiers: ``gpu`` (device memory; on a CPU-only build, CPU memory) and ``host``
+(pinned host memory when CUDA exists). Each tier has a byte budget: when the gpu tier
+overflows, its least-recently-used users move to host; when host overflows, its
+least-recently-used users are dropped (a later request reloads them). A user holds at
+most one version; putting a new version replaces the old one.
+
+Only this module touches slabs; everything here is plain torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("inferscale.resident")
+
+TIERS = ("gpu", "host")
+
+
+class ResidencyError(RuntimeError):
+    """A slab that cannot be made resident (too large for every budget, bad shape)."""
+
+
+@dataclass
+class Resident:
+    """One user's hydrated artifact version."""
+
+    user: str
+    version: str
+    fingerprint: str
+    slab: torch.Tensor  # [T, 2, L, H, D]
+    index: dict[str, tuple[int, int]]  # chunk_id -> (row offset, length)
+    token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
+    tier: str = "gpu"
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size()
+
+    def rows(self, chunk_ids: list[str]) -> list[tuple[int, int]]:
+        """(offset, length) of each chunk, in request order; KeyError if unknown."""
+        return [self.index[c] for c in chunk_ids]
+
+
+@dataclass
+class StoreEvent:
+    """A resident added (``resident`` set) or removed, in the order it happened."""
+
+    op: str  # "add" | "remove"
+    user: str
+    version: str
+    resident: Resident | None = None
+
+
+class ResidentStore:
+    """Per-user slabs under gpu/host byte budgets with LRU demotion and eviction.
+
+    Thread-safe: background reloads ``put`` while the forward path ``get``s.
+    """
+
+    def __init__(self, device: torch.device | str, gpu_budget_bytes: int,
+                 host_budget_bytes: int):
+        self.device = torch.device(device)
+        self.budget = {"gpu": gpu_budget_bytes, "host": host_budget_bytes}
+        self._lru: OrderedDict[str, Resident] = OrderedDict()  # user -> resident, LRU first
+        self._lock = threading.RLock()
+        self._events: list[StoreEvent] = []
+        self.pin = torch.cuda.is_available()
+
+    # ------------------------------------------------------------------ placement
+
+    def _to_tier(self, slab: torch.Tensor, tier: str) -> torch.Tensor:
+        if tier == "gpu":
+            return slab.to(self.device, non_blocking=False)
+        if slab.device.type != "cpu":
+            slab = slab.cpu()
+        if self.pin and not slab.is_pinned():
+            slab = slab.pin_memory()
+        return slab
+
+    def used(self, tier: str) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._lru.values() if r.tier == tier)
+
+    def put(self, resident: Resident, tier: str = "gpu") -> Resident:
+        """Make ``resident`` available on ``tier`` (replacing the user's older version)
+        and enforce budgets. Raises :class:`ResidencyError` if it fits no budget."""
+        if tier not in TIERS:
+            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
+        if resident.slab.dim() != 5 or resident.slab.shape[1] != 2:
+            raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(resident.slab.shape)}")
+        if resident.nbytes > self.budget[tier]:
+            if tier == "gpu" and resident.nbytes <= self.budget["host"]:
+                tier = "host"
+            else:
+                raise ResidencyError(
+                    f"user {resident.user!r}: {resident.nbytes} bytes exceed the {tier} budget "
+                    f"({self.budget[tier]} bytes)")
+        resident.slab = self._to_tier(resident.slab, tier)
+        resident.tier = tier
+        with self._lock:
+            old = self._lru.pop(resident.user, None)
+            if old is not None and old.version != resident.version:
+                self._events.append(StoreEvent("remove", old.user, old.version))
+            self._lru[resident.user] = resident
+            if old is None or old.version != resident.version:
+                self._events.append(StoreEvent("add", resident.user, resident.version, resident))
+            self._enforce_budgets()
+        return resident
+
+    def _enforce_budgets(self) -> None:
+        # gpu overflow: demote least recently used to host
+        while self.used("gpu") > self.budget["gpu"]:
+            victim = next(r for r in self._lru.values() if r.tier == "gpu")
+            victim.slab = self._to_tier(victim.slab, "host")
+            victim.tier = "host"
+            log.info("demoted user %s (%d bytes) to host memory", victim.user, victim.nbytes)
+        # host overflow: drop least recently used
+        while self.used("host") > self.budget["host"]:
+            victim = next(r for r in self._lru.values() if r.tier == "host")
+            del self._lru[victim.user]
+            self._events.append(StoreEvent("remove", victim.user, victim.version))
+            log.info("evicted user %s (%d bytes) from host memory", victim.user, victim.nbytes)
+
+    # ------------------------------------------------------------------ access
+
+    def get(self, user: str, version: str) -> Resident | None:
+        """The user's resident version if it is ``version``; marks it recently used."""
+        with self._lock:
+            r = self._lru.get(user)
+            if r is None or r.version != version:
+                return None
+            self._lru.move_to_end(user)
+            return r
+
+    def evict(self, user: str) -> bool:
+        with self._lock:
+            r = self._lru.pop(user, None)
+            if r is not None:
+                self._events.append(StoreEvent("remove", r.user, r.version))
+            return r is not None
+
+    def residents(self) -> list[dict]:
+        """A summary per resident user, most recently used last."""
+        with self._lock:
+            return [{"user": r.user, "version": r.version, "tier": r.tier, "bytes": r.nbytes,
+                     "chunks": len(r.index)} for r in self._lru.values()]
+
+    def take_events(self) -> list[StoreEvent]:
+        """Events since the last call, oldest first."""
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    # ------------------------------------------------------------------ gathering
+
+    def gather(self, resident: Resident, chunk_ids: list[str], start: int, end: int,
+               out: torch.Tensor) -> None:
+        """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``.
+
+        ``out``: ``[end - start, 2, L, H, D]`` on the compute device. From the gpu tier
+        this is one ``index_select``; from the host tier, one non-blocking copy per
+        contiguous run of needed rows (pinned host -> device), nothing else moved.
+        """
+        runs: list[tuple[int, int]] = []  # (slab row, length) of needed rows, merged
+        pos = 0
+        for off, length in resident.rows(chunk_ids):
+            lo, hi = max(start, pos), min(end, pos + length)
+            if lo < hi:
+                row = off + lo - pos
+                if runs and runs[-1][0] + runs[-1][1] == row:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo)
+                else:
+                    runs.append((row, hi - lo))
+            pos += length
+        slab = resident.slab
+        if slab.device == out.device:
+            if len(runs) == 1:
+                out.copy_(slab[runs[0][0]:runs[0][0] + runs[0][1]])
+            else:
+                idx = torch.cat([torch.arange(r, r + n) for r, n in runs]).to(slab.device)
+                torch.index_select(slab, 0, idx, out=out)
+            return
+        at = 0
+        for row, n in runs:
+            out[at:at + n].copy_(slab[row:row + n], non_blocking=True)
+            at += n

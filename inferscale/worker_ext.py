@@ -1,0 +1,73 @@
+"""Worker extension: what the engine's collective RPC calls inside the vLLM worker.
+
+vLLM mixes :class:`InferScaleWorkerExtension` into its worker class
+(``worker_extension_cls``), so ``engine.collective_rpc("inferscale_hydrate", args=...)``
+runs :meth:`InferScaleWorkerExtension.inferscale_hydrate` next to the KV cache. Only ids
+cross the process boundary: the worker reads the artifact itself.
+
+Callers: ``inferscale.engine.MemoryEngine`` (admin hydrate/evict/status) and the
+connector's background reloads (:func:`load_resident`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from inferscale.resident import Resident
+
+
+def load_resident(config: Any, user: str, version: str) -> Resident:
+    """Hydrate ``user``'s artifact ``version`` from the store named in the connector config.
+
+    The slab lands in host memory (pinned where CUDA exists); the store moves it to the
+    tier asked for. Checksums and the model fingerprint are verified by hydration.
+    """
+    from inferscale.artifacts import ArtifactStore, StoreConfig
+    from inferscale.hydrate import hydrate
+
+    store = ArtifactStore(StoreConfig(config.artifact_root, dict(config.storage_options)))
+    art = hydrate(store, user, config.model_fingerprint, version, tier="host")
+    return Resident(user=user, version=art.manifest.version,
+                    fingerprint=art.manifest.model_fingerprint, slab=art.slab,
+                    index=dict(art.index),
+                    token_ids={k: tuple(v) for k, v in art.token_ids.items()})
+
+
+def _connector():
+    from inferscale.connector import InferScaleConnector
+    from inferscale.vllm_compat import kv_transfer_group
+
+    conn = kv_transfer_group()
+    if not isinstance(conn, InferScaleConnector):
+        raise RuntimeError("the engine was started without the InferScale connector")
+    return conn
+
+
+class InferScaleWorkerExtension:
+    """Methods the engine's ``collective_rpc`` calls on each worker (``self`` is the worker)."""
+
+    def inferscale_attach(self) -> dict:
+        """Hand the model's own rotary module to the connector; called once at start-up."""
+        conn = _connector()
+        conn.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
+        return {"rotary": type(conn.rotary).__name__, "device": str(conn.store.device)}
+
+    def inferscale_hydrate(self, user: str, version: str, tier: str) -> dict:
+        """Load ``user``'s artifact ``version`` (or ``"latest"``) into ``tier``."""
+        conn = _connector()
+        conn.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        resident = conn.hydrate(load_resident(conn.config, user, version), tier)
+        return {"user": user, "version": resident.version, "tier": resident.tier,
+                "bytes": resident.nbytes, "chunks": len(resident.index),
+                "seconds": round(time.perf_counter() - t0, 4)}
+
+    def inferscale_evict(self, user: str) -> bool:
+        return _connector().evict(user)
+
+    def inferscale_status(self) -> dict:
+        conn = _connector()
+        return {"residents": conn.store.residents(), "loaded_tokens": conn.loaded_tokens,
+                "budgets": conn.store.budget,
+                "used": {t: conn.store.used(t) for t in ("gpu", "host")}}
