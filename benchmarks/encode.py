@@ -40,31 +40,22 @@ from inferscale.encode import (  # noqa: E402
     EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_segments, plan_batches,
     window_segments,
 )
-from inferscale.logs import read_locomo  # noqa: E402
-
-LLAMA31_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-)
-
+from inferscale.logs import read_logs  # noqa: E402
+from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
 
 def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inferscale.models import load_model, resolve_checkpoint
 
     home = Settings().home
-    if model_name == "llama-3.1-8b-shape":
+    if model_name in SHAPES:
         tok_dir = tokenizer_path or str(resolve_checkpoint("embedded", home))
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        cfg = LlamaConfig(**LLAMA31_8B, attn_implementation="sdpa")
         with torch.device(device):
-            model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
-        return model, tok, "llama-3.1-8b-shape (random weights)"
+            model = AutoModelForCausalLM.from_config(
+                hf_config(model_name), dtype=getattr(torch, dtype)).eval()
+        return model, tok, f"{model_name} (random weights)"
     loaded = load_model(model_name, home, device=device, dtype=dtype)
     return loaded.model, loaded.tokenizer, str(loaded.checkpoint)
 
@@ -102,7 +93,7 @@ def timed_encode(model, segments, cfg: EncoderConfig, pad_id: int, device: str) 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="embedded",
-                    help="'embedded', an HF checkpoint, or 'llama-3.1-8b-shape'")
+                    help=f"'embedded', an HF checkpoint, or one of {sorted(SHAPES)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, "
                     "bfloat16 on CUDA)")
@@ -119,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_tokens = args.batch_tokens or (65536 if cuda else 8192)
 
     model, tok, model_desc = load(args.model, args.device, dtype, args.tokenizer)
-    turns_table = read_locomo(args.conversation).turns
+    (turns_table,) = read_logs(args.conversation).turns.values()
     turns = [TurnText(s, t) for s, t in zip(turns_table.column("speaker").to_pylist(),
                                             turns_table.column("text").to_pylist())]
     facts = [FactSpec(f"t{i}", t.text, i) for i, t in enumerate(turns)]

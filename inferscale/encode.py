@@ -83,11 +83,13 @@ class TurnText:
 
 @dataclass(frozen=True)
 class FactSpec:
-    """A fact to encode: its id, text and the index of its source turn."""
+    """A fact to encode: its id, text, the index of its source turn and, when the facts
+    table already fixed them, its token ids (used as is, never re-tokenized)."""
 
     fact_id: str
     text: str
     source_index: int
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -348,7 +350,8 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
         context = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
         if len(context) > cfg.max_window_tokens:
             context = context[len(context) - cfg.max_window_tokens:]
-        chunks = tuple((f.fact_id, tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
+        chunks = tuple((f.fact_id, tuple(f.token_ids) if f.token_ids
+                        else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
                        for f in group)
         segments.append(Segment(tuple(context), chunks))
     return segments

@@ -224,3 +224,16 @@ def _byte_dtype():
     import torch
 
     return torch.uint8
+
+
+def dummy_fingerprint(checkpoint: Path) -> str:
+    """Fingerprint of a weight-less checkpoint served with ``load_format="dummy"``
+    (benchmarks of big shapes): the config and tokenizer, marked as random weights."""
+    checkpoint = Path(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    return _fingerprint({
+        "weights": "dummy",
+        "tokenizer": {n: _file_digest(checkpoint / n, None)
+                      for n in _TOKENIZER_FILES if (checkpoint / n).exists()},
+        "rotary": rotary_signature(config),
+    })

