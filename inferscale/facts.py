@@ -185,9 +185,7 @@ class FactExtractor:
         history_dir.mkdir(parents=True, exist_ok=True)
         self.history_db = history_dir / f"history-{os.getpid()}-{uuid.uuid4().hex[:8]}.db"
         self.store_uri = config.store_uri or os.path.join(self._tmp, "lancedb")
-        os.environ.setdefault("MEM0_DIR", os.path.join(self._tmp, "mem0"))
-        os.environ.setdefault("MEM0_TELEMETRY", "False")
-        from inferscale import mem0_lancedb, mem0_llm
+        from inferscale import mem0_lancedb, mem0_llm  # set Mem0's telemetry off first
 
         from mem0 import Memory
         from mem0.configs.base import MemoryConfig
@@ -262,8 +260,11 @@ class FactExtractor:
                     repetition_penalty=c.repetition_penalty if guided == "vllm" else None)
 
     def close(self) -> None:
+        """Close Mem0 and delete this extractor's scratch (its history database too)."""
         with contextlib.suppress(Exception):
             self.memory.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.history_db.unlink()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> "FactExtractor":

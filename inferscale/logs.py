@@ -151,7 +151,7 @@ def read_logs(
     """Read, validate and split conversation logs by user.
 
     ``uris``: one or more fsspec URIs or globs, read in the given order (a glob's matches
-    in sorted order). ``fmt``: ``"auto"`` picks by extension (``.json`` = LoCoMo, else
+    in sorted order); each must match at least one file. ``fmt``: ``"auto"`` picks by extension (``.json`` = LoCoMo, else
     JSONL). ``user``: the user of LoCoMo files that carry no ``sample_id``.
     ``quarantine_uri``: where rejected records are written (JSONL); none = kept only in
     the result. Raises :class:`LogError` when a source cannot be opened or no source
@@ -160,9 +160,12 @@ def read_logs(
     import fsspec
 
     opts = storage_options or {}
-    files = fsspec.open_files(list(uris) if not isinstance(uris, str) else uris, "rb", **opts)
-    if not files:
-        raise LogError(f"no log matches {uris!r}")
+    files = []
+    for uri in [uris] if isinstance(uris, str) else list(uris):
+        matched = fsspec.open_files(uri, "rb", **opts)
+        if not matched:
+            raise LogError(f"no log matches {uri!r}")
+        files.extend(matched)
     acc = _Accumulator(limits)
     sources: list[str] = []
     for of in files:

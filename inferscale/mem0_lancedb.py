@@ -24,8 +24,9 @@ present), ``{key: {"eq"|"ne"|"gt"|"gte"|"lt"|"lte"|"in"|"nin"|"contains"|"iconta
 ``{"$or": [...]}``, ``{"$not": [...]}`` and ``AND``/``OR``/``NOT`` lists — on any payload key.
 Equalities on scope columns become SQL; anything else is evaluated on the payload.
 
-Callers: Mem0 ``Memory`` (through the factory) in ``facts.py``; tests. Telemetry: Mem0 is
-imported with ``MEM0_TELEMETRY=False`` unless the caller set it.
+Callers: Mem0 ``Memory`` (through the factory) in ``facts.py``; tests. Mem0 is imported
+with ``MEM0_TELEMETRY=False`` and ``MEM0_DIR=$TMPDIR/inferscale-mem0`` unless the caller
+set them (Mem0 reads both at import and writes ``config.json`` there).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from typing import Any, Literal
 
@@ -41,7 +43,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-os.environ.setdefault("MEM0_TELEMETRY", "False")  # read by mem0 at import time
+os.environ.setdefault("MEM0_TELEMETRY", "False")  # both read by mem0 at import time
+os.environ.setdefault("MEM0_DIR", os.path.join(tempfile.gettempdir(), "inferscale-mem0"))
 
 from mem0.vector_stores.base import VectorStoreBase  # noqa: E402
 

@@ -33,10 +33,12 @@ import json
 import logging
 import os
 import re
+import tempfile
 from collections import Counter
 from typing import Any, Iterator, Literal
 
-os.environ.setdefault("MEM0_TELEMETRY", "False")  # read by mem0 at import time
+os.environ.setdefault("MEM0_TELEMETRY", "False")  # both read by mem0 at import time
+os.environ.setdefault("MEM0_DIR", os.path.join(tempfile.gettempdir(), "inferscale-mem0"))
 
 from mem0.configs.llms.openai import OpenAIConfig  # noqa: E402
 from mem0.llms.openai import OpenAILLM  # noqa: E402
