@@ -7,7 +7,11 @@ OpenAI client needs. On exit it stops the whole process group (SIGTERM, then SIG
 after ``stop_timeout_s``): the engine-core child goes too, and a server whose parent dies
 gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), so no orphan outlives the caller.
 A server that exits or does not answer within ``startup_timeout_s`` raises
-:class:`LLMServerError` carrying the tail of its log.
+:class:`LLMServerError` carrying the tail of its log. The log lives in ``log_dir`` (or a
+temporary directory, removed after a run that ended without error).
+
+``PR_SET_PDEATHSIG`` fires when the *thread* that started the server ends: enter the
+context manager in the thread that uses it (a Prefect task's own thread is fine).
 
 Callers: ``facts.py`` (the embedded default: no ``llm_base_url`` configured), tests.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,6 +76,8 @@ class LocalLLMServer:
         self.port: int | None = None
         self.log_path: Path | None = None
         self._log_file = None
+        self._own_log_dir = False  # a temporary log directory, removed after a clean run
+        self._failed = False
 
     @property
     def base_url(self) -> str:
@@ -94,6 +101,7 @@ class LocalLLMServer:
     def start(self) -> "LocalLLMServer":
         c = self.config
         self.port = c.port or _free_port(c.host)
+        self._own_log_dir = c.log_dir is None
         log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="inferscale-llm-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{self.port}.log"
@@ -108,6 +116,7 @@ class LocalLLMServer:
         try:
             self._wait_ready()
         except BaseException:
+            self._failed = True  # keep the log the error points to
             self.stop()
             raise
         return self
@@ -145,6 +154,8 @@ class LocalLLMServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+            if self._own_log_dir and not self._failed and self.log_path is not None:
+                shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
     def log_tail(self, max_bytes: int = 6000) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -155,7 +166,8 @@ class LocalLLMServer:
     def __enter__(self) -> "LocalLLMServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        self._failed = self._failed or exc_type is not None
         self.stop()
 
 
