@@ -136,12 +136,8 @@ class MemoryServer:
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
-        import numpy as np
-        import torch
-
-        emb = torch.from_numpy(np.asarray(facts.column("embedding").to_pylist(), dtype=np.float32))
         mem = UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                         token_ids, FactIndex(fact_ids, emb, device=self.embedder.device))
+                         token_ids, FactIndex.from_table(facts, device=self.embedder.device))
         self.users[user] = mem
         return mem
 

@@ -23,10 +23,12 @@ def load_resident(config: Any, user: str, version: str) -> Resident:
     The slab lands in host memory (pinned where CUDA exists); the store moves it to the
     tier asked for. Checksums and the model fingerprint are verified by hydration.
     """
-    from inferscale.artifacts import ArtifactStore, StoreConfig
     from inferscale.hydrate import hydrate
+    from inferscale.store import StoreConfig
 
-    store = ArtifactStore(StoreConfig(config.artifact_root, dict(config.storage_options)))
+    if not config.artifact_root:
+        raise RuntimeError("the connector has no artifact_root to hydrate from")
+    store = StoreConfig(config.artifact_root, dict(config.storage_options))
     art = hydrate(store, user, config.model_fingerprint, version, tier="host")
     return Resident(user=user, version=art.manifest.version,
                     fingerprint=art.manifest.model_fingerprint, slab=art.slab,

@@ -1,0 +1,213 @@
+"""TTFT of KV injection against the Mem0-style prompt baseline, one engine, one run.
+
+For each ``k`` and each query (LoCoMo questions over one conversation whose turns are
+the user's facts), on the same vLLM engine with the InferScale connector:
+
+- ``prompt``: the baseline — same retrieval, facts as text (the same token ids), full
+  prefill, prefix caching on (its instruction prefix is warm, as in steady state);
+- ``inject_gpu`` / ``inject_host``: memory KV injected from the gpu / host tier;
+- ``cached``: the injected request again, its memory now in vLLM's prefix cache — the
+  floor any memory system can reach;
+- ``q2ft``: query-to-first-token of the injected path: embed + retrieve + compose + TTFT.
+
+Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).
+vLLM's prefix cache is reset before every uncached measurement, so no k or query feeds
+another. Medians per k; the summary is taken at the largest k.
+
+    python benchmarks/ttft.py --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
+    python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inferscale.settings import Settings, offline_environment  # noqa: E402
+
+offline_environment()
+
+import torch  # noqa: E402
+
+from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
+
+
+def questions(conversation: str, n: int) -> list[str]:
+    data = json.loads(Path(conversation).read_text())
+    qs = [q["question"] for q in data.get("qa", []) if q.get("category") in (1, 2, 3, 4)]
+    return qs[:n]
+
+
+async def measure(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from benchmarks.memory_setup import (
+        encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
+    from inferscale.encode import EncoderConfig
+    from inferscale.engine import EngineConfig, MemoryEngine
+    from inferscale.models import (
+        checkpoint_fingerprint, dummy_fingerprint, load_model, resolve_checkpoint)
+    from inferscale.retrieval import Embedder
+    from inferscale.serve import MemoryServer
+    from inferscale.store import StoreConfig
+
+    cuda = torch.cuda.is_available()
+    home = Settings().home
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="inferscale-ttft-"))
+    embedder = Embedder(args.embedder, device="cuda" if cuda else "cpu",
+                        dtype=torch.float16 if cuda else None)
+    turns = load_turns(args.conversation)
+    users = {"gpu": "bench-gpu", "host": "bench-host"}
+    t0 = time.perf_counter()
+    if args.model in SHAPES:
+        tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
+        ckpt = write_dummy_checkpoint(args.model, tok_dir, work / args.model)
+        fp = dummy_fingerprint(ckpt)
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        cfg = SHAPES[args.model]
+        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+        versions = {}
+        for tier, user in users.items():
+            facts = turn_facts(turns, user, tok, embedder)
+            versions[tier] = publish_memory(work / "artifacts", user, turns, facts,
+                                            random_memory(facts, tok, shape, torch.bfloat16, fp))
+        engine_cfg = dict(model=str(ckpt), load_format="dummy", dtype="bfloat16")
+        kv_note = "random KV (dummy weights)"
+    else:
+        loaded = load_model(args.model, home, device="cpu", dtype="float32")
+        ckpt, fp, tok = loaded.checkpoint, loaded.fingerprint, loaded.tokenizer
+        enc_cfg = EncoderConfig(window=args.window, dtype="float32")
+        versions = {}
+        for tier, user in users.items():
+            facts = turn_facts(turns, user, tok, embedder)
+            mem = encoded_memory(loaded.model, tok, turns, facts, enc_cfg, fp)
+            versions[tier] = publish_memory(work / "artifacts", user, turns, facts, mem)
+        del loaded
+        engine_cfg = dict(model=str(ckpt), dtype="float32")
+        kv_note = f"encoded by the model, window {args.window}, float32"
+    setup_s = time.perf_counter() - t0
+
+    engine = await MemoryEngine(EngineConfig(
+        model_fingerprint=fp, artifact_root=str(work / "artifacts"),
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        enforce_eager=args.eager, block_size=args.block_size, **engine_cfg)).start()
+    store = StoreConfig(str(work / "artifacts"))
+    kv = MemoryServer(engine, tok, embedder, store, mode="kv")
+    prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
+    for tier, user in users.items():
+        await kv.hydrate(user, tier, versions[tier])
+        prompt.load_user(user, versions[tier])
+    qs = questions(args.conversation, args.queries + 1)
+    llm = engine.llm
+
+    async def ttft(server, user, q, k, reset=True, warm_prefix=False):
+        if reset:
+            await llm.reset_prefix_cache()
+        if warm_prefix:  # the baseline's shared instruction prefix, cached as in steady state
+            ids, _, _ = server.prepare(None, q, k)
+            await engine.generate(ids, max_tokens=1)
+        t = time.perf_counter()
+        ids, ref, info = server.prepare(user, q, k)
+        prep = time.perf_counter() - t
+        gen = await engine.generate(ids, ref, max_tokens=1)
+        return {"ttft_ms": gen.ttft_s * 1e3, "q2ft_ms": (prep + gen.ttft_s) * 1e3,
+                "memory_tokens": info.get("memory_tokens", 0), "prompt_tokens": len(ids),
+                "injected": gen.injected_tokens, "cached": gen.cached_tokens,
+                "embed_ms": info["timings_ms"].get("embed", 0.0),
+                "retrieve_ms": info["timings_ms"].get("retrieve", 0.0)}
+
+    # warm-up: kernels, allocator, both paths
+    for _ in range(2):
+        await ttft(kv, users["gpu"], qs[0], max(args.ks))
+        await ttft(prompt, users["gpu"], qs[0], max(args.ks), warm_prefix=True)
+    rows = []
+    for k in args.ks:
+        samples: dict[str, list[dict]] = {m: [] for m in
+                                          ("prompt", "inject_gpu", "cached", "inject_host")}
+        for q in qs[1:]:
+            samples["prompt"].append(await ttft(prompt, users["gpu"], q, k, warm_prefix=True))
+            samples["inject_gpu"].append(await ttft(kv, users["gpu"], q, k))
+            samples["cached"].append(await ttft(kv, users["gpu"], q, k, reset=False))
+            samples["inject_host"].append(await ttft(kv, users["host"], q, k))
+        med = {m: {f: statistics.median(s[f] for s in v) for f in v[0]}
+               for m, v in samples.items()}
+        row = {
+            "k": k, "queries": len(qs) - 1,
+            "memory_tokens": med["inject_gpu"]["memory_tokens"],
+            "injected_tokens": med["inject_gpu"]["injected"],
+            "prompt_ttft_ms": med["prompt"]["ttft_ms"],
+            "inject_gpu_ttft_ms": med["inject_gpu"]["ttft_ms"],
+            "inject_host_ttft_ms": med["inject_host"]["ttft_ms"],
+            "cached_ttft_ms": med["cached"]["ttft_ms"],
+            "prompt_q2ft_ms": med["prompt"]["q2ft_ms"],
+            "inject_gpu_q2ft_ms": med["inject_gpu"]["q2ft_ms"],
+            "inject_host_q2ft_ms": med["inject_host"]["q2ft_ms"],
+            "embed_ms": med["inject_gpu"]["embed_ms"],
+            "retrieve_ms": med["inject_gpu"]["retrieve_ms"],
+        }
+        row = {a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    status = await engine.status()
+    engine.shutdown()
+    top = rows[-1]
+    return {
+        "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
+        + f" (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
+        "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
+        "setup_seconds": round(setup_s, 1), "rows": rows,
+        "loaded_tokens_total": status["loaded_tokens"],
+        "summary": {
+            "k": top["k"],
+            "engine_ttft_vs_cached": round(top["inject_gpu_ttft_ms"] / top["cached_ttft_ms"], 3),
+            "q2ft_vs_engine_ttft": round(top["inject_gpu_q2ft_ms"] / top["inject_gpu_ttft_ms"], 3),
+            "host_tier_extra_ms": round(top["inject_host_ttft_ms"] - top["inject_gpu_ttft_ms"], 3),
+            "speedup_vs_prompt": round(top["prompt_ttft_ms"] / top["inject_gpu_ttft_ms"], 3),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="embedded",
+                    help=f"'embedded', an HF checkpoint dir, or one of {sorted(SHAPES)}")
+    ap.add_argument("--conversation", default="../shared/data/locomo/conv-26.json")
+    ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50])
+    ap.add_argument("--queries", type=int, default=None, help="per k (default 3 CPU, 20 GPU)")
+    ap.add_argument("--window", type=int, default=0, help="encoder window (real models)")
+    ap.add_argument("--embedder", default="embedded", help="sentence-transformers dir")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="eager engine (default: eager on CPU, compiled on CUDA)")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.queries = args.queries or (20 if cuda else 3)
+    args.eager = (not cuda) if args.eager is None else args.eager
+    args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
+    result = asyncio.run(measure(args))
+    result = {"command": "python " + " ".join(
+        shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]), **result}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()
