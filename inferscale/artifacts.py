@@ -548,24 +548,47 @@ def index_embeddings(store: StoreConfig, user: str, model_fp: str, version: str,
     Lance version with ``version``; returns the Lance version number. Idempotent: an
     existing tag is kept (it names the same facts: versions are content hashes)."""
     loc = Location(store, user, model_fp)
-    db = _lance_db(store, loc)
-    for attempt in range(6):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                table = db.create_table(LANCE_TABLE, facts, mode="overwrite")
-            lance_version = table.version
-            break
-        except (RuntimeError, OSError, ValueError) as exc:  # commit conflict with a concurrent writer
-            if attempt == 5 or "conflict" not in str(exc).lower():
-                raise
-            time.sleep(random.uniform(0.05, 0.3))
+    table = _overwrite_table(_lance_db(store, loc), facts, loc)
     try:
-        table.tags.create(version, lance_version)
+        table.tags.create(version, table.version)
     except RuntimeError as exc:
         if "already exists" not in str(exc):
             raise
-    return lance_version
+    return table.version
+
+
+def _overwrite_table(db: Any, facts: pa.Table, loc: Location) -> Any:
+    """Replace the fact table's content; returns the table at the version it committed.
+
+    Races between publishers are expected: the first creation is ``mode="create"`` (the
+    loser gets "already exists" and overwrites instead; lancedb 0.40 can panic when two
+    ``create_table(mode="overwrite")`` calls race on a new table), later writes are
+    ``add(mode="overwrite")`` retried on commit conflicts.
+    """
+    last: Exception | None = None
+    for _ in range(8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                table = db.open_table(LANCE_TABLE)
+            except (ValueError, FileNotFoundError):
+                try:
+                    return db.create_table(LANCE_TABLE, facts, mode="create")
+                except (ValueError, RuntimeError, OSError) as exc:
+                    if "already exists" not in str(exc):
+                        raise
+                    last = exc
+                    continue
+            try:
+                table.add(facts, mode="overwrite")
+                return table
+            except (RuntimeError, OSError, ValueError) as exc:
+                if "conflict" not in str(exc).lower():
+                    raise
+                last = exc
+        time.sleep(random.uniform(0.02, 0.2))
+    raise ArtifactError(f"{loc.describe()}: could not write the fact table at {loc.lance_uri} "
+                        f"(concurrent writers): {last}")
 
 
 def _ensure_embeddings(store: StoreConfig, loc: Location, version: str, facts: pa.Table) -> None:

@@ -69,3 +69,11 @@ def expected_slab(memory: Memory) -> torch.Tensor:
     """The [T, 2, L, H, D] slab the store must hand back for ``memory``."""
     rows = [torch.stack([c.keys, c.values]).permute(2, 0, 1, 3, 4) for c in memory.chunks]
     return torch.cat(rows)
+
+
+def crash_inputs(user: str):
+    """(A, B) for the fault-injection test: A small and published first, B larger, so a
+    publisher killed at a random moment is often in the middle of writing B."""
+    a = make_inputs(user, 4, seed=1)
+    b = make_inputs(user, 300, seed=2, layers=4, heads=4, head_dim=32, max_tokens=16)
+    return a, b
