@@ -256,3 +256,34 @@ def test_manifest_on_disk_names_sizes(published):
     assert body["files"]["kv.arrow"]["bytes"] == size
     assert 0 < body["kv"]["slab_offset"] < size
     assert os.path.basename(loc.file(r.version, "kv.arrow")) == "kv.arrow"
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tier", ["host", "gpu"])
+def test_cuda_tiers(local_store, tier):
+    memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
+    A.publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    h = hydrate(local_store, "gpu", FP, tier=tier, device="cuda", part_bytes=4096)
+    if tier == "host":
+        assert h.slab.device.type == "cpu" and h.slab.is_pinned()
+    else:
+        assert h.slab.device.type == "cuda"
+    assert torch.equal(h.slab.cpu(), expected_slab(memory))
+    assert torch.equal(h.chunk("prefix").cpu(), expected_slab(memory)[:4])
+
+
+@needs_cuda
+def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
+    memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
+    r = A.publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    path = Location(local_store, "gpu", FP).file(r.version, "kv.arrow")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ChecksumError):
+        hydrate(local_store, "gpu", FP, tier="gpu", device="cuda", part_bytes=4096)
