@@ -1,0 +1,231 @@
+"""Hydration: one published artifact's KV slab into host or GPU memory, verified.
+
+``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
+and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
+xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
+second pass), refuses anything whose checksum differs, and only then parses the Arrow
+file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
+
+Where the bytes go:
+
+- tier ``"host"`` with CUDA: a pinned host buffer, filled by parallel ``preadv`` (local
+  disk) or ranged parallel GETs (S3); the slab is pinned, ready for async H2D copies.
+- tier ``"gpu"`` with CUDA: the same pinned buffer as staging, each part copied to the
+  device on a side stream as soon as it is hashed; the pinned buffer is released after.
+- no CUDA (either tier: "gpu" means CPU memory there): plain memory. On local disk the
+  file is memory-mapped (private, copy-on-write) and the slab is a zero-copy view of the
+  page cache; the hash pass is the read. Artifacts are immutable and gc only unlinks,
+  so the mapping stays valid; writing into the tensor copies pages, never the file.
+
+Callers: the vLLM connector's worker side (through ``collective_rpc``), the CLI,
+benchmarks. Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU machine has
+those; lancedb, s3fs are optional).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+import xxhash
+
+from inferscale.artifacts import check_digest, check_size, manifest_at, resolve_version
+from inferscale.store import (
+    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, Location, StoreConfig,
+    TruncatedArtifact,
+)
+from storage_schemas import kv as kv_schema
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import Manifest
+
+Tier = Literal["host", "gpu"]
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class HydratedArtifact:
+    """One user's verified KV memory, resident where the tier put it."""
+
+    slab: torch.Tensor  # [T, 2, L, H, D], true dtype, on the tier's device
+    index: dict[str, tuple[int, int]]  # chunk_id -> (offset, length) in slab rows
+    token_ids: dict[str, list[int]]  # chunk_id -> token ids
+    manifest: Manifest
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+    @property
+    def user(self) -> str:
+        return self.manifest.user
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.manifest.model_fingerprint
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size()
+
+    def chunk(self, chunk_id: str) -> torch.Tensor:
+        """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
+        offset, length = self.index[chunk_id]
+        return self.slab[offset:offset + length]
+
+
+def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
+            tier: Tier = "host", device: str | torch.device | None = None,
+            expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
+            part_bytes: int = 32 << 20, workers: int | None = None) -> HydratedArtifact:
+    """Load and verify one version's KV slab.
+
+    ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
+    (default: ``cuda`` when available, else ``cpu``). ``expected_fingerprint``: the
+    serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
+    the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
+    True for a local store into plain memory (see module docstring), False forces a
+    copy. Errors: ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``,
+    ``ChecksumError``, ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``.
+    """
+    if tier not in ("host", "gpu"):
+        raise ValueError(f"tier must be 'host' or 'gpu', got {tier!r}")
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} asked for, but CUDA is not available")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {dev}")
+    expected = expected_fingerprint or model_fp
+    loc = Location(store, user, model_fp)
+    if expected != model_fp:
+        raise FingerprintMismatch(f"the serving model is {expected}, but {loc.describe()} "
+                                  f"holds artifacts of model {model_fp}")
+    version = resolve_version(store, user, model_fp, version)
+    manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
+    check_size(loc, manifest, KV_FILE)
+    size = manifest.files[KV_FILE].bytes
+    path = loc.file(version, KV_FILE)
+
+    cuda = dev.type == "cuda"
+    plain_local = store.is_local and not cuda
+    if use_mmap is None:
+        use_mmap = plain_local
+    elif use_mmap and not plain_local:
+        raise ValueError("use_mmap needs a local store and no CUDA device")
+    if workers is None:
+        workers = 4 if store.is_local else 8
+
+    dev_buf = None
+    if use_mmap:
+        host, digest = _map_and_hash(path, size, part_bytes)
+    else:
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        on_part, stream = None, None
+        if tier == "gpu" and cuda:
+            dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)
+            stream = torch.cuda.Stream(dev)
+
+            def on_part(offset: int, length: int) -> None:
+                with torch.cuda.stream(stream):
+                    dev_buf[offset:offset + length].copy_(host[offset:offset + length],
+                                                          non_blocking=True)
+        try:
+            digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
+                                         workers=workers, on_part=on_part)
+        finally:
+            if stream is not None:
+                stream.synchronize()
+    check_digest(loc, manifest, KV_FILE, digest)
+
+    layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
+    source = dev_buf if dev_buf is not None else host
+    dtype = TORCH_DTYPE[layout.dtype]
+    if layout.slab_bytes:
+        slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
+    else:
+        slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
+    return HydratedArtifact(slab, index, token_ids, manifest)
+
+
+def _map_and_hash(path: str, size: int, part_bytes: int) -> tuple[torch.Tensor, str]:
+    """Map ``path`` privately and hash it in order; the hash pass faults the pages in."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise TruncatedArtifact(f"{path} is {actual} bytes; the manifest says {size}")
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8), xxhash.xxh3_128_hexdigest(b"")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    _advise(mm, "MADV_SEQUENTIAL")
+    h = xxhash.xxh3_128()
+    view = memoryview(mm)
+    try:
+        for offset in range(0, size, part_bytes):
+            h.update(view[offset:offset + part_bytes])
+    finally:
+        view.release()
+    _advise(mm, "MADV_NORMAL")
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)), h.hexdigest()
+
+
+def _advise(mm: mmap.mmap, name: str) -> None:
+    flag = getattr(mmap, name, None)
+    if flag is not None:
+        try:
+            mm.madvise(flag)
+        except OSError:
+            pass
+
+
+def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
+    """Verified kv.arrow bytes -> (layout, index, token ids, slab byte offset in ``buf``)."""
+    base = pa.py_buffer(buf)
+    try:
+        reader = pa.ipc.open_file(base)
+        layout = kv_schema.KVLayout.from_schema(reader.schema)
+        if reader.num_record_batches != 1:
+            raise kv_schema.KVFormatError(f"{reader.num_record_batches} record batches, expected 1")
+        batch = reader.get_batch(0)
+        ids = batch.column("chunk_id").to_pylist()
+        offsets = batch.column("offset").to_pylist()
+        lengths = batch.column("length").to_pylist()
+        tokens = batch.column("token_ids").to_pylist()
+        kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+        kv = batch.column("kv")
+        want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
+        if not np.array_equal(kv.offsets.to_numpy(), want):
+            raise kv_schema.KVFormatError("kv list offsets disagree with the offsets table")
+    except SchemaVersionError as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except kv_schema.KVFormatError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    except (pa.ArrowException, KeyError) as exc:
+        raise CorruptArtifact(f"{path}: not a readable kv file: {exc}") from exc
+    if layout.model_fingerprint != expected_fp:
+        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
+                                  f"expected {expected_fp}")
+    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim")}
+    actual = {"dtype": layout.dtype, "layers": layout.layers, "kv_heads": layout.kv_heads,
+              "head_dim": layout.head_dim}
+    if described != actual or manifest.counts.get("tokens") != layout.tokens:
+        raise CorruptArtifact(f"{path}: layout {actual}, {layout.tokens} tokens disagrees with "
+                              f"the manifest's {described}, {manifest.counts.get('tokens')}")
+    slab_offset = 0
+    if layout.slab_bytes:
+        values = kv.values
+        data = values.buffers()[1]
+        slab_offset = data.address - base.address + values.offset * kv_schema.ITEMSIZE[layout.dtype]
+        if (slab_offset != manifest.kv.get("slab_offset") or slab_offset % 8
+                or slab_offset + layout.slab_bytes > buf.nbytes):
+            raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
+                                  f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
+    index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
+    return layout, index, dict(zip(ids, tokens)), slab_offset

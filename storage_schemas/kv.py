@@ -1,0 +1,154 @@
+"""KV slab: one Arrow IPC file per artifact holding every chunk's pre-RoPE K,V.
+
+Fixed layout (the vLLM connector relies on it): the slab's logical shape is
+``[T_total, 2, L, H, D]``, token-major (for each token, K of all layers, then V of all
+layers); chunk ``i`` occupies rows ``[offset_i, offset_i + length_i)``. Chunk 0 is always
+the instruction prefix (``chunk_id == "prefix"``); the others are fact ids. Chunks are
+stored in order and back to back: ``offset_0 == 0``, ``offset_{i+1} == offset_i +
+length_i``, ``sum(length) == T_total``.
+
+The file holds one record batch, one row per chunk:
+
+- ``chunk_id`` string, ``offset`` int64 (rows), ``length`` int32 (rows): the offsets table;
+- ``token_ids`` list<int32>: the chunk's token ids (``length`` of them);
+- ``kv`` large_list<storage>: the chunk's rows flattened. Its child values buffer is
+  the whole slab, one contiguous buffer, so a memory-mapped or in-memory file yields
+  the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32;
+  the true dtype, the layout and L/H/D are in the schema metadata.
+
+Written by ``inferscale.artifacts.publish``; read by ``inferscale.hydrate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from storage_schemas.common import check_schema, schema_meta
+
+NAME = "kv"
+VERSION = 1
+PREFIX = "prefix"
+LAYOUT = "token-major [T, 2, L, H, D]"
+
+# true dtype -> Arrow storage type of the slab's elements
+STORAGE_TYPES = {"bfloat16": pa.uint16(), "float16": pa.uint16(), "float32": pa.float32()}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+_M = "inferscale.kv."
+_FP = "inferscale.model_fingerprint"
+
+
+class KVFormatError(ValueError):
+    """A kv file whose schema version is known but whose content breaks the layout."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape, dtype and owner of one artifact's slab; stored in the schema metadata."""
+
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    layers: int  # L
+    kv_heads: int  # H
+    head_dim: int  # D
+    tokens: int  # T_total
+    model_fingerprint: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_TYPES:
+            raise KVFormatError(f"unsupported KV dtype {self.dtype!r}; one of {sorted(STORAGE_TYPES)}")
+        for name in ("layers", "kv_heads", "head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise KVFormatError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tokens < 0:
+            raise KVFormatError(f"tokens must be >= 0, got {self.tokens}")
+        if not self.model_fingerprint:
+            raise KVFormatError("empty model fingerprint")
+
+    @property
+    def row_elems(self) -> int:
+        """Elements per token row: 2 * L * H * D."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+    @property
+    def storage_type(self) -> pa.DataType:
+        return STORAGE_TYPES[self.dtype]
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.tokens * self.row_elems * ITEMSIZE[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.tokens, 2, self.layers, self.kv_heads, self.head_dim)
+
+    def schema(self) -> pa.Schema:
+        return pa.schema(
+            [
+                pa.field("chunk_id", pa.string(), nullable=False),
+                pa.field("offset", pa.int64(), nullable=False),
+                pa.field("length", pa.int32(), nullable=False),
+                pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+                pa.field("kv", pa.large_list(pa.field("item", self.storage_type, nullable=False)),
+                         nullable=False),
+            ],
+            metadata=schema_meta(NAME, VERSION, {
+                _M + "layout": LAYOUT,
+                _M + "dtype": self.dtype,
+                _M + "layers": str(self.layers),
+                _M + "kv_heads": str(self.kv_heads),
+                _M + "head_dim": str(self.head_dim),
+                _M + "tokens": str(self.tokens),
+                _FP: self.model_fingerprint,
+            }),
+        )
+
+    @classmethod
+    def from_schema(cls, schema: pa.Schema) -> "KVLayout":
+        """Parse and check a kv file's schema.
+
+        Raises :class:`SchemaVersionError` for another table or a newer version and
+        :class:`KVFormatError` for a known version whose metadata or columns are wrong.
+        """
+        check_schema(schema, NAME, VERSION)
+        meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+        if meta.get(_M + "layout") != LAYOUT:
+            raise KVFormatError(f"unknown KV layout {meta.get(_M + 'layout')!r}; expected {LAYOUT!r}")
+        try:
+            layout = cls(
+                dtype=meta[_M + "dtype"],
+                layers=int(meta[_M + "layers"]),
+                kv_heads=int(meta[_M + "kv_heads"]),
+                head_dim=int(meta[_M + "head_dim"]),
+                tokens=int(meta[_M + "tokens"]),
+                model_fingerprint=meta[_FP],
+            )
+        except (KeyError, ValueError) as exc:
+            if isinstance(exc, KVFormatError):
+                raise
+            raise KVFormatError(f"kv schema metadata incomplete or unreadable: {exc!r}") from exc
+        expected = layout.schema()
+        if schema.remove_metadata() != expected.remove_metadata():
+            raise KVFormatError(f"kv columns {schema.remove_metadata()} differ from the layout's "
+                                f"{expected.remove_metadata()}")
+        return layout
+
+
+def check_index(chunk_ids: list[str], offsets: list[int], lengths: list[int],
+                token_counts: list[int], tokens: int) -> None:
+    """Check the offsets table: prefix first, unique ids, contiguous, covering ``tokens``."""
+    if not chunk_ids or chunk_ids[0] != PREFIX:
+        raise KVFormatError(f"chunk 0 must be {PREFIX!r}, got {chunk_ids[:1]}")
+    if len(set(chunk_ids)) != len(chunk_ids):
+        raise KVFormatError("duplicate chunk ids in the offsets table")
+    pos = 0
+    for cid, off, n, ntok in zip(chunk_ids, offsets, lengths, token_counts, strict=True):
+        if off != pos or n < 0:
+            raise KVFormatError(f"chunk {cid!r} at rows [{off}, {off + n}) breaks contiguity "
+                                f"(expected offset {pos})")
+        if ntok != n:
+            raise KVFormatError(f"chunk {cid!r} has {ntok} token ids for {n} rows")
+        pos += n
+    if pos != tokens:
+        raise KVFormatError(f"chunks cover {pos} rows, the slab has {tokens}")

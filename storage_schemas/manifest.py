@@ -1,0 +1,108 @@
+"""Artifact manifest: the JSON record of one published version, and its lineage.
+
+One ``manifest.json`` per version, written last (after every data file is written and
+verified), so its presence means the version is complete. It records the schema
+version, the user, the model fingerprint, the encoder config, the version hash and its
+parents (log and facts content hashes), byte sizes and xxh3-128 checksums of every file,
+the KV layout, counts and the creation time. The manifest checksums itself: the
+``checksum`` field is the xxh3-128 of the canonical JSON of every other field, so a
+damaged manifest is reported as damaged instead of misleading a reader.
+
+Written by ``inferscale.artifacts.publish``; read by every reader (listing, hydration,
+the Prefect artifact that shows lineage).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from storage_schemas.common import SchemaVersionError
+
+NAME = "manifest"
+VERSION = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be parsed or misses fields."""
+
+
+class ManifestChecksumError(ManifestError):
+    """A manifest whose self-checksum does not match its content."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and checksum of one file of a version."""
+
+    bytes: int
+    xxh3_128: str  # hex digest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One published version. ``files`` maps file name -> :class:`FileEntry`."""
+
+    user: str
+    model_fingerprint: str
+    version: str
+    encoder_config: dict[str, Any]
+    parents: dict[str, str]  # {"log": log content hash, "facts": facts content hash}
+    files: dict[str, FileEntry]
+    counts: dict[str, int]  # {"facts", "chunks", "tokens"}
+    kv: dict[str, Any]  # dtype, layers, kv_heads, head_dim, layout, slab_offset, slab_bytes
+    created: str  # ISO-8601 UTC, microseconds
+    producer: str = ""
+    schema_version: int = field(default=VERSION)
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["schema"] = NAME
+        body["checksum"] = _checksum(body)
+        return body
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "Manifest":
+        """Parse a manifest; :class:`SchemaVersionError` for an unknown or newer schema,
+        :class:`ManifestChecksumError` when damaged, :class:`ManifestError` when malformed."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ManifestError("manifest is not a JSON object")
+        if body.get("schema") != NAME:
+            raise SchemaVersionError(f"expected a {NAME!r} document, found {body.get('schema')!r}")
+        version = body.get("schema_version")
+        if not isinstance(version, int) or version < 1:
+            raise SchemaVersionError(f"{NAME}: invalid schema version {version!r}")
+        if version > VERSION:
+            raise SchemaVersionError(
+                f"{NAME} schema version {version} is newer than this InferScale supports "
+                f"({VERSION}); upgrade InferScale to read it"
+            )
+        stored = body.pop("checksum", None)
+        if stored != _checksum({**body}):
+            raise ManifestChecksumError("manifest checksum does not match its content")
+        body.pop("schema")
+        try:
+            files = {name: FileEntry(**entry) for name, entry in body.pop("files").items()}
+            manifest = cls(files=files, **body)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ManifestError(f"manifest fields missing or unexpected: {exc}") from exc
+        for name, entry in manifest.files.items():
+            if not isinstance(entry.bytes, int) or entry.bytes < 0 or not isinstance(entry.xxh3_128, str):
+                raise ManifestError(f"bad file entry for {name!r}: {entry}")
+        return manifest
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_128_hexdigest(canonical.encode())

@@ -1,0 +1,79 @@
+"""Tiny random inputs for artifact tests: encoder-shaped KV, facts tables, lineage.
+
+Importable by tests and by the subprocesses they start (publishers killed mid-way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import torch
+
+from inferscale.artifacts import Lineage
+from storage_schemas import facts as facts_schema
+
+EMB_DIM = 4
+
+
+@dataclass
+class Chunk:
+    chunk_id: str
+    token_ids: list[int]
+    keys: torch.Tensor  # [L, T, H, D]
+    values: torch.Tensor  # [L, T, H, D]
+
+
+@dataclass
+class Memory:
+    chunks: list[Chunk]
+    model_fingerprint: str
+    encoder_config: dict = field(default_factory=dict)
+
+
+def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads: int = 2,
+                head_dim: int = 8, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                fp: str = "fp-test", max_tokens: int = 7, prefix_tokens: int = 4,
+                window: int = 2) -> tuple[Memory, pa.Table, Lineage]:
+    """Random encoder output (prefix + one chunk per fact), its facts table, lineage."""
+    g = torch.Generator().manual_seed(seed)
+    fact_ids = [f"f{seed}-{i:04d}" for i in range(n_facts)]
+    chunks = []
+    for cid in ["prefix", *fact_ids]:
+        t = prefix_tokens if cid == "prefix" else int(torch.randint(1, max_tokens + 1, (1,), generator=g))
+        keys = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
+        values = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
+        tokens = torch.randint(0, 50000, (t,), generator=g).tolist()
+        chunks.append(Chunk(cid, tokens, keys, values))
+    memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),
+                                 "instruction": "remember"})
+    facts = facts_table(user, fact_ids, [c.token_ids for c in chunks[1:]], seed)
+    return memory, facts, Lineage(log_hash=f"log-{seed}", facts_hash=f"facts-{seed}")
+
+
+def facts_table(user: str, fact_ids: list[str], token_ids: list[list[int]], seed: int = 0) -> pa.Table:
+    g = torch.Generator().manual_seed(seed + 1)
+    emb = torch.randn(len(fact_ids), EMB_DIM, generator=g).tolist()
+    return pa.table({
+        "fact_id": fact_ids,
+        "user": [user] * len(fact_ids),
+        "source_turn_id": [f"D1:{i}" for i in range(len(fact_ids))],
+        "source_index": list(range(len(fact_ids))),
+        "text": [f"fact {i} of {user}" for i in range(len(fact_ids))],
+        "token_ids": token_ids,
+        "embedding": emb,
+    }, schema=facts_schema.schema(EMB_DIM))
+
+
+def expected_slab(memory: Memory) -> torch.Tensor:
+    """The [T, 2, L, H, D] slab the store must hand back for ``memory``."""
+    rows = [torch.stack([c.keys, c.values]).permute(2, 0, 1, 3, 4) for c in memory.chunks]
+    return torch.cat(rows)
+
+
+def crash_inputs(user: str):
+    """(A, B) for the fault-injection test: A small and published first, B larger, so a
+    publisher killed at a random moment is often in the middle of writing B."""
+    a = make_inputs(user, 4, seed=1)
+    b = make_inputs(user, 300, seed=2, layers=4, heads=4, head_dim=32, max_tokens=16)
+    return a, b
