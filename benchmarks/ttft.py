@@ -167,6 +167,7 @@ async def measure(args) -> dict:
         "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
         "setup_seconds": round(setup_s, 1), "rows": rows,
         "loaded_tokens_total": status["loaded_tokens"],
+        "inject_ms_mean": round(status["inject_ms_mean"], 3),
         "summary": {
             "k": top["k"],
             "engine_ttft_vs_cached": round(top["inject_gpu_ttft_ms"] / top["cached_ttft_ms"], 3),

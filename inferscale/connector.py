@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("inferscale.connector")
+# Under vLLM's logger namespace, so its handlers print these in every engine process.
+log = logging.getLogger("vllm.inferscale.connector")
 PARAMS_KEY = "inferscale"
 
 
@@ -186,6 +188,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._reloads: dict[tuple[str, str], ReloadOrder] = {}
             self._reload_pending: set[tuple[str, str]] = set()
             self.injected_tokens: dict[str, int] = {}
+            self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         else:
             self.store = ResidentStore(self._worker_device(vllm_config),
                                        self.config.gpu_budget_bytes,
@@ -198,6 +201,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._reload_lock = threading.Lock()
             self._reload_threads: list[threading.Thread] = []
             self.loaded_tokens = 0
+            self.inject_seconds = 0.0
+            self.reloads = 0
+            self.inject_calls = 0
 
     @staticmethod
     def _worker_device(vllm_config: "VllmConfig") -> torch.device:
@@ -224,10 +230,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         chunks = [str(c) for c in params.get("chunks") or []]
         why = self._refusal(user, version, chunks, request)
         if why is not None:
-            log.info("request %s (user %s, version %s): prefilling memory, %s",
-                     request.request_id, user, version[:12], why)
+            if self._fallbacks.get(request.request_id) != why:
+                log.warning("request %s (user %s, version %s): prefilling memory, %s",
+                            request.request_id, user, version[:12], why)
+            self._fallbacks[request.request_id] = why
             self._plans.pop(request.request_id, None)
             return 0, False
+        self._fallbacks.pop(request.request_id, None)
         info = self._view[(user, version)]
         memory = sum(len(info.token_ids[c]) for c in chunks)
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
@@ -328,7 +337,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._plans.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
         injected = self.injected_tokens.pop(request.request_id, 0)
-        return False, {PARAMS_KEY: {"injected_tokens": injected}}
+        result: dict[str, Any] = {"injected_tokens": injected}
+        fallback = self._fallbacks.pop(request.request_id, None)
+        if fallback:
+            result["fallback"] = fallback
+        return False, {PARAMS_KEY: result}
 
     # ======================================================================= worker
 
@@ -360,6 +373,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             if order.user in self.admin_evicted:
                 raise RuntimeError("evicted by an admin since the reload was ordered")
             self.hydrate(resident, order.tier)
+            self.reloads += 1
+            log.info("reloaded user %s version %s into %s", order.user, order.version[:12],
+                     order.tier)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged
             with self._reload_lock:
                 self._failed_reloads.append((order.user, order.version, str(exc)))
@@ -369,14 +385,18 @@ class InferScaleConnector(KVConnectorBase_V1):
         assert isinstance(meta, InferScaleMetadata)
         for order in meta.reloads:
             if order.user in self.admin_evicted:
-                self._failed_reloads.append((order.user, order.version, "evicted by an admin"))
+                with self._reload_lock:
+                    self._failed_reloads.append((order.user, order.version, "evicted by an admin"))
                 continue
             t = threading.Thread(target=self._reload, args=(order,), daemon=True,
                                  name=f"inferscale-reload-{order.user}")
             t.start()
             self._reload_threads.append(t)
         if meta.loads:
+            t0 = time.perf_counter()
             self._inject(meta.loads, forward_context)
+            self.inject_seconds += time.perf_counter() - t0
+            self.inject_calls += 1
 
     def _inject(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> None:
         layers = attention_layers(forward_context)
@@ -396,9 +416,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         if not ready:
             return
         n = sum(spec.end - spec.start for spec, _ in ready)
-        first = ready[0][1].slab
-        _, _, L, H, D = first.shape
-        staging = torch.empty((n, 2, L, H, D), dtype=first.dtype, device=device)
+        _, _, L, H, D = ready[0][1].slab.shape
+        # One staging buffer for every load of the step, in the model's dtype.
+        staging = torch.empty((n, 2, L, H, D), dtype=dtype, device=device)  # [N, 2, L, H, D]
         positions, slots, at = [], [], 0
         for spec, resident in ready:
             width = spec.end - spec.start
@@ -408,12 +428,11 @@ class InferScaleConnector(KVConnectorBase_V1):
             at += width
         pos = torch.cat(positions).to(device)  # [N]
         slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)  # [N]
-        keys = staging[:, 0].to(dtype).reshape(n, L * H, D)  # [N, L*H, D] pre-RoPE
-        keys = rotate_with_model(self.rotary, pos, keys).view(n, L, H, D)
-        keys = keys.transpose(0, 1).contiguous()  # [L, N, H, D]
-        values = staging[:, 1].to(dtype).transpose(0, 1).contiguous()  # [L, N, H, D]
+        # Rotate every layer's keys at once, in place: a [N, L*H*D] view, L*H "heads".
+        rotate_with_model(self.rotary, pos, staging[:, 0].reshape(n, L * H, D))
         for idx, layer in layers:
-            write_layer_kv(layer, keys[idx], values[idx], slot_mapping)
+            # [N, H, D] views (token stride 2*L*H*D), as the model's own q/k/v split passes
+            write_layer_kv(layer, staging[:, 0, idx], staging[:, 1, idx], slot_mapping)
         self.loaded_tokens += n
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:

@@ -116,6 +116,34 @@ class Generation:
     cached_tokens: int  # vLLM's num_cached_tokens: local prefix hits + external loads
     injected_tokens: int  # what the connector loaded for this request
     finish_reason: str | None
+    fallback: str | None = None  # why named memory was prefilled instead of injected
+
+
+PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
+_COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+
+
+def _prompt_token_counter():
+    """A vLLM stat logger adding up vLLM's own per-iteration prompt-token counters
+    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PromptTokenCounter(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            stats = getattr(iteration_stats, "prompt_token_stats", None)
+            if stats is not None:
+                _COUNTERS["computed"] += stats.computed
+                _COUNTERS["local_cache_hit"] += stats.local_cache_hit
+                _COUNTERS["external_kv_transfer"] += stats.external_kv_transfer
+                _COUNTERS["total"] += stats.total
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PromptTokenCounter
 
 
 class MemoryEngine:
@@ -129,9 +157,15 @@ class MemoryEngine:
     async def start(self) -> "MemoryEngine":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(self.config.engine_args())
+        self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
+                                             stat_loggers=[_prompt_token_counter()])
         await self.llm.collective_rpc("inferscale_attach")
         return self
+
+    @staticmethod
+    def prompt_token_counters() -> dict[str, int]:
+        """vLLM's running prompt-token counters by source (its own stats)."""
+        return dict(_COUNTERS)
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -152,6 +186,13 @@ class MemoryEngine:
         (removed,) = await self.llm.collective_rpc("inferscale_evict", args=(user,))
         await self.sync()
         return removed
+
+    async def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
+        """Change the worker's byte budgets (evicting/demoting at once if needed)."""
+        (result,) = await self.llm.collective_rpc("inferscale_set_budgets",
+                                                  args=(gpu_bytes, host_bytes))
+        await self.sync()
+        return result
 
     async def status(self) -> dict:
         (status,) = await self.llm.collective_rpc("inferscale_status")
@@ -188,7 +229,7 @@ class MemoryEngine:
         tokens: list[int] = []
         text = ""
         cached = injected = 0
-        finish = None
+        finish = fallback = None
         async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
                                      temperature=temperature, cache_salt=cache_salt):
             comp = out.outputs[0]
@@ -200,5 +241,6 @@ class MemoryEngine:
             finish = comp.finish_reason or finish
             params = (out.kv_transfer_params or {}).get(PARAMS_KEY) or {}
             injected = params.get("injected_tokens", injected)
+            fallback = params.get("fallback", fallback)
         return Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
-                          len(prompt_ids), cached, injected, finish)
+                          len(prompt_ids), cached, injected, finish, fallback)

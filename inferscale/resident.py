@@ -81,7 +81,9 @@ class ResidentStore:
 
     def _to_tier(self, slab: torch.Tensor, tier: str) -> torch.Tensor:
         if tier == "gpu":
-            return slab.to(self.device, non_blocking=False)
+            if slab.device == self.device:  # CPU-only build: own the bytes (not a file map)
+                return slab.clone()
+            return slab.to(self.device)
         if slab.device.type != "cpu":
             slab = slab.cpu()
         if self.pin and not slab.is_pinned():
@@ -132,6 +134,14 @@ class ResidentStore:
             self._events.append(StoreEvent("remove", victim.user, victim.version))
             log.info("evicted user %s (%d bytes) from host memory", victim.user, victim.nbytes)
 
+    def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
+        if gpu_bytes < 0 or host_bytes < 0:
+            raise ResidencyError("byte budgets must be >= 0")
+        with self._lock:
+            self.budget = {"gpu": gpu_bytes, "host": host_bytes}
+            self._enforce_budgets()
+        return dict(self.budget)
+
     # ------------------------------------------------------------------ access
 
     def get(self, user: str, version: str) -> Resident | None:
@@ -168,9 +178,10 @@ class ResidentStore:
                out: torch.Tensor) -> None:
         """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``.
 
-        ``out``: ``[end - start, 2, L, H, D]`` on the compute device. From the gpu tier
-        this is one ``index_select``; from the host tier, one non-blocking copy per
-        contiguous run of needed rows (pinned host -> device), nothing else moved.
+        ``out``: ``[end - start, 2, L, H, D]`` on the compute device, any dtype (converted
+        on the way). From the gpu tier this is one ``index_select``; from the host tier,
+        one non-blocking copy per contiguous run of needed rows (pinned host -> device),
+        nothing else moved.
         """
         runs: list[tuple[int, int]] = []  # (slab row, length) of needed rows, merged
         pos = 0
@@ -187,9 +198,12 @@ class ResidentStore:
         if slab.device == out.device:
             if len(runs) == 1:
                 out.copy_(slab[runs[0][0]:runs[0][0] + runs[0][1]])
-            else:
-                idx = torch.cat([torch.arange(r, r + n) for r, n in runs]).to(slab.device)
+                return
+            idx = torch.cat([torch.arange(r, r + n) for r, n in runs]).to(slab.device)
+            if slab.dtype == out.dtype:
                 torch.index_select(slab, 0, idx, out=out)
+            else:
+                out.copy_(torch.index_select(slab, 0, idx))
             return
         at = 0
         for row, n in runs:

@@ -71,14 +71,15 @@ def find_rotary(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def rotate_with_model(rotary: torch.nn.Module, positions: torch.Tensor,
-                      keys: torch.Tensor) -> torch.Tensor:
-    """Rotate ``keys [N, X, D]`` (X = layers x heads) at ``positions [N]`` with the
-    model's own rotary module, exactly as its attention rotates prefilled keys.
-    Returns the rotated tensor (the op may work in place)."""
+                      keys: torch.Tensor) -> None:
+    """Rotate ``keys [N, X, D]`` (X = layers x heads; rows may be strided, heads
+    contiguous) in place at ``positions [N]`` with the model's own rotary module,
+    exactly as its attention rotates prefilled keys."""
     n, x, d = keys.shape
-    flat = keys.reshape(n, x * d)
-    q, _ = rotary(positions, flat, None)
-    return q.view(n, x, d)
+    flat = keys.view(n, x * d)  # [N, X*D] view, same storage
+    out, _ = rotary(positions, flat, None)
+    if out.data_ptr() != flat.data_ptr():  # an out-of-place implementation
+        flat.copy_(out)
 
 
 def block_ids_of(new_req: Any) -> list[int]:

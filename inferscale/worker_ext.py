@@ -65,11 +65,18 @@ class InferScaleWorkerExtension:
                 "bytes": resident.nbytes, "chunks": len(resident.index),
                 "seconds": round(time.perf_counter() - t0, 4)}
 
+    def inferscale_set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
+        """New byte budgets for the tiers; over-budget users are demoted/evicted now."""
+        return _connector().store.set_budgets(gpu_bytes, host_bytes)
+
     def inferscale_evict(self, user: str) -> bool:
         return _connector().evict(user)
 
     def inferscale_status(self) -> dict:
         conn = _connector()
         return {"residents": conn.store.residents(), "loaded_tokens": conn.loaded_tokens,
+                "reloads": conn.reloads,
+                "inject_calls": conn.inject_calls,
+                "inject_ms_mean": conn.inject_seconds * 1e3 / max(1, conn.inject_calls),
                 "budgets": conn.store.budget,
                 "used": {t: conn.store.used(t) for t in ("gpu", "host")}}

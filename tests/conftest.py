@@ -140,3 +140,37 @@ def smollm2(inferscale_home):
     from inferscale.models import load_model
 
     return load_model("embedded", inferscale_home, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The packaged MiniLM on CPU."""
+    from inferscale.retrieval import Embedder
+
+    return Embedder("embedded", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engine_env(smollm2, tmp_path_factory):
+    """One real vLLM engine (SmolLM2, float32, eager) with the connector, for the session.
+
+    Yields a namespace: ``loop`` (runs coroutines), ``engine`` (MemoryEngine), ``store``
+    (its artifact StoreConfig), ``model`` (the HF SmolLM2 for encoding).
+    """
+    from types import SimpleNamespace
+
+    from engine_helpers import LoopThread
+
+    from inferscale.engine import EngineConfig, MemoryEngine
+    from inferscale.store import StoreConfig
+
+    root = tmp_path_factory.mktemp("engine") / "artifacts"
+    loop = LoopThread()
+    engine = MemoryEngine(EngineConfig(
+        model=str(smollm2.checkpoint), model_fingerprint=smollm2.fingerprint,
+        dtype="float32", gpu_memory_utilization=0.4, max_model_len=2048,
+        artifact_root=str(root)))
+    loop.run(engine.start())
+    yield SimpleNamespace(loop=loop, engine=engine, store=StoreConfig(str(root)), model=smollm2)
+    engine.shutdown()
+    loop.close()

