@@ -202,7 +202,10 @@ def list_users(store: StoreConfig) -> list[str]:
     blobs = open_blobs(store)
     users = []
     for name in blobs.listdir(blobs.join("users")):
-        user = user_from_dirname(name)
+        try:
+            user = user_from_dirname(name)
+        except ValueError:  # not a name this store made
+            continue
         if user is None:
             user = _user_from_manifests(store, blobs, name)
         if user is not None and user_dirname(user) == name:
@@ -301,16 +304,19 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     loc = Location(store, user, model_fp)
     encoder_config = _jsonable(encoded.encoder_config)
     facts = _check_facts(facts, user)
-    layout, batch, slab_buffer = _kv_batch(encoded, model_fp)
-    _check_chunks_match_facts(batch, facts)
+    _check_chunks_match_facts([c.chunk_id for c in encoded.chunks], facts)
+    if embeddings:
+        _lancedb()  # fail before writing anything
     version = version_id(user, lineage, model_fp, encoder_config)
 
     existing = _existing(loc, version)
-    if existing is not None:
+    if existing is not None:  # same inputs: the KV is not even laid out again
         if embeddings:
             _ensure_embeddings(store, loc, version, facts)
         _point_latest(loc, version)
         return PublishResult(version, False, existing, _maybe_gc(store, user, model_fp, keep))
+
+    layout, batch, slab_buffer = _kv_batch(encoded, model_fp)
 
     files: dict[str, FileEntry] = {}
 
@@ -475,8 +481,8 @@ def _kv_batch(encoded: EncodedMemoryLike, model_fp: str) -> tuple[kv_schema.KVLa
     return layout, batch, slab_buffer
 
 
-def _check_chunks_match_facts(batch: pa.RecordBatch, facts: pa.Table) -> None:
-    chunk_ids = set(batch.column("chunk_id").to_pylist()[1:])
+def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:
+    chunk_ids = set(chunk_ids) - {kv_schema.PREFIX}
     fact_ids = set(facts.column("fact_id").to_pylist())
     if chunk_ids != fact_ids:
         missing, extra = sorted(fact_ids - chunk_ids)[:5], sorted(chunk_ids - fact_ids)[:5]
@@ -532,14 +538,18 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
 # ---------------------------------------------------------------------------- embeddings
 
 
-def _lance_db(store: StoreConfig, loc: Location) -> Any:
+def _lancedb() -> Any:
     try:
         import lancedb
     except ImportError as exc:
         raise ArtifactError("fact embeddings need lancedb (pip install lancedb), or publish "
                             "with embeddings=False") from exc
+    return lancedb
+
+
+def _lance_db(store: StoreConfig, loc: Location) -> Any:
     opts = store.lance_storage_options()
-    return lancedb.connect(loc.lance_uri, storage_options=opts or None)
+    return _lancedb().connect(loc.lance_uri, storage_options=opts or None)
 
 
 def index_embeddings(store: StoreConfig, user: str, model_fp: str, version: str,
