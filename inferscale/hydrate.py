@@ -39,8 +39,9 @@ import torch
 import xxhash
 
 from inferscale.artifacts import check_digest, check_size, manifest_at, resolve_version
+from inferscale.blobs import Location
 from inferscale.store import (
-    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, Location, StoreConfig,
+    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
     TruncatedArtifact,
 )
 from storage_schemas import kv as kv_schema
@@ -129,15 +130,16 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
         host, digest = _map_and_hash(path, size, part_bytes)
     else:
         host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-        on_part, stream = None, None
-        if tier == "gpu" and cuda:
+        on_part = stream = None
+        if tier == "gpu" and cuda:  # each part goes on to the device as soon as it is hashed
             dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)
             stream = torch.cuda.Stream(dev)
 
-            def on_part(offset: int, length: int) -> None:
+            def copy_part(offset: int, length: int) -> None:
                 with torch.cuda.stream(stream):
                     dev_buf[offset:offset + length].copy_(host[offset:offset + length],
                                                           non_blocking=True)
+            on_part = copy_part
         try:
             digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
                                          workers=workers, on_part=on_part)

@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    import lancedb  # noqa: F401 - imported once here, before any fork
+    __import__("lancedb")  # imported once here, before any fork
 
     store = StoreConfig(args.root, json.loads(args.options))
     if args.mode == "crash":

@@ -13,9 +13,10 @@ import xxhash
 from builders import expected_slab, make_inputs
 from inferscale import artifacts as A
 from inferscale.hydrate import hydrate
+from inferscale.blobs import Location
 from inferscale.store import (
     ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch,
-    Location, MissingManifest, TruncatedArtifact,
+    MissingManifest, TruncatedArtifact,
 )
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import FileEntry, Manifest
