@@ -125,27 +125,11 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     if workers is None:
         workers = 4 if store.is_local else 8
 
-    dev_buf = None
-    if use_mmap:
-        host, digest = _map_and_hash(path, size, part_bytes)
-    else:
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-        on_part = stream = None
-        if tier == "gpu" and cuda:  # each part goes on to the device as soon as it is hashed
-            dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)
-            stream = torch.cuda.Stream(dev)
-
-            def copy_part(offset: int, length: int) -> None:
-                with torch.cuda.stream(stream):
-                    dev_buf[offset:offset + length].copy_(host[offset:offset + length],
-                                                          non_blocking=True)
-            on_part = copy_part
-        try:
-            digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
-                                         workers=workers, on_part=on_part)
-        finally:
-            if stream is not None:
-                stream.synchronize()
+    try:
+        host, dev_buf, digest = _read(loc, path, size, tier, dev, use_mmap, part_bytes, workers)
+    except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
+        raise TruncatedArtifact(f"{path} disappeared while being read "
+                                f"({loc.describe(version)})") from exc
     check_digest(loc, manifest, KV_FILE, digest)
 
     layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
@@ -156,6 +140,33 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
     return HydratedArtifact(slab, index, token_ids, manifest)
+
+
+def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
+          part_bytes: int, workers: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The file's bytes in host memory (and on the device for the CUDA gpu tier), hashed."""
+    if use_mmap:
+        host, digest = _map_and_hash(path, size, part_bytes)
+        return host, None, digest
+    cuda = dev.type == "cuda"
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    dev_buf = on_part = stream = None
+    if tier == "gpu" and cuda:  # each part goes on to the device as soon as it is hashed
+        dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)
+        stream = torch.cuda.Stream(dev)
+
+        def copy_part(offset: int, length: int) -> None:
+            with torch.cuda.stream(stream):
+                dev_buf[offset:offset + length].copy_(host[offset:offset + length],
+                                                      non_blocking=True)
+        on_part = copy_part
+    try:
+        digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
+                                     workers=workers, on_part=on_part)
+    finally:
+        if stream is not None:
+            stream.synchronize()
+    return host, dev_buf, digest
 
 
 def _map_and_hash(path: str, size: int, part_bytes: int) -> tuple[torch.Tensor, str]:
