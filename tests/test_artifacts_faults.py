@@ -70,8 +70,8 @@ def test_publisher_killed_at_random_points(request, child_env, backend, runs):
         assert A.latest_version(store, user, FP) == vb
         check_complete(store, user, vb, b)
     print(f"\n{backend}: publish {report['publish_s']:.3f}s, outcomes {outcomes}")
-    # the random delays must have hit both sides of the commit point
-    assert outcomes["old"] >= 1 and outcomes["new"] >= 1, outcomes
+    # some kills must have landed in the middle of writing B (else nothing was tested)
+    assert outcomes["partial"] >= 1, outcomes
 
 
 def version_dirs(store, user):
