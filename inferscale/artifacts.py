@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 from inferscale import __version__
 from inferscale import fact_table
 from inferscale.blobs import Location, open_blobs
-from inferscale.fact_table import index_embeddings
+from inferscale.fact_table import index_embeddings  # re-exported
 from inferscale.kv_slab import EncodedMemoryLike, build_kv_batch
 from inferscale.store import (
     DATA_FILES, FACTS_FILE, KV_FILE, LANCE_DIR, MANIFEST_FILE, VERSION_RE, ArtifactError,
@@ -278,6 +278,10 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     ``keep``: afterwards keep only the newest ``keep`` versions (plus LATEST's).
     ``embeddings``: also write the LanceDB fact table (needs lancedb).
     Raises :class:`InvalidArtifactInput` (and :class:`InvalidUserId`) for bad inputs.
+
+    The version id hashes the inputs, not the KV: when the version exists, the chunks
+    are not even laid out again. An encoder change must therefore show in the model
+    fingerprint or the encoder config (it does: dtype, window, instruction... live there).
     """
     model_fp = encoded.model_fingerprint
     loc = Location(store, user, model_fp)
@@ -330,8 +334,8 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     )
     for name in files:  # verify what is stored, not what we meant to store
         check_size(loc, manifest, name)
-        check_digest(loc, manifest, name,
-                      loc.blobs.hash_file(loc.file(version, name), files[name].bytes))
+        digest = loc.blobs.hash_file(loc.file(version, name), files[name].bytes)
+        check_digest(loc, manifest, name, digest)
     if embeddings:
         fact_table.index_embeddings(store, user, model_fp, version, facts)
     created = loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json())
