@@ -42,7 +42,8 @@ import torch  # noqa: E402
 
 from inferscale.artifacts import Lineage, publish  # noqa: E402
 from inferscale.hydrate import hydrate  # noqa: E402
-from inferscale.store import KV_FILE, Location, StoreConfig  # noqa: E402
+from inferscale.blobs import Location  # noqa: E402
+from inferscale.store import KV_FILE, StoreConfig  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="local artifact root (created, then removed unless --keep)")
     p.add_argument("--out", help="write the JSON result here (also printed)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cache", choices=["both", "cold", "warm"], default="both",
+                   help="page cache state of the timed reads (cold needs root; falls back "
+                        "to warm)")
     p.add_argument("--keep", action="store_true", help="keep the published artifact")
     args = p.parse_args(argv)
 
@@ -161,8 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     raw_buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
     raw_buf.fill_(0)  # touch every page before timing
 
-    def timed(name: str, fn, nbytes: int, rep: int) -> None:
-        if can_drop:
+    def timed(name: str, fn, nbytes: int, rep: int, cache: str):
+        if cache == "cold":
             drop_caches()
         if cuda:
             torch.cuda.synchronize()
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         rows.append({"op": name, "repeat": rep, "seconds": dt, "bytes": nbytes,
-                     "gbps": nbytes / dt / 1e9, "page_cache": "cold" if can_drop else "warm"})
+                     "gbps": nbytes / dt / 1e9, "page_cache": cache})
         return out
 
     # one untimed hydration first: warms the pinned host caching allocator on CUDA
@@ -180,16 +184,21 @@ def main(argv: list[str] | None = None) -> dict:
     hydrate(store, USER, FP, tier="host", device=dev)
     first_s = time.perf_counter() - t
     hydrated = None
-    for rep in range(args.repeats):
-        # results are dropped at once: a live mmap would keep its pages in the page cache
-        timed("raw_read", lambda: raw_read(path, raw_buf), size, rep)
-        hydrated = None
-        hydrated = timed("hydrate", lambda: hydrate(store, USER, FP, tier="host", device=dev),
-                         size, rep)
-        if not cuda:
+    caches = ["cold", "warm"] if can_drop and args.cache == "both" else (
+        ["cold"] if can_drop and args.cache == "cold" else ["warm"])
+    for cache in caches:
+        if cache == "warm":
+            raw_read(path, raw_buf)  # bring the file into the page cache
+        for rep in range(args.repeats):
+            # results are dropped at once: a live mmap would pin its pages in the page cache
+            timed("raw_read", lambda: raw_read(path, raw_buf), size, rep, cache)
             hydrated = None
-            timed("hydrate_copy", lambda: hydrate(store, USER, FP, tier="host", device=dev,
-                                                  use_mmap=False), size, rep)
+            hydrated = timed("hydrate", lambda: hydrate(store, USER, FP, tier="host", device=dev),
+                             size, rep, cache)
+            if not cuda:
+                hydrated = None
+                timed("hydrate_copy", lambda: hydrate(store, USER, FP, tier="host", device=dev,
+                                                      use_mmap=False), size, rep, cache)
     if cuda:
         assert hydrated.slab.is_pinned()
         dst = torch.empty(slab_bytes, dtype=torch.uint8, device=dev)
@@ -202,19 +211,22 @@ def main(argv: list[str] | None = None) -> dict:
         del dst, plain
         for rep in range(args.repeats):
             timed("hydrate_gpu", lambda: hydrate(store, USER, FP, tier="gpu", device=dev),
-                  size, rep)
+                  size, rep, caches[0])
         torch.cuda.empty_cache()
 
-    def med(op: str, key: str = "gbps") -> float | None:
-        vals = [r[key] for r in rows if r["op"] == op]
+    def med(op: str, key: str = "gbps", cache: str = caches[0]) -> float | None:
+        vals = [r[key] for r in rows if r["op"] == op and r["page_cache"] in (cache, "n/a")]
         return statistics.median(vals) if vals else None
 
+    def ratio(op: str, cache: str = caches[0]) -> float:
+        return med("raw_read", "seconds", cache) / med(op, "seconds", cache)
+
     summary = {
-        "hydrate_vs_raw_read": med("raw_read", "seconds") / med("hydrate", "seconds"),
+        "hydrate_vs_raw_read": ratio("hydrate"),
         "hydrate_gbps": med("hydrate"),
         "raw_read_gbps": med("raw_read"),
-        "page_cache": ("cold: dropped before every timed read" if can_drop
-                       else f"warm: could not drop caches ({drop_note})"),
+        "page_cache": ("cold: dropped before every timed read" if caches[0] == "cold"
+                       else f"warm ({drop_note if not can_drop else 'asked for'})"),
         "hydrate_memory": "pinned host" if cuda else "plain host (mmap of the local file)",
         "artifact_bytes": size, "slab_bytes": slab_bytes,
         "chunks": result.manifest.counts["chunks"], "tokens": result.manifest.counts["tokens"],
@@ -223,10 +235,15 @@ def main(argv: list[str] | None = None) -> dict:
         "first_hydrate_s": first_s,
         "optional_modules_loaded": sorted(m for m in OPTIONAL if m in sys.modules),
     }
+    if "warm" in caches and caches[0] != "warm":
+        summary["hydrate_vs_raw_read_warm"] = ratio("hydrate", "warm")
+        summary["hydrate_gbps_warm"] = med("hydrate", cache="warm")
+        summary["raw_read_gbps_warm"] = med("raw_read", cache="warm")
     if not cuda:
         summary["hydrate_copy_gbps"] = med("hydrate_copy")
-        summary["hydrate_copy_vs_raw_read"] = (med("raw_read", "seconds")
-                                               / med("hydrate_copy", "seconds"))
+        summary["hydrate_copy_vs_raw_read"] = ratio("hydrate_copy")
+        if "warm" in caches and caches[0] != "warm":
+            summary["hydrate_copy_vs_raw_read_warm"] = ratio("hydrate_copy", "warm")
     else:
         summary["h2d_gbps"] = med("h2d")
         summary["h2d_plain_pinned_gbps"] = med("h2d_plain")

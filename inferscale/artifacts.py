@@ -13,10 +13,9 @@ when publishers race on one version exactly one creates it) -> ``LATEST`` (atomi
 replaced) -> optional gc. A version without a manifest is unfinished and invisible;
 re-running the publish completes it under the same id.
 
-Fact embeddings also go into a LanceDB table ``facts`` per (user, model) at
-``{root}/users/{user}/{model_fp}/lance`` (same root, local or S3), overwritten by each
-publish and tagged with the version id, so ``open_fact_table`` sees exactly the facts
-of a version. lancedb is imported only there (the GPU machine lacks it).
+Fact embeddings also go into a LanceDB table per (user, model) beside the versions
+(:mod:`inferscale.fact_table`), tagged with each version id, so ``open_fact_table`` sees
+exactly the facts of a version. lancedb is imported only when used.
 
 Callers: the encode flow/task (``publish``, ``gc``), the CLI and flows (listing,
 lineage), ``inferscale.hydrate`` (``read_manifest``) and the retrieval side
@@ -28,25 +27,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from inferscale import __version__
+from inferscale import fact_table
+from inferscale.blobs import Location, open_blobs
+from inferscale.fact_table import index_embeddings  # re-exported
+from inferscale.kv_slab import EncodedMemoryLike, build_kv_batch
 from inferscale.store import (
-    DATA_FILES, FACTS_FILE, KV_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError,
+    DATA_FILES, FACTS_FILE, KV_FILE, LANCE_DIR, MANIFEST_FILE, VERSION_RE, ArtifactError,
     ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact,
-    FingerprintMismatch, InvalidArtifactInput, InvalidStoreConfig, InvalidUserId, Location,
-    MissingManifest, StoreConfig, TruncatedArtifact, open_blobs, user_dirname,
-    user_from_dirname,
+    FingerprintMismatch, InvalidArtifactInput, InvalidStoreConfig, InvalidUserId,
+    MissingManifest, StoreConfig, TruncatedArtifact, user_dirname, user_from_dirname,
 )
 from storage_schemas import facts as facts_schema
 from storage_schemas import kv as kv_schema
@@ -64,25 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-LANCE_TABLE = "facts"
-
-
-class EncodedChunkLike(Protocol):
-    chunk_id: str  # fact_id, or "prefix" (always first)
-    token_ids: Sequence[int]
-    keys: torch.Tensor  # [L, T, H, D] pre-RoPE, CPU
-    values: torch.Tensor  # [L, T, H, D]
-
-
-class EncodedMemoryLike(Protocol):
-    """What the encoder returns (``inferscale.encode.EncodedMemory``); duck-typed."""
-
-    chunks: Sequence[EncodedChunkLike]
-    model_fingerprint: str
-    encoder_config: Mapping[str, Any]
-
 
 @dataclass(frozen=True)
 class Lineage:
@@ -202,7 +181,10 @@ def list_users(store: StoreConfig) -> list[str]:
     blobs = open_blobs(store)
     users = []
     for name in blobs.listdir(blobs.join("users")):
-        user = user_from_dirname(name)
+        try:
+            user = user_from_dirname(name)
+        except ValueError:  # not a name this store made
+            continue
         if user is None:
             user = _user_from_manifests(store, blobs, name)
         if user is not None and user_dirname(user) == name:
@@ -296,21 +278,28 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     ``keep``: afterwards keep only the newest ``keep`` versions (plus LATEST's).
     ``embeddings``: also write the LanceDB fact table (needs lancedb).
     Raises :class:`InvalidArtifactInput` (and :class:`InvalidUserId`) for bad inputs.
+
+    The version id hashes the inputs, not the KV: when the version exists, the chunks
+    are not even laid out again. An encoder change must therefore show in the model
+    fingerprint or the encoder config (it does: dtype, window, instruction... live there).
     """
     model_fp = encoded.model_fingerprint
     loc = Location(store, user, model_fp)
     encoder_config = _jsonable(encoded.encoder_config)
     facts = _check_facts(facts, user)
-    layout, batch, slab_buffer = _kv_batch(encoded, model_fp)
-    _check_chunks_match_facts(batch, facts)
+    _check_chunks_match_facts([c.chunk_id for c in encoded.chunks], facts)
+    if embeddings:
+        fact_table.require_lancedb()  # fail before writing anything
     version = version_id(user, lineage, model_fp, encoder_config)
 
     existing = _existing(loc, version)
-    if existing is not None:
+    if existing is not None:  # same inputs: the KV is not even laid out again
         if embeddings:
-            _ensure_embeddings(store, loc, version, facts)
+            fact_table.ensure_tag(store, loc, version, facts)
         _point_latest(loc, version)
         return PublishResult(version, False, existing, _maybe_gc(store, user, model_fp, keep))
+
+    layout, batch, slab_buffer = build_kv_batch(encoded, model_fp)
 
     files: dict[str, FileEntry] = {}
 
@@ -345,10 +334,10 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     )
     for name in files:  # verify what is stored, not what we meant to store
         check_size(loc, manifest, name)
-        check_digest(loc, manifest, name,
-                      loc.blobs.hash_file(loc.file(version, name), files[name].bytes))
+        digest = loc.blobs.hash_file(loc.file(version, name), files[name].bytes)
+        check_digest(loc, manifest, name, digest)
     if embeddings:
-        index_embeddings(store, user, model_fp, version, facts)
+        fact_table.index_embeddings(store, user, model_fp, version, facts)
     created = loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json())
     if not created:  # a concurrent publisher of the same inputs won: use its manifest
         manifest = manifest_at(loc, version)
@@ -411,72 +400,8 @@ def _check_facts(facts: pa.Table, user: str) -> pa.Table:
     return facts.combine_chunks()
 
 
-def _kv_batch(encoded: EncodedMemoryLike, model_fp: str) -> tuple[kv_schema.KVLayout, pa.RecordBatch, pa.Buffer]:
-    """Encoder chunks -> one record batch whose kv child buffer is the [T, 2, L, H, D] slab."""
-    chunks = list(encoded.chunks)
-    if not chunks or chunks[0].chunk_id != kv_schema.PREFIX:
-        raise InvalidArtifactInput(f"the first chunk must be {kv_schema.PREFIX!r}")
-    k0 = chunks[0].keys
-    if not isinstance(k0, torch.Tensor) or k0.dim() != 4:
-        raise InvalidArtifactInput("chunk keys must be 4-D tensors [L, T, H, D]")
-    if k0.dtype not in TORCH_DTYPES:
-        raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(TORCH_DTYPES)}")
-    n_layers, _, n_heads, head_dim = k0.shape
-    ids, lengths = [], []
-    for c in chunks:
-        k, v = c.keys, c.values
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: keys/values must be tensors")
-        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (
-                n_layers, n_heads, head_dim):
-            raise InvalidArtifactInput(
-                f"chunk {c.chunk_id!r}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                f"match [L={n_layers}, T, H={n_heads}, D={head_dim}]")
-        if k.dtype != k0.dtype or v.dtype != k0.dtype:
-            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: dtype differs from the prefix's")
-        if len(c.token_ids) != k.shape[1]:
-            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {len(c.token_ids)} token ids for "
-                                       f"{k.shape[1]} KV rows")
-        if not isinstance(c.chunk_id, str) or not c.chunk_id:
-            raise InvalidArtifactInput(f"chunk id must be a non-empty string, got {c.chunk_id!r}")
-        ids.append(c.chunk_id)
-        lengths.append(int(k.shape[1]))
-    if len(set(ids)) != len(ids):
-        raise InvalidArtifactInput("duplicate chunk ids")
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    try:
-        layout = kv_schema.KVLayout(TORCH_DTYPES[k0.dtype], int(n_layers), int(n_heads),
-                                    int(head_dim), int(offsets[-1]), model_fp)
-    except kv_schema.KVFormatError as exc:
-        raise InvalidArtifactInput(str(exc)) from exc
-
-    slab = torch.empty(layout.shape, dtype=k0.dtype)  # [T, 2, L, H, D]
-    for c, o, n in zip(chunks, offsets[:-1], lengths):
-        slab[o:o + n, 0].copy_(c.keys.permute(1, 0, 2, 3))  # [L, t, H, D] -> [t, L, H, D]
-        slab[o:o + n, 1].copy_(c.values.permute(1, 0, 2, 3))
-    flat = slab.reshape(-1)
-    flat_np = flat.numpy() if layout.dtype == "float32" else flat.view(torch.int16).numpy().view(np.uint16)
-    slab_buffer = pa.py_buffer(flat_np)
-    values = pa.Array.from_buffers(layout.storage_type, flat_np.size, [None, slab_buffer])
-    schema = layout.schema()
-    kv_arr = pa.LargeListArray.from_arrays(
-        pa.array(offsets * layout.row_elems, type=pa.int64()), values, type=schema.field("kv").type)
-    try:
-        token_ids = pa.array([list(map(int, c.token_ids)) for c in chunks], type=pa.list_(pa.int32()))
-    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-        raise InvalidArtifactInput(f"token ids must be int32 integers: {exc}") from exc
-    batch = pa.record_batch([
-        pa.array(ids, type=pa.string()),
-        pa.array(offsets[:-1], type=pa.int64()),
-        pa.array(lengths, type=pa.int32()),
-        token_ids,
-        kv_arr,
-    ], schema=schema)
-    return layout, batch, slab_buffer
-
-
-def _check_chunks_match_facts(batch: pa.RecordBatch, facts: pa.Table) -> None:
-    chunk_ids = set(batch.column("chunk_id").to_pylist()[1:])
+def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:
+    chunk_ids = set(chunk_ids) - {kv_schema.PREFIX}
     fact_ids = set(facts.column("fact_id").to_pylist())
     if chunk_ids != fact_ids:
         missing, extra = sorted(fact_ids - chunk_ids)[:5], sorted(chunk_ids - fact_ids)[:5]
@@ -522,96 +447,11 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
             doomed.append(name)
     for name in doomed:
         # the manifest goes first: a half-removed version then reads as unfinished
-        loc.blobs.remove_tree(loc.file(name, MANIFEST_FILE))
+        loc.blobs.remove_file(loc.file(name, MANIFEST_FILE))
         loc.blobs.remove_tree(loc.version_dir(name))
-    if doomed and "lance" in loc.blobs.listdir(loc.dir):
-        _drop_tags(store, loc, doomed)
+    if doomed and LANCE_DIR in loc.blobs.listdir(loc.dir):
+        fact_table.drop_tags(store, loc, doomed)
     return doomed
-
-
-# ---------------------------------------------------------------------------- embeddings
-
-
-def _lance_db(store: StoreConfig, loc: Location) -> Any:
-    try:
-        import lancedb
-    except ImportError as exc:
-        raise ArtifactError("fact embeddings need lancedb (pip install lancedb), or publish "
-                            "with embeddings=False") from exc
-    opts = store.lance_storage_options()
-    return lancedb.connect(loc.lance_uri, storage_options=opts or None)
-
-
-def index_embeddings(store: StoreConfig, user: str, model_fp: str, version: str,
-                     facts: pa.Table) -> int:
-    """Overwrite the (user, model) LanceDB table ``facts`` with ``facts`` and tag that
-    Lance version with ``version``; returns the Lance version number. Idempotent: an
-    existing tag is kept (it names the same facts: versions are content hashes)."""
-    loc = Location(store, user, model_fp)
-    table = _overwrite_table(_lance_db(store, loc), facts, loc)
-    try:
-        table.tags.create(version, table.version)
-    except RuntimeError as exc:
-        if "already exists" not in str(exc):
-            raise
-    return table.version
-
-
-def _overwrite_table(db: Any, facts: pa.Table, loc: Location) -> Any:
-    """Replace the fact table's content; returns the table at the version it committed.
-
-    Races between publishers are expected: the first creation is ``mode="create"`` (the
-    loser gets "already exists" and overwrites instead; lancedb 0.40 can panic when two
-    ``create_table(mode="overwrite")`` calls race on a new table), later writes are
-    ``add(mode="overwrite")`` retried on commit conflicts.
-    """
-    last: Exception | None = None
-    for _ in range(8):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                table = db.open_table(LANCE_TABLE)
-            except (ValueError, FileNotFoundError):
-                try:
-                    return db.create_table(LANCE_TABLE, facts, mode="create")
-                except (ValueError, RuntimeError, OSError) as exc:
-                    if "already exists" not in str(exc):
-                        raise
-                    last = exc
-                    continue
-            try:
-                table.add(facts, mode="overwrite")
-                return table
-            except (RuntimeError, OSError, ValueError) as exc:
-                if "conflict" not in str(exc).lower():
-                    raise
-                last = exc
-        time.sleep(random.uniform(0.02, 0.2))
-    raise ArtifactError(f"{loc.describe()}: could not write the fact table at {loc.lance_uri} "
-                        f"(concurrent writers): {last}")
-
-
-def _ensure_embeddings(store: StoreConfig, loc: Location, version: str, facts: pa.Table) -> None:
-    db = _lance_db(store, loc)
-    try:
-        table = db.open_table(LANCE_TABLE)
-        if version in table.tags.list():
-            return
-    except (ValueError, FileNotFoundError, RuntimeError):
-        pass
-    index_embeddings(store, loc.user, loc.model_fp, version, facts)
-
-
-def _drop_tags(store: StoreConfig, loc: Location, versions: list[str]) -> None:
-    try:
-        table = _lance_db(store, loc).open_table(LANCE_TABLE)
-        tags = table.tags.list()
-    except (ArtifactError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        log.warning("gc could not open the fact table of %s: %s", loc.describe(), exc)
-        return
-    for v in versions:
-        if v in tags:
-            table.tags.delete(v)
 
 
 def open_fact_table(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Any:
@@ -619,7 +459,7 @@ def open_fact_table(store: StoreConfig, user: str, model_fp: str, version: str =
     loc = Location(store, user, model_fp)
     version = resolve_version(store, user, model_fp, version)
     try:
-        table = _lance_db(store, loc).open_table(LANCE_TABLE)
+        table = fact_table.connect(store, loc).open_table(fact_table.TABLE)
         table.checkout(version)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise ArtifactNotFound(f"{loc.describe(version)}: no fact embeddings in "

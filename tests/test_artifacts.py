@@ -12,9 +12,10 @@ import torch
 
 from builders import expected_slab, make_inputs
 from inferscale import artifacts as A
+from inferscale.blobs import Location
 from inferscale.store import (
-    InvalidArtifactInput, InvalidStoreConfig, InvalidUserId, Location, StoreConfig,
-    user_dirname, user_from_dirname,
+    InvalidArtifactInput, InvalidStoreConfig, InvalidUserId, StoreConfig, user_dirname,
+    user_from_dirname,
 )
 
 FP = "fp-test"
@@ -106,6 +107,8 @@ def test_gc_keeps_newest_and_latest(store):
         versions.append(A.publish(store, "dave", memory, facts, lineage).version)
     removed = A.gc(store, "dave", FP, keep=2)
     assert sorted(removed) == sorted(versions[:2])
+    loc = Location(store, "dave", FP)
+    assert set(loc.blobs.listdir(loc.dir)) == {*versions[2:], "lance"}  # folders gone
     assert [m.version for m in A.list_versions(store, "dave", FP)] == versions[2:]
     tags = A.open_fact_table(store, "dave", FP).tags.list()
     assert set(tags) == set(versions[2:])

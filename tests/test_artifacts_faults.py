@@ -1,6 +1,6 @@
 """Crash and race safety of publishing, with real processes.
 
-- A publisher SIGKILLed at random moments (24 runs on local disk, 12 on S3): afterwards
+- A publisher SIGKILLed at random moments (24 runs on local disk, 10 on S3): afterwards
   LATEST names a complete version whose checksums verify (the old one or the new one),
   and re-running the publish completes the same version id.
 - Two processes publishing for one user at once: one wins, both end with a valid LATEST.
@@ -44,7 +44,7 @@ def check_complete(store, user, version, inputs):
     assert A.open_fact_table(store, user, FP, version).to_arrow().num_rows == facts.num_rows
 
 
-@pytest.mark.parametrize("backend, runs", [("local", 24), ("s3", 12)])
+@pytest.mark.parametrize("backend, runs", [("local", 24), ("s3", 10)])
 def test_publisher_killed_at_random_points(request, child_env, backend, runs):
     store = request.getfixturevalue(f"{backend}_store")
     report = run_crash_driver(store, child_env, runs, seed=1234 if backend == "local" else 99)
@@ -70,12 +70,12 @@ def test_publisher_killed_at_random_points(request, child_env, backend, runs):
         assert A.latest_version(store, user, FP) == vb
         check_complete(store, user, vb, b)
     print(f"\n{backend}: publish {report['publish_s']:.3f}s, outcomes {outcomes}")
-    # the random delays must have hit both sides of the commit point
-    assert outcomes["old"] >= 1 and outcomes["new"] >= 1, outcomes
+    # some kills must have landed in the middle of writing B (else nothing was tested)
+    assert outcomes["partial"] >= 1, outcomes
 
 
 def version_dirs(store, user):
-    from inferscale.store import Location
+    from inferscale.blobs import Location
 
     loc = Location(store, user, FP)
     return loc.blobs.listdir(loc.dir)

@@ -13,9 +13,10 @@ import xxhash
 from builders import expected_slab, make_inputs
 from inferscale import artifacts as A
 from inferscale.hydrate import hydrate
+from inferscale.blobs import Location
 from inferscale.store import (
     ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch,
-    Location, MissingManifest, TruncatedArtifact,
+    MissingManifest, TruncatedArtifact,
 )
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import FileEntry, Manifest
@@ -60,6 +61,15 @@ def test_local_mmap_and_copy_agree(local_store):
     check(copied, memory)
     mapped.slab[0].zero_()  # copy-on-write: the file is untouched
     check(hydrate(local_store, "bob", FP), memory)
+
+
+def test_local_mmap_without_populate(local_store, monkeypatch):
+    import inferscale.hydrate as H
+
+    monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
+    memory, facts, lineage = make_inputs("e", 20)
+    A.publish(local_store, "e", memory, facts, lineage, embeddings=False)
+    check(hydrate(local_store, "e", FP, part_bytes=5000), memory)
 
 
 def test_prefix_only(local_store):
@@ -287,3 +297,40 @@ def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
     open(path, "wb").write(bytes(data))
     with pytest.raises(ChecksumError):
         hydrate(local_store, "gpu", FP, tier="gpu", device="cuda", part_bytes=4096)
+
+
+def test_hydration_needs_only_the_gpu_machine_packages(tmp_path, child_env):
+    """The GPU machine has torch, numpy, pyarrow, fsspec, xxhash: nothing else is imported."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib.abc, sys
+BLOCKED = ("lancedb", "s3fs", "moto", "pydantic", "pydantic_settings", "prefect", "vllm",
+           "pandas", "transformers", "boto3", "botocore", "aiobotocore")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is not on the GPU machine")
+sys.meta_path.insert(0, Block())
+from builders import make_inputs
+from inferscale.artifacts import publish
+from inferscale.hydrate import hydrate
+from inferscale.store import StoreConfig
+store = StoreConfig({str(tmp_path)!r})
+memory, facts, lineage = make_inputs("gpu-box", 3)
+publish(store, "gpu-box", memory, facts, lineage, embeddings=False)
+print(tuple(hydrate(store, "gpu-box", "fp-test").slab.shape))
+from inferscale.store import ArtifactError
+try:
+    publish(store, "gpu-box", *make_inputs("gpu-box", 3, seed=5))
+except ArtifactError as exc:
+    assert "need lancedb" in str(exc), exc
+    assert len(list(__import__("pathlib").Path({str(tmp_path)!r}).rglob("*.arrow"))) == 2
+else:
+    raise AssertionError("publishing embeddings without lancedb must fail clearly")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().startswith("(")
