@@ -155,7 +155,8 @@ def engine_env(smollm2, tmp_path_factory):
     """One real vLLM engine (SmolLM2, float32, eager) with the connector, for the session.
 
     Yields a namespace: ``loop`` (runs coroutines), ``engine`` (MemoryEngine), ``store``
-    (its artifact StoreConfig), ``model`` (the HF SmolLM2 for encoding).
+    (its artifact StoreConfig), ``model`` (the HF SmolLM2 for encoding) and ``log`` (the
+    engine processes' stdout/stderr, which they inherit at start-up).
     """
     from types import SimpleNamespace
 
@@ -170,7 +171,17 @@ def engine_env(smollm2, tmp_path_factory):
         model=str(smollm2.checkpoint), model_fingerprint=smollm2.fingerprint,
         dtype="float32", gpu_memory_utilization=0.4, max_model_len=2048,
         artifact_root=str(root)))
-    loop.run(engine.start())
-    yield SimpleNamespace(loop=loop, engine=engine, store=StoreConfig(str(root)), model=smollm2)
+    log = root.parent / "engine.log"
+    with open(log, "ab") as f:  # the engine's processes inherit fds 1 and 2 when spawned
+        saved = os.dup(1), os.dup(2)
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            loop.run(engine.start())
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+    yield SimpleNamespace(loop=loop, engine=engine, store=StoreConfig(str(root)), model=smollm2,
+                          log=log)
     engine.shutdown()
     loop.close()

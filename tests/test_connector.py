@@ -92,19 +92,18 @@ def test_only_the_query_is_prefilled(engine_env, caroline):
     assert out.cached_tokens == memory  # RequestOutput.num_cached_tokens agrees
 
 
-SECRETS = {"ann": "PELICAN", "bob": "TORNADO"}
+SECRETS = {"ann": "PELICAN", "bob": "TORNADO"}  # conflicting: same fact, other value
 
 
 def secret_facts(word: str) -> list[str]:
-    return [f"My secret code word is {word}.", "I live in a small town by the sea.",
-            "I never tell anyone my secret code word."]
+    return [f"The user's dog is named {word}.", "The user lives in a small town by the sea."]
 
 
 @pytest.fixture(scope="module")
 def secret_users(engine_env, embedder):
     out = {}
     for user, word in SECRETS.items():
-        version, table = publish_user(engine_env, embedder, user, secret_facts(word))
+        version, table = publish_user(engine_env, embedder, user, secret_facts(word.title()))
         engine_env.loop.run(engine_env.engine.hydrate(user, version, "gpu"))
         out[user] = (version, table)
     return out
@@ -113,8 +112,8 @@ def secret_users(engine_env, embedder):
 def test_isolation_200_interleaved_concurrent_requests(engine_env, secret_users):
     """Every request is answered from its own user's memory only."""
     tok = engine_env.model.tokenizer
-    phrasings = ["What is my secret code word?", "Tell me my secret code word.",
-                 "Which secret code word did I tell you?", "Remind me of my code word."]
+    phrasings = ["What is the name of my dog?", "What is my dog called?",
+                 "Tell me the name of my dog."]
 
     async def one(i: int):
         user = "ann" if i % 2 == 0 else "bob"
@@ -143,24 +142,27 @@ def test_isolation_200_interleaved_concurrent_requests(engine_env, secret_users)
     assert own >= 190, f"only {own}/200 answers named the user's own secret"
 
 
-def test_salt_keeps_injected_blocks_from_others(engine_env, secret_users):
-    """Identical prompt ids: a plain prefill never reuses a user's injected blocks, and
-    another user's request loads its own memory."""
+def test_salt_keeps_injected_blocks_from_others(engine_env, caroline):
+    """Identical prompt ids: a plain prefill never reuses a user's injected blocks, while
+    the same user's next request does (its salted prefix-cache blocks)."""
     tok = engine_env.model.tokenizer
-    version, table = secret_users["ann"]
-    ids, chunks = memory_prompt(tok, table, "What is my secret code word?")
+    version, table = caroline
+    ids, chunks = memory_prompt(tok, table, "What is the name of Caroline's dog?")
+    assert len(ids) > 128  # at least one full block (the CPU block size)
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
-    first = gen(engine_env, ids, MemoryRef("ann", version, chunks), max_tokens=1)
+    first = gen(engine_env, ids, MemoryRef("caroline", version, chunks), max_tokens=1)
     assert first.injected_tokens > 0
-    before = engine_env.engine.prompt_token_counters()
+    c0 = engine_env.engine.prompt_token_counters()
     plain = gen(engine_env, ids, max_tokens=1)
-    after = engine_env.engine.prompt_token_counters()
-    assert plain.cached_tokens == 0 and after["local_cache_hit"] == before["local_cache_hit"]
-    again = gen(engine_env, ids, MemoryRef("ann", version, chunks), max_tokens=1)
-    assert again.cached_tokens >= 128  # the same user does reuse its own blocks
+    c1 = engine_env.engine.prompt_token_counters()
+    assert plain.cached_tokens == 0 and c1["local_cache_hit"] == c0["local_cache_hit"]
+    again = gen(engine_env, ids, MemoryRef("caroline", version, chunks), max_tokens=1)
+    c2 = engine_env.engine.prompt_token_counters()
+    assert c2["local_cache_hit"] - c1["local_cache_hit"] >= 128
+    assert again.cached_tokens >= 128
 
 
-def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroline, capfd):
+def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroline):
     from inferscale.encode import EncodedMemory
 
     tok = engine_env.model.tokenizer
@@ -190,15 +192,14 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
         engine_env.model.model, tok, "dora", FACTS[:2], "f" * 32, embedder)
     publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config),
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
-    with pytest.raises(Exception, match="(?i)not found|fingerprint|no published"):
+    with pytest.raises(Exception, match="nothing published for user .dora., model "):
         engine_env.loop.run(engine_env.engine.hydrate("dora", "latest", "gpu"))
     assert ask(MemoryRef("dora", v1, chunks)) == "user not resident"
     # evicted
     assert engine_env.loop.run(engine_env.engine.evict("caroline"))
     assert ask(MemoryRef("caroline", v2, chunks)) == "user not resident"
-    logged = capfd.readouterr()
-    text = logged.out + logged.err
-    for reason in ("user not resident", "stale version", "does not begin with the memory"):
+    text = engine_env.log.read_text(errors="replace")
+    for reason in ("user not resident", "stale version", "prompt does not begin with the memory"):
         assert f"prefilling memory, {reason}" in text
     engine_env.loop.run(engine_env.engine.hydrate("caroline", v2, "gpu"))  # restore
 
