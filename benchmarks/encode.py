@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="padded tokens per pass (default 8192 CPU, 65536 CUDA)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
+    ap.add_argument("--max-turns", type=int, default=None, help="only the first N turns "
+                    "(quick checks; results then cover part of the conversation)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     (turns_table,) = read_logs(args.conversation).turns.values()
     turns = [TurnText(s, t) for s, t in zip(turns_table.column("speaker").to_pylist(),
                                             turns_table.column("text").to_pylist())]
+    turns = turns[:args.max_turns] if args.max_turns else turns
     facts = [FactSpec(f"t{i}", t.text, i) for i, t in enumerate(turns)]
     composer = Composer(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0

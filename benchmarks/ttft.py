@@ -126,6 +126,15 @@ async def measure(args) -> dict:
                 "embed_ms": info["timings_ms"].get("embed", 0.0),
                 "retrieve_ms": info["timings_ms"].get("retrieve", 0.0)}
 
+    # what the loads write, checked against an independent computation (CUDA backends)
+    verify = {}
+    for tier, user in users.items():
+        await engine.verify_next()
+        await llm.reset_prefix_cache()
+        ids, ref, _ = kv.prepare(user, qs[0], max(args.ks))
+        out = await engine.generate(ids, ref, max_tokens=1)
+        verify[tier] = {**await engine.verify_last_load(), "injected": out.injected_tokens}
+    print(json.dumps({"verify": verify}), flush=True)
     # warm-up: kernels, allocator, both paths
     for _ in range(2):
         await ttft(kv, users["gpu"], qs[0], max(args.ks))
@@ -165,7 +174,7 @@ async def measure(args) -> dict:
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
-        "setup_seconds": round(setup_s, 1), "rows": rows,
+        "setup_seconds": round(setup_s, 1), "verify": verify, "rows": rows,
         "loaded_tokens_total": status["loaded_tokens"],
         "inject_ms_mean": round(status["inject_ms_mean"], 3),
         "summary": {

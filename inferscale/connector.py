@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from inferscale.inject import Job, StepLoad
 from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
-    attention_layers, block_ids_of, rotate_with_model, write_layer_kv,
+    attention_layers, block_ids_of, layer_index,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class ConnectorConfig:
     host_budget_bytes: int = 32 << 30
     reload_tier: str = "host"  # where background reloads land
     auto_reload: bool = True
+    layerwise_host_loads: bool = True  # CUDA: overlap host-tier transfers with the forward
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -202,6 +204,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._reload_threads: list[threading.Thread] = []
             self.loaded_tokens = 0
             self.inject_seconds = 0.0
+            self._step: StepLoad | None = None
+            self.verify_next = False  # keep the next step's load for verify_last_load()
+            self.last_step: StepLoad | None = None
             self.reloads = 0
             self.inject_calls = 0
 
@@ -297,8 +302,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         for new_req in scheduler_output.scheduled_new_reqs:
             block_ids[new_req.req_id] = block_ids_of(new_req)
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption
-            if req_id in self._to_load and cached.new_block_ids[i] is not None:
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            # resumed after preemption: new_block_ids then lists all the request's blocks
+            if req_id in self._to_load and req_id in resumed and cached.new_block_ids[i]:
                 block_ids[req_id] = list(cached.new_block_ids[i][0])
         for req_id, plan in list(self._to_load.items()):
             if req_id not in block_ids:
@@ -394,16 +401,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._reload_threads.append(t)
         if meta.loads:
             t0 = time.perf_counter()
-            self._inject(meta.loads, forward_context)
+            self._step = self._begin(meta.loads, forward_context)
             self.inject_seconds += time.perf_counter() - t0
             self.inject_calls += 1
 
-    def _inject(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> None:
+    def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
+        """Verify the step's loads against the store, then start them (see inject.py)."""
         layers = attention_layers(forward_context)
         if not layers:
-            return
-        device, dtype = layers[0][1].kv_cache.device, self.model_dtype
-        ready: list[tuple[LoadSpec, Resident]] = []
+            return None
+        jobs, slots, at = [], [], 0
         for spec in loads:
             resident = self.store.get(spec.user, spec.version)
             problem = self._check(spec, resident)
@@ -412,28 +419,20 @@ class InferScaleConnector(KVConnectorBase_V1):
                             spec.req_id, problem)
                 self._invalid_blocks.update(spec.block_ids)
                 continue
-            ready.append((spec, resident))
-        if not ready:
-            return
-        n = sum(spec.end - spec.start for spec, _ in ready)
-        _, _, L, H, D = ready[0][1].slab.shape
-        # One staging buffer for every load of the step, in the model's dtype.
-        staging = torch.empty((n, 2, L, H, D), dtype=dtype, device=device)  # [N, 2, L, H, D]
-        positions, slots, at = [], [], 0
-        for spec, resident in ready:
-            width = spec.end - spec.start
-            self.store.gather(resident, spec.chunks, spec.start, spec.end, staging[at:at + width])
-            positions.append(torch.arange(spec.start, spec.end))
+            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
             slots.extend(spec.slot_mapping)
-            at += width
-        pos = torch.cat(positions).to(device)  # [N]
-        slot_mapping = torch.tensor(slots, dtype=torch.long).to(device)  # [N]
-        # Rotate every layer's keys at once, in place: a [N, L*H*D] view, L*H "heads".
-        rotate_with_model(self.rotary, pos, staging[:, 0].reshape(n, L * H, D))
-        for idx, layer in layers:
-            # [N, H, D] views (token stride 2*L*H*D), as the model's own q/k/v split passes
-            write_layer_kv(layer, staging[:, 0, idx], staging[:, 1, idx], slot_mapping)
-        self.loaded_tokens += n
+            at += spec.end - spec.start
+        if not jobs:
+            return None
+        step = StepLoad.build(self.store, jobs, layers, self.model_dtype, self.rotary,
+                              layerwise=self.config.layerwise_host_loads)
+        step.set_slots(slots)
+        if not step.events:
+            step.all_layers()  # nothing in flight: write every layer now
+        self.loaded_tokens += at
+        if self.verify_next:
+            self.last_step, self.verify_next = step, False
+        return step
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
         if resident is None:
@@ -448,14 +447,25 @@ class InferScaleConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv completes every load before the forward pass
+        """Before layer ``layer_name`` attends: its memory KV must be in the cache."""
+        if self._step is not None:
+            self._step.layer(layer_index(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # memory is only ever loaded
 
     def wait_for_save(self) -> None:
-        return
+        """End of the step: complete and release this step's loads."""
+        if self._step is not None:
+            self._step.finish()
+            self._step = None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layerwise host loads are awaited inside the forward pass (before each attention
+        # layer), which a full CUDA graph would skip.
+        return bool(extra_config.get("layerwise_host_loads", True))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()

@@ -41,6 +41,7 @@ class EngineConfig:
     host_budget_bytes: int = 32 << 30
     auto_reload: bool = True
     reload_tier: str = "host"
+    layerwise_host_loads: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -63,6 +64,7 @@ class EngineConfig:
                 "host_budget_bytes": self.host_budget_bytes,
                 "auto_reload": self.auto_reload,
                 "reload_tier": self.reload_tier,
+                "layerwise_host_loads": self.layerwise_host_loads,
             },
         }
 
@@ -192,6 +194,15 @@ class MemoryEngine:
         (result,) = await self.llm.collective_rpc("inferscale_set_budgets",
                                                   args=(gpu_bytes, host_bytes))
         await self.sync()
+        return result
+
+    async def verify_next(self) -> None:
+        """Have the worker keep its next load for :meth:`verify_last_load`."""
+        await self.llm.collective_rpc("inferscale_verify_next")
+
+    async def verify_last_load(self) -> dict:
+        """Check the paged cache against an independent computation of the kept load."""
+        (result,) = await self.llm.collective_rpc("inferscale_verify_last_load")
         return result
 
     async def status(self) -> dict:

@@ -98,3 +98,19 @@ def prefill_stats(output: Any) -> dict | None:
         "local_cached": stats.num_local_cached_tokens,
         "external": stats.num_external_cached_tokens,
     }
+
+
+def read_layer_kv(layer: Any, slot_mapping: torch.Tensor, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Read ``key, value [N, H, D]`` back from ``layer``'s paged cache at ``slot_mapping``.
+
+    Only for FlashAttention's cache layout (CUDA), mirroring its ``do_kv_cache_update``;
+    None for other backends (whose layouts may be ISA-packed). Used to verify what a
+    load wrote.
+    """
+    if type(layer.impl).__name__ != "FlashAttentionImpl":
+        return None
+    kv = layer.kv_cache  # logical [blocks, H, block_size, 2*D]
+    key_cache, value_cache = kv.transpose(1, 2).split(layer.impl.head_size, dim=-1)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    return key_cache[blocks, offsets], value_cache[blocks, offsets]

@@ -69,6 +69,47 @@ class InferScaleWorkerExtension:
         """New byte budgets for the tiers; over-budget users are demoted/evicted now."""
         return _connector().store.set_budgets(gpu_bytes, host_bytes)
 
+    def inferscale_verify_next(self) -> bool:
+        """Keep the next load's description so :meth:`inferscale_verify_last_load` can
+        check what it wrote."""
+        _connector().verify_next = True
+        return True
+
+    def inferscale_verify_last_load(self) -> dict:
+        """Compare the paged cache at the last kept load's slots with an independent
+        computation: the resident's pre-RoPE K/V, rotated with transformers' tables of
+        the served config (fp32). Returns max abs errors, or ``checked: False`` where the
+        backend's layout cannot be read back."""
+        import torch
+
+        from inferscale.inject import row_index
+        from inferscale.rope import RotaryTables, rotate_keys
+        from inferscale.vllm_compat import read_layer_kv
+
+        conn = _connector()
+        step = conn.last_step
+        if step is None:
+            return {"checked": False, "reason": "no load kept"}
+        device = step.staging.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pre = torch.cat([j.resident.slab[row_index(j.resident, j.chunks, j.start, j.end)]
+                         .to(device, torch.float32) for j in step.jobs])  # [N, 2, L, H, D]
+        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        tables = RotaryTables.from_config(hf_config, device=device)
+        want_k = rotate_keys(pre[:, 0], step.positions, tables, token_dim=0)  # [N, L, H, D]
+        err_k = err_v = 0.0
+        scale = float(pre.abs().max())
+        for idx, layer in step.layers.items():
+            got = read_layer_kv(layer, step.slots, conn.block_size)
+            if got is None:
+                return {"checked": False, "reason": f"{type(layer.impl).__name__} layout"}
+            err_k = max(err_k, float((got[0].float() - want_k[:, idx]).abs().max()))
+            err_v = max(err_v, float((got[1].float() - pre[:, 1, idx]).abs().max()))
+        return {"checked": True, "tokens": int(pre.shape[0]), "max_abs_err_k": err_k,
+                "max_abs_err_v": err_v, "max_abs_value": scale,
+                "layerwise": bool(step.events), "dtype": str(step.staging.dtype)}
+
     def inferscale_evict(self, user: str) -> bool:
         return _connector().evict(user)
 
