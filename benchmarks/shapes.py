@@ -33,6 +33,13 @@ SHAPES: dict[str, dict] = {
     },
 }
 
+# A two-layer Llama for smoke-testing the dummy-weight path on a CPU in seconds.
+SHAPES["tiny-llama-shape"] = {
+    **SHAPES["llama-3.1-8b-shape"], "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "vocab_size": 49152, "torch_dtype": "float32",
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

@@ -79,9 +79,11 @@ async def measure(args) -> dict:
         versions = {}
         for tier, user in users.items():
             facts = turn_facts(turns, user, tok, embedder)
+            kv_dtype = torch.bfloat16 if cuda else torch.float32
             versions[tier] = publish_memory(work / "artifacts", user, turns, facts,
-                                            random_memory(facts, tok, shape, torch.bfloat16, fp))
-        engine_cfg = dict(model=str(ckpt), load_format="dummy", dtype="bfloat16")
+                                            random_memory(facts, tok, shape, kv_dtype, fp))
+        engine_cfg = dict(model=str(ckpt), load_format="dummy",
+                          dtype="bfloat16" if cuda else "float32")
         kv_note = "random KV (dummy weights)"
     else:
         loaded = load_model(args.model, home, device="cpu", dtype="float32")

@@ -56,6 +56,7 @@ class StepLoad:
     side_stream: Any = None
     done: set[int] = field(default_factory=set)
     jobs: list[Job] = field(default_factory=list)
+    _in_flight: list[Any] = field(default_factory=list)  # tensors the side stream reads
 
     @classmethod
     def build(cls, store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]],
@@ -87,6 +88,7 @@ class StepLoad:
         self.side_stream.wait_stream(torch.cuda.current_stream(device))
         rows = [(j, alias, row_index(j.resident, j.chunks, j.start, j.end).to(device))
                 for j, alias in deferred]
+        self._in_flight = rows  # alive until finish(): the side stream reads them
         with torch.cuda.stream(self.side_stream):
             for layer in range(num_layers):
                 for j, alias, idx in rows:
@@ -128,6 +130,8 @@ class StepLoad:
         self.all_layers()
         if self.side_stream is not None:
             torch.cuda.current_stream(self.staging.device).wait_stream(self.side_stream)
+            self.side_stream.synchronize()
+            self._in_flight = []
 
 
 def row_index(resident: Resident, chunks: list[str], start: int, end: int) -> torch.Tensor:
