@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from inferscale.inject import Job, StepLoad
@@ -74,7 +75,7 @@ class ConnectorConfig:
     host_budget_bytes: int = 32 << 30
     reload_tier: str = "host"  # where background reloads land
     auto_reload: bool = True
-    layerwise_host_loads: bool = True  # CUDA: overlap host-tier transfers with the forward
+    layerwise_host_loads: bool = True  # CUDA: write per layer, host transfers overlapped
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -106,7 +107,7 @@ class LoadSpec:
     chunks: list[str]
     start: int
     end: int
-    slot_mapping: list[int]  # paged-cache slot of each token in [start, end)
+    slot_mapping: np.ndarray  # [end - start] paged-cache slot of each token
     block_ids: list[int]  # blocks covering [start, end), reported if the load fails
 
 
@@ -289,11 +290,12 @@ class InferScaleConnector(KVConnectorBase_V1):
             plan.start = plan.end - num_external_tokens
             self._to_load[request.request_id] = plan
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
+    def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, list[int]]:
+        """Paged-cache slot of each token in ``[start, end)``, and the blocks they use."""
         bs = self.block_size
-        slots = [block_ids[i // bs] * bs + i % bs for i in range(start, end)]
-        blocks = block_ids[start // bs:(end - 1) // bs + 1]
-        return slots, blocks
+        pos = np.arange(start, end)
+        slots = np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
+        return slots, block_ids[start // bs:(end - 1) // bs + 1]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = InferScaleMetadata(reloads=list(self._reloads.values()))
@@ -410,7 +412,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         layers = attention_layers(forward_context)
         if not layers:
             return None
-        jobs, slots, at = [], [], 0
+        jobs, slots, at = [], [], 0  # slots: one int64 array per job
         for spec in loads:
             resident = self.store.get(spec.user, spec.version)
             problem = self._check(spec, resident)
@@ -420,15 +422,15 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._invalid_blocks.update(spec.block_ids)
                 continue
             jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
-            slots.extend(spec.slot_mapping)
+            slots.append(spec.slot_mapping)
             at += spec.end - spec.start
         if not jobs:
             return None
-        step = StepLoad.build(self.store, jobs, layers, self.model_dtype, self.rotary,
-                              layerwise=self.config.layerwise_host_loads)
+        overlap = self.config.layerwise_host_loads and self.store.device.type == "cuda"
+        step = StepLoad.build(self.store, jobs, layers, self.model_dtype, self.rotary, overlap)
         step.set_slots(slots)
-        if not step.events:
-            step.all_layers()  # nothing in flight: write every layer now
+        if not overlap:
+            step.all_layers()  # CPU build: write every layer before the forward pass
         self.loaded_tokens += at
         if self.verify_next:
             self.last_step, self.verify_next = step, False

@@ -4,12 +4,12 @@ Built by the connector's worker side in ``start_load_kv`` from the step's verifi
 All loads of the step share one staging buffer ``[N, 2, L, H, D]`` in the model's dtype:
 
 - device-tier rows are gathered at once (one ``index_select`` per user on the device);
-- host-tier rows, on CUDA, are gathered layer by layer on a side stream straight from
-  pinned host memory (a zero-copy CUDA view of the pinned slab: only the needed rows
-  cross PCIe), each layer signalling an event; the forward pass waits for layer ``l``
-  only when it reaches layer ``l`` (``wait_for_layer_load``), so the transfer overlaps
-  the computation of earlier layers. Without CUDA (or without the zero-copy view), host
-  rows are copied up front.
+- host-tier rows, on CUDA, are copied from pinned host memory by DMA on a side stream,
+  in groups of layers (one pitched ``cudaMemcpy2DAsync`` per run of rows and group:
+  only the needed rows cross PCIe), each group signalling an event; the forward pass
+  waits for layer ``l``'s group only when it reaches layer ``l`` (``wait_for_layer_load``),
+  so the transfer of later layers overlaps the computation of earlier ones. Without
+  CuPy's pitched copy the rows go in one group; without CUDA, up front.
 
 Keys are rotated at their virtual positions with the model's own rotary op and every
 layer is written with the attention backend's own cache writer. ``finish`` (called at
@@ -26,6 +26,8 @@ import torch
 
 from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import rotate_with_model, write_layer_kv
+
+LAYER_GROUPS = 4  # host-tier transfer groups: the first group's copy is the only one exposed
 
 
 @dataclass
@@ -56,11 +58,11 @@ class StepLoad:
     side_stream: Any = None
     done: set[int] = field(default_factory=set)
     jobs: list[Job] = field(default_factory=list)
-    _in_flight: list[Any] = field(default_factory=list)  # tensors the side stream reads
 
     @classmethod
     def build(cls, store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]],
-              dtype: torch.dtype, rotary: torch.nn.Module, layerwise: bool) -> "StepLoad":
+              dtype: torch.dtype, rotary: torch.nn.Module, overlap: bool) -> "StepLoad":
+        """Stage the jobs; with ``overlap`` (CUDA), host-tier rows stream in by layer group."""
         device = layers[0][1].kv_cache.device
         n = sum(j.width for j in jobs)
         _, _, L, H, D = jobs[0].resident.slab.shape
@@ -69,35 +71,41 @@ class StepLoad:
         load = cls(dict(layers), staging, positions, torch.empty(0), rotary, jobs=jobs)
         deferred = []
         for j in jobs:
-            alias = store.device_alias(j.resident) if layerwise else None
-            if alias is not None:
-                deferred.append((j, alias))
+            slab = j.resident.slab
+            if overlap and slab.device.type == "cpu" and slab.is_pinned() and slab.dtype == dtype:
+                deferred.append(j)
             else:
                 store.gather(j.resident, j.chunks, j.start, j.end, staging[j.at:j.at + j.width])
         if deferred:
-            load._start_layerwise(deferred, L)
+            load._start_host_copies(deferred, L)
         else:
             load._rotate_all()
         return load
 
-    # -------------------------------------------------------------- layerwise host loads
+    # -------------------------------------------------------------- host-tier transfers
 
-    def _start_layerwise(self, deferred: list[tuple[Job, torch.Tensor]], num_layers: int) -> None:
+    def _start_host_copies(self, deferred: list[Job], num_layers: int) -> None:
         device = self.staging.device
         self.side_stream = torch.cuda.Stream(device)
         self.side_stream.wait_stream(torch.cuda.current_stream(device))
-        rows = [(j, alias, row_index(j.resident, j.chunks, j.start, j.end).to(device))
-                for j, alias in deferred]
-        self._in_flight = rows  # alive until finish(): the side stream reads them
+        pitched = _pitched_copy()
+        bounds = _groups(num_layers, LAYER_GROUPS if pitched else 1)
         with torch.cuda.stream(self.side_stream):
-            for layer in range(num_layers):
-                for j, alias, idx in rows:
-                    # [w, 2, H, D] of layer `layer`, read from pinned host memory over PCIe
-                    part = torch.index_select(alias[:, :, layer], 0, idx)
-                    self.staging[j.at:j.at + j.width, :, layer].copy_(part)
+            for l0, l1 in bounds:
+                for j in deferred:
+                    at = j.at
+                    for row, count in j.resident.runs(j.chunks, j.start, j.end):
+                        if pitched:
+                            pitched(self.staging, at, j.resident.slab, row, count, l0, l1,
+                                    self.side_stream.cuda_stream)
+                        else:
+                            self.staging[at:at + count].copy_(j.resident.slab[row:row + count],
+                                                              non_blocking=True)
+                        at += count
                 ev = torch.cuda.Event()
                 ev.record(self.side_stream)
-                self.events[layer] = ev
+                for layer in range(l0, l1):
+                    self.events[layer] = ev
 
     # -------------------------------------------------------------- writing
 
@@ -106,8 +114,11 @@ class StepLoad:
         # every layer's keys at once, in place: a [N, L*H*D] view, L*H "heads"
         rotate_with_model(self.rotary, self.positions, self.staging[:, 0].reshape(n, L * H, D))
 
-    def set_slots(self, slots: list[int]) -> None:
-        self.slots = torch.tensor(slots, dtype=torch.long).to(self.staging.device)
+    def set_slots(self, slots: list[Any]) -> None:
+        """The jobs' slot mappings (int64 arrays, in job order) -> one device tensor [N]."""
+        import numpy as np
+
+        self.slots = torch.from_numpy(np.concatenate(slots)).to(self.staging.device)
 
     def layer(self, idx: int) -> None:
         """Make layer ``idx``'s memory KV present in the paged cache (idempotent)."""
@@ -130,10 +141,37 @@ class StepLoad:
         self.all_layers()
         if self.side_stream is not None:
             torch.cuda.current_stream(self.staging.device).wait_stream(self.side_stream)
-            self.side_stream.synchronize()
-            self._in_flight = []
 
 
 def row_index(resident: Resident, chunks: list[str], start: int, end: int) -> torch.Tensor:
     """Slab rows ``[N]`` of memory tokens ``[start, end)`` of the chunks' concatenation."""
     return torch.cat([torch.arange(r, r + n) for r, n in resident.runs(chunks, start, end)])
+
+
+def _groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` contiguous layer ranges covering ``range(num_layers)``."""
+    groups = max(1, min(groups, num_layers))
+    edges = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(groups)]
+
+
+def _pitched_copy():
+    """A host->device copy of layers ``[l0, l1)`` of ``count`` token rows between two
+    ``[*, 2, L, H, D]`` buffers (one ``cudaMemcpy2DAsync``), or None without CuPy."""
+    try:
+        from cupy.cuda import runtime
+    except ImportError:
+        return None
+
+    def copy(dst: torch.Tensor, dst_row: int, src: torch.Tensor, src_row: int, count: int,
+             l0: int, l1: int, stream: int) -> None:
+        _, _, L, H, D = src.shape
+        es = src.element_size()
+        layer_bytes = H * D * es
+        pitch = L * layer_bytes  # bytes between consecutive (token, k|v) rows
+        runtime.memcpy2DAsync(
+            dst.data_ptr() + (dst_row * 2 * L + l0) * layer_bytes, pitch,
+            src.data_ptr() + (src_row * 2 * L + l0) * layer_bytes, pitch,
+            (l1 - l0) * layer_bytes, count * 2, runtime.memcpyHostToDevice, stream)
+
+    return copy

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,7 +42,6 @@ class Resident:
     index: dict[str, tuple[int, int]]  # chunk_id -> (row offset, length)
     token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
     tier: str = "gpu"
-    alias: torch.Tensor | None = field(default=None, repr=False)  # zero-copy CUDA view
 
     @property
     def nbytes(self) -> int:
@@ -170,26 +169,6 @@ class ResidentStore:
             self._lru.move_to_end(user)
             return r
 
-    def device_alias(self, resident: Resident) -> torch.Tensor | None:
-        """A CUDA tensor reading a host-tier (pinned) slab in place, or None.
-
-        Pinned memory is mapped into the device's address space (unified addressing),
-        so a kernel can gather rows of it over PCIe without a staging copy. The view is
-        checked once against the host bytes; any failure means "use copies".
-        """
-        if resident.tier != "host" or self.device.type != "cuda" or not resident.slab.is_pinned():
-            return None
-        if resident.alias is None:
-            try:
-                alias = _cuda_view_of_pinned(resident.slab, self.device)
-                probe = slice(0, min(4, resident.slab.shape[0]))
-                ok = torch.equal(alias[probe].cpu(), resident.slab[probe])
-            except Exception as exc:  # noqa: BLE001 - fall back to copies, say so once
-                log.warning("no zero-copy view of pinned memory (%s): host loads will copy", exc)
-                ok = False
-            resident.alias = alias if ok else torch.empty(0)
-        return resident.alias if resident.alias.numel() else None
-
     def evict(self, user: str) -> bool:
         with self._lock:
             r = self._lru.pop(user, None)
@@ -237,18 +216,3 @@ class ResidentStore:
             out[at:at + n].copy_(slab[row:row + n], non_blocking=True)
             at += n
 
-
-class _PinnedAsCuda:
-    """``__cuda_array_interface__`` over a pinned host buffer (its unified address)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.__cuda_array_interface__ = {
-            "shape": (t.numel() * t.element_size(),), "typestr": "|u1",
-            "data": (t.data_ptr(), False), "version": 3, "strides": None,
-        }
-
-
-def _cuda_view_of_pinned(slab: torch.Tensor, device: torch.device) -> torch.Tensor:
-    with torch.cuda.device(device):
-        raw = torch.as_tensor(_PinnedAsCuda(slab), device=device)  # uint8, no copy
-    return raw.view(slab.dtype).view(slab.shape)

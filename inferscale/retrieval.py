@@ -47,10 +47,13 @@ class Embedder:
     """One sentence-embedding model on one device; ``embed(texts) -> [N, D]`` normalized.
 
     ``dtype`` (e.g. ``torch.float16`` on a GPU) casts the model; outputs are float32.
+    On CUDA a single query (the serving path) replays a CUDA graph captured for its
+    token length (:class:`_GraphedQuery`), which removes the per-kernel launch cost
+    that dominates a one-sentence encoder pass; ``cuda_graphs=False`` turns this off.
     """
 
     def __init__(self, path_or_name: str | Path = EMBEDDED, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, cuda_graphs: bool = True):
         from sentence_transformers import SentenceTransformer
 
         self.device = torch.device(device) if device is not None else default_device()
@@ -63,6 +66,8 @@ class Embedder:
                   or model.get_sentence_embedding_dimension)  # renamed in sentence-transformers 6
         self.dim: int = int(dim_of())
         self._prepare = getattr(model, "preprocess", None) or model.tokenize
+        self._graphs = (_GraphedQuery.for_model(model, self.device, self._eager)
+                        if cuda_graphs and self.device.type == "cuda" else None)
 
     @torch.inference_mode()
     def embed(self, texts: str | Sequence[str]) -> torch.Tensor:
@@ -70,11 +75,94 @@ class Embedder:
         batch = [texts] if isinstance(texts, str) else list(texts)
         if not batch:
             return torch.empty(0, self.dim, device=self.device)
+        if len(batch) == 1 and self._graphs is not None:
+            out = self._graphs(batch[0])
+            if out is not None:
+                return out
+        return self._eager(batch)
+
+    def _eager(self, batch: list[str]) -> torch.Tensor:
         features = self._prepare(batch)
         features = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
                     for k, v in features.items()}
         out = self.model(features)["sentence_embedding"]  # [N, D]
         return F.normalize(out.float(), dim=-1)
+
+
+class _GraphedQuery:
+    """CUDA graphs of ``[Transformer -> mean pooling -> normalize]`` for one text, one
+    graph per token length (captured on first use, sharing one memory pool).
+
+    Exact-length inputs need no attention mask, so the captured pass has no
+    data-dependent branches. Each new length is checked once against the eager
+    sentence-transformers pass; a mismatch (or any capture failure) disables graphs.
+    """
+
+    def __init__(self, model: Any, device: torch.device, eager: Any):
+        self.hf = model[0].auto_model
+        self.tokenizer = model.tokenizer
+        self.max_len = int(getattr(model[0], "max_seq_length", 256) or 256)
+        self.device, self.eager = device, eager
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.enabled = True
+
+    @classmethod
+    def for_model(cls, model: Any, device: torch.device, eager: Any) -> "_GraphedQuery | None":
+        from sentence_transformers.models import Normalize, Pooling, Transformer
+
+        mods = list(model)
+        if not (isinstance(mods[0], Transformer) and isinstance(mods[1], Pooling)
+                and mods[1].get_pooling_mode_str() == "mean"
+                and all(isinstance(m, Normalize) for m in mods[2:])):
+            return None  # only the plain mean-pooling pipeline is graphed
+        return cls(model, device, eager)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.hf(input_ids=ids, token_type_ids=torch.zeros_like(ids)).last_hidden_state
+        return F.normalize(hidden.float().mean(dim=1), dim=-1)  # [1, D]
+
+    def __call__(self, text: str) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        ids = self.tokenizer(text, truncation=True, max_length=self.max_len)["input_ids"]
+        entry = self.graphs.get(len(ids))
+        if entry is None:
+            entry = self._capture(text, len(ids))
+            if entry is None:
+                return None
+        graph, static_ids, out = entry
+        static_ids.copy_(torch.tensor([ids]), non_blocking=True)
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, text: str, n: int):
+        try:
+            static_ids = torch.zeros((1, n), dtype=torch.long, device=self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(static_ids)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(static_ids)
+            entry = (graph, static_ids, out)
+            ids = self.tokenizer(text, truncation=True, max_length=self.max_len)["input_ids"]
+            static_ids.copy_(torch.tensor([ids]))
+            graph.replay()
+            if (out - self.eager([text])).abs().max().item() > 1e-2:
+                raise RuntimeError("graph output differs from the eager encoder")
+        except Exception as exc:  # noqa: BLE001 - fall back to the eager encoder, say why
+            import logging
+
+            logging.getLogger("inferscale.retrieval").warning(
+                "CUDA graphs disabled for the query encoder: %s", exc)
+            self.enabled = False
+            return None
+        self.graphs[n] = entry
+        return entry
 
 
 class FactIndex:

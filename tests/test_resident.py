@@ -88,16 +88,3 @@ def test_host_tier_is_pinned_and_gathers_to_device():
     ref = torch.cat([r.slab[o:o + n] for o, n in r.rows(["a", "prefix", "b"])])
     assert torch.equal(out.cpu(), ref)
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_zero_copy_view_reads_pinned_rows_on_the_gpu():
-    from inferscale.inject import row_index
-
-    store = ResidentStore("cuda", 1 << 20, 1 << 20)
-    r = store.put(make_resident("u"), "host")
-    alias = store.device_alias(r)
-    assert alias is not None and alias.is_cuda and alias.data_ptr() == r.slab.data_ptr()
-    idx = row_index(r, ["b", "prefix"], 1, 4).cuda()
-    got = torch.index_select(alias[:, :, 1], 0, idx).cpu()
-    assert torch.equal(got, r.slab[idx.cpu()][:, :, 1])
-    assert store.device_alias(store.put(make_resident("v"), "gpu")) is None

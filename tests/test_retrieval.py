@@ -150,3 +150,18 @@ def test_benchmark_cli(tmp_path):
     assert set(result) == {"command", "device", "rows", "summary"}
     assert result["summary"]["embed_p50_ms"] > 0 and result["summary"]["topk_p50_ms"] > 0
     assert result["summary"]["num_facts"] == 300
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_query_path_matches_the_eager_encoder():
+    from inferscale.retrieval import Embedder
+
+    import os
+
+    emb = Embedder(os.environ.get("INFERSCALE_EMBEDDER_PATH", "embedded"), device="cuda")
+    assert emb._graphs is not None
+    for text in ["dog", "What is the name of Caroline's dog?", "a " * 40]:
+        graphed = emb.embed(text)
+        eager = emb._eager([text])
+        assert (graphed - eager).abs().max().item() < 1e-3
+    assert emb._graphs.enabled and len(emb._graphs.graphs) == 3

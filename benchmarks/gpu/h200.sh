@@ -6,7 +6,7 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export INFERSCALE_HOME=/tmp/inferscale-home
+export INFERSCALE_HOME=/tmp/inferscale-home INFERSCALE_EMBEDDER_PATH=/tmp/data/minilm
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 D=/tmp/data
@@ -18,26 +18,30 @@ run() {  # name, seconds, command...
   echo "=== $name rc=$rc"; tail -n 4 "$OUT/$name.log"
 }
 case "${1:-}" in
-  phase1)
+  tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    run gpu-tests 150 python -m pytest -q -p no:cacheprovider tests/test_rope.py \
-      tests/test_resident.py tests/test_hydrate.py -k "cuda or CUDA or gpu"
+    run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests/test_rope.py \
+      tests/test_resident.py tests/test_inject.py tests/test_hydrate.py -k "cuda or CUDA or gpu"
+    ;;
+  encode-hydrate)
     run encode-h200 300 python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \
       --conversation $D/conv-26.json --tokenizer $D/tok --out "$OUT/encode-h200.json"
     run hydrate-h200 150 python benchmarks/hydrate.py --device cuda --size-gb 4 \
       --root /tmp/hydrate-bench --out "$OUT/hydrate-h200.json"
     ;;
-  phase2)
+  retrieval-ttft-llama)
+    run gpu-tests-retrieval 120 python -m pytest -q -p no:cacheprovider tests/test_retrieval.py \
+      -k cuda
     run retrieval-h200 120 python benchmarks/retrieval.py --device cuda \
       --embedder-path $D/minilm --out "$OUT/retrieval-h200.json"
     run ttft-h200-llama31-8b 420 python benchmarks/ttft.py --model llama-3.1-8b-shape \
       --conversation $D/conv-26.json --tokenizer $D/tok --embedder $D/minilm \
       --out "$OUT/ttft-h200-llama31-8b.json"
     ;;
-  phase3)
+  ttft-qwen)
     run ttft-h200-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
       --conversation $D/conv-26.json --tokenizer $D/tok --embedder $D/minilm \
       --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
-  *) echo "usage: $0 phase1|phase2|phase3"; exit 2 ;;
+  *) echo "usage: $0 tests|encode-hydrate|retrieval-ttft-llama|ttft-qwen"; exit 2 ;;
 esac
