@@ -46,7 +46,7 @@ from inferscale.inject import Job, StepLoad
 from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
-    attention_layers, block_ids_of, layer_index,
+    attention_layers, block_ids_of,
 )
 
 if TYPE_CHECKING:
@@ -75,7 +75,6 @@ class ConnectorConfig:
     host_budget_bytes: int = 32 << 30
     reload_tier: str = "host"  # where background reloads land
     auto_reload: bool = True
-    layerwise_host_loads: bool = True  # CUDA: write per layer, host transfers overlapped
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -206,6 +205,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self.loaded_tokens = 0
             self.inject_seconds = 0.0
             self._step: StepLoad | None = None
+            self._layers: list[tuple[int, Any]] | None = None
             self.verify_next = False  # keep the next step's load for verify_last_load()
             self.last_step: StepLoad | None = None
             self.reloads = 0
@@ -409,7 +409,9 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
         """Verify the step's loads against the store, then start them (see inject.py)."""
-        layers = attention_layers(forward_context)
+        if self._layers is None:  # the attention layers never change: find them once
+            self._layers = attention_layers(forward_context)
+        layers = self._layers
         if not layers:
             return None
         jobs, slots, at = [], [], 0  # slots: one int64 array per job
@@ -426,11 +428,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             at += spec.end - spec.start
         if not jobs:
             return None
-        overlap = self.config.layerwise_host_loads and self.store.device.type == "cuda"
-        step = StepLoad.build(self.store, jobs, layers, self.model_dtype, self.rotary, overlap)
-        step.set_slots(slots)
-        if not overlap:
-            step.all_layers()  # CPU build: write every layer before the forward pass
+        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary, slots)
         self.loaded_tokens += at
         if self.verify_next:
             self.last_step, self.verify_next = step, False
@@ -449,25 +447,15 @@ class InferScaleConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Before layer ``layer_name`` attends: its memory KV must be in the cache."""
-        if self._step is not None:
-            self._step.layer(layer_index(layer_name))
+        return  # start_load_kv enqueues every write ahead of the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # memory is only ever loaded
 
     def wait_for_save(self) -> None:
-        """End of the step: complete and release this step's loads."""
-        if self._step is not None:
-            self._step.finish()
-            self._step = None
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Layerwise host loads are awaited inside the forward pass (before each attention
-        # layer), which a full CUDA graph would skip.
-        return bool(extra_config.get("layerwise_host_loads", True))
+        """End of the step: release its staging buffer (the stream orders its reuse)."""
+        self._step = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()

@@ -41,7 +41,6 @@ class EngineConfig:
     host_budget_bytes: int = 32 << 30
     auto_reload: bool = True
     reload_tier: str = "host"
-    layerwise_host_loads: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -64,7 +63,6 @@ class EngineConfig:
                 "host_budget_bytes": self.host_budget_bytes,
                 "auto_reload": self.auto_reload,
                 "reload_tier": self.reload_tier,
-                "layerwise_host_loads": self.layerwise_host_loads,
             },
         }
 

@@ -112,8 +112,12 @@ class _GraphedQuery:
         from sentence_transformers.models import Normalize, Pooling, Transformer
 
         mods = list(model)
-        if not (isinstance(mods[0], Transformer) and isinstance(mods[1], Pooling)
-                and mods[1].get_pooling_mode_str() == "mean"
+        pool = mods[1] if len(mods) > 1 else None
+        mode = getattr(pool, "pooling_mode", None)  # sentence-transformers 6 (a string)
+        if mode is None and hasattr(pool, "get_pooling_mode_str"):
+            mode = pool.get_pooling_mode_str()
+        mean = mode == "mean" or (mode is None and getattr(pool, "pooling_mode_mean_tokens", False))
+        if not (isinstance(mods[0], Transformer) and isinstance(pool, Pooling) and mean
                 and all(isinstance(m, Normalize) for m in mods[2:])):
             return None  # only the plain mean-pooling pipeline is graphed
         return cls(model, device, eager)

@@ -108,7 +108,8 @@ class InferScaleWorkerExtension:
             err_v = max(err_v, float((got[1].float() - pre[:, 1, idx]).abs().max()))
         return {"checked": True, "tokens": int(pre.shape[0]), "max_abs_err_k": err_k,
                 "max_abs_err_v": err_v, "max_abs_value": scale,
-                "layerwise": bool(step.events), "dtype": str(step.staging.dtype)}
+                "tiers": sorted({j.resident.tier for j in step.jobs}),
+                "dtype": str(step.staging.dtype)}
 
     def inferscale_evict(self, user: str) -> bool:
         return _connector().evict(user)
