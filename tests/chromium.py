@@ -19,7 +19,7 @@ from typing import Any
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,1000"]
+         "--disable-dev-shm-usage", "--window-size=1400,1800"]
 
 
 def chromium_binary() -> str | None:
@@ -29,24 +29,35 @@ def chromium_binary() -> str | None:
 class Browser:
     """``with Browser(profile_dir) as b: b.open(url); b.wait_for(js); b.screenshot(p)``."""
 
-    def __init__(self, profile_dir: Path, timeout: float = 60):
+    def __init__(self, profile_dir: Path, timeout: float = 60, width: int = 1400,
+                 height: int = 1800):
         self.profile_dir = Path(profile_dir)
+        self.width, self.height = width, height
         self.timeout = timeout
         self._ids = itertools.count(1)
 
     def __enter__(self) -> "Browser":
-        import httpx
-        from websockets.sync.client import connect
-
         binary = chromium_binary()
         if binary is None:
             raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
         self.profile_dir.mkdir(parents=True, exist_ok=True)
+        (self.profile_dir / "DevToolsActivePort").unlink(missing_ok=True)
         self.log = open(self.profile_dir.parent / f"{self.profile_dir.name}.log", "ab")
         self.proc = subprocess.Popen(
             [binary, *FLAGS, f"--user-data-dir={self.profile_dir}", "--remote-debugging-port=0",
              "--remote-debugging-address=127.0.0.1", "about:blank"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._connect()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _connect(self) -> None:
+        import httpx
+        from websockets.sync.client import connect
+
         port_file = self.profile_dir / "DevToolsActivePort"
         deadline = time.monotonic() + self.timeout
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -61,13 +72,15 @@ class Browser:
                           open_timeout=self.timeout)
         self.call("Page.enable")
         self.call("Runtime.enable")
-        return self
+        self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
+                  deviceScaleFactor=1, mobile=False)
 
     def __exit__(self, *exc) -> None:
         from prefect_env import kill_tree
 
         try:
-            self.ws.close()
+            if getattr(self, "ws", None) is not None:
+                self.ws.close()
         finally:
             kill_tree(self.proc)
             self.log.close()
@@ -105,6 +118,6 @@ class Browser:
             time.sleep(0.25)
 
     def screenshot(self, path: Path) -> Path:
-        data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        data = self.call("Page.captureScreenshot", format="png")
         Path(path).write_bytes(base64.b64decode(data["data"]))
         return Path(path)
