@@ -220,7 +220,9 @@ class _KVCapture:
     K is taken where it enters the modeling module's ``apply_rotary_pos_emb`` (patched
     for the pass); V where it enters the attention function (the registered attention
     implementation, or the module's ``eager_attention_forward``), which is exactly what
-    a KV cache would store. Both patches hold a process-wide lock for the pass.
+    a KV cache would store. Both patches hold a process-wide lock for the pass, and
+    capture only calls made by this model in this thread: any other model (another
+    thread's embedder, say) that runs meanwhile goes straight to the originals.
     """
 
     def __init__(self, model: torch.nn.Module, out_k: torch.Tensor, out_v: torch.Tensor,
@@ -233,12 +235,16 @@ class _KVCapture:
         if not hasattr(self.module, "apply_rotary_pos_emb"):
             raise EncodeError(f"{self.module.__name__} has no apply_rotary_pos_emb to capture")
         self.impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.modules = {id(m) for m in model.modules()}
+        self.thread = threading.get_ident()
 
     def _select(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, H, S, D] -> selected tokens [N, H, D]
         return x.transpose(1, 2)[self.sel_b, self.sel_s]
 
     def _rope(self, q, k, cos, sin, *args, **kwargs):
+        if threading.get_ident() != self.thread:
+            return self.original_rope(q, k, cos, sin, *args, **kwargs)
         if self.k_calls >= self.out_k.shape[0]:
             raise EncodeError("apply_rotary_pos_emb called more often than there are layers")
         if k.shape[-1] != self.out_k.shape[-1]:
@@ -249,6 +255,8 @@ class _KVCapture:
         return self.original_rope(q, k, cos, sin, *args, **kwargs)
 
     def _attention(self, module, query, key, value, *args, **kwargs):
+        if threading.get_ident() != self.thread or id(module) not in self.modules:
+            return self.original_attn(module, query, key, value, *args, **kwargs)
         layer = module.layer_idx
         self.out_v[layer] = self._select(value).to(self.out_v.dtype)
         self.v_layers.add(layer)

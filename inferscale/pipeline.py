@@ -9,8 +9,12 @@ Callers: ``inferscale.cli`` and ``tasks/``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +64,29 @@ class PipelineConfig:
         return StoreConfig(self.artifact_root, dict(self.storage_options))
 
 
+def configs_from_settings(settings: Any, *, model: str | None = None,
+                          fact_mode: str | None = None, artifact_root: str | None = None,
+                          window: int | None = None) -> tuple[PipelineConfig, Any]:
+    """(PipelineConfig, FactsConfig) from settings, with a flow's parameter overrides.
+
+    ``model`` changes the model whose KV is encoded (a backfill onto a new model); the
+    LLM that extracts facts stays the configured one, so facts keep their text.
+    Callers: the flows in ``flows/``, the demo.
+    """
+    from inferscale.facts import FactsConfig
+
+    overrides = {k: v for k, v in dict(model=model, fact_mode=fact_mode,
+                                        artifact_root=artifact_root, window=window).items()
+                 if v is not None}
+    effective = settings.model_copy(update=overrides) if overrides else settings
+    facts_cfg = FactsConfig.from_settings(effective, llm_checkpoint=settings.model)
+    return PipelineConfig.from_settings(effective), facts_cfg
+
+
 _MODELS: dict[tuple, Any] = {}
+_FINGERPRINTS: dict[tuple, str] = {}
+_LOCK = threading.Lock()  # model loading and fingerprints
+_FACTS_LOCK = threading.Lock()  # the shared fact extractors (Mem0 is not thread-safe)
 
 
 def serving_model(cfg: PipelineConfig):
@@ -68,9 +94,89 @@ def serving_model(cfg: PipelineConfig):
     from inferscale.models import load_model
 
     key = (cfg.model, cfg.device, cfg.model_dtype)
-    if key not in _MODELS:
-        _MODELS[key] = load_model(cfg.model, cfg.home, device=cfg.device, dtype=cfg.model_dtype)
-    return _MODELS[key]
+    with _LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = load_model(cfg.model, cfg.home, device=cfg.device,
+                                      dtype=cfg.model_dtype)
+        return _MODELS[key]
+
+
+def model_fingerprint(cfg: PipelineConfig) -> str:
+    """The serving model's fingerprint without loading it (the embedded model is
+    converted on first use; weight digests are cached under ``{home}/fingerprints``)."""
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+
+    key = (cfg.model, str(cfg.home))
+    with _LOCK:
+        if key not in _FINGERPRINTS:
+            ckpt = resolve_checkpoint(cfg.model, cfg.home)
+            _FINGERPRINTS[key] = checkpoint_fingerprint(ckpt, cfg.home)
+        return _FINGERPRINTS[key]
+
+
+_EXTRACTORS: dict[Any, Any] = {}
+_EXIT = contextlib.ExitStack()
+atexit.register(_EXIT.close)
+
+
+def extract_user_facts(cfg: PipelineConfig, facts_cfg: Any, turns: pa.Table):
+    """One user's facts (:class:`~inferscale.facts.FactsResult`) with this process's
+    extractor: Mem0 (and the local LLM server in mem0 mode) is opened once per process
+    and closed at exit; extractions in one process run one at a time."""
+    from inferscale.facts import FactExtractor
+
+    tokenizer = serving_model(cfg).tokenizer
+    key = json.dumps(asdict(facts_cfg), sort_keys=True, default=str)
+    with _FACTS_LOCK:
+        ex = _EXTRACTORS.get(key)
+        if ex is None:
+            ex = _EXTRACTORS[key] = _EXIT.enter_context(FactExtractor.open(facts_cfg, cfg.home))
+        return ex.extract_user(turns, tokenizer)
+
+
+def compact(encoded: Any) -> Any:
+    """The encoder's output with every chunk's K/V copied out of the batch tensors it
+    views, so that pickling it (a cached task result) stores the chunks, not the batches."""
+    chunks = [replace(c, keys=c.keys.clone(), values=c.values.clone()) for c in encoded.chunks]
+    return replace(encoded, chunks=chunks)
+
+
+def expected_version(cfg: PipelineConfig, user: str, log_hash: str, facts_hash: str,
+                     model_fp: str) -> str:
+    """The version id that publishing these inputs yields (without encoding them)."""
+    from inferscale.artifacts import Lineage, version_id
+
+    return version_id(user, Lineage(log_hash, facts_hash), model_fp, cfg.encoder.to_dict())
+
+
+def facts_identity(facts_cfg: Any) -> dict:
+    """The facts settings that decide what extraction yields (a cache key's part): the
+    mode, the embedder and the limits; in mem0 mode also the LLM and its prompting.
+    Where Mem0 keeps its scratch and the API key do not change the facts."""
+    ident = {"mode": facts_cfg.mode, "embedder": facts_cfg.embedder_id(),
+             "max_facts_per_turn": facts_cfg.max_facts_per_turn,
+             "max_fact_tokens": facts_cfg.max_fact_tokens}
+    if facts_cfg.mode == "mem0":
+        ident.update({k: getattr(facts_cfg, k) for k in (
+            "llm_base_url", "llm_model", "llm_checkpoint", "prompt_style", "guided",
+            "llm_max_tokens", "llm_temperature", "repetition_penalty", "max_fact_chars",
+            "context_messages", "server_dtype")})
+    return ident
+
+
+def encode_identity(cfg: PipelineConfig) -> dict:
+    """What decides the encoder's KV bits besides its inputs: the encoder config and the
+    dtype and device kind the model computes in."""
+    return {"encoder": cfg.encoder.to_dict(), "model_dtype": cfg.model_dtype,
+            "device": cfg.device.split(":")[0]}
+
+
+def log_storage_options(cfg: PipelineConfig, uris: list[str]) -> dict:
+    """fsspec options for reading logs: the store's (S3) options for remote URIs."""
+    import fsspec
+
+    remote = any(fsspec.core.split_protocol(u)[0] not in (None, "file", "local") for u in uris)
+    return dict(cfg.storage_options) if remote else {}
 
 
 def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], list[FactSpec]]:

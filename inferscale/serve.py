@@ -26,6 +26,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# FastAPI resolves the endpoints' (string) annotations in this module's globals: without
+# Request here, every ``req: Request`` parameter is taken for a required query parameter.
+from fastapi import Request  # noqa: F401
+
 from inferscale.compose import Composer
 from inferscale.encode import PREFIX_ID
 from inferscale.engine import MemoryEngine, MemoryRef

@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_region: str | None = None
 
+    # -- conversation logs read by the offline pipeline (encode, nightly, backfill)
+    log_uris: list[str] = Field(
+        default_factory=list, description="fsspec URIs or globs of conversation logs (JSON "
+        "list in the environment); empty = the project's sample conversation")
+
     # -- the serving model and the encoder
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")

@@ -185,3 +185,7 @@ def engine_env(smollm2, tmp_path_factory):
                           log=log)
     engine.shutdown()
     loop.close()
+
+
+# The real Prefect server and the flows' environment (tests/flows, tests/tasks).
+from prefect_env import flow_env, prefect_server  # noqa: E402,F401

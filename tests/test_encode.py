@@ -211,3 +211,40 @@ def test_encode_facts_end_to_end(smollm2):
         assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
     assert mem.stats["facts"] == 2
+
+
+def test_capture_ignores_other_models_in_other_threads():
+    """A model running in another thread during a capture (a fact embedder, say) is not
+    intercepted: its output is unchanged and the capture stays exact."""
+    import threading
+
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    other = tiny_qwen3(seed=3)
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 256, (20,), generator=g).tolist()
+    chunk = torch.randint(0, 256, (7,), generator=g).tolist()
+    other_ids = torch.tensor([torch.randint(0, 256, (12,), generator=g).tolist()])
+    with torch.no_grad():
+        expected_other = other(other_ids).logits
+    seen = {}
+
+    def run_other():
+        with torch.no_grad():
+            seen["logits"] = other(other_ids).logits
+
+    def during_capture(module, args):  # runs inside the captured forward pass
+        t = threading.Thread(target=run_other)
+        t.start()
+        t.join()
+
+    handle = model.model.layers[0].register_forward_pre_hook(during_capture)
+    try:
+        enc = encode_one(model, context, chunk)
+    finally:
+        handle.remove()
+    assert torch.equal(seen["logits"], expected_other)
+    keys, values = joint_prefill_kv(model, context + chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5

@@ -1,0 +1,57 @@
+"""Hydrate serving: load users' latest artifacts into a running ``inferscale serve``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.states import Failed
+
+from inferscale.settings import offline_environment
+from tasks.serving import hydrate_user
+
+
+@flow(name="hydrate-serving", log_prints=True)
+def hydrate_serving(users: list[str], server_url: str = "http://127.0.0.1:8000",
+                    tier: Literal["gpu", "host"] = "gpu", version: str = "latest") -> Any:
+    """Load the listed users' artifacts into a running server through its admin API.
+
+    One ``POST /admin/hydrate`` per user (retried when the server is unreachable or
+    busy); the admin key is INFERSCALE_ADMIN_KEY in the worker's environment (not needed
+    on loopback). Ends with a table (artifact key ``inferscale-hydrate``) of each user's
+    result; the run is Failed when some user could not be hydrated. Called by the
+    ``hydrate`` deployment, e.g. after a backfill or before traffic moves to a new server.
+
+    Args:
+        users: user ids to hydrate.
+        server_url: root URL of the running ``inferscale serve``.
+        tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
+        version: artifact version to load; "latest" = what LATEST names.
+    """
+    offline_environment()
+    logger = get_run_logger()
+    futures = {u: hydrate_user.submit(server_url, u, tier, version) for u in users}
+    rows, failed = [], []
+    for user, fut in futures.items():
+        fut.wait()
+        state = fut.state
+        if state.is_completed():
+            ans = fut.result()
+            rows.append({"user": user, "status": "hydrated", "tier": tier,
+                         "version": str(ans.get("version", "")),
+                         "bytes": ans.get("bytes", ans.get("kv_bytes", "")),
+                         "facts": ans.get("facts", ""), "error": ""})
+        else:
+            err = state.result(raise_on_failure=False)
+            failed.append(user)
+            rows.append({"user": user, "status": "failed", "tier": tier, "version": "",
+                         "bytes": "", "facts": "", "error": str(err)[:300]})
+            logger.error("user %s not hydrated: %s", user, err)
+    create_table_artifact(rows, key="inferscale-hydrate",
+                          description=f"Hydrate {len(users)} users into {server_url} ({tier})")
+    result = {"server_url": server_url, "tier": tier, "users": {r["user"]: r for r in rows}}
+    if failed:
+        return Failed(message=f"{len(failed)} of {len(users)} users not hydrated: "
+                              f"{', '.join(failed[:10])}", data=result)
+    return result

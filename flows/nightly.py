@@ -1,0 +1,55 @@
+"""Nightly re-encode: only the users whose conversation changed since their LATEST."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from prefect import flow
+
+from flows.common import fan_out, finish, prepare, record_skipped
+from inferscale.lineage import artifact_key
+from inferscale.run_report import UserOutcome
+from tasks.store import plan
+
+
+@flow(name="nightly-reencode", log_prints=True)
+def nightly_reencode(logs: list[str] | None = None,
+                     fact_mode: Literal["raw", "mem0"] | None = None, model: str | None = None,
+                     artifact_root: str | None = None, window: int | None = None,
+                     task_runner: Literal["threads", "ray"] = "threads", max_workers: int = 2,
+                     ray_address: str | None = None, concurrency_limit: int = 2) -> Any:
+    """Re-encode the users whose log content changed since their LATEST artifact.
+
+    For each user in the logs, the content hash of their turns is compared with the
+    parent log hash in their LATEST manifest (and the encoder config with the current
+    one); only users that differ — or have nothing published yet — are encoded. An
+    unchanged user costs reading LATEST and one manifest. Called by the ``nightly``
+    deployment (cron) and by hand.
+
+    Args:
+        logs: fsspec URIs or globs of conversation logs; none = INFERSCALE_LOG_URIS,
+            else the project's sample conversation.
+        fact_mode: "raw" or "mem0"; none = INFERSCALE_FACT_MODE.
+        model: serving model; none = INFERSCALE_MODEL.
+        artifact_root: artifact store root; none = INFERSCALE_ARTIFACT_ROOT.
+        window: turns of context before each fact; none = INFERSCALE_WINDOW.
+        task_runner: "threads" or "ray".
+        max_workers: threads of the "threads" runner.
+        ray_address: Ray cluster address for "ray"; none = a local instance.
+        concurrency_limit: size of the global concurrency limit "inferscale-compute".
+    """
+    started = time.perf_counter()
+    prep = prepare(logs, model=model, fact_mode=fact_mode, artifact_root=artifact_root,
+                   window=window)
+    plans = plan(prep.cfg, prep.model_fp, prep.ingest.turns_hashes())
+    todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
+    skipped = {u: p for u, p in plans.items() if not p.needs_encoding}
+    record_skipped(prep, {u: p.latest for u, p in skipped.items()})
+    outcomes = fan_out(prep, todo, task_runner=task_runner, max_workers=max_workers,
+                       ray_address=ray_address, concurrency_limit=concurrency_limit)
+    outcomes += [UserOutcome(u, "up-to-date", p.latest, p.reason,
+                             turns=prep.ingest.turns[u].num_rows,
+                             artifact_key=artifact_key(u, prep.model_fp))
+                 for u, p in sorted(skipped.items())]
+    return finish("Nightly re-encode", "inferscale-nightly-summary", prep, outcomes, started)

@@ -1,0 +1,13 @@
+"""Prefect tasks of InferScale: thin wrappers over ``inferscale`` that add caching
+(compute, on content hashes), retries (I/O only), concurrency slots and lineage records.
+
+- ``ingest``: read and validate logs, quarantine bad records (I/O, retried)
+- ``model``: the serving model's fingerprint (converts the embedded model once)
+- ``facts``: one user's facts (compute, cached)
+- ``encode``: one user's pre-RoPE KV (compute, cached)
+- ``publish``: publish a version to the artifact store (I/O, retried)
+- ``lineage``: one Prefect table artifact per published version, and its asset
+- ``user``: one user's whole chain, the unit the flows fan out
+- ``store``: which users need encoding (reads LATEST manifests; I/O, retried)
+- ``serving``: hydrate users into a running server (HTTP, retried)
+"""

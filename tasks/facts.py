@@ -1,0 +1,20 @@
+"""One user's facts (Mem0 extraction, or raw turns), cached on content hashes."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from prefect import task
+
+from inferscale.facts import FactsConfig, FactsResult
+from inferscale.pipeline import PipelineConfig, extract_user_facts
+from tasks.caching import CACHE_EXPIRATION, facts_cache_key
+
+
+@task(name="extract-facts", task_run_name="extract-facts-{user}", cache_key_fn=facts_cache_key,
+      cache_expiration=CACHE_EXPIRATION, persist_result=True)
+def extract_facts(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: pa.Table,
+                  turns_hash: str, model_fp: str) -> FactsResult:
+    """Extract ``user``'s facts from their turns (``turns_hash`` is their content hash and,
+    with the facts settings and ``model_fp``, the cache key). No retries: compute.
+    Called by ``tasks.user.encode_user``."""
+    return extract_user_facts(cfg, facts_cfg, turns)

@@ -1,0 +1,25 @@
+"""Publish one user's version to the artifact store (I/O, retried)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from prefect import get_run_logger, task
+
+from inferscale.pipeline import PipelineConfig, publish_user
+from tasks.policy import IO_RETRIES
+
+
+@task(name="publish-version", task_run_name="publish-{user}", persist_result=False,
+      **IO_RETRIES)
+def publish_version(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table,
+                    log_hash: str, facts_hash: str) -> dict[str, Any]:
+    """Publish (content-addressed: unchanged inputs write nothing) and move ``LATEST``.
+    Returns ``version``, ``created``, ``kv_bytes``, ``removed`` (gc'd versions).
+    Called by ``tasks.user.encode_user``."""
+    res = publish_user(cfg, user, encoded, facts, log_hash, facts_hash)
+    get_run_logger().info("user %s: version %s %s", user, res.version,
+                          "published" if res.created else "already published")
+    return {"version": res.version, "created": res.created,
+            "kv_bytes": res.manifest.files["kv.arrow"].bytes, "removed": list(res.removed)}

@@ -1,0 +1,20 @@
+"""Which users need encoding for a model (reads each user's LATEST manifest)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from inferscale.pipeline import PipelineConfig
+from inferscale.staleness import UserPlan, plan_users
+from tasks.policy import IO_RETRIES
+
+
+@task(name="plan-users", persist_result=False, **IO_RETRIES)
+def plan(cfg: PipelineConfig, model_fp: str, log_hashes: dict[str, str]) -> dict[str, UserPlan]:
+    """``user -> UserPlan`` (:mod:`inferscale.staleness`) for the users of ``log_hashes``
+    (user -> current turns hash). Called by the nightly and backfill flows."""
+    plans = plan_users(cfg.store(), model_fp, cfg.encoder.to_dict(), log_hashes)
+    todo = sorted(u for u, p in plans.items() if p.needs_encoding)
+    get_run_logger().info("%d of %d users need encoding for model %s: %s", len(todo),
+                          len(plans), model_fp[:12], todo[:20])
+    return plans

@@ -1,0 +1,79 @@
+"""One user's whole chain — facts -> KV -> publish -> lineage — the unit flows fan out.
+
+The chain runs in one process (a thread of the flow's process, or a Ray worker), so the
+KV never travels between processes: each step is a nested task run with its own cache
+or retries. The compute steps hold one slot of the Prefect global concurrency limit
+:data:`COMPUTE_LIMIT` (created by the flows), which bounds how many users are extracted
+and encoded at once across every run and worker sharing the Prefect server.
+
+When ``LATEST`` already names the version these inputs make (the facts come from the
+cache when the turns did not change), nothing is encoded or written.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.concurrency.sync import concurrency
+
+from inferscale.artifacts import latest_version
+from inferscale.facts import FactsConfig
+from inferscale.lineage import artifact_key
+from inferscale.logs import turns_hash as hash_turns
+from inferscale.pipeline import PipelineConfig, expected_version
+from inferscale.run_report import UserOutcome
+from tasks.encode import encode_kv
+from tasks.facts import extract_facts
+from tasks.lineage import record_lineage
+from tasks.publish import publish_version
+
+COMPUTE_LIMIT = "inferscale-compute"
+LEASE_S = 60  # the server's minimum; a killed worker's slots come back after it
+
+
+@task(name="encode-user", task_run_name="encode-user-{user}", persist_result=False)
+def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: pa.Table,
+                model_fp: str, reason: str = "requested",
+                sources: Sequence[str] = ()) -> dict[str, Any]:
+    """Encode and publish ``user`` for ``model_fp``; returns a
+    :class:`~inferscale.run_report.UserOutcome` as a dict. Raises on failure (the flow
+    records the user as failed and goes on with the others).
+
+    ``reason`` says why the user is encoded (``requested``, ``new``, ``log-changed``...);
+    ``sources`` are the log URIs (the lineage's upstream assets). Submitted once per user
+    by the encode, nightly and backfill flows.
+    """
+    t0 = time.perf_counter()
+    logger = get_run_logger()
+    log_hash = hash_turns(turns)
+    with concurrency(COMPUTE_LIMIT, occupy=1, lease_duration=LEASE_S):
+        facts = extract_facts(cfg, facts_cfg, user, turns, log_hash, model_fp)
+        version = expected_version(cfg, user, log_hash, facts.facts_hash, model_fp)
+        current = latest_version(cfg.store(), user, model_fp)
+        encoded = None
+        if current != version:
+            encoded = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,
+                                model_fp)
+    kv_bytes = None
+    if encoded is None:
+        status = "unchanged"
+        logger.info("user %s: LATEST already names version %s", user, version)
+    else:
+        published = publish_version(cfg, user, encoded, facts.table, log_hash,
+                                    facts.facts_hash)
+        if published["version"] != version:
+            raise RuntimeError(f"published version {published['version']} differs from the "
+                               f"expected {version}: version ids and the encoder disagree")
+        status = "published" if published["created"] else "unchanged"
+        kv_bytes = published["kv_bytes"]
+    record_lineage(cfg, model_fp, {user: version}, list(sources))
+    return UserOutcome(user, status, version, reason, facts=facts.table.num_rows,
+                       turns=turns.num_rows, kv_bytes=kv_bytes,
+                       seconds=time.perf_counter() - t0,
+                       artifact_key=artifact_key(user, model_fp),
+                       worker=f"{socket.gethostname()}:{os.getpid()}").to_dict()

@@ -1,0 +1,213 @@
+"""Deployments from prefect.yaml, run by a process worker against the real local server;
+lineage read back through the API and in the UI (headless Chromium); a worker killed in
+the middle of a run, then the run again: complete, no duplicate, nothing partial."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from chromium import Browser, chromium_binary
+from prefect_env import (
+    PREFECT, REPO, artifacts_of_run, artifacts_with_key, kill_tree, table_rows, task_runs_of,
+)
+
+pytestmark = pytest.mark.slow
+POOL = "inferscale"
+SCREENSHOTS = REPO / "tests" / "_artifacts"
+
+ROWS_JS = """(() => {
+  const item = document.querySelectorAll('.artifact-timeline-item-content')[%d];
+  const table = item && item.querySelector('table');
+  if (!table) return null;
+  const rows = Array.from(table.querySelectorAll('tr')).map(
+    r => Array.from(r.querySelectorAll('th,td')).map(c => c.innerText.trim()));
+  return rows.some(r => r[0] === 'version' && r[1]) ? rows : null;
+})()"""
+
+
+def start_worker(tmp_path: Path, name: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "ab")
+    return subprocess.Popen([*PREFECT, "worker", "start", "--pool", POOL, "--type", "process",
+                             "--name", name], cwd=REPO, env=os.environ.copy(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_deployment(name: str, parameters: dict):
+    from prefect.deployments import run_deployment as run
+
+    return run(name, parameters=parameters, timeout=0)
+
+
+def wait_final(flow_run_id, timeout: float = 600):
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            fr = client.read_flow_run(flow_run_id)
+            if fr.state and fr.state.is_final():
+                return fr
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} still {fr.state and fr.state.name}")
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def deployed(flow_env):
+    """The work pool and every deployment of prefect.yaml (`prefect deploy --all`)."""
+    from prefect import get_client
+
+    flow_env.cli("work-pool", "create", POOL, "--type", "process")
+    flow_env.cli("--no-prompt", "deploy", "--all")
+    with get_client(sync_client=True) as client:
+        deps = {d.name: d for d in client.read_deployments()}
+    return flow_env, deps
+
+
+def test_prefect_yaml_deployments(deployed):
+    _, deps = deployed
+    assert set(deps) >= {"encode", "nightly", "backfill", "hydrate"}
+    assert {d.entrypoint for d in deps.values()} >= {
+        "flows/encode.py:encode_users", "flows/nightly.py:nightly_reencode",
+        "flows/backfill.py:backfill_model", "flows/hydrate.py:hydrate_serving"}
+    assert all(d.work_pool_name == POOL for d in deps.values())
+    (sched,) = deps["nightly"].schedules
+    assert sched.schedule.cron == "0 2 * * *" and sched.active
+    assert deps["backfill"].parameters["model"] == "embedded"
+    props = deps["encode"].parameter_openapi_schema["properties"]
+    assert "every user found in the logs" in props["users"]["description"]  # documented
+    assert props["task_runner"]["enum"] == ["threads", "ray"] or \
+        "threads" in str(props["task_runner"])
+
+
+def test_encode_deployment_lineage_in_api_and_ui(deployed, tmp_path, inferscale_home):
+    from inferscale.artifacts import list_versions, verify_version
+    from inferscale.lineage import artifact_key
+    from inferscale.store import StoreConfig
+
+    root = tmp_path / "artifacts"
+    worker = start_worker(tmp_path, f"w-{uuid.uuid4().hex[:6]}")
+    try:
+        fr = run_deployment("encode-users/encode", {
+            "artifact_root": str(root), "fact_mode": "raw", "window": 3})
+        fr = wait_final(fr.id)
+    finally:
+        kill_tree(worker)
+    assert fr.state.is_completed(), fr.state
+    # read everything back through the API
+    store = StoreConfig(str(root))
+    fp = _embedded_fp(inferscale_home)
+    arts = artifacts_of_run(fr.id)
+    (summary,) = [a for a in arts if a.key == "inferscale-encode-summary"]
+    tables = {a.key: a for a in arts if a.type == "table"}
+    for user in ("maya", "tomas"):
+        (m,) = list_versions(store, user, fp)
+        key = artifact_key(user, fp)
+        assert key in tables and f"/artifacts/key/{key}" in summary.data
+        rows = {r["field"]: r["value"] for r in table_rows(tables[key])}
+        assert rows["version"] == m.version and rows["parent: log"] == m.parents["log"]
+        assert rows["parent: facts"] == m.parents["facts"]
+        assert '"window": 3' in rows["encoder config"]
+    names = {r.name for r in task_runs_of(fr.id)}
+    assert {"encode-user-maya", "encode-kv-maya", "publish-maya", "record-version-maya"} <= names
+
+    # the UI: open maya's key, walk the timeline, find the lineage table of every version
+    if chromium_binary() is None:
+        pytest.fail("chromium is not installed: apt-get install -y chromium")
+    m = verify_version(store, "maya", fp)
+    key = artifact_key("maya", fp)
+    known = [table_rows(a) for a in artifacts_with_key(key)]
+    with Browser(tmp_path / "chromium-profile") as b:
+        b.open(f"{deployed[0].url}/artifacts/key/{key}")
+        n = b.wait_for("document.querySelectorAll('.artifact-timeline-item-content__heading')"
+                       ".length", 90)
+        assert n == len(known)
+        shown = []
+        for i in range(n):
+            b.eval("document.querySelectorAll('.artifact-timeline-item-content__heading')"
+                   f"[{i}].click()")
+            rows = {r[0]: r[1] for r in b.wait_for(ROWS_JS % i, 60) if len(r) == 2}
+            shown.append(rows)
+            assert rows["parent: log"] and rows["parent: facts"] and rows["model fingerprint"]
+        assert shown[0]["version"] == m.version  # newest first: this run's version
+        assert shown[0]["parent: log"] == m.parents["log"]
+        assert shown[0]["files"].endswith(m.version)
+        assert sorted(r["version"] for r in shown) == sorted(
+            next(x["value"] for x in rows_ if x["field"] == "version") for rows_ in known)
+        header = b.eval("document.body.innerText")
+        assert key in header and m.version in header
+        shot = b.screenshot(tmp_path / "artifact-key-maya.png")
+    assert shot.stat().st_size > 20_000
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, SCREENSHOTS / "artifact-key-maya.png")
+
+
+def _embedded_fp(home) -> str:
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+
+    return checkpoint_fingerprint(resolve_checkpoint("embedded", home), home)
+
+
+def _version_dirs(store, user, fp):
+    from inferscale.store import VERSION_RE
+
+    d = Path(store.root) / "users" / user / fp
+    return sorted(p.name for p in d.iterdir() if VERSION_RE.fullmatch(p.name))
+
+
+def test_worker_killed_mid_flow_then_rerun(deployed, tmp_path, inferscale_home):
+    from inferscale.artifacts import latest_version, verify_version
+    from inferscale.lineage import artifact_key, version_of_rows
+    from inferscale.store import MANIFEST_FILE, StoreConfig
+
+    fp = _embedded_fp(inferscale_home)
+    root = tmp_path / "artifacts"
+    store = StoreConfig(str(root))
+    # window 2: inputs nobody encoded yet in this session, so the run does real work;
+    # one user at a time, a limit large enough that the killed run's leases do not block
+    params = {"artifact_root": str(root), "fact_mode": "raw", "window": 2, "max_workers": 1,
+              "concurrency_limit": 4}
+    worker = start_worker(tmp_path, "doomed")
+    killed_at = None
+    try:
+        fr1 = run_deployment("encode-users/encode", params)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # kill as soon as the first user is published
+            if latest_version(store, "maya", fp) is not None:
+                kill_tree(worker, sig_kill=True)
+                killed_at = time.monotonic()
+                break
+            time.sleep(0.05)
+    finally:
+        kill_tree(worker, sig_kill=True)
+    assert killed_at is not None, "the first user was never published"
+    assert latest_version(store, "tomas", fp) is None, "the kill came after the run's end"
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        assert not client.read_flow_run(fr1.id).state.is_final()  # it died running
+
+    worker = start_worker(tmp_path, "survivor")
+    try:
+        fr2 = wait_final(run_deployment("encode-users/encode", params).id)
+    finally:
+        kill_tree(worker)
+    assert fr2.state.is_completed(), fr2.state
+    for user in ("maya", "tomas"):
+        m = verify_version(store, user, fp)  # LATEST complete, every checksum right
+        assert _version_dirs(store, user, fp) == [m.version]  # no duplicate, no leftover
+        assert (Path(store.root) / "users" / user / fp / m.version / MANIFEST_FILE).exists()
+        assert '"window": 2' in str(m.encoder_config).replace("'", '"')
+        recorded = [version_of_rows(table_rows(a))
+                    for a in artifacts_with_key(artifact_key(user, fp))]
+        assert recorded.count(m.version) == 1, recorded  # recorded once, never twice
+    # maya was published before the kill: the rerun did not encode her again
+    names = {r.name for r in task_runs_of(fr2.id)}
+    assert "encode-kv-maya" not in names and "encode-kv-tomas" in names

@@ -1,0 +1,65 @@
+"""Nightly re-encode: only users whose log content changed since their LATEST (or who are
+new) are encoded; unchanged users are not even extracted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefect_env import artifacts_with_key, table_rows, task_runs_of
+
+pytestmark = pytest.mark.slow
+
+
+def test_only_changed_users_are_reencoded(flow_env, tmp_path):
+    from flows.encode import encode_users
+    from flows.nightly import nightly_reencode
+    from inferscale.artifacts import latest_version, list_versions, verify_version
+    from inferscale.lineage import artifact_key
+    from inferscale.logs import read_logs, sample_conversations
+    from inferscale.store import StoreConfig
+
+    root = tmp_path / "artifacts"
+    store = StoreConfig(str(root))
+    first = encode_users(artifact_root=str(root), fact_mode="raw")
+    fp = first["model_fingerprint"]
+    before = {u: o["version"] for u, o in first["users"].items()}
+
+    # tomas says one more thing; maya's turns stay exactly the same
+    logs = tmp_path / "logs.jsonl"
+    lines = sample_conversations().read_text().splitlines()
+    lines.append(json.dumps({"user": "tomas", "session": "9", "turn": "S9:1",
+                             "speaker": "Tomas", "text": "I finally bought the cargo bike.",
+                             "timestamp": "2024-06-01T10:00:00"}))
+    logs.write_text("\n".join(lines) + "\n")
+
+    state = nightly_reencode(logs=[str(logs)], artifact_root=str(root), fact_mode="raw",
+                             return_state=True)
+    assert state.is_completed(), state.message
+    report = state.result()
+    users = report["users"]
+    assert users["maya"]["status"] == "up-to-date" and users["maya"]["version"] == before["maya"]
+    assert users["tomas"]["status"] == "published" and users["tomas"]["reason"] == "log-changed"
+    names = {r.name for r in task_runs_of(state.state_details.flow_run_id)}
+    assert not any(n.endswith("-maya") for n in names), names  # maya cost no task at all
+    assert {"encode-user-tomas", "extract-facts-tomas", "encode-kv-tomas"} <= names
+
+    new = users["tomas"]["version"]
+    assert new != before["tomas"] and latest_version(store, "tomas", fp) == new
+    m = verify_version(store, "tomas", fp)
+    assert m.parents["log"] == read_logs(str(logs)).turns_hashes()["tomas"]
+    assert [v.version for v in list_versions(store, "tomas", fp)] == [before["tomas"], new]
+    assert latest_version(store, "maya", fp) == before["maya"]
+    # the lineage timeline of tomas now ends with the new version, pointing back
+    rows = {r["field"]: r["value"]
+            for r in table_rows(artifacts_with_key(artifact_key("tomas", fp))[-1])}
+    assert rows["version"] == new and rows["previous version"] == before["tomas"]
+
+    # nothing changed since: nobody is encoded
+    again = nightly_reencode(logs=[str(logs)], artifact_root=str(root), fact_mode="raw",
+                             return_state=True)
+    assert {u: o["status"] for u, o in again.result()["users"].items()} == \
+        {"maya": "up-to-date", "tomas": "up-to-date"}
+    names = {r.name for r in task_runs_of(again.state_details.flow_run_id)}
+    assert not any(n.startswith(("encode-user", "extract-facts", "encode-kv")) for n in names)
