@@ -157,13 +157,16 @@ class MemoryServer:
                 return None
         return mem
 
-    def prepare(self, user: str | None, question: str, k: int | None = None
-                ) -> tuple[list[int], MemoryRef | None, dict]:
-        """Embed, retrieve and compose: prompt ids, the memory to inject, timings."""
+    def prepare(self, user: str | None, question: str, k: int | None = None,
+                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
+        """Embed, retrieve and compose: prompt ids, the memory to inject, timings.
+
+        ``mode`` overrides the server's mode for this request (A/B on one engine)."""
+        mode = mode or self.mode
         t0 = time.perf_counter()
         mem = self.memory_of(user)
         composer = self._composer(None)
-        info: dict[str, Any] = {"user": user, "facts": [], "version": None}
+        info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
@@ -174,16 +177,17 @@ class MemoryServer:
         t2 = time.perf_counter()
         chunks = (PREFIX_ID, *facts)
         ids, m = composer.compose([mem.token_ids[c] for c in chunks], question)
-        ref = MemoryRef(mem.user, mem.version, chunks) if self.mode == "kv" else None
+        ref = MemoryRef(mem.user, mem.version, chunks) if mode == "kv" else None
         t3 = time.perf_counter()
         info.update(facts=list(facts), version=mem.version, memory_tokens=m, timings_ms={
             "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3})
         return ids, ref, info
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
-                     max_tokens: int | None = None, temperature: float = 0.0) -> dict:
+                     max_tokens: int | None = None, temperature: float = 0.0,
+                     mode: Mode | None = None) -> dict:
         t0 = time.perf_counter()
-        ids, ref, info = self.prepare(user, question, k)
+        ids, ref, info = self.prepare(user, question, k, mode)
         gen = await self.engine.generate(ids, ref, max_tokens=max_tokens or self.max_tokens,
                                          temperature=temperature)
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
@@ -248,15 +252,20 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens")
                          or server.max_tokens)
         temperature = float(body.get("temperature") or 0.0)
-        k = body.get("top_k")
+        options = body.get("inferscale") or {}
+        k = options.get("top_k") or body.get("top_k")
+        mode = options.get("mode")
+        if mode not in (None, "kv", "prompt"):
+            raise HTTPException(status_code=400, detail="inferscale.mode must be 'kv' or 'prompt'")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.get("stream"):
             return StreamingResponse(
-                _sse(server, user, question, k, max_tokens, temperature, rid, created, model_name),
+                _sse(server, user, question, k, mode, max_tokens, temperature, rid, created,
+                     model_name),
                 media_type="text/event-stream")
         out = await server.answer(user, question, k=k, max_tokens=max_tokens,
-                                  temperature=temperature)
+                                  temperature=temperature, mode=mode)
         gen, info = out["generation"], out["info"]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -300,8 +309,8 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
     return app
 
 
-async def _sse(server: MemoryServer, user, question, k, max_tokens, temperature, rid, created,
-               model_name):
+async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temperature, rid,
+               created, model_name):
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": model_name,
@@ -310,7 +319,7 @@ async def _sse(server: MemoryServer, user, question, k, max_tokens, temperature,
             payload["inferscale"] = extra
         return f"data: {json.dumps(payload)}\n\n"
 
-    ids, ref, info = server.prepare(user, question, k)
+    ids, ref, info = server.prepare(user, question, k, mode)
     yield chunk({"role": "assistant", "content": ""})
     finish = None
     async for out in server.engine.stream(ids, ref, max_tokens=max_tokens,
@@ -322,3 +331,55 @@ async def _sse(server: MemoryServer, user, question, k, max_tokens, temperature,
         await asyncio.sleep(0)
     yield chunk({}, finish or "stop", info)
     yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, str]:
+    """Engine (with the connector), tokenizer, embedder and store from ``settings``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from inferscale.engine import EngineConfig
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.retrieval import Embedder
+    from inferscale.store import StoreConfig
+
+    cuda = torch.cuda.is_available() and settings.device != "cpu"
+    ckpt = resolve_checkpoint(settings.model, settings.home)
+    store = StoreConfig.from_settings(settings)
+    engine = await MemoryEngine(EngineConfig(
+        model=str(ckpt), model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
+        dtype="auto" if cuda else "float32",
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not cuda,
+        artifact_root=store.root, storage_options=store.storage_options,
+        gpu_budget_bytes=settings.gpu_budget_bytes, host_budget_bytes=settings.host_budget_bytes,
+    )).start()
+    embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
+                        dtype=torch.float16 if cuda else None)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k)
+    return server, settings.model
+
+
+def policy_from(settings: Any, host: str) -> AccessPolicy:
+    return AccessPolicy(
+        api_keys=dict(settings.api_keys),
+        admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
+        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host))
+
+
+async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
+    """``inferscale serve``: check the access policy first (before loading anything)."""
+    import uvicorn
+
+    policy = policy_from(settings, host)
+    server, name = await start_server(settings, mode)
+    try:
+        app = create_app(server, policy, name)
+        await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).serve()
+    finally:
+        server.engine.shutdown()
