@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench-cpu clean
+.PHONY: install chromium demo test bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/inferscale demo
 
-test: install
+# Headless Chromium (Debian's package) for the UI test of the lineage artifacts
+# (tests/flows/test_deployments.py).
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
+
+test: install chromium
 	$(PY) -m pytest -q -ra
 
 clean:
