@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from inferscale.encode import (  # noqa: E402
     window_segments,
 )
 from inferscale.logs import read_logs  # noqa: E402
+from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
 
 def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     w50 = next((r for r in rows if r["window"] == 50), rows[-1])
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": command_line(argv),
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" ({args.device}, torch {torch.__version__})",
         "model": model_desc, "model_dtype": dtype, "kv_dtype": args.kv_dtype,
@@ -158,11 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
             "encode_vs_prefill_throughput": w50["encode_vs_prefill_throughput"],
         },
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["summary"]))
-    return result
+    return write_result(result, args.out)
 
 
 if __name__ == "__main__":

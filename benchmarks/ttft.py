@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ offline_environment()
 
 import torch  # noqa: E402
 
+from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
 
 
@@ -55,8 +55,7 @@ async def measure(args) -> dict:
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
     from inferscale.encode import EncoderConfig
     from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.models import (
-        checkpoint_fingerprint, dummy_fingerprint, load_model, resolve_checkpoint)
+    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.retrieval import Embedder
     from inferscale.serve import MemoryServer
     from inferscale.store import StoreConfig
@@ -212,13 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.eager = (not cuda) if args.eager is None else args.eager
     args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
     result = asyncio.run(measure(args))
-    result = {"command": "python " + " ".join(
-        shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]), **result}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["summary"]))
-    return result
+    return write_result({"command": command_line(argv), **result}, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import sys
-from typing import Any
 
 from inferscale.settings import Settings, offline_environment
 

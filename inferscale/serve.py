@@ -211,7 +211,7 @@ class MemoryServer:
 
 def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
     """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints."""
-    from fastapi import FastAPI, HTTPException, Request
+    from fastapi import FastAPI, HTTPException
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="InferScale", version="0.1.0")
