@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -81,3 +82,38 @@ def memory_prompt(tokenizer, table: pa.Table, question: str) -> tuple[list[int],
 
 def artifact_root(tmp: Path) -> str:
     return str(tmp / "artifacts")
+
+
+@contextmanager
+def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2"):
+    """``inferscale.serve``'s app for ``server`` on 127.0.0.1 and a free port, run by
+    uvicorn on ``loop`` (the engine's loop); yields the base URL."""
+    import socket
+    import time
+
+    import httpx
+    import uvicorn
+
+    from inferscale.serve import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = uvicorn.Server(uvicorn.Config(create_app(server, policy, model_name),
+                                        host="127.0.0.1", port=port, log_level="warning"))
+    done = asyncio.run_coroutine_threadsafe(web.serve(), loop.loop)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        web.should_exit = True
+        done.result(30)

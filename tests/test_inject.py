@@ -1,8 +1,5 @@
 """Staging pieces of the injection path that run without an engine."""
 
-import pytest
-import torch
-
 from inferscale.inject import row_index
 from tests.test_resident import make_resident
 

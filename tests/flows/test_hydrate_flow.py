@@ -4,11 +4,6 @@ admin API to the host and GPU tiers; an unknown user fails alone, without retrie
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import time
-
-import httpx
 import pytest
 
 from prefect_env import task_runs_of
@@ -20,31 +15,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 def served(engine_env, embedder):
     """``inferscale.serve``'s app over the session's engine, on 127.0.0.1 (admin open on
     loopback, as the server allows)."""
-    import uvicorn
+    from engine_helpers import served_app
 
-    from inferscale.serve import AccessPolicy, MemoryServer, create_app
+    from inferscale.serve import AccessPolicy, MemoryServer
 
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
-    app = create_app(server, AccessPolicy({}, None, None, loopback=True), "smollm2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    done = asyncio.run_coroutine_threadsafe(web.serve(), engine_env.loop.loop)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    yield url
-    web.should_exit = True
-    done.result(30)
+    with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+        yield url
 
 
 def test_hydrate_users_into_running_server(flow_env, engine_env, served):
