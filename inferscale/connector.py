@@ -201,7 +201,6 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._invalid_blocks: set[int] = set()
             self._failed_reloads: list[tuple[str, str, str]] = []
             self._reload_lock = threading.Lock()
-            self._reload_threads: list[threading.Thread] = []
             self.loaded_tokens = 0
             self.inject_seconds = 0.0
             self._step: StepLoad | None = None
@@ -397,10 +396,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                 with self._reload_lock:
                     self._failed_reloads.append((order.user, order.version, "evicted by an admin"))
                 continue
-            t = threading.Thread(target=self._reload, args=(order,), daemon=True,
-                                 name=f"inferscale-reload-{order.user}")
-            t.start()
-            self._reload_threads.append(t)
+            threading.Thread(target=self._reload, args=(order,), daemon=True,
+                             name=f"inferscale-reload-{order.user}").start()
         if meta.loads:
             t0 = time.perf_counter()
             self._step = self._begin(meta.loads, forward_context)
