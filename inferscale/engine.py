@@ -29,6 +29,7 @@ class EngineConfig:
     model_fingerprint: str
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # set: the KV cache size, whatever the share
     max_model_len: int = 4096
     enforce_eager: bool = True
     block_size: int | None = None
@@ -45,6 +46,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
 
@@ -82,6 +85,8 @@ class EngineConfig:
             kwargs["block_size"] = self.block_size
         if self.max_num_seqs:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         return AsyncEngineArgs(**kwargs)
 
 

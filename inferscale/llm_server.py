@@ -51,6 +51,7 @@ class LLMServerConfig:
     dtype: str = "float32"
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = 1 << 30  # a side job: a small fixed KV cache
     enforce_eager: bool = True
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 30.0
@@ -63,6 +64,8 @@ class LLMServerConfig:
             raise ValueError(f"{self.checkpoint} is not a checkpoint directory (no config.json)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
         if self.max_model_len < 256 or self.startup_timeout_s <= 0:
             raise ValueError("max_model_len >= 256 and startup_timeout_s > 0")
 
@@ -94,6 +97,8 @@ class LocalLLMServer:
                "--dtype", c.dtype, "--max-model-len", str(c.max_model_len),
                "--gpu-memory-utilization", str(c.gpu_memory_utilization),
                "--host", c.host, "--port", str(self.port), "--disable-log-stats"]
+        if c.kv_cache_memory_bytes:
+            cmd += ["--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes)]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
         return cmd + list(c.extra_args)

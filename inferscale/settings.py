@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     gpu_budget_bytes: int = Field(default=8 << 30, ge=0)
     host_budget_bytes: int = Field(default=32 << 30, ge=0)
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, gt=0, description="vLLM KV cache size; set = gpu_memory_utilization is "
+        "not used to size it (and on CPU, two engines can share one host)")
     max_model_len: int = 8192
     enforce_eager: bool | None = Field(default=None, description="default: eager on CPU")
 

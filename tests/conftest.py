@@ -169,7 +169,7 @@ def engine_env(smollm2, tmp_path_factory):
     loop = LoopThread()
     engine = MemoryEngine(EngineConfig(
         model=str(smollm2.checkpoint), model_fingerprint=smollm2.fingerprint,
-        dtype="float32", gpu_memory_utilization=0.4, max_model_len=2048,
+        dtype="float32", kv_cache_memory_bytes=4 << 30, max_model_len=2048,
         artifact_root=str(root)))
     log = root.parent / "engine.log"
     with open(log, "ab") as f:  # the engine's processes inherit fds 1 and 2 when spawned

@@ -184,12 +184,20 @@ def test_prompt_rewrites_observation_date_and_compacts():
 # -- the real local LLM server
 
 
-def _vllm_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+def _live_children() -> set[psutil.Process]:
+    return {p for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE}
 
 
-def test_server_start_failure_reports_log_tail(tmp_path):
+@pytest.fixture
+def new_children():
+    """Child processes started since the test began (the session's shared engine, when
+    another test started it, is not the test's business)."""
+    before = _live_children()
+    return lambda: sorted(_live_children() - before, key=lambda p: p.pid)
+
+
+def test_server_start_failure_reports_log_tail(tmp_path, new_children):
     ckpt = tmp_path / "broken"
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "no-such-architecture"}')
@@ -198,11 +206,12 @@ def test_server_start_failure_reports_log_tail(tmp_path):
             pass
     assert "exited with code" in str(err.value) and "log" in str(err.value)
     assert len(str(err.value).splitlines()) > 3  # the tail is there
-    assert _vllm_children() == []
+    assert new_children() == []
 
 
 @pytest.mark.slow
-def test_mem0_extraction_with_local_vllm_server(tmp_path, home, tokenizer, sample_turns):
+def test_mem0_extraction_with_local_vllm_server(tmp_path, home, tokenizer, sample_turns,
+                                                new_children):
     turns = sample_turns["maya"]
     selected = ["S1:7", "S1:11", "S2:1"]  # beagle; Lisbon trip dates; "last week"
     config = FactsConfig(mode="mem0", store_uri=str(tmp_path / "db"),
@@ -213,7 +222,7 @@ def test_mem0_extraction_with_local_vllm_server(tmp_path, home, tokenizer, sampl
         res = ex.extract_user(turns, tokenizer, turn_ids=selected)
         last_request = ex.memory.llm.last_request
         stored = ex.store.list(filters={"user_id": "maya"})[0]
-    assert _vllm_children() == []  # the server and its engine are gone
+    assert new_children() == []  # the server and its engine are gone
 
     assert set(res.facts_per_turn) == set(selected)
     assert all(0 <= n <= 5 for n in res.facts_per_turn.values())
