@@ -5,3 +5,7 @@
 - ``backfill.backfill_model``: encode every user for a (new) model; resumable
 - ``hydrate.hydrate_serving``: load users' latest artifacts into a running server
 """
+
+from inferscale.settings import offline_environment
+
+offline_environment()  # before any library that reads these variables at import

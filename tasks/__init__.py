@@ -11,3 +11,7 @@
 - ``store``: which users need encoding (reads LATEST manifests; I/O, retried)
 - ``serving``: hydrate users into a running server (HTTP, retried)
 """
+
+from inferscale.settings import offline_environment
+
+offline_environment()  # before any library that reads these variables at import
