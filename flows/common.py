@@ -29,7 +29,7 @@ from inferscale.lineage import artifact_key
 from inferscale.logs import IngestResult, sample_conversations
 from inferscale.pipeline import PipelineConfig, configs_from_settings
 from inferscale.run_report import RunReport, UserOutcome
-from inferscale.settings import Settings, offline_environment
+from inferscale.settings import Settings
 from tasks.ingest import ingest_logs
 from tasks.lineage import record_lineage
 from tasks.model import resolve_model
@@ -53,7 +53,6 @@ def prepare(logs: list[str] | None, *, model: str | None = None, fact_mode: str 
     """Settings with the run's overrides, the logs ingested, the model fingerprinted."""
     from prefect.runtime import flow_run
 
-    offline_environment()
     settings = Settings()
     cfg, facts_cfg = configs_from_settings(settings, model=model, fact_mode=fact_mode,
                                            artifact_root=artifact_root, window=window)

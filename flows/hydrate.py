@@ -8,7 +8,6 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.states import Failed
 
-from inferscale.settings import offline_environment
 from tasks.serving import hydrate_user
 
 
@@ -29,7 +28,6 @@ def hydrate_serving(users: list[str], server_url: str = "http://127.0.0.1:8000",
         tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
         version: artifact version to load; "latest" = what LATEST names.
     """
-    offline_environment()
     logger = get_run_logger()
     futures = {u: hydrate_user.submit(server_url, u, tier, version) for u in users}
     rows, failed = [], []

@@ -8,6 +8,10 @@
 - ``publish``: publish a version to the artifact store (I/O, retried)
 - ``lineage``: one Prefect table artifact per published version, and its asset
 - ``user``: one user's whole chain, the unit the flows fan out
-- ``store``: which users need encoding (reads LATEST manifests; I/O, retried)
+- ``store``: LATEST and manifest reads that decide what to encode (I/O, retried)
 - ``serving``: hydrate users into a running server (HTTP, retried)
 """
+
+from inferscale.settings import offline_environment
+
+offline_environment()  # before any library that reads these variables at import

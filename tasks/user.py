@@ -21,7 +21,6 @@ import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.concurrency.sync import concurrency
 
-from inferscale.artifacts import latest_version
 from inferscale.facts import FactsConfig
 from inferscale.lineage import artifact_key
 from inferscale.logs import turns_hash as hash_turns
@@ -31,6 +30,7 @@ from tasks.encode import encode_kv
 from tasks.facts import extract_facts
 from tasks.lineage import record_lineage
 from tasks.publish import publish_version
+from tasks.store import read_latest
 
 COMPUTE_LIMIT = "inferscale-compute"
 LEASE_S = 60  # the server's minimum; a killed worker's slots come back after it
@@ -54,7 +54,7 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
     with concurrency(COMPUTE_LIMIT, occupy=1, lease_duration=LEASE_S):
         facts = extract_facts(cfg, facts_cfg, user, turns, log_hash, model_fp)
         version = expected_version(cfg, user, log_hash, facts.facts_hash, model_fp)
-        current = latest_version(cfg.store(), user, model_fp)
+        current = read_latest(cfg, user, model_fp)
         encoded = None
         if current != version:
             encoded = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,

@@ -35,9 +35,9 @@ def test_io_tasks_retry_compute_tasks_do_not():
     from tasks.policy import retry_transient
     from tasks.publish import publish_version
     from tasks.serving import hydrate_user
-    from tasks.store import plan
+    from tasks.store import plan, read_latest
 
-    for t in (ingest_logs, publish_version, hydrate_user, record_lineage, plan):
+    for t in (ingest_logs, publish_version, hydrate_user, record_lineage, plan, read_latest):
         assert t.retries == 3 and t.retry_condition_fn is retry_transient, t.name
     for t in (extract_facts, encode_kv):
         assert t.retries == 0 and t.retry_condition_fn is None, t.name
