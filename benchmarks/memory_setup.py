@@ -4,6 +4,11 @@ Every turn becomes one fact (``"Speaker: text"``), embedded with the packaged
 MiniLM, tokenized on its own, encoded (real model) or filled with random KV (dummy-weight
 shapes), and published as a real artifact, so the benchmarks hydrate and serve exactly
 what production does. Imports only what the GPU machine has (no Mem0, no LanceDB).
+
+Small hand-written memories (the equivalence benchmark, the connector tests through
+``tests/engine_helpers.py``): :func:`facts_table` from texts, :func:`limiting_memory`
+(each fact encoded with the whole memory before it: exactly a joint prefill's KV) and
+:func:`memory_prompt` (every fact in stored order).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import torch
 
 from inferscale.artifacts import Lineage, publish
 from inferscale.compose import Composer
-from inferscale.encode import PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, encode_facts
+from inferscale.encode import (
+    PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments)
 from inferscale.facts import fact_id
 from inferscale.logs import read_logs, turns_hash
 from inferscale.pipeline import turns_and_facts
@@ -73,3 +79,45 @@ def publish_memory(root: str | Path, user: str, turns: pa.Table, facts: pa.Table
     res = publish(StoreConfig(str(root)), user, encoded, facts,
                   Lineage(turns_hash(turns), f"bench-{facts.num_rows}"), embeddings=False)
     return res.version
+
+
+def facts_table(user: str, texts: list[str], token_ids: list[list[int]], embedder) -> pa.Table:
+    emb = embedder.embed(texts).cpu().numpy()
+    return pa.table({
+        "fact_id": [fact_id(user, f"t{i}", t) for i, t in enumerate(texts)],
+        "user": [user] * len(texts),
+        "source_turn_id": [f"t{i}" for i in range(len(texts))],
+        "source_index": list(range(len(texts))),
+        "text": texts,
+        "token_ids": token_ids,
+        "embedding": [list(map(float, e)) for e in emb],
+    }, schema=facts_schema.schema(emb.shape[1]))
+
+
+def limiting_memory(model, tokenizer, user: str, texts: list[str], fingerprint: str,
+                    embedder, dtype: torch.dtype = torch.float32
+                    ) -> tuple[EncodedMemory, pa.Table]:
+    """The limiting case: each fact encoded with the whole memory before it (instruction
+    prefix and the preceding facts) as its window -> exactly a joint prefill's KV."""
+    composer = Composer(tokenizer)
+    prefix = composer.prefix_ids()
+    ids = [composer.fact_ids(t) for t in texts]
+    table = facts_table(user, texts, ids, embedder)
+    fids = table.column("fact_id").to_pylist()
+    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
+    before = list(prefix)
+    for fid, f in zip(fids, ids):
+        segments.append(Segment(tuple(before), ((fid, tuple(f)),)))
+        before += f
+    chunks = {c.chunk_id: c for c in encode_segments(model, segments, out_dtype=dtype,
+                                                     batch_tokens=8192)}
+    ordered = [chunks[PREFIX_ID]] + [chunks[f] for f in fids]
+    return EncodedMemory(ordered, fingerprint, {"limiting_case": True, "dtype": str(dtype)}), table
+
+
+def memory_prompt(tokenizer, table: pa.Table, question: str) -> tuple[list[int], tuple[str, ...]]:
+    """Prompt ids with every fact in stored order, and the chunk list naming them."""
+    composer = Composer(tokenizer)
+    chunks = (PREFIX_ID, *table.column("fact_id").to_pylist())
+    memory = [composer.prefix_ids()] + table.column("token_ids").to_pylist()
+    return composer.compose(memory, question)[0], chunks

@@ -1,8 +1,9 @@
 """Architectures of the big models benchmarked with random/dummy weights.
 
-Used by ``encode.py`` (transformers ``from_config``) and ``ttft.py`` (vLLM with
+Used by ``encode.py`` (transformers ``from_config``), ``ttft.py`` (vLLM with
 ``load_format="dummy"``: a checkpoint directory holding only ``config.json`` and a
-tokenizer). No weights are downloaded anywhere.
+tokenizer) and ``footprint.py`` (KV sizes). Values are those of the models' public
+``config.json`` files. No weights are downloaded anywhere.
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ SHAPES: dict[str, dict] = {
         "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     },
+    # Qwen2.5-7B(-Instruct) config.json: head_dim is hidden_size / num_attention_heads = 128
+    "qwen2.5-7b-shape": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
+        "sliding_window": 131072, "max_window_layers": 28, "bos_token_id": 1,
+        "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    # Mistral-7B-(Instruct-)v0.3 config.json
+    "mistral-7b-shape": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
 }
 
 # A two-layer Llama for smoke-testing the dummy-weight path on a CPU in seconds.
@@ -57,6 +77,13 @@ def write_dummy_checkpoint(shape: str, tokenizer_dir: str | Path, dest: str | Pa
         if src.exists():
             shutil.copy(src, dest / name)
     return dest
+
+
+def kv_shape(config: dict) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a config dict (head_dim defaults to hidden/heads)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return config["num_hidden_layers"], heads, head_dim
 
 
 def hf_config(shape: str):

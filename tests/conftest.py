@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
+sys.path.insert(1, str(REPO))  # benchmarks/ (its helpers and CLIs are tested too)
 
 S3_KEY = "testing"
 S3_SECRET = "testing"

@@ -7,18 +7,17 @@ asyncio loop in a background thread drives it for synchronous tests.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
-import pyarrow as pa
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks/
 
-from inferscale.compose import Composer
-from inferscale.encode import PREFIX_ID, EncodedMemory, Segment, encode_segments
-from inferscale.facts import fact_id
-from storage_schemas import facts as facts_schema
+# the limiting-case memory builders live in benchmarks/memory_setup.py (the equivalence
+# benchmark uses them too); re-exported for the tests
+from benchmarks.memory_setup import facts_table, limiting_memory, memory_prompt  # noqa: E402,F401
 
 
 class LoopThread:
@@ -36,48 +35,6 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-
-
-def facts_table(user: str, texts: list[str], token_ids: list[list[int]], embedder) -> pa.Table:
-    emb = embedder.embed(texts).cpu().numpy()
-    return pa.table({
-        "fact_id": [fact_id(user, f"t{i}", t) for i, t in enumerate(texts)],
-        "user": [user] * len(texts),
-        "source_turn_id": [f"t{i}" for i in range(len(texts))],
-        "source_index": list(range(len(texts))),
-        "text": texts,
-        "token_ids": token_ids,
-        "embedding": [list(map(float, e)) for e in emb],
-    }, schema=facts_schema.schema(emb.shape[1]))
-
-
-def limiting_memory(model, tokenizer, user: str, texts: list[str], fingerprint: str,
-                    embedder, dtype: torch.dtype = torch.float32
-                    ) -> tuple[EncodedMemory, pa.Table]:
-    """The limiting case: each fact encoded with the whole memory before it (instruction
-    prefix and the preceding facts) as its window -> exactly a joint prefill's KV."""
-    composer = Composer(tokenizer)
-    prefix = composer.prefix_ids()
-    ids = [composer.fact_ids(t) for t in texts]
-    table = facts_table(user, texts, ids, embedder)
-    fids = table.column("fact_id").to_pylist()
-    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
-    before = list(prefix)
-    for fid, f in zip(fids, ids):
-        segments.append(Segment(tuple(before), ((fid, tuple(f)),)))
-        before += f
-    chunks = {c.chunk_id: c for c in encode_segments(model, segments, out_dtype=dtype,
-                                                     batch_tokens=8192)}
-    ordered = [chunks[PREFIX_ID]] + [chunks[f] for f in fids]
-    return EncodedMemory(ordered, fingerprint, {"limiting_case": True, "dtype": str(dtype)}), table
-
-
-def memory_prompt(tokenizer, table: pa.Table, question: str) -> tuple[list[int], tuple[str, ...]]:
-    """Prompt ids with every fact in stored order, and the chunk list naming them."""
-    composer = Composer(tokenizer)
-    chunks = (PREFIX_ID, *table.column("fact_id").to_pylist())
-    memory = [composer.prefix_ids()] + table.column("token_ids").to_pylist()
-    return composer.compose(memory, question)[0], chunks
 
 
 def artifact_root(tmp: Path) -> str:

@@ -1,0 +1,284 @@
+"""Equivalence of injected KV and prompt prefill on the real engine, per dtype.
+
+Three users with small hand-written memories (a short conversation each; every turn is
+one fact, ``"Speaker: text"``), a factual-recall and an open-ended query each. For every
+dtype (model weights, engine and stored KV in that dtype) the user's whole memory is
+composed in stored order, ``[prefix | fact_1 .. fact_n | query]``, and answered greedily:
+
+- ``prefill``: the same prompt ids, prefilled by vLLM (no memory named, no salt);
+- ``limiting``: the memory injected from KV encoded in the limiting case (each fact with
+  the whole memory before it as its window: exactly a joint prefill's KV,
+  :func:`benchmarks.memory_setup.limiting_memory`);
+- ``window``: the memory injected from the ordinary encoding (each fact with its own
+  ``--window`` preceding turns, ``inferscale.encode.encode_facts``).
+
+Each injected answer is compared with the prefill answer: ``token_identical``;
+``equivalent`` (not identical, but the same normalized first line, or mentioning the
+same key facts of the query); ``differs``. Factual accuracy: a factual answer is right
+when it contains one of the expected strings. vLLM's prefix cache is reset before every
+request, so nothing is shared between the modes.
+
+On CPU, ``bfloat16`` is emulated (slow): keep the memories small. On CUDA the same
+command measures the GPU columns; ``cuda-bfloat16`` on the H200 was not run (no device
+time left) and is recorded as such in the CPU result.
+
+    python benchmarks/equivalence.py --out benchmarks/results/equivalence-cpu.json
+
+Starts engines: run as a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inferscale.settings import Settings, offline_environment  # noqa: E402
+
+offline_environment()
+
+import torch  # noqa: E402
+
+from benchmarks.qa_metrics import first_line, normalize_answer  # noqa: E402
+
+# user -> turns (speaker, text), and two queries: (kind, question, key facts). A factual
+# answer is right when it contains one of its keys; for both kinds, "equivalent" means
+# mentioning the same keys as the prefill answer.
+USERS: dict[str, dict] = {
+    "ada": {
+        "turns": [
+            ("Ada", "I finally adopted a cat last weekend, a grey tabby."),
+            ("Friend", "That's lovely! What did you name her?"),
+            ("Ada", "Her name is Pixel, after my first computer."),
+            ("Friend", "Ha, fitting for a programmer. Still at the bank?"),
+            ("Ada", "No, I left the bank in May. I now work at a robotics startup in Lyon."),
+            ("Friend", "Lyon! Do you like living there?"),
+            ("Ada", "I love it. I cycle to work along the Rhone every morning."),
+            ("Friend", "Any plans for the holidays?"),
+            ("Ada", "I'm flying to Osaka in December to see my brother Ken."),
+        ],
+        "queries": [
+            ("factual", "What is the name of Ada's cat?", ["Pixel"]),
+            ("open", "Describe Ada's life these days.",
+             ["Pixel", "cat", "robotics", "Lyon", "cycl", "Osaka", "Ken"]),
+        ],
+    },
+    "bruno": {
+        "turns": [
+            ("Bruno", "I signed up for the Berlin marathon in September."),
+            ("Coach", "Great goal. What's your target time?"),
+            ("Bruno", "I want to finish under four hours."),
+            ("Coach", "Any injuries I should know about?"),
+            ("Bruno", "My left knee hurts after long runs, so I see a physio on Tuesdays."),
+            ("Coach", "What do you eat before a long run?"),
+            ("Bruno", "Porridge with bananas, always. I can't stand gels."),
+            ("Coach", "And who supports you?"),
+            ("Bruno", "My wife Clara rides her bike next to me on Sundays."),
+        ],
+        "queries": [
+            ("factual", "Which marathon is Bruno running?", ["Berlin"]),
+            ("open", "How is Bruno preparing for his race?",
+             ["four hours", "knee", "physio", "porridge", "banana", "Clara", "bike"]),
+        ],
+    },
+    "chen": {
+        "turns": [
+            ("Chen", "We moved into a house with a small garden in April."),
+            ("Neighbor", "Welcome! What are you growing?"),
+            ("Chen", "Mostly tomatoes and basil; my daughter Mei planted sunflowers."),
+            ("Neighbor", "How old is Mei now?"),
+            ("Chen", "She just turned seven and she wants to be a vet."),
+            ("Neighbor", "Do you cook with what you grow?"),
+            ("Chen", "Yes, I make pesto every Friday with the basil."),
+            ("Neighbor", "Sounds delicious. Any pets?"),
+            ("Chen", "A tortoise called Captain who is older than me."),
+        ],
+        "queries": [
+            ("factual", "How old is Chen's daughter?", ["seven", "7"]),
+            ("open", "What do you know about Chen's family and home?",
+             ["garden", "tomato", "basil", "Mei", "sunflower", "seven", "vet", "pesto",
+              "Captain", "tortoise"]),
+        ],
+    },
+}
+
+
+def mentioned(text: str, keys: list[str]) -> frozenset[str]:
+    low = text.lower()
+    return frozenset(k for k in keys if k.lower() in low)
+
+
+def compare(injected: str, prefill: str, inj_ids: list[int], pre_ids: list[int],
+            keys: list[str]) -> str:
+    """token_identical / equivalent / differs (see the module docstring)."""
+    if inj_ids == pre_ids:
+        return "token_identical"
+    if normalize_answer(first_line(injected)) == normalize_answer(first_line(prefill)):
+        return "equivalent"
+    if mentioned(injected, keys) == mentioned(prefill, keys) and mentioned(prefill, keys):
+        return "equivalent"
+    return "differs"
+
+
+def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, root: Path
+                ) -> dict[str, dict]:
+    """Publish every user twice (limiting, window) -> per user: versions and its table."""
+    from benchmarks.memory_setup import facts_table, limiting_memory
+    from inferscale.artifacts import Lineage, publish
+    from inferscale.compose import Composer
+    from inferscale.encode import EncoderConfig, FactSpec, TurnText, encode_facts
+    from inferscale.store import StoreConfig
+
+    store = StoreConfig(str(root))
+    composer = Composer(tok)
+    dname = str(dtype).removeprefix("torch.")
+    out = {}
+    for user, spec in USERS.items():
+        texts = [f"{s}: {t}" for s, t in spec["turns"]]
+        lim_user, win_user = f"{user}-limiting", f"{user}-w{window}"
+        mem, table = limiting_memory(model, tok, lim_user, texts, fp, embedder, dtype)
+        lim = publish(store, lim_user, mem, table, Lineage(f"eq-{user}", f"lim-{dname}"),
+                      embeddings=False).version
+        wtable = facts_table(win_user, texts, table.column("token_ids").to_pylist(), embedder)
+        turns = [TurnText(s, t) for s, t in spec["turns"]]
+        specs = [FactSpec(fid, text, i, tuple(ids)) for i, (fid, text, ids) in enumerate(zip(
+            wtable.column("fact_id").to_pylist(), texts, wtable.column("token_ids").to_pylist()))]
+        wmem = encode_facts(model, tok, turns, specs,
+                            EncoderConfig(window=window, dtype=dname), fp, progress=False)
+        win = publish(store, win_user, wmem, wtable, Lineage(f"eq-{user}", f"w{window}-{dname}"),
+                      embeddings=False).version
+        out[user] = {"table": table, "wtable": wtable, "limiting": (lim_user, lim),
+                     "window": (win_user, win)}
+        assert composer.prefix_ids() == list(mem.chunks[0].token_ids)
+    return out
+
+
+async def run_dtype(args, dtype_name: str, device: str) -> dict:
+    """One engine in ``dtype_name``: every user's queries, three ways."""
+    from benchmarks.memory_setup import memory_prompt
+    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.models import load_model
+    from inferscale.retrieval import Embedder
+
+    dtype = getattr(torch, dtype_name)
+    root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
+    loaded = load_model(args.model, Settings().home, device=device, dtype=dtype_name)
+    embedder = Embedder("embedded", device=device)
+    t0 = time.perf_counter()
+    users = build_users(loaded.model, loaded.tokenizer, loaded.fingerprint, embedder, dtype,
+                        args.window, root)
+    encode_s = time.perf_counter() - t0
+    cuda = device.startswith("cuda")
+    engine = await MemoryEngine(EngineConfig(
+        model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint, dtype=dtype_name,
+        gpu_memory_utilization=args.gpu_memory_utilization or (0.5 if cuda else 0.15),
+        max_model_len=2048, enforce_eager=not cuda, artifact_root=str(root))).start()
+    tok = loaded.tokenizer
+    del loaded
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        for user, u in users.items():
+            for enc in ("limiting", "window"):
+                await engine.hydrate(*u[enc], "gpu")
+            for kind, question, keys in USERS[user]["queries"]:
+                ids, chunks = memory_prompt(tok, u["table"], question)
+                await engine.llm.reset_prefix_cache()
+                pre = await engine.generate(ids, None, max_tokens=args.max_tokens)
+                row = {"user": user, "kind": kind, "question": question,
+                       "prompt_tokens": len(ids), "prefill": pre.text.strip(),
+                       "prefill_correct": bool(mentioned(pre.text, keys)) if kind == "factual"
+                       else None}
+                for enc in ("limiting", "window"):
+                    name, version = u[enc]
+                    wchunks = chunks if enc == "limiting" else (
+                        chunks[0], *u["wtable"].column("fact_id").to_pylist())
+                    await engine.llm.reset_prefix_cache()
+                    inj = await engine.generate(ids, MemoryRef(name, version, wchunks),
+                                                max_tokens=args.max_tokens)
+                    row[enc] = inj.text.strip()
+                    row[f"{enc}_injected_tokens"] = inj.injected_tokens
+                    row[f"{enc}_fallback"] = inj.fallback
+                    row[f"{enc}_vs_prefill"] = compare(inj.text, pre.text, inj.token_ids,
+                                                       pre.token_ids, keys)
+                    row[f"{enc}_correct"] = (bool(mentioned(inj.text, keys))
+                                             if kind == "factual" else None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        engine.shutdown()
+    return {"rows": rows, "encode_seconds": round(encode_s, 1),
+            "answer_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def tally(rows: list[dict]) -> dict:
+    out = {}
+    for enc in ("limiting", "window"):
+        counts = {c: sum(r[f"{enc}_vs_prefill"] == c for r in rows)
+                  for c in ("token_identical", "equivalent", "differs")}
+        fact = [r for r in rows if r["kind"] == "factual"]
+        out[enc] = {**counts, "queries": len(rows),
+                    "factual_correct": sum(r[f"{enc}_correct"] for r in fact),
+                    "fallbacks": sum(r[f"{enc}_fallback"] is not None for r in rows)}
+    fact = [r for r in rows if r["kind"] == "factual"]
+    out["prefill"] = {"factual_correct": sum(r["prefill_correct"] for r in fact),
+                      "factual_queries": len(fact)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--window", type=int, default=5, help="window of the ordinary encoding")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    columns, details = {}, {}
+    for name in args.dtypes:
+        res = asyncio.run(run_dtype(args, name, args.device))
+        columns[f"{kind}-{name}"] = {**tally(res["rows"]), "encode_seconds": res["encode_seconds"],
+                                     "answer_seconds": res["answer_seconds"]}
+        details[f"{kind}-{name}"] = res["rows"]
+    if kind == "cpu":
+        columns["h200-bfloat16"] = {"status": "not run",
+                                    "reason": "no H200 device time left for issue 7; "
+                                              "the same command runs it on CUDA unchanged"}
+    device = (torch.cuda.get_device_name() if kind == "cuda"
+              else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
+    summary = {}
+    for col, c in columns.items():
+        if "queries" in c.get("limiting", {}):
+            for enc in ("limiting", "window"):
+                summary[f"{col}_{enc}_identical"] = c[enc]["token_identical"]
+                summary[f"{col}_{enc}_equivalent"] = c[enc]["equivalent"]
+                summary[f"{col}_{enc}_differs"] = c[enc]["differs"]
+    result = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "device": f"{device} (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
+        "model": args.model, "window": args.window, "max_tokens": args.max_tokens,
+        "users": len(USERS), "queries": sum(len(u["queries"]) for u in USERS.values()),
+        "columns": columns, "rows": details,
+        "summary": {**summary, "wall_seconds": round(time.perf_counter() - t0, 1)},
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/plots.py writes PNGs from result files and skips missing or broken ones."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import plots
+
+
+def _ttft_rows():
+    return [{"k": k, "prompt_ttft_ms": 10.0 * k, "inject_gpu_ttft_ms": 5.0 + k,
+             "inject_host_ttft_ms": 6.0 + k, "cached_ttft_ms": 4.0 + k,
+             "prompt_q2ft_ms": 12.0 * k, "inject_gpu_q2ft_ms": 7.0 + k,
+             "inject_host_q2ft_ms": 8.0 + k} for k in (5, 10, 20, 50)]
+
+
+def _locomo_rows():
+    rows = []
+    for mode, w, n in (("prompt", None, 20), ("kv_w0", 0, 20), ("kv_w50", 50, 1)):
+        for k in (5, 10, 20, 50):
+            row = {"mode": mode, "window": w, "k": k, "questions": n, "f1": 0.1 + k / 1000}
+            if mode != "prompt":
+                row["f1_prompt_same_questions"] = 0.12
+            rows.append(row)
+    return rows
+
+
+def test_plots_from_synthetic_results(tmp_path):
+    results, figures = tmp_path / "results", tmp_path / "figures"
+    results.mkdir()
+    (results / "ttft-cpu-test.json").write_text(json.dumps(
+        {"model": "m", "device": "cpu", "rows": _ttft_rows(), "summary": {}}))
+    (results / "locomo-cpu-test.json").write_text(json.dumps(
+        {"model": "m", "conversation": "c.json", "rows": _locomo_rows(), "summary": {}}))
+    (results / "ttft-broken.json").write_text("{not json")
+    (results / "locomo-empty.json").write_text(json.dumps({"rows": []}))
+    written = plots.main(["--results", str(results), "--figures", str(figures)])
+    names = sorted(p.name for p in written)
+    assert names == ["locomo-cpu-test.png", "ttft-cpu-test.png"]
+    for p in written:
+        assert p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_results(tmp_path, capsys):
+    assert plots.main(["--results", str(tmp_path / "none"),
+                       "--figures", str(tmp_path / "figures")]) == []
+    assert "skipped" in capsys.readouterr().err
