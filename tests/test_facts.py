@@ -197,6 +197,16 @@ def new_children():
     return lambda: sorted(_live_children() - before, key=lambda p: p.pid)
 
 
+def test_server_command_sizes_its_kv_cache(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cmd = LocalLLMServer(LLMServerConfig(tmp_path)).command()
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)  # the default
+    cmd = LocalLLMServer(LLMServerConfig(tmp_path, kv_cache_memory_bytes=None)).command()
+    assert "--kv-cache-memory-bytes" not in cmd and "--gpu-memory-utilization" in cmd
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLMServerConfig(tmp_path, kv_cache_memory_bytes=-1)
+
+
 def test_server_start_failure_reports_log_tail(tmp_path, new_children):
     ckpt = tmp_path / "broken"
     ckpt.mkdir()
