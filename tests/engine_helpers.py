@@ -7,17 +7,15 @@ asyncio loop in a background thread drives it for synchronous tests.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks/
-
 # the limiting-case memory builders live in benchmarks/memory_setup.py (the equivalence
-# benchmark uses them too); re-exported for the tests
-from benchmarks.memory_setup import facts_table, limiting_memory, memory_prompt  # noqa: E402,F401
+# benchmark uses them too); re-exported for the tests. conftest.py puts the repository
+# (benchmarks/) on sys.path.
+from benchmarks.memory_setup import facts_table, limiting_memory, memory_prompt  # noqa: F401
 
 
 class LoopThread:
