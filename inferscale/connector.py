@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from inferscale.inject import Job, StepLoad
+from inferscale.inject import Job, Staging, StepLoad
+from inferscale.inject_kernels import FusedWriter
 from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
-    attention_layers, block_ids_of,
+    attention_layers, block_ids_of, cache_layout,
 )
 
 if TYPE_CHECKING:
@@ -204,6 +205,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             self.loaded_tokens = 0
             self.inject_seconds = 0.0
             self._step: StepLoad | None = None
+            self._staging = Staging()
+            self._fused: FusedWriter | None = None
             self._layers: list[tuple[int, Any]] | None = None
             self.verify_next = False  # keep the next step's load for verify_last_load()
             self.last_step: StepLoad | None = None
@@ -353,12 +356,37 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ======================================================================= worker
 
-    def attach_model(self, model: torch.nn.Module) -> None:
-        """Called once by the worker extension: take the model's own rotary module."""
+    def attach_model(self, model: torch.nn.Module, layers: dict[str, Any] | None = None) -> None:
+        """Called once by the worker extension after the KV cache exists: take the model's
+        own rotary module and, given the engine's attention ``layers`` (its static
+        forward context), build and check the fused injection kernel."""
         from inferscale.vllm_compat import find_rotary
 
         if self.rotary is None:
             self.rotary = find_rotary(model)
+        if layers is not None and self._fused is None:
+            self._layers = attention_layers(layers)
+            self._build_fused()
+
+    def _build_fused(self) -> None:
+        if not self._layers or self.rotary is None:
+            return
+        layout = cache_layout(self._layers[0][1])
+        probe = None
+        if layout is not None:  # a random slab placed as the store places real ones
+            gen = torch.Generator().manual_seed(0)
+            probe = self.store.place(torch.randn(
+                (2 * layout.block_size + 8, 2, self._layers[-1][0] + 1, layout.num_heads,
+                 layout.head_size),
+                generator=gen).to(self.model_dtype), "gpu")
+        self._fused = FusedWriter.build(self._layers, self.rotary, self.model_dtype, probe)
+
+    @property
+    def inject_path(self) -> str:
+        """``numba`` / ``triton`` (fused kernel) or ``generic: why``."""
+        if self._fused is None:
+            return "generic: not built yet"
+        return self._fused.kind if self._fused.ok else f"generic: {self._fused.reason}"
 
     def hydrate(self, resident: Resident, tier: str) -> Resident:
         """Put a hydrated artifact in the store (worker extension, background reloads)."""
@@ -407,7 +435,9 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
         """Verify the step's loads against the store, then start them (see inject.py)."""
         if self._layers is None:  # the attention layers never change: find them once
-            self._layers = attention_layers(forward_context)
+            self._layers = attention_layers(forward_context.no_compile_layers)
+        if self._fused is None:
+            self._build_fused()
         layers = self._layers
         if not layers:
             return None
@@ -425,7 +455,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             at += spec.end - spec.start
         if not jobs:
             return None
-        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary, slots)
+        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary, slots,
+                            self._staging, self._fused)
         self.loaded_tokens += at
         if self.verify_next:
             self.last_step, self.verify_next = step, False

@@ -5,7 +5,11 @@ Lives in the vLLM worker process (owned by the connector's worker side). Hydrati
 scheduler asked for) puts a user's slab here; ``start_load_kv`` gathers chunks from it.
 
 Two tiers: ``gpu`` (device memory; on a CPU-only build, CPU memory) and ``host``
-(pinned host memory when CUDA exists). Each tier has a byte budget: when the gpu tier
+(pinned host memory when CUDA exists). A slab is always the logical ``[T, 2, L, H, D]``;
+a store serving a CPU engine keeps it layer-major in memory (``[2, L, T, H, D]`` behind a
+permuted view, see :func:`layer_major`) so the CPU injection kernel streams one layer's
+rows per thread; slabs for a CUDA engine stay token-major, so a host-tier run of rows is
+one contiguous pinned copy. Each tier has a byte budget: when the gpu tier
 overflows, its least-recently-used users move to host; when host overflows, its
 least-recently-used users are dropped (a later request reloads them). A user holds at
 most one version; putting a new version replaces the old one.
@@ -25,6 +29,11 @@ import torch
 log = logging.getLogger("inferscale.resident")
 
 TIERS = ("gpu", "host")
+
+
+def layer_major(slab: torch.Tensor) -> torch.Tensor:
+    """``slab [T, 2, L, H, D]`` copied into layer-major memory, viewed as ``[T, 2, L, H, D]``."""
+    return slab.permute(1, 2, 0, 3, 4).contiguous().permute(2, 0, 1, 3, 4)
 
 
 class ResidencyError(RuntimeError):
@@ -95,10 +104,13 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ placement
 
-    def _to_tier(self, slab: torch.Tensor, tier: str) -> torch.Tensor:
+    def place(self, slab: torch.Tensor, tier: str, owned: bool = False) -> torch.Tensor:
+        """``slab`` in the memory and layout of ``tier``; ``owned``: it is already one of
+        this store's slabs (a demotion)."""
+        if self.device.type == "cpu":  # CPU engine: both tiers in CPU memory, layer-major
+            # (a copy, so the store owns its bytes rather than a file map)
+            return slab if owned else layer_major(slab.cpu())
         if tier == "gpu":
-            if slab.device == self.device:  # CPU-only build: own the bytes (not a file map)
-                return slab.clone()
             return slab.to(self.device)
         if slab.device.type != "cpu":
             slab = slab.cpu()
@@ -124,7 +136,7 @@ class ResidentStore:
                 raise ResidencyError(
                     f"user {resident.user!r}: {resident.nbytes} bytes exceed the {tier} budget "
                     f"({self.budget[tier]} bytes)")
-        resident.slab = self._to_tier(resident.slab, tier)
+        resident.slab = self.place(resident.slab, tier)
         resident.tier = tier
         with self._lock:
             old = self._lru.pop(resident.user, None)
@@ -140,7 +152,7 @@ class ResidentStore:
         # gpu overflow: demote least recently used to host
         while self.used("gpu") > self.budget["gpu"]:
             victim = next(r for r in self._lru.values() if r.tier == "gpu")
-            victim.slab = self._to_tier(victim.slab, "host")
+            victim.slab = self.place(victim.slab, "host", owned=True)
             victim.tier = "host"
             log.info("demoted user %s (%d bytes) to host memory", victim.user, victim.nbytes)
         # host overflow: drop least recently used
@@ -195,13 +207,14 @@ class ResidentStore:
         """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``.
 
         ``out``: ``[end - start, 2, L, H, D]`` on the compute device, any dtype (converted
-        on the way). From the gpu tier this is one ``index_select``; from the host tier,
-        one non-blocking copy per contiguous run of needed rows (pinned host -> device),
+        on the way). From a token-major slab on the compute device this is one
+        ``index_select``; otherwise (host tier behind a GPU, layer-major CPU slabs) one
+        non-blocking copy per contiguous run of needed rows (pinned host -> device),
         nothing else moved.
         """
         runs = resident.runs(chunk_ids, start, end)
         slab = resident.slab
-        if slab.device == out.device:
+        if slab.device == out.device and slab.is_contiguous():
             if len(runs) == 1:
                 out.copy_(slab[runs[0][0]:runs[0][0] + runs[0][1]])
                 return
@@ -211,7 +224,7 @@ class ResidentStore:
             else:
                 out.copy_(torch.index_select(slab, 0, idx))
             return
-        at = 0
+        at = 0  # host -> device, or a layer-major slab: one strided copy per run
         for row, n in runs:
             out[at:at + n].copy_(slab[row:row + n], non_blocking=True)
             at += n

@@ -52,8 +52,11 @@ class InferScaleWorkerExtension:
     def inferscale_attach(self) -> dict:
         """Hand the model's own rotary module to the connector; called once at start-up."""
         conn = _connector()
-        conn.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
-        return {"rotary": type(conn.rotary).__name__, "device": str(conn.store.device)}
+        runner = self.model_runner  # type: ignore[attr-defined]
+        conn.attach_model(runner.model,
+                          runner.vllm_config.compilation_config.static_forward_context)
+        return {"rotary": type(conn.rotary).__name__, "device": str(conn.store.device),
+                "inject_path": conn.inject_path}
 
     def inferscale_hydrate(self, user: str, version: str, tier: str) -> dict:
         """Load ``user``'s artifact ``version`` (or ``"latest"``) into ``tier``."""
@@ -90,18 +93,19 @@ class InferScaleWorkerExtension:
         step = conn.last_step
         if step is None:
             return {"checked": False, "reason": "no load kept"}
-        device = step.staging.device
+        device = step.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pre = torch.cat([j.resident.slab[row_index(j.resident, j.chunks, j.start, j.end)]
                          .to(device, torch.float32) for j in step.jobs])  # [N, 2, L, H, D]
         hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         tables = RotaryTables.from_config(hf_config, device=device)
-        want_k = rotate_keys(pre[:, 0], step.positions, tables, token_dim=0)  # [N, L, H, D]
+        positions = step.positions.to(device)
+        want_k = rotate_keys(pre[:, 0], positions, tables, token_dim=0)  # [N, L, H, D]
         err_k = err_v = 0.0
         scale = float(pre.abs().max())
         for idx, layer in step.layers.items():
-            got = read_layer_kv(layer, step.slots, conn.block_size)
+            got = read_layer_kv(layer, step.slots.to(device), conn.block_size)
             if got is None:
                 return {"checked": False, "reason": f"{type(layer.impl).__name__} layout"}
             err_k = max(err_k, float((got[0].float() - want_k[:, idx]).abs().max()))
@@ -109,7 +113,7 @@ class InferScaleWorkerExtension:
         return {"checked": True, "tokens": int(pre.shape[0]), "max_abs_err_k": err_k,
                 "max_abs_err_v": err_v, "max_abs_value": scale,
                 "tiers": sorted({j.resident.tier for j in step.jobs}),
-                "dtype": str(step.staging.dtype)}
+                "dtype": str(step.dtype), "path": step.path}
 
     def inferscale_evict(self, user: str) -> bool:
         return _connector().evict(user)
@@ -120,5 +124,6 @@ class InferScaleWorkerExtension:
                 "reloads": conn.reloads,
                 "inject_calls": conn.inject_calls,
                 "inject_ms_mean": conn.inject_seconds * 1e3 / max(1, conn.inject_calls),
+                "inject_path": conn.inject_path,
                 "budgets": conn.store.budget,
                 "used": {t: conn.store.used(t) for t in ("gpu", "host")}}

@@ -68,6 +68,23 @@ def test_equivalence_limiting_case_float32(engine_env, caroline):
         assert plain.injected_tokens == 0
         identical += injected.token_ids == plain.token_ids
     assert identical == len(QUESTIONS), f"{identical}/{len(QUESTIONS)} token-identical"
+    # served by the fused CPU kernel, which passed its check against vLLM's writer
+    assert engine_env.loop.run(engine_env.engine.status())["inject_path"] == "numba"
+
+
+def test_a_load_reads_back_as_the_independent_rotation(engine_env, caroline):
+    """The paged cache at a load's slots holds the resident's V and its K rotated with
+    transformers' tables (fp32): read back through the known CPU cache layout."""
+    version, table = caroline
+    ids, chunks = memory_prompt(engine_env.model.tokenizer, table, "Where does Caroline work?")
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    engine_env.loop.run(engine_env.engine.verify_next())
+    out = gen(engine_env, ids, MemoryRef("caroline", version, chunks))
+    check = engine_env.loop.run(engine_env.engine.verify_last_load())
+    assert check["checked"] and check["path"] == "numba"
+    assert check["tokens"] == out.injected_tokens > 0
+    assert check["max_abs_err_v"] == 0.0
+    assert check["max_abs_err_k"] < 1e-5 * max(1.0, check["max_abs_value"])
 
 
 def test_only_the_query_is_prefilled(engine_env, caroline):
