@@ -38,10 +38,17 @@ case "${1:-}" in
       --conversation $D/conv-26.json --tokenizer $D/tok --embedder $D/minilm \
       --out "$OUT/ttft-h200-llama31-8b.json"
     ;;
+  ttft-llama)  # TTFT alone (the fused Triton injection; its self-check is in the log)
+    run ttft-h200-llama31-8b 420 python benchmarks/ttft.py --model llama-3.1-8b-shape \
+      --conversation $D/conv-26.json --tokenizer $D/tok --embedder $D/minilm \
+      --out "$OUT/ttft-h200-llama31-8b.json"
+    grep -h "fused injection" "$OUT"/ttft-h200-llama31-8b.log | tail -n 1
+    ;;
   ttft-qwen)
     run ttft-h200-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
       --conversation $D/conv-26.json --tokenizer $D/tok --embedder $D/minilm \
       --out "$OUT/ttft-h200-qwen3-14b.json"
+    grep -h "fused injection" "$OUT"/ttft-h200-qwen3-14b.log | tail -n 1
     ;;
-  *) echo "usage: $0 tests|encode-hydrate|retrieval-ttft-llama|ttft-qwen"; exit 2 ;;
+  *) echo "usage: $0 tests|encode-hydrate|retrieval-ttft-llama|ttft-llama|ttft-qwen"; exit 2 ;;
 esac
