@@ -124,8 +124,9 @@ def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
 
 
 TRITON_SCRIPT = textwrap.dedent("""
-    import torch, triton
+    import os, torch, triton
     from inferscale.kernels_cuda import inject_kernel
+    torch.set_default_device(os.environ["KERNEL_DEVICE"])
     torch.manual_seed(0)
     T, L, H, D, bs, B = 40, 3, 2, 16, 16, 6
     slab = torch.randn(T, 2, L, H, D)
@@ -165,9 +166,12 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_cuda_kernel_under_the_triton_interpreter():
+def test_cuda_kernel_matches_an_independent_rotation():
+    """Compiled on a GPU; under Triton's CPU interpreter elsewhere."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.update({"KERNEL_DEVICE": "cuda"} if torch.cuda.is_available() else
+               {"KERNEL_DEVICE": "cpu", "TRITON_INTERPRET": "1"})
     out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
