@@ -60,6 +60,9 @@ def load(warm_up: Any) -> Any:
                                          numba.config.NUMBA_NUM_THREADS)))
     from inferscale import _cpu_kernel
 
+    # dynamic chunks of (layer, tile) units: a thread that loses its core for a moment
+    # (the engine process polls for the step's result) does not hold up the step
+    numba.set_parallel_chunksize(16)
     warm_up(_cpu_kernel.inject_kernel)
     if numba.threading_layer() != "omp":
         raise RuntimeError(f"Numba's threading layer is {numba.threading_layer()}, not omp")
