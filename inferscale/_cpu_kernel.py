@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 from numba.extending import intrinsic
 
@@ -29,8 +30,6 @@ def inject_kernel(slab, s_tok, s_kv, s_layer, rows, pos, tiles, cos_sin, caches,
     half = dim // 2
     kb, ko, kh, kd = ks[0], ks[1], ks[2], ks[3]
     vb, vo, vh, vd = vs[0], vs[1], vs[2], vs[3]
-    # neox: pairs (i, i + D/2); otherwise interleaved pairs (2i, 2i + 1)
-    x_step, y_first = (1, half) if neox else (2, 1)
     m = tiles.shape[0]
     for u in prange(layers.shape[0] * m):  # (layer, tile): one layer's rows per unit
         li = u // m
@@ -38,24 +37,30 @@ def inject_kernel(slab, s_tok, s_kv, s_layer, rows, pos, tiles, cos_sin, caches,
         c = caches[li]
         lbase = layers[li] * s_layer
         n0, cnt, b, o0 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        rot = np.empty(dim, dtype=slab.dtype)  # one head's rotated key, then scattered
         for j in range(cnt):
             n = n0 + j
-            p = pos[n]
+            cs = cos_sin[pos[n]]  # [D]: cos | sin
             src = rows[n] * s_tok + lbase
             kdst = k_off + b * kb + (o0 + j) * ko
             vdst = v_off + b * vb + (o0 + j) * vo
             for h in range(heads):
                 k = src + h * dim
+                if neox:  # pairs (i, i + D/2)
+                    xs = slab[k:k + half]
+                    ys = slab[k + half:k + dim]
+                    for i in range(half):  # contiguous: vectorized
+                        rot[i] = _fma(-ys[i], cs[half + i], xs[i] * cs[i])
+                        rot[half + i] = _fma(xs[i], cs[half + i], ys[i] * cs[i])
+                else:  # interleaved pairs (2i, 2i + 1)
+                    for i in range(half):
+                        x = slab[k + 2 * i]
+                        y = slab[k + 2 * i + 1]
+                        rot[2 * i] = _fma(-y, cs[half + i], x * cs[i])
+                        rot[2 * i + 1] = _fma(x, cs[half + i], y * cs[i])
                 kdh = kdst + h * kh
-                for i in range(half):
-                    xi = i * x_step
-                    yi = xi + y_first
-                    x = slab[k + xi]
-                    y = slab[k + yi]
-                    co = cos_sin[p, i]
-                    si = cos_sin[p, half + i]
-                    c[kdh + xi * kd] = _fma(-y, si, x * co)
-                    c[kdh + yi * kd] = _fma(x, si, y * co)
+                for d in range(dim):
+                    c[kdh + d * kd] = rot[d]
                 v = k + s_kv
                 vdh = vdst + h * vh
                 if vd == 1:

@@ -112,14 +112,22 @@ def test_unknown_layout_stays_on_the_generic_path(cpu_backend):
 
 
 def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
-    """A kernel whose keys differ from the model's rotary op (here: a neox/gpt-j mix-up)
-    must never be used."""
+    """A kernel that would write keys anywhere else than the backend's writer does (here:
+    a layout with the key's dim and offset strides swapped) is never used."""
+    import dataclasses
+
     from vllm.config import set_current_vllm_config
 
+    import inferscale.inject_kernels as ik
+
+    def wrong_layout(layer):
+        real = cache_layout(layer)
+        kb, ko, kh, kd = real.k_strides
+        return dataclasses.replace(real, k_strides=(kb, kd, kh, ko))
+
+    monkeypatch.setattr(ik, "cache_layout", wrong_layout)
     with set_current_vllm_config(cpu_backend.config):
-        layers = cpu_layers(cpu_backend, 2)
-        monkeypatch.setattr(cpu_backend.rope, "is_neox_style", False)
-        writer = FusedWriter.build(layers, cpu_backend.rope, torch.float32)
+        writer = FusedWriter.build(cpu_layers(cpu_backend, 2), cpu_backend.rope, torch.float32)
     assert not writer.ok and "keys differ" in writer.reason
 
 
