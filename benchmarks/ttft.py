@@ -10,7 +10,7 @@ the user's facts), on the same vLLM engine with the InferScale connector:
   floor any memory system can reach. The memory's blocks are cached by a request with
   the same memory and another question, so none of this query's tokens hit the cache:
   the floor computes the query like the other modes (at most the last partial block of
-  memory, under 16 tokens, is injected);
+  memory, less than one block, is injected);
 - ``q2ft``: query-to-first-token of the injected path: embed + retrieve + compose + TTFT.
 
 Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).

@@ -47,7 +47,7 @@ from inferscale.inject_kernels import FusedWriter
 from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
-    attention_layers, block_ids_of, cache_layout,
+    attention_layers, block_ids_of,
 )
 
 if TYPE_CHECKING:
@@ -371,15 +371,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _build_fused(self) -> None:
         if not self._layers or self.rotary is None:
             return
-        layout = cache_layout(self._layers[0][1])
-        probe = None
-        if layout is not None:  # a random slab placed as the store places real ones
-            gen = torch.Generator().manual_seed(0)
-            probe = self.store.place(torch.randn(
-                (2 * layout.block_size + 8, 2, self._layers[-1][0] + 1, layout.num_heads,
-                 layout.head_size),
-                generator=gen).to(self.model_dtype), "gpu")
-        self._fused = FusedWriter.build(self._layers, self.rotary, self.model_dtype, probe)
+        self._fused = FusedWriter.build(self._layers, self.rotary, self.model_dtype,
+                                        place=lambda slab: self.store.place(slab, "gpu"))
 
     @property
     def inject_path(self) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -92,14 +92,15 @@ class FusedWriter:
     # -------------------------------------------------------------- construction
 
     @classmethod
-    def build(cls, layers: list[tuple[int, Any]], rotary: torch.nn.Module,
-              dtype: torch.dtype, check_slab: torch.Tensor | None = None) -> "FusedWriter":
+    def build(cls, layers: list[tuple[int, Any]], rotary: torch.nn.Module, dtype: torch.dtype,
+              place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "FusedWriter":
         """Pick the kernel for the layers' device and check it against the backend's
-        writer (``check_slab``: a slab placed as the store places them, random if None)."""
+        writer on a random slab passed through ``place`` (how the resident store places
+        real slabs: device, layout)."""
         w = cls(layers, rotary, dtype)
         try:
             w._prepare()
-            w._self_check(check_slab)
+            w._self_check(place or (lambda slab: slab))
             w.ok, w.reason = True, "checked against the backend's writer"
         except Exception as exc:  # noqa: BLE001 - any failure means the generic path
             w.ok, w.reason = False, f"{type(exc).__name__}: {exc}"
@@ -154,6 +155,8 @@ class FusedWriter:
                 raise RuntimeError("a layer's cache is not dense")
             self._layer_idx = np.asarray([i for i, _ in self.layers], dtype=np.int64)
             self._cos_sin_np = self.cos_sin.numpy()
+            self._ks = np.asarray(layout.k_strides, dtype=np.int64)
+            self._vs = np.asarray(layout.v_strides, dtype=np.int64)
             self._arrays = arrays
 
     # -------------------------------------------------------------- writing
@@ -175,8 +178,7 @@ class FusedWriter:
         _, _, _, heads, dim = src.slab.shape
         self._kernel(flat, s_tok, s_kv, s_layer, src.rows, src.positions,
                      slot_tiles(src.slots, lay.block_size), self._cos_sin_np, caches,
-                     layer_idx, np.asarray(lay.k_strides, dtype=np.int64),
-                     np.asarray(lay.v_strides, dtype=np.int64), lay.k_offset, lay.v_offset,
+                     layer_idx, self._ks, self._vs, lay.k_offset, lay.v_offset,
                      heads, dim, self.neox)
 
     def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
@@ -224,7 +226,7 @@ class FusedWriter:
 
     # -------------------------------------------------------------- self-check
 
-    def _self_check(self, slab: torch.Tensor | None) -> None:
+    def _self_check(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Write one probe with the kernel and with the generic path (the model's rotary
         op + the backend's writer) into scratch blocks of the first layer's cache shape;
         they must agree (exactly on CPU; within one rounding of the cache dtype on CUDA)."""
@@ -234,11 +236,9 @@ class FusedWriter:
         device, bs = kv.device, lay.block_size
         gen = torch.Generator().manual_seed(0)
         n = 2 * bs + 3
-        if slab is None:
-            shape = (n + 5, 2, idx + 1, lay.num_heads, lay.head_size)
-            slab = torch.randn(shape, generator=gen).to(device, self.dtype)
+        shape = (n + 5, 2, idx + 1, lay.num_heads, lay.head_size)
+        slab = place(torch.randn(shape, generator=gen).to(self.dtype)).to(device)
         rows = torch.randperm(slab.shape[0], generator=gen)[:n].sort().values.numpy()
-        rows = np.resize(rows, n).astype(np.int64)
         positions = (np.arange(n) + 7).astype(np.int64)
         blocks = 4
         slots = np.concatenate([np.arange(bs - 3, bs), 2 * bs + np.arange(n - 3)]).astype(

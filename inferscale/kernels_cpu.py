@@ -52,7 +52,6 @@ def load(warm_up: Any) -> Any:
     import torch
 
     with _widened_affinity():
-        os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
         import numba
 
         numba.config.THREADING_LAYER = "omp"

@@ -89,7 +89,7 @@ def test_cpu_kernel_is_bit_identical_to_rotary_op_and_backend_writer(cpu_backend
     with set_current_vllm_config(cpu_backend.config):
         fused_layers, ref_layers = cpu_layers(cpu_backend, L), cpu_layers(cpu_backend, L)
         writer = FusedWriter.build(fused_layers, cpu_backend.rope, torch.float32,
-                                   layer_major(slab[:40]))
+                                   place=layer_major)
         assert writer.ok and writer.kind == "numba", writer.reason
         writer.write([Source(layer_major(slab), rows, positions, slots)])
         generic_write(ref_layers, cpu_backend.rope, slab, rows, positions, slots)
