@@ -15,11 +15,12 @@ Callers: the hydrate flow's task (``tasks/serving.py``), operators' scripts, the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
-Tier = Literal["gpu", "host"]
+from inferscale.types import Tier, check_tier
+
 TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
 
 
@@ -66,8 +67,7 @@ class AdminClient:
 
     def hydrate(self, user: str, tier: Tier = "gpu", version: str = "latest") -> dict:
         """Load ``user``'s ``version`` into ``tier``; the server's answer (version, bytes...)."""
-        if tier not in ("gpu", "host"):
-            raise ValueError(f"tier must be 'gpu' or 'host', got {tier!r}")
+        check_tier(tier)
         return self._call("POST", "/admin/hydrate",
                           {"user": user, "tier": tier, "version": version})
 

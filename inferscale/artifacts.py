@@ -46,6 +46,7 @@ from inferscale.store import (
     FingerprintMismatch, InvalidArtifactInput, InvalidStoreConfig, InvalidUserId,
     MissingManifest, StoreConfig, TruncatedArtifact, user_dirname, user_from_dirname,
 )
+from inferscale.types import PREFIX_ID
 from storage_schemas import facts as facts_schema
 from storage_schemas import kv as kv_schema
 from storage_schemas import manifest as manifest_schema
@@ -401,7 +402,7 @@ def _check_facts(facts: pa.Table, user: str) -> pa.Table:
 
 
 def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:
-    chunk_ids = set(chunk_ids) - {kv_schema.PREFIX}
+    chunk_ids = set(chunk_ids) - {PREFIX_ID}
     fact_ids = set(facts.column("fact_id").to_pylist())
     if chunk_ids != fact_ids:
         missing, extra = sorted(fact_ids - chunk_ids)[:5], sorted(chunk_ids - fact_ids)[:5]

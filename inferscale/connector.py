@@ -45,6 +45,7 @@ import torch
 from inferscale.inject import Job, Staging, StepLoad
 from inferscale.inject_kernels import FusedWriter
 from inferscale.resident import Resident, ResidentStore
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
     attention_layers, block_ids_of,
@@ -72,8 +73,8 @@ class ConnectorConfig:
     model_fingerprint: str
     artifact_root: str = ""
     storage_options: dict = field(default_factory=dict)
-    gpu_budget_bytes: int = 8 << 30
-    host_budget_bytes: int = 32 << 30
+    gpu_budget_bytes: int = GPU_BUDGET_BYTES
+    host_budget_bytes: int = HOST_BUDGET_BYTES
     reload_tier: str = "host"  # where background reloads land
     auto_reload: bool = True
 

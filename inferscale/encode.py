@@ -33,9 +33,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from inferscale.compose import DEFAULT_INSTRUCTION, Composer
+from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
 
-PREFIX_ID = "prefix"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _capture_lock = threading.Lock()
 
 
@@ -58,8 +57,8 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         if self.window < 0:
             raise EncodeError(f"window must be >= 0, got {self.window}")
-        if self.dtype not in _DTYPES:
-            raise EncodeError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in KV_DTYPES:
+            raise EncodeError(f"dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
         if self.max_fact_tokens < 1 or self.max_window_tokens < 0:
             raise EncodeError("max_fact_tokens must be >= 1 and max_window_tokens >= 0")
         if self.batch_tokens < self.max_fact_tokens:
@@ -67,7 +66,7 @@ class EncoderConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inferscale.connector import PARAMS_KEY
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     artifact_root: str = ""
     storage_options: dict = field(default_factory=dict)
-    gpu_budget_bytes: int = 8 << 30
-    host_budget_bytes: int = 32 << 30
+    gpu_budget_bytes: int = GPU_BUDGET_BYTES
+    host_budget_bytes: int = HOST_BUDGET_BYTES
     auto_reload: bool = True
     reload_tier: str = "host"
 

@@ -31,7 +31,6 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -44,12 +43,10 @@ from inferscale.store import (
     KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
     TruncatedArtifact,
 )
+from inferscale.types import Tier, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
-
-Tier = Literal["host", "gpu"]
-TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -134,7 +131,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
 
     layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
     source = dev_buf if dev_buf is not None else host
-    dtype = TORCH_DTYPE[layout.dtype]
+    dtype = torch_dtype(layout.dtype)
     if layout.slab_bytes:
         slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
     else:

@@ -17,10 +17,8 @@ import pyarrow as pa
 import torch
 
 from inferscale.store import InvalidArtifactInput
+from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name
 from storage_schemas import kv as kv_schema
-
-
-TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 class EncodedChunkLike(Protocol):
@@ -47,13 +45,14 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     find the slab's byte offset in the file. Raises :class:`InvalidArtifactInput`.
     """
     chunks = list(encoded.chunks)
-    if not chunks or chunks[0].chunk_id != kv_schema.PREFIX:
-        raise InvalidArtifactInput(f"the first chunk must be {kv_schema.PREFIX!r}")
+    if not chunks or chunks[0].chunk_id != PREFIX_ID:
+        raise InvalidArtifactInput(f"the first chunk must be {PREFIX_ID!r}")
     k0 = chunks[0].keys
     if not isinstance(k0, torch.Tensor) or k0.dim() != 4:
         raise InvalidArtifactInput("chunk keys must be 4-D tensors [L, T, H, D]")
-    if k0.dtype not in TORCH_DTYPES:
-        raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(TORCH_DTYPES)}")
+    dtype = dtype_name(k0.dtype)
+    if dtype is None:
+        raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(KV_DTYPES)}")
     n_layers, _, n_heads, head_dim = k0.shape
     ids, lengths = [], []
     for c in chunks:
@@ -78,7 +77,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         raise InvalidArtifactInput("duplicate chunk ids")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     try:
-        layout = kv_schema.KVLayout(TORCH_DTYPES[k0.dtype], int(n_layers), int(n_heads),
+        layout = kv_schema.KVLayout(dtype, int(n_layers), int(n_heads),
                                     int(head_dim), int(offsets[-1]), model_fp)
     except kv_schema.KVFormatError as exc:
         raise InvalidArtifactInput(str(exc)) from exc

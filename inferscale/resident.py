@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("inferscale.resident")
+from inferscale.types import TIERS
 
-TIERS = ("gpu", "host")
+log = logging.getLogger("inferscale.resident")
 
 
 def layer_major(slab: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ from typing import Any, Literal
 from fastapi import Request  # noqa: F401
 
 from inferscale.compose import Composer
-from inferscale.encode import PREFIX_ID
 from inferscale.engine import MemoryEngine, MemoryRef
+from inferscale.types import PREFIX_ID
 
 log = logging.getLogger("inferscale.serve")
 Mode = Literal["kv", "prompt"]
