@@ -42,7 +42,7 @@ from inferscale.encode import (  # noqa: E402
     EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_segments, plan_batches,
     window_segments,
 )
-from inferscale.logs import read_logs  # noqa: E402
+from inferscale.ingest.logs import read_logs  # noqa: E402
 from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
 

@@ -99,7 +99,7 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
     from benchmarks.memory_setup import encoded_memory, load_turns, random_memory, turn_facts
     from inferscale.artifacts import Lineage, publish
     from inferscale.encode import EncoderConfig
-    from inferscale.logs import turns_hash
+    from inferscale.ingest.logs import turns_hash
     from inferscale.models import dummy_fingerprint, load_model
     from inferscale.retrieval import Embedder
     from inferscale.store import StoreConfig

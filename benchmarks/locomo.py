@@ -118,7 +118,7 @@ def encode_window(args, loaded, turns: pa.Table, facts: pa.Table, user: str, roo
     from inferscale.artifacts import Lineage, publish
     from inferscale.encode import EncoderConfig
     from inferscale.facts import facts_hash
-    from inferscale.logs import turns_hash
+    from inferscale.ingest.logs import turns_hash
     from inferscale.store import StoreConfig
     from benchmarks.memory_setup import encoded_memory
 

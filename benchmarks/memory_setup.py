@@ -23,7 +23,7 @@ from inferscale.compose import Composer
 from inferscale.encode import (
     PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments)
 from inferscale.facts import fact_id
-from inferscale.logs import read_logs, turns_hash
+from inferscale.ingest.logs import read_logs, turns_hash
 from inferscale.pipeline import turns_and_facts
 from inferscale.store import StoreConfig
 from storage_schemas import facts as facts_schema

@@ -26,7 +26,7 @@ from prefect.states import Failed
 
 from inferscale.facts import FactsConfig
 from inferscale.lineage import artifact_key
-from inferscale.logs import IngestResult, sample_conversations
+from inferscale.ingest.logs import IngestResult, sample_conversations
 from inferscale.pipeline import PipelineConfig, configs_from_settings
 from inferscale.run_report import RunReport, UserOutcome
 from inferscale.settings import Settings

@@ -46,7 +46,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def cmd_encode(args: argparse.Namespace) -> int:
     from inferscale.facts import FactsConfig
-    from inferscale.logs import sample_conversations
+    from inferscale.ingest.logs import sample_conversations
     from inferscale.pipeline import PipelineConfig, run
 
     settings = _settings(args)
@@ -121,7 +121,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     root = args.artifact_root or str(settings.home / "demo" / "artifacts")
     os.environ.setdefault("PREFECT_HOME", str(settings.home / "prefect"))
     from flows.encode import encode_users
-    from inferscale.logs import sample_conversations
+    from inferscale.ingest.logs import sample_conversations
 
     print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({args.fact_mode})"
           f" -> pre-RoPE KV (window {settings.window}) -> artifacts under {root}", flush=True)

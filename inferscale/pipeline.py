@@ -211,7 +211,7 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
         progress: bool = True) -> dict:
     """The whole chain in this process (what ``inferscale encode`` runs)."""
     from inferscale.facts import extract_facts
-    from inferscale.logs import read_logs, turns_hash
+    from inferscale.ingest.logs import read_logs, turns_hash
 
     ingest = read_logs(logs, quarantine_uri=quarantine_uri)
     selected = {u: t for u, t in ingest.turns.items() if users is None or u in users}

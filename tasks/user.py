@@ -23,7 +23,7 @@ from prefect.concurrency.sync import concurrency
 
 from inferscale.facts import FactsConfig
 from inferscale.lineage import artifact_key
-from inferscale.logs import turns_hash as hash_turns
+from inferscale.ingest.logs import turns_hash as hash_turns
 from inferscale.pipeline import PipelineConfig, expected_version
 from inferscale.run_report import UserOutcome
 from tasks.encode import encode_kv

@@ -17,7 +17,7 @@ from inferscale.settings import offline_environment
 
 offline_environment()
 
-from inferscale.logs import read_logs, sample_conversations  # noqa: E402
+from inferscale.ingest.logs import read_logs, sample_conversations  # noqa: E402
 from inferscale.retrieval import Embedder, FactIndex  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 

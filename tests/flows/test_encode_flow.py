@@ -23,7 +23,7 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     from flows.encode import encode_users
     from inferscale.artifacts import list_versions, read_manifest, verify_version
     from inferscale.lineage import artifact_key, version_of_rows
-    from inferscale.logs import read_logs, sample_conversations
+    from inferscale.ingest.logs import read_logs, sample_conversations
     from inferscale.store import StoreConfig
 
     root = tmp_path / "artifacts"

@@ -37,7 +37,7 @@ IVY = [
 def test_bad_records_quarantined_others_published(flow_env, tmp_path):
     from flows.encode import encode_users
     from inferscale.artifacts import verify_version
-    from inferscale.logs import sample_conversations
+    from inferscale.ingest.logs import sample_conversations
     from inferscale.store import StoreConfig
 
     logs = tmp_path / "logs.jsonl"

@@ -17,7 +17,7 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     from flows.nightly import nightly_reencode
     from inferscale.artifacts import latest_version, list_versions, verify_version
     from inferscale.lineage import artifact_key
-    from inferscale.logs import read_logs, sample_conversations
+    from inferscale.ingest.logs import read_logs, sample_conversations
     from inferscale.store import StoreConfig
 
     root = tmp_path / "artifacts"

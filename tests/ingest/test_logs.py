@@ -8,7 +8,8 @@ from collections import Counter
 import fsspec
 import pytest
 
-from inferscale.logs import LogError, LogLimits, read_logs, sample_conversations, turns_hash
+from inferscale.ingest.logs import LogError, read_logs, sample_conversations, turns_hash
+from inferscale.ingest.records import LogLimits
 from storage_schemas import turns as turns_schema
 
 
