@@ -10,7 +10,7 @@ composed in stored order, ``[prefix | fact_1 .. fact_n | query]``, and answered 
   the whole memory before it as its window: exactly a joint prefill's KV,
   :func:`benchmarks.memory_setup.limiting_memory`);
 - ``window``: the memory injected from the ordinary encoding (each fact with its own
-  ``--window`` preceding turns, ``inferscale.encode.encode_facts``).
+  ``--window`` preceding turns, ``inferscale.encode.encoder.encode_facts``).
 
 Each injected answer is compared with the prefill answer: ``token_identical``;
 ``equivalent`` (not identical, but the same normalized first line, or mentioning the
@@ -133,8 +133,8 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
     """Publish every user twice (limiting, window) -> per user: versions and its table."""
     from benchmarks.memory_setup import facts_table, limiting_memory
     from inferscale.artifacts import Lineage, publish
-    from inferscale.compose import Composer
-    from inferscale.encode import EncoderConfig, FactSpec, TurnText, encode_facts
+    from inferscale.encode.compose import Composer
+    from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
     from inferscale.store import StoreConfig
 
     store = StoreConfig(str(root))
@@ -165,7 +165,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
     from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
-    from inferscale.models import load_model
+    from inferscale.encode.models import load_model
     from inferscale.retrieval import Embedder
 
     dtype = getattr(torch, dtype_name)

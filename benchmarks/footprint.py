@@ -98,9 +98,9 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
                       lancedb: bool) -> list[dict]:
     from benchmarks.memory_setup import encoded_memory, load_turns, random_memory, turn_facts
     from inferscale.artifacts import Lineage, publish
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.encoder import EncoderConfig
     from inferscale.ingest.logs import turns_hash
-    from inferscale.models import dummy_fingerprint, load_model
+    from inferscale.encode.models import dummy_fingerprint, load_model
     from inferscale.retrieval import Embedder
     from inferscale.store import StoreConfig
     from benchmarks.shapes import write_dummy_checkpoint

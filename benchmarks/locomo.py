@@ -116,7 +116,7 @@ def encode_window(args, loaded, turns: pa.Table, facts: pa.Table, user: str, roo
                   w: int) -> tuple[str, dict]:
     """Encode ``facts`` with window ``w`` and publish them as user ``{user}-w{w}``."""
     from inferscale.artifacts import Lineage, publish
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.encoder import EncoderConfig
     from inferscale.facts import facts_hash
     from inferscale.ingest.logs import turns_hash
     from inferscale.store import StoreConfig
@@ -141,8 +141,8 @@ async def run_modes(args, loaded, root: Path, user: str, turns: pa.Table, facts:
                     on_phase) -> None:
     """Every (mode, question, k) on one engine. A window's facts are encoded just before
     its phase (the engine idles meanwhile); ``on_phase(phase, answers)`` after each."""
-    from inferscale.compose import Composer
-    from inferscale.encode import PREFIX_ID
+    from inferscale.encode.compose import Composer
+    from inferscale.types import PREFIX_ID
     from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
 
     engine = await MemoryEngine(EngineConfig(
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
 
     from benchmarks.memory_setup import load_turns
-    from inferscale.models import load_model
+    from inferscale.encode.models import load_model
 
     questions = load_questions(args.conversation, max_questions=args.max_questions)
     loaded = load_model(args.model, Settings().home, device="cpu", dtype="float32")

@@ -19,9 +19,11 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts import Lineage, publish
-from inferscale.compose import Composer
-from inferscale.encode import (
-    PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments)
+from inferscale.encode.compose import Composer
+from inferscale.types import PREFIX_ID
+from inferscale.encode.encoder import (
+    EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments,
+)
 from inferscale.facts import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash
 from inferscale.pipeline import turns_and_facts

@@ -60,10 +60,10 @@ async def measure(args) -> dict:
 
     from benchmarks.memory_setup import (
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
-    from inferscale.compose import Composer
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.compose import Composer
+    from inferscale.encode.encoder import EncoderConfig
     from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.retrieval import Embedder
     from inferscale.serve import MemoryServer
     from inferscale.store import StoreConfig

@@ -97,7 +97,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_versions(args: argparse.Namespace) -> int:
     from inferscale.artifacts import latest_version, list_versions
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
     from inferscale.store import StoreConfig
 
     settings = _settings(args)

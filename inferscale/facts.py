@@ -218,7 +218,7 @@ class FactExtractor:
                 ex.close()
             return
         from inferscale.llm_server import LLMServerConfig, LocalLLMServer
-        from inferscale.models import resolve_checkpoint
+        from inferscale.encode.models import resolve_checkpoint
         from inferscale.settings import default_home
 
         ckpt = resolve_checkpoint(config.llm_checkpoint, Path(home or default_home()))
@@ -283,7 +283,7 @@ class FactExtractor:
         rest are context only). Without ``turn_ids`` the user's Mem0 memories are rebuilt
         from scratch; with them, only those turns' memories are replaced.
         """
-        from inferscale.compose import Composer
+        from inferscale.encode.compose import Composer
         from inferscale.mem0_llm import observation_date
 
         rows = turns.sort_by("turn_index").to_pylist()

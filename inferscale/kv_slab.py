@@ -2,7 +2,7 @@
 
 :func:`build_kv_batch` checks the encoder's chunks (prefix first, unique ids, one dtype,
 ``[L, T, H, D]`` keys and values of one geometry, as many token ids as rows) and lays
-them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode``) is
+them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
 duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
 
 Callers: ``inferscale.artifacts.publish``.
@@ -29,7 +29,7 @@ class EncodedChunkLike(Protocol):
 
 
 class EncodedMemoryLike(Protocol):
-    """What the encoder returns (``inferscale.encode.EncodedMemory``); duck-typed."""
+    """What the encoder returns (``inferscale.encode.encoder.EncodedMemory``); duck-typed."""
 
     chunks: Sequence[EncodedChunkLike]
     model_fingerprint: str

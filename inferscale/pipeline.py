@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from inferscale.encode import EncoderConfig, FactSpec, TurnText, encode_facts
+from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
 
 log = logging.getLogger("inferscale.pipeline")
 
@@ -91,7 +91,7 @@ _FACTS_LOCK = threading.Lock()  # the shared fact extractors (Mem0 is not thread
 
 def serving_model(cfg: PipelineConfig):
     """The serving model (and tokenizer, fingerprint), loaded once per process."""
-    from inferscale.models import load_model
+    from inferscale.encode.models import load_model
 
     key = (cfg.model, cfg.device, cfg.model_dtype)
     with _LOCK:
@@ -104,7 +104,7 @@ def serving_model(cfg: PipelineConfig):
 def model_fingerprint(cfg: PipelineConfig) -> str:
     """The serving model's fingerprint without loading it (the embedded model is
     converted on first use; weight digests are cached under ``{home}/fingerprints``)."""
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
 
     key = (cfg.model, str(cfg.home))
     with _LOCK:
@@ -190,7 +190,7 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
 
 
 def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True):
-    """One user's facts -> :class:`~inferscale.encode.EncodedMemory` with the serving model."""
+    """One user's facts -> :class:`~inferscale.encode.encoder.EncodedMemory` with the serving model."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
     return encode_facts(model.model, model.tokenizer, turn_texts, specs, cfg.encoder,

@@ -30,7 +30,7 @@ from typing import Any, Literal
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.compose import Composer
+from inferscale.encode.compose import Composer
 from inferscale.engine import MemoryEngine, MemoryRef
 from inferscale.types import PREFIX_ID
 
@@ -342,7 +342,7 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     from transformers import AutoTokenizer
 
     from inferscale.engine import EngineConfig
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
     from inferscale.retrieval import Embedder
     from inferscale.store import StoreConfig
 

@@ -86,7 +86,7 @@ class InferScaleWorkerExtension:
         import torch
 
         from inferscale.inject import row_index
-        from inferscale.rope import RotaryTables, rotate_keys
+        from inferscale.encode.rope import RotaryTables, rotate_keys
         from inferscale.vllm_compat import read_layer_kv
 
         conn = _connector()

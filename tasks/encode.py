@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 from prefect import task
 
-from inferscale.encode import EncodedMemory
+from inferscale.encode.encoder import EncodedMemory
 from inferscale.pipeline import PipelineConfig, compact, encode_user
 from tasks.caching import CACHE_EXPIRATION, encode_cache_key
 

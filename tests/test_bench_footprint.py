@@ -9,7 +9,7 @@ from benchmarks.footprint import kv_bytes_per_token, measure
 from benchmarks.memory_setup import facts_table, random_memory
 from benchmarks.shapes import SHAPES, kv_shape
 from inferscale.artifacts import Lineage, publish
-from inferscale.compose import Composer
+from inferscale.encode.compose import Composer
 from inferscale.store import StoreConfig
 
 

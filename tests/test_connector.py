@@ -90,7 +90,7 @@ def test_a_load_reads_back_as_the_independent_rotation(engine_env, caroline):
 def test_only_the_query_is_prefilled(engine_env, caroline):
     """vLLM's own counters: every memory token comes from external KV transfer and
     only the query's tokens are computed."""
-    from inferscale.compose import Composer
+    from inferscale.encode.compose import Composer
 
     version, table = caroline
     tok = engine_env.model.tokenizer
@@ -180,7 +180,7 @@ def test_salt_keeps_injected_blocks_from_others(engine_env, caroline):
 
 
 def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroline):
-    from inferscale.encode import EncodedMemory
+    from inferscale.encode.encoder import EncodedMemory
 
     tok = engine_env.model.tokenizer
     v1, table = caroline

@@ -17,7 +17,7 @@ def test_record_each_version_once(prefect_server, tmp_path):
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
     from inferscale.artifacts import publish, read_manifest
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.encoder import EncoderConfig
     from inferscale.lineage import artifact_key, asset_key, location_uri, version_of_rows
     from inferscale.pipeline import PipelineConfig
     from tasks.lineage import record_lineage

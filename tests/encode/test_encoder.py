@@ -3,14 +3,15 @@
 import pytest
 import torch
 
-from inferscale.compose import ComposeError, Composer
-from inferscale.encode import (
-    PREFIX_ID, EncodeError, EncoderConfig, FactSpec, Segment, TurnText, build_batch,
-    encode_facts, encode_segments, plan_batches, window_segments,
+from inferscale.encode.compose import ComposeError, Composer
+from inferscale.types import PREFIX_ID
+from inferscale.encode.encoder import (
+    EncodeError, EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_facts,
+    encode_segments, plan_batches, window_segments,
 )
-from inferscale.rope import RotaryTables, rotate_keys
+from inferscale.encode.rope import RotaryTables, rotate_keys
 from tests.conftest import tiny_llama, tiny_qwen3
-from tests.test_rope import ROPE_TYPES
+from tests.encode.test_rope import ROPE_TYPES
 
 
 def joint_prefill_kv(model, ids: list[int]):

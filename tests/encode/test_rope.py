@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inferscale.rope import RopeError, RotaryTables, apply_rotary, rotate_keys
+from inferscale.encode.rope import RopeError, RotaryTables, apply_rotary, rotate_keys
 from tests.conftest import random_kv, tiny_llama
 
 ROPE_TYPES = {

@@ -20,7 +20,7 @@ Edge cases (stated): ``w = 0`` encodes the fact alone at positions ``0..len-1``;
 stop at the start of the conversation; a window longer than ``max_window_tokens`` keeps
 its most recent tokens; a fact longer than ``max_fact_tokens`` is truncated to its first
 ``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
-:class:`~inferscale.compose.ComposeError`.
+:class:`~inferscale.encode.compose.ComposeError`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from inferscale.compose import DEFAULT_INSTRUCTION, Composer
+from inferscale.encode.compose import DEFAULT_INSTRUCTION, Composer
 from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
 
 _capture_lock = threading.Lock()
