@@ -1,7 +1,7 @@
 """LoCoMo answer quality: KV injection (per encoder window w) against the prompt baseline.
 
 For one LoCoMo-format conversation: the user's memory is built with the pipeline
-(turns -> facts with ``inferscale.facts.extract_facts``: ``--fact-mode raw`` makes every
+(turns -> facts with ``inferscale.facts.extractor.extract_facts``: ``--fact-mode raw`` makes every
 turn one fact ``"[date] Speaker: text"``; ``mem0`` extracts facts with an LLM through an
 OpenAI-compatible endpoint), encoded once per window ``w`` with the serving model and
 published as one artifact per ``w``. Every question of categories 1-4 is then answered,
@@ -79,7 +79,7 @@ def load_questions(conversation: str, categories=(1, 2, 3, 4),
 
 def build_facts(args, turns: pa.Table, tokenizer) -> tuple[pa.Table, dict]:
     """The pipeline's fact step for this user (raw or mem0 mode)."""
-    from inferscale.facts import FactsConfig, extract_facts
+    from inferscale.facts.extractor import FactsConfig, extract_facts
 
     cfg = FactsConfig(mode=args.fact_mode, llm_base_url=args.llm_base_url,
                       llm_model=args.llm_model)
@@ -117,7 +117,7 @@ def encode_window(args, loaded, turns: pa.Table, facts: pa.Table, user: str, roo
     """Encode ``facts`` with window ``w`` and publish them as user ``{user}-w{w}``."""
     from inferscale.artifacts import Lineage, publish
     from inferscale.encode.encoder import EncoderConfig
-    from inferscale.facts import facts_hash
+    from inferscale.facts.extractor import facts_hash
     from inferscale.ingest.logs import turns_hash
     from inferscale.store import StoreConfig
     from benchmarks.memory_setup import encoded_memory

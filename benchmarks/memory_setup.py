@@ -24,7 +24,7 @@ from inferscale.types import PREFIX_ID
 from inferscale.encode.encoder import (
     EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments,
 )
-from inferscale.facts import fact_id
+from inferscale.facts.extractor import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash
 from inferscale.pipeline import turns_and_facts
 from inferscale.store import StoreConfig

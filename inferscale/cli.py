@@ -45,7 +45,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from inferscale.facts import FactsConfig
+    from inferscale.facts.extractor import FactsConfig
     from inferscale.ingest.logs import sample_conversations
     from inferscale.pipeline import PipelineConfig, run
 

@@ -73,7 +73,7 @@ def configs_from_settings(settings: Any, *, model: str | None = None,
     LLM that extracts facts stays the configured one, so facts keep their text.
     Callers: the flows in ``flows/``, the demo.
     """
-    from inferscale.facts import FactsConfig
+    from inferscale.facts.extractor import FactsConfig
 
     overrides = {k: v for k, v in dict(model=model, fact_mode=fact_mode,
                                         artifact_root=artifact_root, window=window).items()
@@ -120,10 +120,10 @@ atexit.register(_EXIT.close)
 
 
 def extract_user_facts(cfg: PipelineConfig, facts_cfg: Any, turns: pa.Table):
-    """One user's facts (:class:`~inferscale.facts.FactsResult`) with this process's
+    """One user's facts (:class:`~inferscale.facts.extractor.FactsResult`) with this process's
     extractor: Mem0 (and the local LLM server in mem0 mode) is opened once per process
     and closed at exit; extractions in one process run one at a time."""
-    from inferscale.facts import FactExtractor
+    from inferscale.facts.extractor import FactExtractor
 
     tokenizer = serving_model(cfg).tokenizer
     key = json.dumps(asdict(facts_cfg), sort_keys=True, default=str)
@@ -210,7 +210,7 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
         users: list[str] | None = None, quarantine_uri: str | None = None,
         progress: bool = True) -> dict:
     """The whole chain in this process (what ``inferscale encode`` runs)."""
-    from inferscale.facts import extract_facts
+    from inferscale.facts.extractor import extract_facts
     from inferscale.ingest.logs import read_logs, turns_hash
 
     ingest = read_logs(logs, quarantine_uri=quarantine_uri)

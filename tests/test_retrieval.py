@@ -100,7 +100,7 @@ def test_parity_with_lancedb_exact_search(tmp_path, embedder):
     """100 random queries: FactIndex top-k == LanceDB brute-force cosine top-k, same facts."""
     import lancedb
 
-    from inferscale.mem0_lancedb import LanceDBStore
+    from inferscale.facts.mem0_lancedb import LanceDBStore
 
     turns = read_logs(str(sample_conversations())).turns
     texts = [t for table in turns.values() for t in table["text"].to_pylist()]

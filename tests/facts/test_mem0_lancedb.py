@@ -11,8 +11,8 @@ from inferscale.settings import offline_environment
 
 offline_environment()
 
-from inferscale.facts import embedded_embedder_path  # noqa: E402
-from inferscale.mem0_lancedb import PK_METADATA, PROVIDER, LanceDBStore  # noqa: E402
+from inferscale.facts.extractor import embedded_embedder_path  # noqa: E402
+from inferscale.facts.mem0_lancedb import PK_METADATA, PROVIDER, LanceDBStore  # noqa: E402
 
 
 def _unit(rng, n, d):

@@ -1,7 +1,7 @@
 """Turns -> memory facts through Mem0, each with its source turn, token ids and embedding.
 
-:class:`FactExtractor` owns one Mem0 ``Memory`` — the LLM (:mod:`inferscale.mem0_llm`),
-the embedder and the LanceDB vector store (:mod:`inferscale.mem0_lancedb`) — reused for
+:class:`FactExtractor` owns one Mem0 ``Memory`` — the LLM (:mod:`inferscale.facts.mem0_llm`),
+the embedder and the LanceDB vector store (:mod:`inferscale.facts.mem0_lancedb`) — reused for
 every user. ``extract_user(turns, tokenizer)`` feeds the user's turns to Mem0 one at a
 time, in order, and returns a facts table (``storage_schemas.facts.schema(dims)``):
 
@@ -21,7 +21,7 @@ is the vector Mem0 stored. :func:`facts_hash` is the table's content hash.
 
 LLM choice (:meth:`FactExtractor.open`): ``llm_base_url`` = any OpenAI-compatible
 endpoint; ``openai_api_key`` + ``llm_model`` alone = OpenAI; neither = a local vLLM server
-(:mod:`inferscale.llm_server`) with the ``llm_checkpoint`` model (the embedded SmolLM2 by
+(:mod:`inferscale.facts.llm_server`) with the ``llm_checkpoint`` model (the embedded SmolLM2 by
 default), stopped on exit. Nothing reaches the network in that default. Mem0's history
 SQLite is one file per extractor (one per worker) under ``history_dir``.
 
@@ -185,7 +185,7 @@ class FactExtractor:
         history_dir.mkdir(parents=True, exist_ok=True)
         self.history_db = history_dir / f"history-{os.getpid()}-{uuid.uuid4().hex[:8]}.db"
         self.store_uri = config.store_uri or os.path.join(self._tmp, "lancedb")
-        from inferscale import mem0_lancedb, mem0_llm  # set Mem0's telemetry off first
+        from inferscale.facts import mem0_lancedb, mem0_llm  # set Mem0's telemetry off first
 
         from mem0 import Memory
         from mem0.configs.base import MemoryConfig
@@ -217,7 +217,7 @@ class FactExtractor:
             finally:
                 ex.close()
             return
-        from inferscale.llm_server import LLMServerConfig, LocalLLMServer
+        from inferscale.facts.llm_server import LLMServerConfig, LocalLLMServer
         from inferscale.encode.models import resolve_checkpoint
         from inferscale.settings import default_home
 
@@ -284,7 +284,7 @@ class FactExtractor:
         from scratch; with them, only those turns' memories are replaced.
         """
         from inferscale.encode.compose import Composer
-        from inferscale.mem0_llm import observation_date
+        from inferscale.facts.mem0_llm import observation_date
 
         rows = turns.sort_by("turn_index").to_pylist()
         users = {r["user"] for r in rows}

@@ -13,10 +13,10 @@ from inferscale.settings import Settings, offline_environment
 offline_environment()
 
 from inferscale.encode.compose import Composer  # noqa: E402
-from inferscale.facts import FactExtractor, FactsConfig, fact_id, facts_hash  # noqa: E402
-from inferscale.llm_server import LLMServerConfig, LLMServerError, LocalLLMServer  # noqa: E402
+from inferscale.facts.extractor import FactExtractor, FactsConfig, fact_id, facts_hash  # noqa: E402
+from inferscale.facts.llm_server import LLMServerConfig, LLMServerError, LocalLLMServer  # noqa: E402
 from inferscale.ingest.logs import read_logs, sample_conversations  # noqa: E402
-from inferscale.mem0_llm import GuidedLLM, GuidedLLMConfig, facts_schema, parse_facts_reply  # noqa: E402
+from inferscale.facts.mem0_llm import GuidedLLM, GuidedLLMConfig, facts_schema, parse_facts_reply  # noqa: E402
 from inferscale.encode.models import resolve_checkpoint  # noqa: E402
 from storage_schemas import facts as facts_schema_mod  # noqa: E402
 
@@ -61,7 +61,7 @@ def _check_table(table, turns, tokenizer, dims=384):
 def test_raw_mode_one_fact_per_turn_and_idempotent(tmp_path, tokenizer, sample_turns):
     from sentence_transformers import SentenceTransformer
 
-    from inferscale.facts import embedded_embedder_path
+    from inferscale.facts.extractor import embedded_embedder_path
 
     config = FactsConfig(mode="raw", store_uri=str(tmp_path / "db"),
                          history_dir=tmp_path / "history")
@@ -158,7 +158,7 @@ def test_reply_parsing_and_bounding():
 
 
 def test_prompt_rewrites_observation_date_and_compacts():
-    from inferscale.mem0_llm import observation_date
+    from inferscale.facts.mem0_llm import observation_date
 
     base = dict(model="m", api_key="x", openai_base_url="http://127.0.0.1:9/v1")
     mem0_style = GuidedLLM(GuidedLLMConfig(prompt_style="mem0", **base))
