@@ -132,10 +132,10 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
                 ) -> dict[str, dict]:
     """Publish every user twice (limiting, window) -> per user: versions and its table."""
     from benchmarks.memory_setup import facts_table, limiting_memory
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.publish import Lineage, publish
     from inferscale.encode.compose import Composer
     from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
-    from inferscale.store import StoreConfig
 
     store = StoreConfig(str(root))
     composer = Composer(tok)
@@ -164,8 +164,8 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
 async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
     from inferscale.encode.models import load_model
+    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
     from inferscale.retrieval import Embedder
 
     dtype = getattr(torch, dtype_name)

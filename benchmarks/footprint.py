@@ -67,8 +67,8 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
             dtype: str = "bfloat16") -> dict:
     """Sizes of a published version read from its manifest (and LanceDB folder, if any),
     with the slab checked against the shape arithmetic."""
-    from inferscale.artifacts import read_facts, read_manifest
-    from inferscale.blobs import Location
+    from inferscale.artifacts.blobs import Location
+    from inferscale.artifacts.read import read_facts, read_manifest
 
     m = read_manifest(store, user, model_fp, version)
     facts = read_facts(store, user, model_fp, version)
@@ -97,12 +97,12 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
 def conversation_rows(conversation: str, models: list[str], window: int, work: Path,
                       lancedb: bool) -> list[dict]:
     from benchmarks.memory_setup import encoded_memory, load_turns, random_memory, turn_facts
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.publish import Lineage, publish
     from inferscale.encode.encoder import EncoderConfig
-    from inferscale.ingest.logs import turns_hash
     from inferscale.encode.models import dummy_fingerprint, load_model
+    from inferscale.ingest.logs import turns_hash
     from inferscale.retrieval import Embedder
-    from inferscale.store import StoreConfig
     from benchmarks.shapes import write_dummy_checkpoint
 
     home = Settings().home

@@ -40,10 +40,10 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from inferscale.artifacts import Lineage, publish  # noqa: E402
+from inferscale.artifacts.blobs import Location  # noqa: E402
+from inferscale.artifacts.layout import KV_FILE, StoreConfig  # noqa: E402
+from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
 from inferscale.hydrate import hydrate  # noqa: E402
-from inferscale.blobs import Location  # noqa: E402
-from inferscale.store import KV_FILE, StoreConfig  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128

@@ -115,11 +115,11 @@ def spaced(n: int, m: int | None) -> list[int]:
 def encode_window(args, loaded, turns: pa.Table, facts: pa.Table, user: str, root: Path,
                   w: int) -> tuple[str, dict]:
     """Encode ``facts`` with window ``w`` and publish them as user ``{user}-w{w}``."""
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.publish import Lineage, publish
     from inferscale.encode.encoder import EncoderConfig
     from inferscale.facts.extractor import facts_hash
     from inferscale.ingest.logs import turns_hash
-    from inferscale.store import StoreConfig
     from benchmarks.memory_setup import encoded_memory
 
     cfg = EncoderConfig(window=w, dtype="float32", batch_tokens=args.batch_tokens)
@@ -142,8 +142,8 @@ async def run_modes(args, loaded, root: Path, user: str, turns: pa.Table, facts:
     """Every (mode, question, k) on one engine. A window's facts are encoded just before
     its phase (the engine idles meanwhile); ``on_phase(phase, answers)`` after each."""
     from inferscale.encode.compose import Composer
-    from inferscale.types import PREFIX_ID
     from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.types import PREFIX_ID
 
     engine = await MemoryEngine(EngineConfig(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint, dtype="float32",

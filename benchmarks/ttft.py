@@ -60,13 +60,13 @@ async def measure(args) -> dict:
 
     from benchmarks.memory_setup import (
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
+    from inferscale.artifacts.layout import StoreConfig
     from inferscale.encode.compose import Composer
     from inferscale.encode.encoder import EncoderConfig
-    from inferscale.engine import EngineConfig, MemoryEngine
     from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.engine import EngineConfig, MemoryEngine
     from inferscale.retrieval import Embedder
     from inferscale.serve import MemoryServer
-    from inferscale.store import StoreConfig
 
     cuda = torch.cuda.is_available()
     home = Settings().home

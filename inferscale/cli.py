@@ -96,9 +96,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from inferscale.artifacts import latest_version, list_versions
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import latest_version, list_versions
     from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
-    from inferscale.store import StoreConfig
 
     settings = _settings(args)
     store = StoreConfig.from_settings(settings)

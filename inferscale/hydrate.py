@@ -37,12 +37,12 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from inferscale.artifacts import check_digest, check_size, manifest_at, resolve_version
-from inferscale.blobs import Location
-from inferscale.store import (
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import (
     KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
     TruncatedArtifact,
 )
+from inferscale.artifacts.read import check_digest, check_size, manifest_at, resolve_version
 from inferscale.types import Tier, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError

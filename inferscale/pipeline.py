@@ -59,7 +59,7 @@ class PipelineConfig:
         return cls(**kw)
 
     def store(self):
-        from inferscale.store import StoreConfig
+        from inferscale.artifacts.layout import StoreConfig
 
         return StoreConfig(self.artifact_root, dict(self.storage_options))
 
@@ -144,7 +144,7 @@ def compact(encoded: Any) -> Any:
 def expected_version(cfg: PipelineConfig, user: str, log_hash: str, facts_hash: str,
                      model_fp: str) -> str:
     """The version id that publishing these inputs yields (without encoding them)."""
-    from inferscale.artifacts import Lineage, version_id
+    from inferscale.artifacts.publish import Lineage, version_id
 
     return version_id(user, Lineage(log_hash, facts_hash), model_fp, cfg.encoder.to_dict())
 
@@ -200,7 +200,7 @@ def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress:
 def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
                  facts_hash: str):
     """Publish a version (a no-op returning the existing one when inputs are unchanged)."""
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.publish import Lineage, publish
 
     return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
                    keep=cfg.keep_versions)

@@ -131,7 +131,7 @@ class MemoryServer:
 
     def load_user(self, user: str, version: str = "latest") -> UserMemory:
         """Read a user's facts (texts, token ids, embeddings) for retrieval and composition."""
-        from inferscale.artifacts import read_facts, read_manifest
+        from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.retrieval import FactIndex
 
         manifest = read_manifest(self.store, user, self.fp, version)
@@ -341,10 +341,10 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     import torch
     from transformers import AutoTokenizer
 
-    from inferscale.engine import EngineConfig
+    from inferscale.artifacts.layout import StoreConfig
     from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.engine import EngineConfig
     from inferscale.retrieval import Embedder
-    from inferscale.store import StoreConfig
 
     cuda = torch.cuda.is_available() and settings.device != "cpu"
     ckpt = resolve_checkpoint(settings.model, settings.home)

@@ -23,8 +23,8 @@ def load_resident(config: Any, user: str, version: str) -> Resident:
     The slab lands in host memory (pinned where CUDA exists); the store moves it to the
     tier asked for. Checksums and the model fingerprint are verified by hydration.
     """
+    from inferscale.artifacts.layout import StoreConfig
     from inferscale.hydrate import hydrate
-    from inferscale.store import StoreConfig
 
     if not config.artifact_root:
         raise RuntimeError("the connector has no artifact_root to hydrate from")
@@ -85,8 +85,8 @@ class InferScaleWorkerExtension:
         backend's layout cannot be read back."""
         import torch
 
-        from inferscale.inject import row_index
         from inferscale.encode.rope import RotaryTables, rotate_keys
+        from inferscale.inject import row_index
         from inferscale.vllm_compat import read_layer_kv
 
         conn = _connector()

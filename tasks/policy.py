@@ -11,7 +11,7 @@ transient (429/5xx gateway answers), botocore connection/throttling errors, and 
 ``OSError`` without an errno or with one of the "try again" errnos. Not transient: a
 missing or refused path (``FileNotFoundError``, ``PermissionError``,
 ``NotADirectoryError``...), full disks, bad inputs (``ValueError``), damaged artifacts
-(:class:`~inferscale.store.ArtifactError`).
+(:class:`~inferscale.artifacts.layout.ArtifactError`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def is_transient(exc: BaseException) -> bool:
     import httpx
 
     from inferscale.admin_client import AdminError
-    from inferscale.store import ArtifactError
+    from inferscale.artifacts.layout import ArtifactError
 
     if isinstance(exc, AdminError):
         return exc.transient

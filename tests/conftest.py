@@ -60,7 +60,7 @@ def s3_options(endpoint: str) -> dict:
 def s3_store(moto_endpoint):
     import boto3
 
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=moto_endpoint, region_name=S3_REGION,
@@ -70,7 +70,7 @@ def s3_store(moto_endpoint):
 
 @pytest.fixture
 def local_store(tmp_path):
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
 
     return StoreConfig(str(tmp_path / "artifacts"))
 
@@ -163,8 +163,8 @@ def engine_env(smollm2, tmp_path_factory):
 
     from engine_helpers import LoopThread
 
+    from inferscale.artifacts.layout import StoreConfig
     from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.store import StoreConfig
 
     root = tmp_path_factory.mktemp("engine") / "artifacts"
     loop = LoopThread()

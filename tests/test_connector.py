@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from engine_helpers import limiting_memory, memory_prompt
-from inferscale.artifacts import Lineage, publish
+from inferscale.artifacts.publish import Lineage, publish
 from inferscale.engine import MemoryRef
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -11,13 +11,14 @@ import torch
 import xxhash
 
 from builders import expected_slab, make_inputs
-from inferscale import artifacts as A
-from inferscale.hydrate import hydrate
-from inferscale.blobs import Location
-from inferscale.store import (
-    ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch,
-    MissingManifest, TruncatedArtifact,
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import (
+    ArtifactError, ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact,
+    FingerprintMismatch, MissingManifest, TruncatedArtifact,
 )
+from inferscale.artifacts.publish import publish
+from inferscale.artifacts.read import list_versions, read_facts, read_manifest, verify_version
+from inferscale.hydrate import hydrate
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import FileEntry, Manifest
 
@@ -39,7 +40,7 @@ def check(h, memory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_trip(store, dtype):
     memory, facts, lineage = make_inputs("alice", 9, dtype=dtype, layers=3, heads=2, head_dim=4)
-    r = A.publish(store, "alice", memory, facts, lineage, embeddings=False)
+    r = publish(store, "alice", memory, facts, lineage, embeddings=False)
     h = hydrate(store, "alice", FP)
     assert h.slab.dtype == dtype and h.slab.device.type == "cpu"
     assert h.version == r.version and h.manifest == r.manifest and h.user == "alice"
@@ -54,7 +55,7 @@ def test_round_trip(store, dtype):
 
 def test_local_mmap_and_copy_agree(local_store):
     memory, facts, lineage = make_inputs("bob", 30, dtype=torch.bfloat16)
-    A.publish(local_store, "bob", memory, facts, lineage, embeddings=False)
+    publish(local_store, "bob", memory, facts, lineage, embeddings=False)
     mapped = hydrate(local_store, "bob", FP, use_mmap=True, part_bytes=4096)
     copied = hydrate(local_store, "bob", FP, use_mmap=False, part_bytes=4096)
     check(mapped, memory)
@@ -68,13 +69,13 @@ def test_local_mmap_without_populate(local_store, monkeypatch):
 
     monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
     memory, facts, lineage = make_inputs("e", 20)
-    A.publish(local_store, "e", memory, facts, lineage, embeddings=False)
+    publish(local_store, "e", memory, facts, lineage, embeddings=False)
     check(hydrate(local_store, "e", FP, part_bytes=5000), memory)
 
 
 def test_prefix_only(local_store):
     memory, facts, lineage = make_inputs("c", 0)
-    A.publish(local_store, "c", memory, facts, lineage, embeddings=False)
+    publish(local_store, "c", memory, facts, lineage, embeddings=False)
     check(hydrate(local_store, "c", FP), memory)
 
 
@@ -92,7 +93,7 @@ def test_argument_errors(local_store):
 @pytest.fixture
 def published(store):
     memory, facts, lineage = make_inputs("dana", 12)
-    r = A.publish(store, "dana", memory, facts, lineage, embeddings=False)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
     return store, Location(store, "dana", FP), r
 
 
@@ -107,7 +108,7 @@ def write(store, path, data: bytes) -> None:
 
 
 def rewrite_manifest(store, loc, version, **changes) -> None:
-    m = A.read_manifest(store, "dana", FP, version)
+    m = read_manifest(store, "dana", FP, version)
     body = {**m.__dict__, **changes}
     write(store, loc.file(version, "manifest.json"), Manifest(**body).to_json())
 
@@ -119,7 +120,7 @@ def test_truncated_kv(published):
     with pytest.raises(TruncatedArtifact, match="kv.arrow is .* bytes; the manifest says"):
         hydrate(store, "dana", FP)
     with pytest.raises(TruncatedArtifact):
-        A.verify_version(store, "dana", FP)
+        verify_version(store, "dana", FP)
 
 
 def test_missing_kv(published):
@@ -150,9 +151,9 @@ def test_flipped_byte_in_facts(published):
     data[len(data) // 2] ^= 0x01
     write(store, path, bytes(data))
     with pytest.raises(ChecksumError, match="facts.arrow"):
-        A.read_facts(store, "dana", FP)
+        read_facts(store, "dana", FP)
     with pytest.raises(ChecksumError, match="facts.arrow"):
-        A.verify_version(store, "dana", FP)
+        verify_version(store, "dana", FP)
     hydrate(store, "dana", FP)  # the KV is intact and still usable
 
 
@@ -177,7 +178,7 @@ def test_missing_manifest(published):
         hydrate(store, "dana", FP)  # LATEST names it
     with pytest.raises(MissingManifest):
         hydrate(store, "dana", FP, r.version)
-    assert A.list_versions(store, "dana", FP) == []
+    assert list_versions(store, "dana", FP) == []
 
 
 def test_newer_manifest_schema(published):
@@ -227,7 +228,7 @@ def test_wrong_model_fingerprint(published):
 def test_kv_of_another_model_behind_a_matching_manifest(published):
     store, loc, r = published
     memory, facts, lineage = make_inputs("dana", 12, fp="fp-evil")
-    evil = A.publish(store, "dana", memory, facts, lineage, embeddings=False)
+    evil = publish(store, "dana", memory, facts, lineage, embeddings=False)
     evil_loc = Location(store, "dana", "fp-evil")
     data = read(store, evil_loc.file(evil.version, "kv.arrow"))
     write(store, loc.file(r.version, "kv.arrow"), data)
@@ -253,7 +254,7 @@ def test_not_found_and_bad_latest(published):
 def test_errors_share_one_base():
     for cls in (ArtifactNotFound, MissingManifest, TruncatedArtifact, ChecksumError,
                 FingerprintMismatch, CorruptArtifact, ArtifactSchemaError):
-        assert issubclass(cls, A.ArtifactError)
+        assert issubclass(cls, ArtifactError)
     assert issubclass(ArtifactSchemaError, SchemaVersionError)
     assert issubclass(MissingManifest, ArtifactNotFound)
     assert issubclass(ArtifactNotFound, FileNotFoundError)
@@ -277,7 +278,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("tier", ["host", "gpu"])
 def test_cuda_tiers(local_store, tier):
     memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
-    A.publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
     h = hydrate(local_store, "gpu", FP, tier=tier, device="cuda", part_bytes=4096)
     if tier == "host":
         assert h.slab.device.type == "cpu" and h.slab.is_pinned()
@@ -290,7 +291,7 @@ def test_cuda_tiers(local_store, tier):
 @needs_cuda
 def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
     memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
-    r = A.publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    r = publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
     path = Location(local_store, "gpu", FP).file(r.version, "kv.arrow")
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
@@ -314,14 +315,14 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not on the GPU machine")
 sys.meta_path.insert(0, Block())
 from builders import make_inputs
-from inferscale.artifacts import publish
+from inferscale.artifacts.publish import publish
 from inferscale.hydrate import hydrate
-from inferscale.store import StoreConfig
+from inferscale.artifacts.layout import StoreConfig
 store = StoreConfig({str(tmp_path)!r})
 memory, facts, lineage = make_inputs("gpu-box", 3)
 publish(store, "gpu-box", memory, facts, lineage, embeddings=False)
 print(tuple(hydrate(store, "gpu-box", "fp-test").slab.shape))
-from inferscale.store import ArtifactError
+from inferscale.artifacts.layout import ArtifactError
 try:
     publish(store, "gpu-box", *make_inputs("gpu-box", 3, seed=5))
 except ArtifactError as exc:

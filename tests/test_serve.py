@@ -55,7 +55,7 @@ def test_openai_client_against_the_server(engine_env, embedder):
     import openai
 
     from engine_helpers import limiting_memory, served_app
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.publish import Lineage, publish
     from inferscale.serve import MemoryServer
 
     for user, name in (("ann", "Pelican"), ("bob", "Tornado")):

@@ -42,10 +42,10 @@ def test_backfill_isolates_failures_and_resumes(flow_env, tmp_path, new_model):
     from prefect import get_client
 
     from flows.backfill import backfill_model
-    from inferscale.artifacts import list_versions, verify_version
-    from inferscale.lineage import artifact_key, fingerprint_slug
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
+    from inferscale.artifacts.read import list_versions, verify_version
     from inferscale.encode.models import checkpoint_fingerprint
-    from inferscale.store import StoreConfig
     from tasks.user import COMPUTE_LIMIT
 
     root = tmp_path / "artifacts"

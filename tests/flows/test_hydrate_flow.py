@@ -29,7 +29,7 @@ def test_hydrate_users_into_running_server(flow_env, engine_env, served):
     from flows.encode import encode_users
     from flows.hydrate import hydrate_serving
     from inferscale.admin_client import AdminClient
-    from inferscale.artifacts import latest_version
+    from inferscale.artifacts.read import latest_version
 
     published = encode_users(artifact_root=engine_env.store.root, fact_mode="raw")
     assert published["model_fingerprint"] == engine_env.engine.config.model_fingerprint

@@ -22,8 +22,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from inferscale.blobs import Location
-from inferscale.store import ArtifactError, StoreConfig
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import ArtifactError, StoreConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
 duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
 
-Callers: ``inferscale.artifacts.publish``.
+Callers: ``inferscale.artifacts.publish.publish``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from inferscale.store import InvalidArtifactInput
+from inferscale.artifacts.layout import InvalidArtifactInput
 from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name
 from storage_schemas import kv as kv_schema
 

@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from inferscale.artifacts import ArtifactError, latest_version, read_manifest
-from inferscale.store import StoreConfig
+from inferscale.artifacts.layout import ArtifactError, StoreConfig
+from inferscale.artifacts.read import latest_version, read_manifest
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from inferscale.artifacts import Manifest
-from inferscale.store import StoreConfig, user_dirname
+from storage_schemas.manifest import Manifest
+from inferscale.artifacts.layout import StoreConfig, user_dirname
 
 _SLUG = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 _MAX_SLUG = 40

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from builders import make_inputs
-from inferscale.artifacts import publish
-from inferscale.staleness import plan_users
+from inferscale.artifacts.publish import publish
+from inferscale.artifacts.staleness import plan_users
 
 
 def test_plan_reasons(local_store, tmp_path):

@@ -17,7 +17,7 @@ Unicode text and ids over 1024 UTF-8 bytes raise :class:`InvalidUserId`. The man
 keeps the real id.
 
 Every error of the store derives from :class:`ArtifactError` and names the file and the
-user/model/version it is about. File operations are in :mod:`inferscale.blobs`.
+user/model/version it is about. File operations are in :mod:`inferscale.artifacts.blobs`.
 
 Callers: ``inferscale.artifacts`` (publish, list, gc), ``inferscale.hydrate``, the
 pipeline and the vLLM worker (``StoreConfig``). Only fsspec and the standard library are

@@ -21,8 +21,8 @@ import warnings
 import torch
 
 from builders import crash_inputs, make_inputs
-from inferscale import artifacts as A
-from inferscale.store import StoreConfig
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.artifacts.publish import publish
 
 
 def _publish_in_child(store: StoreConfig, user: str, inputs) -> tuple[int, int]:
@@ -34,7 +34,7 @@ def _publish_in_child(store: StoreConfig, user: str, inputs) -> tuple[int, int]:
         code = 0
         try:
             start = time.perf_counter()
-            A.publish(store, user, *inputs)
+            publish(store, user, *inputs)
             os.write(w, json.dumps({"elapsed": time.perf_counter() - start}).encode())
         except BaseException:  # noqa: BLE001 - reported through the exit code
             traceback.print_exc()
@@ -54,7 +54,7 @@ def crash(store: StoreConfig, runs: int, seed: int) -> None:
     for i in range(runs):
         user = f"u{i:02d}"
         a, b = crash_inputs(user)
-        A.publish(store, user, *a)
+        publish(store, user, *a)
         delay = rng.uniform(0, 2.0 * elapsed)
         pid, r = _publish_in_child(store, user, b)
         time.sleep(delay)
@@ -73,7 +73,7 @@ def race(store: StoreConfig, seeds: list[int], go_dir: str) -> None:
         print(json.dumps({"ready": i}), flush=True)
         while not os.path.exists(os.path.join(go_dir, f"go{i}")):
             time.sleep(0.0005)
-        r = A.publish(store, "racer", *inputs)
+        r = publish(store, "racer", *inputs)
         print(json.dumps({"round": i, "version": r.version, "created": r.created}), flush=True)
 
 

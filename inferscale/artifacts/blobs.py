@@ -13,7 +13,7 @@ a caller's buffer and hashes every part with xxh3-128, in order, as it lands.
 
 :class:`Location` names the files of one (user, model) under a store.
 
-Callers: ``inferscale.artifacts``, ``inferscale.fact_table`` and ``inferscale.hydrate``.
+Callers: ``inferscale.artifacts``, ``inferscale.artifacts.fact_table`` and ``inferscale.hydrate``.
 Only fsspec, xxhash and the standard library are needed here.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, Callable, TypeVar
 
 import xxhash
 
-from inferscale.store import (
+from inferscale.artifacts.layout import (
     LANCE_DIR, LATEST_FILE, StoreConfig, TruncatedArtifact, check_model_fp, check_version,
     user_dirname,
 )

@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from builders import crash_inputs, expected_slab, make_inputs
-from inferscale import artifacts as A
+from inferscale.artifacts.publish import publish, version_id
+from inferscale.artifacts.read import (
+    latest_version, list_versions, open_fact_table, read_facts, verify_version,
+)
 from inferscale.hydrate import hydrate
 
 FP = "fp-test"
@@ -37,11 +40,11 @@ def run_crash_driver(store, env, runs: int, seed: int) -> dict:
 
 def check_complete(store, user, version, inputs):
     memory, facts, _ = inputs
-    m = A.verify_version(store, user, FP, version)
+    m = verify_version(store, user, FP, version)
     assert m.version == version
     assert torch.equal(hydrate(store, user, FP, version).slab, expected_slab(memory))
-    assert A.read_facts(store, user, FP, version).equals(facts)
-    assert A.open_fact_table(store, user, FP, version).to_arrow().num_rows == facts.num_rows
+    assert read_facts(store, user, FP, version).equals(facts)
+    assert open_fact_table(store, user, FP, version).to_arrow().num_rows == facts.num_rows
 
 
 @pytest.mark.parametrize("backend, runs", [("local", 24), ("s3", 10)])
@@ -52,22 +55,22 @@ def test_publisher_killed_at_random_points(request, child_env, backend, runs):
     for run in report["runs"]:
         user = run["user"]
         a, b = crash_inputs(user)
-        va = A.version_id(user, a[2], FP, a[0].encoder_config)
-        vb = A.version_id(user, b[2], FP, b[0].encoder_config)
-        latest = A.latest_version(store, user, FP)
+        va = version_id(user, a[2], FP, a[0].encoder_config)
+        vb = version_id(user, b[2], FP, b[0].encoder_config)
+        latest = latest_version(store, user, FP)
         assert latest in (va, vb), run
         check_complete(store, user, latest, a if latest == va else b)
-        listed = [m.version for m in A.list_versions(store, user, FP)]
+        listed = [m.version for m in list_versions(store, user, FP)]
         assert set(listed) <= {va, vb} and latest in listed
         for v in listed:
-            A.verify_version(store, user, FP, v)
+            verify_version(store, user, FP, v)
         outcomes["new" if latest == vb else "old"] += 1
         if latest == va and vb in version_dirs(store, user):
             outcomes["partial"] += 1
-        rerun = A.publish(store, user, *b)
+        rerun = publish(store, user, *b)
         assert rerun.version == vb
         assert rerun.created == (vb not in listed)
-        assert A.latest_version(store, user, FP) == vb
+        assert latest_version(store, user, FP) == vb
         check_complete(store, user, vb, b)
     print(f"\n{backend}: publish {report['publish_s']:.3f}s, outcomes {outcomes}")
     # some kills must have landed in the middle of writing B (else nothing was tested)
@@ -75,7 +78,7 @@ def test_publisher_killed_at_random_points(request, child_env, backend, runs):
 
 
 def version_dirs(store, user):
-    from inferscale.blobs import Location
+    from inferscale.artifacts.blobs import Location
 
     loc = Location(store, user, FP)
     return loc.blobs.listdir(loc.dir)
@@ -127,13 +130,13 @@ def test_concurrent_publishers(request, child_env, tmp_path, backend):
         assert p.returncode == 0, p.stderr.read()[-3000:]
 
     same, different = results[0], results[1]
-    v1 = A.version_id("racer", make_inputs("racer", 0, seed=1)[2], FP,
+    v1 = version_id("racer", make_inputs("racer", 0, seed=1)[2], FP,
                       make_inputs("racer", 0, seed=1)[0].encoder_config)
     assert [r["version"] for r in same] == [v1, v1]
     assert sorted(r["created"] for r in same) == [False, True]  # exactly one created it
     v2, v3 = (r["version"] for r in different)
     assert v2 != v3 and all(r["created"] for r in different)
-    latest = A.latest_version(store, "racer", FP)
+    latest = latest_version(store, "racer", FP)
     assert latest in (v2, v3)
     for seed, version in ((1, v1), (2, v2), (3, v3)):
         inputs = make_inputs("racer", 200, seed=seed, layers=4, heads=4, head_dim=32)

@@ -6,11 +6,11 @@ import json
 import re
 
 from builders import make_inputs
-from inferscale.artifacts import publish
-from inferscale.lineage import (
+from inferscale.artifacts.lineage_view import (
     artifact_key, asset_key, fingerprint_slug, location_uri, version_markdown,
     version_of_rows, version_rows,
 )
+from inferscale.artifacts.publish import publish
 
 KEY = re.compile(r"[a-z0-9-]+")
 
@@ -58,7 +58,7 @@ def test_version_rows(local_store):
 
 
 def test_location_uri_s3():
-    from inferscale.store import StoreConfig, user_dirname
+    from inferscale.artifacts.layout import StoreConfig, user_dirname
 
     store = StoreConfig("s3://bucket/prefix")
     assert location_uri(store, "maya", "fp1") == "s3://bucket/prefix/users/maya/fp1"
