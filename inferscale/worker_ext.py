@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from inferscale.resident import Resident
+from inferscale.hydrate.resident import Resident
 
 
 def load_resident(config: Any, user: str, version: str) -> Resident:
@@ -24,16 +24,12 @@ def load_resident(config: Any, user: str, version: str) -> Resident:
     tier asked for. Checksums and the model fingerprint are verified by hydration.
     """
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.hydrate import hydrate
+    from inferscale.hydrate.slab import hydrate
 
     if not config.artifact_root:
         raise RuntimeError("the connector has no artifact_root to hydrate from")
     store = StoreConfig(config.artifact_root, dict(config.storage_options))
-    art = hydrate(store, user, config.model_fingerprint, version, tier="host")
-    return Resident(user=user, version=art.manifest.version,
-                    fingerprint=art.manifest.model_fingerprint, slab=art.slab,
-                    index=dict(art.index),
-                    token_ids={k: tuple(v) for k, v in art.token_ids.items()})
+    return hydrate(store, user, config.model_fingerprint, version, tier="host")
 
 
 def _connector():

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from inferscale.hydrate.resident import layer_major
 from inferscale.inject_kernels import FusedWriter, Source, flat_numpy, slot_tiles
-from inferscale.resident import layer_major
-from inferscale.vllm_compat import cache_layout, read_layer_kv, rotate_with_model, write_layer_kv
+from inferscale.vllm_compat import (
+    cache_layout, read_layer_kv, rotate_with_model, write_layer_kv,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

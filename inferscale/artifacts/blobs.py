@@ -13,7 +13,7 @@ a caller's buffer and hashes every part with xxh3-128, in order, as it lands.
 
 :class:`Location` names the files of one (user, model) under a store.
 
-Callers: ``inferscale.artifacts``, ``inferscale.artifacts.fact_table`` and ``inferscale.hydrate``.
+Callers: ``inferscale.artifacts``, ``inferscale.artifacts.fact_table`` and ``inferscale.hydrate.slab``.
 Only fsspec, xxhash and the standard library are needed here.
 """
 

@@ -23,7 +23,7 @@ from inferscale.artifacts.publish import publish, version_id
 from inferscale.artifacts.read import (
     latest_version, list_versions, open_fact_table, read_facts, verify_version,
 )
-from inferscale.hydrate import hydrate
+from inferscale.hydrate.slab import hydrate
 
 FP = "fp-test"
 HELPER = str(Path(__file__).with_name("publisher_proc.py"))

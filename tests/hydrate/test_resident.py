@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from inferscale.resident import Resident, ResidencyError, ResidentStore
+from inferscale.hydrate.resident import ResidencyError, Resident, ResidentStore
 
 
 def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),

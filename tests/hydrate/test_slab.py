@@ -18,7 +18,7 @@ from inferscale.artifacts.layout import (
 )
 from inferscale.artifacts.publish import publish
 from inferscale.artifacts.read import list_versions, read_facts, read_manifest, verify_version
-from inferscale.hydrate import hydrate
+from inferscale.hydrate.slab import hydrate
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import FileEntry, Manifest
 
@@ -30,7 +30,7 @@ def check(h, memory):
     offset = 0
     for c in memory.chunks:
         assert h.index[c.chunk_id] == (offset, len(c.token_ids))
-        assert h.token_ids[c.chunk_id] == c.token_ids
+        assert h.token_ids[c.chunk_id] == tuple(c.token_ids)
         assert torch.equal(h.chunk(c.chunk_id)[:, 0], c.keys.permute(1, 0, 2, 3))
         assert torch.equal(h.chunk(c.chunk_id)[:, 1], c.values.permute(1, 0, 2, 3))
         offset += len(c.token_ids)
@@ -65,7 +65,7 @@ def test_local_mmap_and_copy_agree(local_store):
 
 
 def test_local_mmap_without_populate(local_store, monkeypatch):
-    import inferscale.hydrate as H
+    import inferscale.hydrate.slab as H
 
     monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
     memory, facts, lineage = make_inputs("e", 20)
@@ -316,7 +316,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 from builders import make_inputs
 from inferscale.artifacts.publish import publish
-from inferscale.hydrate import hydrate
+from inferscale.hydrate.slab import hydrate
 from inferscale.artifacts.layout import StoreConfig
 store = StoreConfig({str(tmp_path)!r})
 memory, facts, lineage = make_inputs("gpu-box", 3)

@@ -1,8 +1,9 @@
 """The worker-resident memory store: per user, one KV slab and its chunk index.
 
-Lives in the vLLM worker process (owned by the connector's worker side). Hydration
-(``inferscale.worker_ext`` through the engine's collective RPC, or a reload the
-scheduler asked for) puts a user's slab here; ``start_load_kv`` gathers chunks from it.
+Lives in the vLLM worker process (owned by the connector's worker side).
+:class:`~inferscale.hydrate.loader.ResidentLoader` puts users' slabs here (an admin
+hydration through the engine's collective RPC, or a reload the scheduler asked for); the
+connector's ``start_load_kv`` gathers chunks from it.
 
 Two tiers: ``gpu`` (device memory; on a CPU-only build, CPU memory) and ``host``
 (pinned host memory when CUDA exists). A slab is always the logical ``[T, 2, L, H, D]``;
@@ -23,12 +24,16 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inferscale.types import TIERS
 
-log = logging.getLogger("inferscale.resident")
+if TYPE_CHECKING:
+    from storage_schemas.manifest import Manifest
+
+log = logging.getLogger("inferscale.hydrate.resident")
 
 
 def layer_major(slab: torch.Tensor) -> torch.Tensor:
@@ -42,19 +47,26 @@ class ResidencyError(RuntimeError):
 
 @dataclass
 class Resident:
-    """One user's hydrated artifact version."""
+    """One user's verified KV memory of one artifact version: what hydration returns
+    (:func:`inferscale.hydrate.slab.hydrate`) and what the store holds."""
 
     user: str
     version: str
-    fingerprint: str
-    slab: torch.Tensor  # [T, 2, L, H, D]
+    fingerprint: str  # the model fingerprint the KV was encoded with
+    slab: torch.Tensor  # [T, 2, L, H, D], the stored dtype
     index: dict[str, tuple[int, int]]  # chunk_id -> (row offset, length)
     token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
-    tier: str = "gpu"
+    tier: str = "gpu"  # where the slab is (the store sets it when it places the slab)
+    manifest: Manifest | None = None  # the version's manifest, when read by hydration
 
     @property
     def nbytes(self) -> int:
         return self.slab.numel() * self.slab.element_size()
+
+    def chunk(self, chunk_id: str) -> torch.Tensor:
+        """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
+        offset, length = self.index[chunk_id]
+        return self.slab[offset:offset + length]
 
     def rows(self, chunk_ids: list[str]) -> list[tuple[int, int]]:
         """(offset, length) of each chunk, in request order; KeyError if unknown."""

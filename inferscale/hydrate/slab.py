@@ -1,5 +1,8 @@
 """Hydration: one published artifact's KV slab into host or GPU memory, verified.
 
+:func:`hydrate` returns a :class:`~inferscale.hydrate.resident.Resident` (the slab, its
+chunk index and token ids, the manifest), ready for the worker's resident store.
+
 ``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
 and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
@@ -18,8 +21,8 @@ Where the bytes go:
   ahead of the hash, so disk and checksum overlap). Artifacts are immutable and gc only unlinks,
   so the mapping stays valid; writing into the tensor copies pages, never the file.
 
-Callers: the vLLM connector's worker side (through ``collective_rpc``), the CLI,
-benchmarks. Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU machine has
+Callers: :class:`inferscale.hydrate.loader.ResidentLoader` (the vLLM worker's admin
+hydrations and background reloads), benchmarks, tests. Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU machine has
 those; lancedb, s3fs are optional).
 """
 
@@ -30,7 +33,6 @@ import mmap
 import os
 import sys
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -43,47 +45,17 @@ from inferscale.artifacts.layout import (
     TruncatedArtifact,
 )
 from inferscale.artifacts.read import check_digest, check_size, manifest_at, resolve_version
-from inferscale.types import Tier, torch_dtype
+from inferscale.hydrate.resident import Resident
+from inferscale.types import Tier, check_tier, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
 
 
-@dataclass
-class HydratedArtifact:
-    """One user's verified KV memory, resident where the tier put it."""
-
-    slab: torch.Tensor  # [T, 2, L, H, D], true dtype, on the tier's device
-    index: dict[str, tuple[int, int]]  # chunk_id -> (offset, length) in slab rows
-    token_ids: dict[str, list[int]]  # chunk_id -> token ids
-    manifest: Manifest
-
-    @property
-    def version(self) -> str:
-        return self.manifest.version
-
-    @property
-    def user(self) -> str:
-        return self.manifest.user
-
-    @property
-    def model_fingerprint(self) -> str:
-        return self.manifest.model_fingerprint
-
-    @property
-    def nbytes(self) -> int:
-        return self.slab.numel() * self.slab.element_size()
-
-    def chunk(self, chunk_id: str) -> torch.Tensor:
-        """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
-        offset, length = self.index[chunk_id]
-        return self.slab[offset:offset + length]
-
-
 def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
             tier: Tier = "host", device: str | torch.device | None = None,
             expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
-            part_bytes: int = 32 << 20, workers: int | None = None) -> HydratedArtifact:
+            part_bytes: int = 32 << 20, workers: int | None = None) -> Resident:
     """Load and verify one version's KV slab.
 
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
@@ -94,8 +66,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     copy. Errors: ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``,
     ``ChecksumError``, ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``.
     """
-    if tier not in ("host", "gpu"):
-        raise ValueError(f"tier must be 'host' or 'gpu', got {tier!r}")
+    check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -136,7 +107,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
         slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
-    return HydratedArtifact(slab, index, token_ids, manifest)
+    return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
+                    token_ids, tier, manifest)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
@@ -289,4 +261,4 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
             raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
                                   f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
     index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
-    return layout, index, dict(zip(ids, tokens)), slab_offset
+    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, slab_offset
