@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from inferscale.connector import PARAMS_KEY
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
+from inferscale.vllm_plugin.config import (
+    PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
+)
 
 
 @dataclass(frozen=True)
@@ -52,23 +54,17 @@ class EngineConfig:
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
 
+    def connector_config(self) -> ConnectorConfig:
+        """The connector's settings (its ``kv_connector_extra_config``)."""
+        return ConnectorConfig(
+            model_fingerprint=self.model_fingerprint, artifact_root=self.artifact_root,
+            storage_options=dict(self.storage_options), gpu_budget_bytes=self.gpu_budget_bytes,
+            host_budget_bytes=self.host_budget_bytes, auto_reload=self.auto_reload,
+            reload_tier=self.reload_tier)
+
     def kv_transfer_config(self) -> dict:
         """The ``kv_transfer_config`` that loads the connector; settings go in extra config."""
-        return {
-            "kv_connector": "InferScaleConnector",
-            "kv_connector_module_path": "inferscale.connector",
-            "kv_role": "kv_consumer",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "model_fingerprint": self.model_fingerprint,
-                "artifact_root": self.artifact_root,
-                "storage_options": dict(self.storage_options),
-                "gpu_budget_bytes": self.gpu_budget_bytes,
-                "host_budget_bytes": self.host_budget_bytes,
-                "auto_reload": self.auto_reload,
-                "reload_tier": self.reload_tier,
-            },
-        }
+        return kv_transfer_config(self.connector_config())
 
     def engine_args(self):
         from vllm.config import KVTransferConfig
@@ -80,7 +76,7 @@ class EngineConfig:
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             load_format=self.load_format,
             kv_transfer_config=KVTransferConfig(**self.kv_transfer_config()),
-            worker_extension_cls="inferscale.worker_ext.InferScaleWorkerExtension",
+            worker_extension_cls=WORKER_EXTENSION,
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size

@@ -21,7 +21,8 @@ case "${1:-}" in
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
-      tests/hydrate/test_resident.py tests/test_inject.py tests/hydrate/test_slab.py tests/test_inject_kernels.py \
+      tests/hydrate/test_resident.py tests/vllm_plugin/test_inject.py tests/hydrate/test_slab.py \
+      tests/vllm_plugin/test_kernels.py \
       -k "cuda or CUDA or gpu"
     ;;
   encode-hydrate)

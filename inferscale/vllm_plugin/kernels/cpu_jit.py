@@ -1,4 +1,5 @@
-"""Numba code of the CPU injection kernel; load it through ``inferscale.kernels_cpu.load``."""
+"""Numba code of the CPU injection kernel; load it through
+:func:`inferscale.vllm_plugin.kernels.cpu.load` (never import it directly)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The CUDA injection kernel (Triton): rotated K and V of every layer into the paged cache.
 
-Imported only by :class:`inferscale.inject_kernels.FusedWriter` on a CUDA engine.
+Imported only by :class:`inferscale.vllm_plugin.kernels.writer.FusedWriter` on a CUDA
+engine.
 """
 
 from __future__ import annotations

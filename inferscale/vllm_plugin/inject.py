@@ -1,10 +1,11 @@
 """One engine step's memory injection: gather, rotate, write into the paged cache.
 
-Built by the connector's worker side in ``start_load_kv`` from the step's verified loads.
+Built by the connector's worker half (:mod:`inferscale.vllm_plugin.worker`) in
+``start_load_kv`` from the step's verified loads.
 
-Fused path (``inferscale.inject_kernels``, when the cache layout is known and the kernel
-passed its check against the backend's writer): one kernel per source slab reads each
-needed slab row once, rotates the keys of every layer at their virtual positions and
+Fused path (:mod:`inferscale.vllm_plugin.kernels`, when the cache layout is known and
+the kernel passed its check against the backend's writer): one kernel per source slab
+reads each needed slab row once, rotates the keys of every layer at their virtual positions and
 stores K and V into every layer's paged blocks. Device-tier users are read in place;
 host-tier rows first arrive in the staging buffer by one non-blocking pinned-host ->
 device copy per contiguous run of needed rows (only those rows cross PCIe).
@@ -26,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.hydrate.resident import Resident, ResidentStore
-from inferscale.inject_kernels import FusedWriter, Source
-from inferscale.vllm_compat import rotate_with_model, write_layer_kv
+from inferscale.vllm_plugin.compat import read_layer_kv, rotate_with_model, write_layer_kv
+from inferscale.vllm_plugin.kernels.writer import FusedWriter, Source
 
 
 @dataclass
@@ -154,3 +156,31 @@ def row_numpy(resident: Resident, chunks: list[str], start: int, end: int) -> np
 def row_index(resident: Resident, chunks: list[str], start: int, end: int) -> torch.Tensor:
     """:func:`row_numpy` as a tensor."""
     return torch.from_numpy(row_numpy(resident, chunks, start, end))
+
+
+def verify_step(step: StepLoad, hf_config: Any, block_size: int) -> dict:
+    """Compare the paged cache at a kept load's slots with an independent computation:
+    the residents' pre-RoPE K/V, rotated with transformers' tables of the served config
+    (``hf_config``; fp32). Returns max abs errors, or ``checked: False`` where the
+    backend's layout cannot be read back. Called through the worker extension's
+    ``inferscale_verify_last_load``."""
+    device = step.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    pre = torch.cat([j.resident.slab[row_index(j.resident, j.chunks, j.start, j.end)]
+                     .to(device, torch.float32) for j in step.jobs])  # [N, 2, L, H, D]
+    tables = RotaryTables.from_config(hf_config, device=device)
+    positions = step.positions.to(device)
+    want_k = rotate_keys(pre[:, 0], positions, tables, token_dim=0)  # [N, L, H, D]
+    err_k = err_v = 0.0
+    scale = float(pre.abs().max())
+    for idx, layer in step.layers.items():
+        got = read_layer_kv(layer, step.slots.to(device), block_size)
+        if got is None:
+            return {"checked": False, "reason": f"{type(layer.impl).__name__} layout"}
+        err_k = max(err_k, float((got[0].float() - want_k[:, idx]).abs().max()))
+        err_v = max(err_v, float((got[1].float() - pre[:, 1, idx]).abs().max()))
+    return {"checked": True, "tokens": int(pre.shape[0]), "max_abs_err_k": err_k,
+            "max_abs_err_v": err_v, "max_abs_value": scale,
+            "tiers": sorted({j.resident.tier for j in step.jobs}),
+            "dtype": str(step.dtype), "path": step.path}

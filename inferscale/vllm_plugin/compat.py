@@ -112,7 +112,7 @@ class CacheLayout:
     layer tensor's storage (counted from its ``storage_offset``).
 
     Built by :func:`cache_layout` from the attention backend's own view of its cache;
-    the fused injection kernels (``inferscale.inject_kernels``) write through it and
+    the fused injection kernels (``inferscale.vllm_plugin.kernels.writer``) write through it and
     check themselves against the backend's writer before they are used.
     """
 

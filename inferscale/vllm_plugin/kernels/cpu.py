@@ -1,8 +1,8 @@
 """The CPU injection kernel (Numba): rotated K and V of every layer into vLLM-CPU's cache.
 
-Imported only by :class:`inferscale.inject_kernels.FusedWriter` on a CPU engine, through
-:func:`load`; compiled on first use and cached by Numba next to this file (or in
-``NUMBA_CACHE_DIR``).
+Imported only by :class:`inferscale.vllm_plugin.kernels.writer.FusedWriter` on a CPU
+engine, through :func:`load`; the kernel's code (:mod:`~inferscale.vllm_plugin.kernels.cpu_jit`)
+is compiled on first use and cached by Numba next to it (or in ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def load(warm_up: Any) -> Any:
         numba.config.THREADING_LAYER = "omp"
         numba.set_num_threads(max(1, min(torch.get_num_threads(),
                                          numba.config.NUMBA_NUM_THREADS)))
-    from inferscale import _cpu_kernel
+    from inferscale.vllm_plugin.kernels import cpu_jit
 
     # dynamic chunks of (layer, tile) units: a thread that loses its core for a moment
     # (the engine process polls for the step's result) does not hold up the step
     numba.set_parallel_chunksize(16)
-    warm_up(_cpu_kernel.inject_kernel)
+    warm_up(cpu_jit.inject_kernel)
     if numba.threading_layer() != "omp":
         raise RuntimeError(f"Numba's threading layer is {numba.threading_layer()}, not omp")
-    return _cpu_kernel.inject_kernel
+    return cpu_jit.inject_kernel
