@@ -165,8 +165,8 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
     from inferscale.encode.models import load_model
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
-    from inferscale.retrieval import Embedder
+    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.serve.retrieval import Embedder
 
     dtype = getattr(torch, dtype_name)
     root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
@@ -188,7 +188,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     try:
         for user, u in users.items():
             for enc in ("limiting", "window"):
-                await engine.hydrate(*u[enc], "gpu")
+                await engine.hydrate(u[enc][0], version=u[enc][1], tier="gpu")
             for kind, question, keys in USERS[user]["queries"]:
                 ids, chunks = memory_prompt(tok, u["table"], question)
                 await engine.llm.reset_prefix_cache()

@@ -102,7 +102,7 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
     from inferscale.encode.encoder import EncoderConfig
     from inferscale.encode.models import dummy_fingerprint, load_model
     from inferscale.ingest.logs import turns_hash
-    from inferscale.retrieval import Embedder
+    from inferscale.serve.retrieval import Embedder
     from benchmarks.shapes import write_dummy_checkpoint
 
     home = Settings().home

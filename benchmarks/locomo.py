@@ -98,7 +98,7 @@ def for_user(facts: pa.Table, user: str) -> pa.Table:
 
 def retrieve(facts: pa.Table, questions: list[dict], k: int) -> list[list[str]]:
     """Top-``k`` fact ids per question, best first (the serving path's exact top-k)."""
-    from inferscale.retrieval import Embedder, FactIndex
+    from inferscale.serve.retrieval import Embedder, FactIndex
 
     emb = Embedder("embedded", device="cpu")
     q = emb.embed([item["question"] for item in questions])
@@ -142,7 +142,7 @@ async def run_modes(args, loaded, root: Path, user: str, turns: pa.Table, facts:
     """Every (mode, question, k) on one engine. A window's facts are encoded just before
     its phase (the engine idles meanwhile); ``on_phase(phase, answers)`` after each."""
     from inferscale.encode.compose import Composer
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
     from inferscale.types import PREFIX_ID
 
     engine = await MemoryEngine(EngineConfig(
@@ -164,7 +164,7 @@ async def run_modes(args, loaded, root: Path, user: str, turns: pa.Table, facts:
                 wfacts = facts.filter(pc.is_in(facts["fact_id"], pa.array(used)))
                 version, phase["encode"] = encode_window(args, loaded, turns, wfacts, user,
                                                          root, w)
-                await engine.hydrate(wuser, version, "gpu")
+                await engine.hydrate(wuser, version=version, tier="gpu")
             sem = asyncio.Semaphore(args.concurrency)
             fallbacks = 0
 

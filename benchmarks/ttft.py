@@ -64,9 +64,9 @@ async def measure(args) -> dict:
     from inferscale.encode.compose import Composer
     from inferscale.encode.encoder import EncoderConfig
     from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
-    from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.retrieval import Embedder
-    from inferscale.serve import MemoryServer
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.retrieval import Embedder
+    from inferscale.serve.server import MemoryServer
 
     cuda = torch.cuda.is_available()
     home = Settings().home
@@ -114,7 +114,7 @@ async def measure(args) -> dict:
     kv = MemoryServer(engine, tok, embedder, store, mode="kv")
     prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
     for tier, user in users.items():
-        await kv.hydrate(user, tier, versions[tier])
+        await kv.hydrate(user, version=versions[tier], tier=tier)
         prompt.load_user(user, versions[tier])
     qs = questions(args.conversation, args.queries + 1)
     llm = engine.llm

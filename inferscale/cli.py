@@ -58,7 +58,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from inferscale.serve import ServeError, serve_forever
+    from inferscale.serve.app import ServeError, serve_forever
 
     try:
         asyncio.run(serve_forever(_settings(args), args.mode, args.host, args.port))
@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace):
-    from inferscale.admin_client import AdminClient
+    from inferscale.serve.admin_client import AdminClient
 
     settings = Settings()
     key = args.admin_key or (settings.admin_key.get_secret_value() if settings.admin_key else None)
@@ -146,7 +146,8 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
     import uvicorn
     from openai import AsyncOpenAI
 
-    from inferscale.serve import AccessPolicy, create_app, start_server
+    from inferscale.serve.app import AccessPolicy, create_app
+    from inferscale.serve.server import start_server
 
     print("[2/3] starting the engine (vLLM + InferScale connector) and the OpenAI-compatible "
           "server on 127.0.0.1", flush=True)

@@ -146,7 +146,7 @@ def smollm2(inferscale_home):
 @pytest.fixture(scope="session")
 def embedder():
     """The packaged MiniLM on CPU."""
-    from inferscale.retrieval import Embedder
+    from inferscale.serve.retrieval import Embedder
 
     return Embedder("embedded", device="cpu")
 
@@ -164,7 +164,7 @@ def engine_env(smollm2, tmp_path_factory):
     from engine_helpers import LoopThread
 
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
 
     root = tmp_path_factory.mktemp("engine") / "artifacts"
     loop = LoopThread()

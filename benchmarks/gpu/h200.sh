@@ -32,7 +32,7 @@ case "${1:-}" in
       --root /tmp/hydrate-bench --out "$OUT/hydrate-h200.json"
     ;;
   retrieval-ttft-llama)
-    run gpu-tests-retrieval 120 python -m pytest -q -p no:cacheprovider tests/test_retrieval.py \
+    run gpu-tests-retrieval 120 python -m pytest -q -p no:cacheprovider tests/serve/test_retrieval.py \
       -k cuda
     run retrieval-h200 120 python benchmarks/retrieval.py --device cuda \
       --embedder-path $D/minilm --out "$OUT/retrieval-h200.json"

@@ -12,7 +12,8 @@ import pytest
 
 from engine_helpers import limiting_memory, memory_prompt
 from inferscale.artifacts.publish import Lineage, publish
-from inferscale.engine import MemoryRef
+from inferscale.serve.engine import MemoryRef
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -45,7 +46,7 @@ def publish_user(env, embedder, user, texts, *, lineage="log-1"):
 @pytest.fixture(scope="module")
 def caroline(engine_env, embedder):
     version, table = publish_user(engine_env, embedder, "caroline", FACTS)
-    engine_env.loop.run(engine_env.engine.hydrate("caroline", version, "gpu"))
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", version=version, tier="gpu"))
     return version, table
 
 
@@ -121,7 +122,7 @@ def secret_users(engine_env, embedder):
     out = {}
     for user, word in SECRETS.items():
         version, table = publish_user(engine_env, embedder, user, secret_facts(word.title()))
-        engine_env.loop.run(engine_env.engine.hydrate(user, version, "gpu"))
+        engine_env.loop.run(engine_env.engine.hydrate(user, version=version, tier="gpu"))
         out[user] = (version, table)
     return out
 
@@ -197,7 +198,7 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     assert ask(MemoryRef("nobody", v1, chunks)) == "user not resident"
     # stale version: caroline now holds a newer version
     v2, _ = publish_user(engine_env, embedder, "caroline", FACTS, lineage="log-2")
-    engine_env.loop.run(engine_env.engine.hydrate("caroline", v2, "gpu"))
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", version=v2, tier="gpu"))
     assert ask(MemoryRef("caroline", v1, chunks)).startswith("stale version")
     # token ids that are not the memory's
     wrong = ids[:3] + [ids[3] + 1] + ids[4:]
@@ -210,7 +211,7 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config),
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
     with pytest.raises(Exception, match="nothing published for user .dora., model "):
-        engine_env.loop.run(engine_env.engine.hydrate("dora", "latest", "gpu"))
+        engine_env.loop.run(engine_env.engine.hydrate("dora", version="latest", tier="gpu"))
     assert ask(MemoryRef("dora", v1, chunks)) == "user not resident"
     # evicted
     assert engine_env.loop.run(engine_env.engine.evict("caroline"))
@@ -218,7 +219,7 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     text = engine_env.log.read_text(errors="replace")
     for reason in ("user not resident", "stale version", "prompt does not begin with the memory"):
         assert f"prefilling memory, {reason}" in text
-    engine_env.loop.run(engine_env.engine.hydrate("caroline", v2, "gpu"))  # restore
+    engine_env.loop.run(engine_env.engine.hydrate("caroline", version=v2, tier="gpu"))  # restore
 
 
 def test_host_and_device_tiers_give_identical_outputs(engine_env, embedder):
@@ -227,7 +228,7 @@ def test_host_and_device_tiers_give_identical_outputs(engine_env, embedder):
     for tier in ("gpu", "host"):
         user = f"tier-{tier}"
         version, table = publish_user(engine_env, embedder, user, FACTS)
-        result = engine_env.loop.run(engine_env.engine.hydrate(user, version, tier))
+        result = engine_env.loop.run(engine_env.engine.hydrate(user, version=version, tier=tier))
         assert result["tier"] == tier
         outs[tier] = []
         for q in QUESTIONS[:4]:
@@ -247,11 +248,12 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
         u = f"load-{i}"
         users[u] = publish_user(engine_env, embedder, u, [f"{u} has a pet turtle named T{i}."]
                                 + FACTS[:3])
-    size = engine_env.loop.run(engine_env.engine.hydrate("load-0", users["load-0"][0], "gpu"))["bytes"]
+    size = engine_env.loop.run(engine_env.engine.hydrate(
+        "load-0", version=users["load-0"][0], tier="gpu"))["bytes"]
     engine_env.loop.run(engine_env.engine.set_budgets(2 * size, 2 * size))
     try:
         for u, (version, _) in users.items():
-            engine_env.loop.run(engine_env.engine.hydrate(u, version, "gpu"))
+            engine_env.loop.run(engine_env.engine.hydrate(u, version=version, tier="gpu"))
 
         async def one(i: int):
             u = f"load-{(i * 5) % 6}"
@@ -276,4 +278,4 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
         injected = sum(o.injected_tokens > 0 for _, o in results)
         assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
     finally:
-        engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 32 << 30))
+        engine_env.loop.run(engine_env.engine.set_budgets(GPU_BUDGET_BYTES, HOST_BUDGET_BYTES))

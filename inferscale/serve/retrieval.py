@@ -9,7 +9,7 @@
   only host synchronization is reading the final ids.
 
 Scores are cosine similarities (rows normalized at construction), so the ranking equals
-LanceDB's exact cosine search over the same vectors (``tests/test_retrieval.py``).
+LanceDB's exact cosine search over the same vectors (``tests/serve/test_retrieval.py``).
 
 This module imports only torch at module level (sentence-transformers when an Embedder
 is built): the server and ``benchmarks/retrieval.py`` run it where Mem0 and LanceDB are
@@ -161,7 +161,7 @@ class _GraphedQuery:
         except Exception as exc:  # noqa: BLE001 - fall back to the eager encoder, say why
             import logging
 
-            logging.getLogger("inferscale.retrieval").warning(
+            logging.getLogger("inferscale.serve.retrieval").warning(
                 "CUDA graphs disabled for the query encoder: %s", exc)
             self.enabled = False
             return None

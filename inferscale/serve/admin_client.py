@@ -1,6 +1,6 @@
 """Client of a running ``inferscale serve``'s admin API (``inferscale.serve``).
 
-``POST /admin/hydrate {"user", "tier", "version"}`` loads a user's artifact into the
+``POST /admin/hydrate {"user", "version", "tier"}`` loads a user's artifact into the
 engine (``tier``: ``gpu`` = device memory, ``host`` = pinned host memory);
 ``POST /admin/evict {"user"}`` drops it; ``GET /admin/status`` lists what is resident.
 Off loopback the server wants ``Authorization: Bearer <INFERSCALE_ADMIN_KEY>``.
@@ -65,7 +65,7 @@ class AdminClient:
                              transient=resp.status_code in TRANSIENT_STATUS)
         return resp.json()
 
-    def hydrate(self, user: str, tier: Tier = "gpu", version: str = "latest") -> dict:
+    def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load ``user``'s ``version`` into ``tier``; the server's answer (version, bytes...)."""
         check_tier(tier)
         return self._call("POST", "/admin/hydrate",

@@ -1,9 +1,9 @@
 """EngineConfig: validation and the engine arguments it gives vLLM (no engine started;
-the engine itself is exercised by test_connector.py and test_serve.py)."""
+the engine itself is exercised by tests/vllm_plugin/test_connector.py and test_app.py)."""
 
 import pytest
 
-from inferscale.engine import EngineConfig
+from inferscale.serve.engine import EngineConfig
 
 
 def test_kv_cache_size_passes_to_vllm_and_is_validated(tmp_path):

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, Tier
 from inferscale.vllm_plugin.config import (
     PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
 )
@@ -176,7 +176,7 @@ class MemoryEngine:
 
     # ------------------------------------------------------------------ memory admin
 
-    async def hydrate(self, user: str, version: str = "latest", tier: str = "gpu") -> dict:
+    async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load a user's artifact into the worker (collective RPC), then let the
         scheduler see it (one tiny request steps the engine) before returning."""
         (result,) = await self.llm.collective_rpc("inferscale_hydrate",

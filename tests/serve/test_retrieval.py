@@ -18,10 +18,10 @@ from inferscale.settings import offline_environment
 offline_environment()
 
 from inferscale.ingest.logs import read_logs, sample_conversations  # noqa: E402
-from inferscale.retrieval import Embedder, FactIndex  # noqa: E402
+from inferscale.serve.retrieval import Embedder, FactIndex  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["Maya", "Tomás", "Ada", "Priya", "Lucía", "Elena", "Marta", "Tom", "Ines", "Karl"]
 PETS = ["beagle", "tabby cat", "parrot", "Maine Coon", "hamster", "corgi", "goldfish"]
 PLACES = ["Lisbon", "Kyoto", "Leeds", "Valencia", "Oslo", "Cádiz", "Harrogate", "Bocairent"]
@@ -132,7 +132,7 @@ def test_parity_with_lancedb_exact_search(tmp_path, embedder):
 
 
 def test_retrieval_imports_neither_lancedb_nor_mem0():
-    code = ("import sys, inferscale.retrieval; "
+    code = ("import sys, inferscale.serve.retrieval; "
             "bad = [m for m in ('lancedb', 'mem0', 'pydantic_settings') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -154,7 +154,7 @@ def test_benchmark_cli(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_query_path_matches_the_eager_encoder():
-    from inferscale.retrieval import Embedder
+    from inferscale.serve.retrieval import Embedder
 
     import os
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferscale.serve import AccessPolicy, ServeError, is_loopback
+from inferscale.serve.app import AccessPolicy, ServeError, is_loopback
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
 
@@ -56,7 +56,7 @@ def test_openai_client_against_the_server(engine_env, embedder):
 
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.serve import MemoryServer
+    from inferscale.serve.server import MemoryServer
 
     for user, name in (("ann", "Pelican"), ("bob", "Tornado")):
         mem, table = limiting_memory(engine_env.model.model, engine_env.model.tokenizer, user,
