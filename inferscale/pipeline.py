@@ -189,8 +189,10 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True):
-    """One user's facts -> :class:`~inferscale.encode.encoder.EncodedMemory` with the serving model."""
+def encode_user_kv(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True):
+    """One user's facts -> their pre-RoPE KV (:class:`~inferscale.encode.encoder.EncodedMemory`)
+    with the serving model: the encode step only (``tasks.user.encode_user`` runs the
+    whole chain: facts -> KV -> publish -> lineage)."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
     return encode_facts(model.model, model.tokenizer, turn_texts, specs, cfg.encoder,
@@ -223,7 +225,7 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     published = {}
     for user, turns in selected.items():
         fr = facts[user]
-        encoded = encode_user(cfg, turns, fr.table, progress)
+        encoded = encode_user_kv(cfg, turns, fr.table, progress)
         res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,
