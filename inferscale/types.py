@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 PREFIX_ID: str = kv_schema.PREFIX
 
 KV_DTYPES: tuple[str, ...] = tuple(kv_schema.ITEMSIZE)
-KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]  # Literal["bfloat16", "float16", "float32"]
+# Literal["bfloat16", "float16", "float32"], spelled from the table above
+KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 
 Tier = Literal["gpu", "host"]
 TIERS: tuple[Tier, ...] = ("gpu", "host")

@@ -13,7 +13,7 @@ a caller's buffer and hashes every part with xxh3-128, in order, as it lands.
 
 :class:`Location` names the files of one (user, model) under a store.
 
-Callers: ``inferscale.artifacts``, ``inferscale.artifacts.fact_table`` and ``inferscale.hydrate.slab``.
+Callers: the rest of :mod:`inferscale.artifacts` and :mod:`inferscale.hydrate.slab`.
 Only fsspec, xxhash and the standard library are needed here.
 """
 
@@ -376,7 +376,7 @@ class Location:
     """Paths of one (user, model) under a store; validates both names once.
 
     ``Location(config, user, model_fp).file(version, KV_FILE)`` is the kv.arrow of that
-    version. Used by ``artifacts`` and ``hydrate``.
+    version. Used by :mod:`inferscale.artifacts` and :mod:`inferscale.hydrate`.
     """
 
     def __init__(self, config: StoreConfig, user: str, model_fp: str) -> None:

@@ -9,7 +9,8 @@ clean versions older than a tagged one). On S3 the table lives on the same bucke
 reached with :meth:`StoreConfig.lance_storage_options`.
 
 lancedb is imported only here and only when called (the GPU machine lacks it).
-Callers: ``inferscale.artifacts`` (publish, gc, ``open_fact_table``).
+Callers: :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.gc` and
+:func:`inferscale.artifacts.read.open_fact_table`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
 duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
 
-Callers: ``inferscale.artifacts.publish.publish``.
+Callers: :func:`inferscale.artifacts.publish.publish`.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ keeps the real id.
 Every error of the store derives from :class:`ArtifactError` and names the file and the
 user/model/version it is about. File operations are in :mod:`inferscale.artifacts.blobs`.
 
-Callers: ``inferscale.artifacts`` (publish, list, gc), ``inferscale.hydrate.slab``, the
-pipeline and the vLLM worker (``StoreConfig``). Only fsspec and the standard library are
-needed here (the GPU machine has them).
+Callers: the rest of :mod:`inferscale.artifacts` (publish, read, gc),
+:mod:`inferscale.hydrate` (``StoreConfig``, errors), the pipeline, the CLI and the server.
+Only fsspec and the standard library are needed here (the GPU machine has them).
 """
 
 from __future__ import annotations

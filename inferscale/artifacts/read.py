@@ -6,7 +6,7 @@ file is read) and raises an :class:`~inferscale.artifacts.layout.ArtifactError` 
 naming the file and the user/model/version.
 
 Callers: the CLI and flows (listing, lineage), :mod:`inferscale.artifacts.staleness`,
-:mod:`inferscale.hydrate.slab.load` (``manifest_at``, ``check_size``, ``check_digest``) and
+:mod:`inferscale.hydrate.slab` (``manifest_at``, ``check_size``, ``check_digest``) and
 the server's retrieval side (``read_facts``, ``open_fact_table``).
 """
 

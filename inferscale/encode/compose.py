@@ -10,8 +10,8 @@ template emits before the system message content plus the instruction; the query
 segment closes the system message, opens the user turn, holds the question and opens
 the assistant turn. Models without a chat template get a plain-text layout.
 
-Callers: the encoder (prefix and fact token ids), ``serve.py`` (the request prompt),
-the connector's tests, benchmarks.
+Callers: the encoder (prefix and fact token ids), the fact extractor (fact token ids),
+:mod:`inferscale.serve.server` (the request prompt), the connector's tests, benchmarks.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The window form (:func:`encode_facts`) builds contexts from turns; tests build t
 "limiting case" (each fact's context = the whole memory before it) with it directly.
 
 Callers: the encode flow (through ``tasks/``), the CLI, benchmarks and tests. The
-output (:class:`EncodedMemory`) goes to ``artifacts.publish``.
+output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
 
 Edge cases (stated): ``w = 0`` encodes the fact alone at positions ``0..len-1``; windows
 stop at the start of the conversation; a window longer than ``max_window_tokens`` keeps

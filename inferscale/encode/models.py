@@ -8,11 +8,12 @@ atomic rename of a finished directory).
 
 ``checkpoint_fingerprint`` is a stable hash of the weights, the tokenizer and the rotary
 configuration: KV written under one fingerprint is never read for another model. The
-encoder calls it when publishing; the vLLM connector calls it on the engine's model at
-start-up; hydration compares the two.
+encoder's output carries it into each artifact; the server computes it for the model it
+serves and hands it to the vLLM connector; hydration compares the two.
 
-Callers: the encoder (``encode.py``), the CLI and flows (to load the model), the connector
-and ``serve.py`` (fingerprint of the served checkpoint).
+Callers: the pipeline (the encoder's model), the CLI and flows (to load the model), the
+fact extractor's local LLM server and :mod:`inferscale.serve.server` (fingerprint of the
+served checkpoint).
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ present), ``{key: {"eq"|"ne"|"gt"|"gte"|"lt"|"lte"|"in"|"nin"|"contains"|"iconta
 ``{"$or": [...]}``, ``{"$not": [...]}`` and ``AND``/``OR``/``NOT`` lists — on any payload key.
 Equalities on scope columns become SQL; anything else is evaluated on the payload.
 
-Callers: Mem0 ``Memory`` (through the factory) in ``facts.py``; tests. Mem0 is imported
-with ``MEM0_TELEMETRY=False`` and ``MEM0_DIR=$TMPDIR/inferscale-mem0`` unless the caller
-set them (Mem0 reads both at import and writes ``config.json`` there).
+Callers: Mem0 ``Memory`` (through the factory) in :mod:`inferscale.facts.extractor`;
+tests. Mem0 is imported with ``MEM0_TELEMETRY=False`` and
+``MEM0_DIR=$TMPDIR/inferscale-mem0`` unless the caller set them (Mem0 reads both at import
+and writes ``config.json`` there).
 """
 
 from __future__ import annotations

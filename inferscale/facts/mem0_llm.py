@@ -22,7 +22,8 @@ changes only Mem0's extraction calls:
 
 Calls that are not fact extraction go to ``OpenAILLM`` unchanged.
 
-Callers: ``facts.py`` builds the Mem0 config with :func:`llm_config`; tests.
+Callers: :mod:`inferscale.facts.extractor` builds the Mem0 config with
+:func:`llm_config`; tests.
 """
 
 from __future__ import annotations

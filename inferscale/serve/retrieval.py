@@ -2,8 +2,8 @@
 
 - :class:`Embedder` holds one loaded sentence-embedding model on one device and embeds
   queries there (normalized rows). Load it once per process; every user shares it. It
-  must be the model that embedded the facts (``facts.py``; the packaged all-MiniLM-L6-v2
-  by default).
+  must be the model that embedded the facts (:mod:`inferscale.facts.extractor`; the
+  packaged all-MiniLM-L6-v2 by default).
 - :class:`FactIndex` holds one user's fact embeddings on the device (GPU, or CPU when
   there is none) and answers exact top-k by one matrix product and ``torch.topk``; the
   only host synchronization is reading the final ids.
@@ -15,7 +15,8 @@ This module imports only torch at module level (sentence-transformers when an Em
 is built): the server and ``benchmarks/retrieval.py`` run it where Mem0 and LanceDB are
 not installed.
 
-Callers: the server (issue 5) per request, ``benchmarks/retrieval.py``, tests.
+Callers: the memory server (:mod:`inferscale.serve.server`) per request,
+``benchmarks/retrieval.py``, tests.
 """
 
 from __future__ import annotations
