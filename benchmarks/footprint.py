@@ -43,17 +43,17 @@ offline_environment()
 import torch  # noqa: E402
 
 from benchmarks.shapes import SHAPES, kv_shape  # noqa: E402
+from storage_schemas import kv as kv_schema  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ["smollm2-135m", "llama-3.1-8b-shape", "qwen2.5-7b-shape", "mistral-7b-shape",
           "qwen3-14b-shape"]
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_bytes_per_token(shape: tuple[int, int, int], dtype: str = "bfloat16") -> int:
     """K and V of one token over all layers: layers x kv_heads x head_dim x 2 x bytes."""
     layers, heads, head_dim = shape
-    return layers * heads * head_dim * 2 * DTYPE_BYTES[dtype]
+    return layers * heads * head_dim * 2 * kv_schema.ITEMSIZE[dtype]
 
 
 def dir_bytes(path: str | Path) -> int:

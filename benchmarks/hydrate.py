@@ -44,6 +44,7 @@ from inferscale.artifacts.blobs import Location  # noqa: E402
 from inferscale.artifacts.layout import KV_FILE, StoreConfig  # noqa: E402
 from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
 from inferscale.hydrate.slab import hydrate  # noqa: E402
+from inferscale.types import PREFIX_ID  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128
@@ -76,7 +77,7 @@ def synthetic(size_bytes: int, seed: int = 0) -> tuple[Memory, pa.Table, Lineage
     lengths[-1] -= total - tokens
     chunks, fact_ids, token_ids, o = [], [], [], 0
     for i, n in enumerate(lengths):
-        cid = "prefix" if i == 0 else f"fact-{i:06d}"
+        cid = PREFIX_ID if i == 0 else f"fact-{i:06d}"
         ids = list(range(o, o + n))
         chunks.append(Chunk(cid, ids, keys[:, o:o + n], values[:, o:o + n]))  # views
         if i:

@@ -21,6 +21,7 @@ import socket
 import sys
 
 from inferscale.settings import Settings, offline_environment
+from inferscale.types import TIERS
 
 DEMO_QUESTIONS = [
     ("maya", "What is my dog's name?"),
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default="http://127.0.0.1:8000")
         p.add_argument("--admin-key", default=None)
         if name == "hydrate":
-            p.add_argument("--tier", choices=["gpu", "host"], default="gpu")
+            p.add_argument("--tier", choices=list(TIERS), default="gpu")
             p.add_argument("--version", default="latest")
         p.set_defaults(func=func)
     p = sub.add_parser("status", help="what a running server holds")

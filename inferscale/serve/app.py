@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import Request  # noqa: F401
 
 from inferscale.serve.server import MemoryServer, Mode, start_server
+from inferscale.types import TIERS
 
 
 class ServeError(RuntimeError):
@@ -169,7 +170,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
         if not body.get("user"):
             raise HTTPException(status_code=400, detail="'user' is required")
         tier = body.get("tier", "gpu")
-        if tier not in ("gpu", "host"):
+        if tier not in TIERS:
             raise HTTPException(status_code=400, detail="tier must be 'gpu' or 'host'")
         try:
             return await server.hydrate(body["user"], version=body.get("version", "latest"),

@@ -28,6 +28,7 @@ import torch
 
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.types import TIERS
 from inferscale.vllm_plugin.compat import attention_layers, find_rotary
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
@@ -118,7 +119,7 @@ class ConnectorWorker:
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
                 "inject_path": self.inject_path,
                 "budgets": store.budget,
-                "used": {t: store.used(t) for t in ("gpu", "host")}}
+                "used": {t: store.used(t) for t in TIERS}}
 
     def verify_last_load(self, hf_config: Any) -> dict:
         """Check the paged cache at the last kept load's slots (see
