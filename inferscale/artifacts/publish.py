@@ -14,8 +14,10 @@ replaced) -> optional gc. A version without a manifest is unfinished and invisib
 re-running the publish completes it under the same id.
 
 Fact embeddings also go into a LanceDB table per (user, model) beside the versions
-(:mod:`inferscale.artifacts.fact_table`), tagged with each version id, so ``open_fact_table`` sees
-exactly the facts of a version. lancedb is imported only when used.
+(:mod:`inferscale.artifacts.fact_table`), tagged with each version id, so
+:func:`~inferscale.artifacts.read.open_fact_table` sees exactly the facts of a version.
+lancedb is imported only when used. :class:`Lineage` (a version's parent hashes) is not
+:mod:`inferscale.artifacts.lineage_view` (how a version is shown to people).
 
 Reading is :mod:`inferscale.artifacts.read`, garbage collection
 :mod:`inferscale.artifacts.gc`.
