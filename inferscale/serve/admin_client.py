@@ -1,4 +1,4 @@
-"""Client of a running ``inferscale serve``'s admin API (``inferscale.serve``).
+"""Client of a running ``inferscale serve``'s admin API (:mod:`inferscale.serve.app`).
 
 ``POST /admin/hydrate {"user", "version", "tier"}`` loads a user's artifact into the
 engine (``tier``: ``gpu`` = device memory, ``host`` = pinned host memory);

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, Tier
+from inferscale.types import Tier
 from inferscale.vllm_plugin.config import (
     PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
 )
@@ -39,12 +39,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     max_num_seqs: int | None = None
+    # the connector's settings (:meth:`connector_config`), with the connector's defaults
     artifact_root: str = ""
     storage_options: dict = field(default_factory=dict)
-    gpu_budget_bytes: int = GPU_BUDGET_BYTES
-    host_budget_bytes: int = HOST_BUDGET_BYTES
-    auto_reload: bool = True
-    reload_tier: str = "host"
+    gpu_budget_bytes: int = ConnectorConfig.gpu_budget_bytes
+    host_budget_bytes: int = ConnectorConfig.host_budget_bytes
+    auto_reload: bool = ConnectorConfig.auto_reload
+    reload_tier: str = ConnectorConfig.reload_tier
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
