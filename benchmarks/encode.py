@@ -37,10 +37,10 @@ from inferscale.settings import Settings, offline_environment  # noqa: E402
 
 offline_environment()
 
+from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
 from inferscale.encode.compose import Composer  # noqa: E402
-from inferscale.encode.encoder import (
-    EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_segments, plan_batches,
-    window_segments,
+from inferscale.encode.encoder import (  # noqa: E402
+    EncoderConfig, FactSpec, TurnText, encode_segments, window_segments,
 )
 from inferscale.ingest.logs import read_logs  # noqa: E402
 from benchmarks.common import command_line, write_result  # noqa: E402

@@ -5,5 +5,6 @@
   the same offline (encoder, fact extraction) and online (the server);
 - :mod:`inferscale.encode.rope`: rotating stored pre-RoPE keys to any positions;
 - :mod:`inferscale.encode.encoder`: the context-window encoder (each fact after its
-  window of preceding turns, K captured before rotary embedding).
+  window of preceding turns, K captured before rotary embedding);
+- :mod:`inferscale.encode.batches`: its forward passes' batches and block masks.
 """

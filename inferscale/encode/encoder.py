@@ -9,7 +9,9 @@ function, exactly what a KV cache would store. Facts sharing a source turn share
 itself, never another fact) and position ids that restart at ``len(window)`` for every
 fact, so each fact is encoded exactly as if it followed its window alone.
 
-The general form is :func:`encode_segments`: any context token ids followed by chunks.
+The general form is :func:`encode_segments`: any context token ids followed by chunks
+(:class:`~inferscale.encode.batches.Segment`; batching and the block mask are
+:mod:`inferscale.encode.batches`).
 The window form (:func:`encode_facts`) builds contexts from turns; tests build the
 "limiting case" (each fact's context = the whole memory before it) with it directly.
 
@@ -32,9 +34,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from inferscale.encode.compose import DEFAULT_INSTRUCTION, Composer
+from inferscale.encode.batches import Segment, build_batch, plan_batches
+from inferscale.encode.compose import (
+    DEFAULT_INSTRUCTION, MEMORY_ORDERS, Composer, memory_text,
+)
 from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
 
+CONTEXTS = ("transcript", "memory", "prefix")
 _capture_lock = threading.Lock()
 
 
@@ -53,8 +59,32 @@ class EncoderConfig:
     batch_tokens: int = 16384  # padded tokens per forward pass
     instruction: str = DEFAULT_INSTRUCTION
     turn_template: str = "{speaker}: {text}\n"
+    # What each fact is encoded after (see the module docstring): ``"transcript"`` = the
+    # window's turns as raw transcript (``turn_template``), nothing before them;
+    # ``"memory"`` = the serving prefix (chat-template head + instruction) at positions
+    # 0..P-1, then the window's turns written as memory lines, exactly as the served
+    # memory list writes facts; ``"prefix"`` = the serving prefix, then the window as
+    # transcript (the shared attention sink alone, for ablations).
+    context: str = "transcript"
+    # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
+    key_temperature: float = 1.0
+    # How the server lays out a request's memory (composer settings kept with the artifact):
+    # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
+    # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
+    # facts are prefilled as text right before the question instead of injected.
+    memory_order: str = "relevance"
+    text_tail: int = 0
 
     def __post_init__(self) -> None:
+        if self.context not in CONTEXTS:
+            raise EncodeError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if not self.key_temperature > 0:
+            raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
+        if self.memory_order not in MEMORY_ORDERS:
+            raise EncodeError(f"memory_order must be one of {MEMORY_ORDERS}, "
+                              f"got {self.memory_order!r}")
+        if self.text_tail < 0:
+            raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
         if self.window < 0:
             raise EncodeError(f"window must be >= 0, got {self.window}")
         if self.dtype not in KV_DTYPES:
@@ -74,10 +104,11 @@ class EncoderConfig:
 
 @dataclass(frozen=True)
 class TurnText:
-    """One conversation turn as the window sees it."""
+    """One conversation turn as the window sees it (``timestamp``: ISO, or None)."""
 
     speaker: str
     text: str
+    timestamp: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,100 +140,6 @@ class EncodedMemory:
     model_fingerprint: str
     encoder_config: dict
     stats: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence of a forward pass: ``context`` then independent ``chunks``."""
-
-    context: tuple[int, ...]
-    chunks: tuple[tuple[str, tuple[int, ...]], ...]
-
-    @property
-    def length(self) -> int:
-        return len(self.context) + sum(len(ids) for _, ids in self.chunks)
-
-
-# ------------------------------------------------------------------ batching and masks
-
-
-def plan_batches(segments: Sequence[Segment], batch_tokens: int) -> list[list[int]]:
-    """Group segment indices into batches of at most ``batch_tokens`` padded tokens.
-
-    Segments are sorted by length so padding stays small, and single-chunk segments are
-    kept apart from multi-chunk ones: a batch of single-chunk segments needs no block
-    mask and runs the model's plain causal attention. A segment longer than
-    ``batch_tokens`` gets a batch of its own.
-    """
-    order = sorted(range(len(segments)),
-                   key=lambda i: (len(segments[i].chunks) > 1, segments[i].length))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = max([segments[j].length for j in current] + [segments[i].length])
-        kind_changes = current and (len(segments[current[0]].chunks) > 1) != (
-            len(segments[i].chunks) > 1)
-        if current and (kind_changes or longest * (len(current) + 1) > batch_tokens):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def build_batch(segments: Sequence[Segment], pad_id: int, device: torch.device,
-                mask_dtype: torch.dtype) -> dict[str, Any]:
-    """Input ids, positions, an additive 4-D block mask, and where each chunk sits.
-
-    Returns ``input_ids [B, S]``, ``position_ids [B, S]``, ``attention_mask [B, 1, S, S]``
-    (0 where attention is allowed, dtype-min elsewhere; padding rows see themselves so no
-    row is empty) or ``None`` when every segment has one chunk (then plain causal
-    attention over right-padded rows is exact for every real token), and ``select_b``/``select_s`` ``[N]``: the (row, column) of every chunk
-    token in order, plus ``spans``: per chunk ``(chunk_id, start, length)`` into ``N``.
-    """
-    B = len(segments)
-    S = max(seg.length for seg in segments)
-    ids = torch.full((B, S), pad_id, dtype=torch.long)
-    pos = torch.zeros((B, S), dtype=torch.long)
-    group = torch.full((B, S), -1, dtype=torch.long)  # -1 pad, 0 context, j+1 chunk j
-    sel_b: list[int] = []
-    sel_s: list[int] = []
-    spans: list[tuple[str, int, int]] = []
-    for b, seg in enumerate(segments):
-        w = len(seg.context)
-        if w:
-            ids[b, :w] = torch.tensor(seg.context)
-            pos[b, :w] = torch.arange(w)
-            group[b, :w] = 0
-        col = w
-        for j, (chunk_id, chunk) in enumerate(seg.chunks):
-            n = len(chunk)
-            ids[b, col:col + n] = torch.tensor(chunk)
-            pos[b, col:col + n] = torch.arange(w, w + n)
-            group[b, col:col + n] = j + 1
-            spans.append((chunk_id, len(sel_b), n))
-            sel_b.extend([b] * n)
-            sel_s.extend(range(col, col + n))
-            col += n
-    mask = None
-    if any(len(seg.chunks) > 1 for seg in segments):
-        group = group.to(device)
-        q = group[:, :, None]  # [B, S, 1]
-        k = group[:, None, :]  # [B, 1, S]
-        causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-        allowed = causal & (k >= 0) & ((k == 0) | (k == q))
-        allowed |= torch.eye(S, dtype=torch.bool, device=device)  # padding rows see themselves
-        mask = torch.zeros((B, 1, S, S), dtype=mask_dtype, device=device)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(mask_dtype).min)
-    return {
-        "input_ids": ids.to(device),
-        "position_ids": pos.to(device),
-        "attention_mask": mask,
-        "select_b": torch.tensor(sel_b, dtype=torch.long, device=device),
-        "select_s": torch.tensor(sel_s, dtype=torch.long, device=device),
-        "spans": spans,
-    }
 
 
 # ------------------------------------------------------------------ capturing K and V
@@ -333,7 +270,12 @@ def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
 
 def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], composer: Composer,
                     cfg: EncoderConfig) -> list[Segment]:
-    """Segments for ``facts``: one per source turn, its window then all its facts."""
+    """Segments for ``facts``: one per source turn, its context then all its facts.
+
+    The context is ``cfg.context``'s: the window's turns as transcript, or the serving
+    prefix followed by the window's turns as memory lines (or as transcript). A window
+    longer than ``max_window_tokens`` loses its oldest tokens; the prefix is always kept.
+    """
     by_turn: dict[int, list[FactSpec]] = {}
     seen: set[str] = set()
     for fact in facts:
@@ -345,22 +287,29 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
         seen.add(fact.fact_id)
         by_turn.setdefault(fact.source_index, []).append(fact)
     turn_ids: dict[int, list[int]] = {}
+    as_memory = cfg.context == "memory"
 
     def turn_tokens(i: int) -> list[int]:
         if i not in turn_ids:
             t = turns[i]
-            turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker, text=t.text))
+            if as_memory:
+                turn_ids[i] = composer.fact_ids(memory_text(t.speaker, t.text, t.timestamp),
+                                                cfg.max_fact_tokens)
+            else:
+                turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker,
+                                                                        text=t.text))
         return turn_ids[i]
 
+    head = composer.prefix_ids() if cfg.context in ("memory", "prefix") else []
     segments = []
     for t, group in sorted(by_turn.items()):
-        context = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
-        if len(context) > cfg.max_window_tokens:
-            context = context[len(context) - cfg.max_window_tokens:]
+        window = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
+        if len(window) > cfg.max_window_tokens:
+            window = window[len(window) - cfg.max_window_tokens:]
         chunks = tuple((f.fact_id, tuple(f.token_ids) if f.token_ids
                         else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
                        for f in group)
-        segments.append(Segment(tuple(context), chunks))
+        segments.append(Segment(tuple(head + window), chunks))
     return segments
 
 
@@ -383,6 +332,9 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
         pad_id=pad_id, progress=bar)}
     bar.close()
     ordered = [chunks[PREFIX_ID]] + [chunks[f.fact_id] for f in facts]
+    if cfg.key_temperature != 1.0:
+        for chunk in ordered[1:]:
+            chunk.keys = (chunk.keys.float() / cfg.key_temperature).to(chunk.keys.dtype)
     stats = {
         "facts": len(facts),
         "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),

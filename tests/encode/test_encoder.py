@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.encode.compose import ComposeError, Composer
-from inferscale.types import PREFIX_ID
 from inferscale.encode.encoder import (
-    EncodeError, EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_facts,
-    encode_segments, plan_batches, window_segments,
+    EncodeError, EncoderConfig, FactSpec, TurnText, encode_facts, encode_segments,
+    window_segments,
 )
 from inferscale.encode.rope import RotaryTables, rotate_keys
+from inferscale.types import PREFIX_ID
 from tests.conftest import tiny_llama, tiny_qwen3
 from tests.encode.test_rope import ROPE_TYPES
 
