@@ -277,3 +277,22 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
         assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
     finally:
         engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 32 << 30))
+
+
+def test_text_tail_after_injected_memory(engine_env, caroline):
+    """Memory injected for the first facts, the last facts prefilled as text after it:
+    only the injected part comes from the connector, and the answer is the prefill's."""
+    from inferscale.compose import Composer
+    from inferscale.encode import PREFIX_ID
+
+    version, table = caroline
+    tok = engine_env.model.tokenizer
+    composer = Composer(tok)
+    fids, tids = table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()
+    for q in QUESTIONS[:4]:
+        ids, m = composer.compose([composer.prefix_ids()] + tids[:4], q, tids[4:])
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        injected = gen(engine_env, ids, MemoryRef("caroline", version, (PREFIX_ID, *fids[:4])))
+        plain = gen(engine_env, ids)
+        assert injected.fallback is None and 0 < injected.injected_tokens <= m
+        assert injected.token_ids == plain.token_ids
