@@ -12,7 +12,9 @@ rows per thread; slabs for a CUDA engine stay token-major, so a host-tier run of
 one contiguous pinned copy. A store made with a ``dtype`` (the connector passes the
 engine's model dtype: the dtype its attention writes K/V in) converts every slab to it
 when it is placed, once, at hydrate time: an artifact encoded in bfloat16 serves on a
-float32 CPU engine, and the per-step injection never meets a second dtype. Each tier has a byte budget: when the gpu tier
+float32 CPU engine, and the per-step injection never meets a second dtype.
+
+Each tier has a byte budget (counted in the converted dtype): when the gpu tier
 overflows, its least-recently-used users move to host; when host overflows, its
 least-recently-used users are dropped (a later request reloads them). A user holds at
 most one version; putting a new version replaces the old one.
