@@ -310,15 +310,16 @@ def test_a_bfloat16_artifact_serves_on_the_float32_engine(engine_env, embedder):
         engine_env.loop.run(engine_env.engine.evict("bf16"))
 
 
-def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embedder, caroline):
+def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embedder):
     """A resident slab whose data vanished underneath the store fails inside the worker's
     load path: that request is answered by prefill (the same tokens as a plain prefill),
     the failure is logged with its cause and counted, and another user's request of the
     same step is still injected and correct."""
     tok = engine_env.model.tokenizer
-    version, table = caroline
+    version, table = publish_user(engine_env, embedder, "healthy", FACTS)
     bad_version, bad_table = publish_user(engine_env, embedder, "faulty", FACTS)
-    engine_env.loop.run(engine_env.engine.hydrate("faulty", bad_version, "gpu"))
+    for user, v in (("healthy", version), ("faulty", bad_version)):
+        engine_env.loop.run(engine_env.engine.hydrate(user, v, "gpu"))
     bad_ids, bad_chunks = memory_prompt(tok, bad_table, "Where does Melanie live?")
     good_ids, good_chunks = memory_prompt(tok, table, "What is Caroline allergic to?")
     want_bad, want_good = gen(engine_env, bad_ids).token_ids, gen(engine_env, good_ids).token_ids
@@ -331,7 +332,7 @@ def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embed
             return await asyncio.gather(
                 engine_env.engine.generate(bad_ids, MemoryRef("faulty", bad_version, bad_chunks),
                                            max_tokens=24),
-                engine_env.engine.generate(good_ids, MemoryRef("caroline", version, good_chunks),
+                engine_env.engine.generate(good_ids, MemoryRef("healthy", version, good_chunks),
                                            max_tokens=24))
 
         bad, good = engine_env.loop.run(both())
@@ -344,17 +345,18 @@ def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embed
         assert status["load_failures"] == before + 1
         # the engine serves on: both users again, one after the other
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
-        again = gen(engine_env, good_ids, MemoryRef("caroline", version, good_chunks))
+        again = gen(engine_env, good_ids, MemoryRef("healthy", version, good_chunks))
         assert again.injected_tokens > 0 and again.token_ids == want_good
         bad = gen(engine_env, bad_ids, MemoryRef("faulty", bad_version, bad_chunks))
         assert bad.injected_tokens == 0 and bad.token_ids == want_bad
         text = engine_env.log.read_text(errors="replace")
         assert text.count("(user faulty): memory load failed (NotImplementedError") == 2
     finally:
-        engine_env.loop.run(engine_env.engine.evict("faulty"))
+        for user in ("healthy", "faulty"):
+            engine_env.loop.run(engine_env.engine.evict(user))
 
 
-def test_a_scheduler_hook_error_prefills_the_request(engine_env, caroline):
+def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
     """Malformed memory parameters make ``get_num_new_matched_tokens`` raise: the request
     is prefilled (0 external tokens) and says why; the error is counted."""
 
@@ -362,14 +364,16 @@ def test_a_scheduler_hook_error_prefills_the_request(engine_env, caroline):
         def transfer_params(self) -> dict:
             return {"inferscale": {"user": self.user, "version": self.version, "chunks": 5}}
 
-    version, table = caroline
+    version, table = publish_user(engine_env, embedder, "hook", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("hook", version, "gpu"))
     ids, chunks = memory_prompt(engine_env.model.tokenizer, table, "Where does Caroline work?")
     want = gen(engine_env, ids).token_ids
     before = engine_env.loop.run(engine_env.engine.status())["scheduler_errors"]
-    out = gen(engine_env, ids, Malformed("caroline", version, chunks))
+    out = gen(engine_env, ids, Malformed("hook", version, chunks))
     assert out.injected_tokens == 0 and out.token_ids == want
     assert out.fallback.startswith("connector error in get_num_new_matched_tokens: TypeError")
     assert engine_env.loop.run(engine_env.engine.status())["scheduler_errors"] == before + 1
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
-    ok = gen(engine_env, ids, MemoryRef("caroline", version, chunks))
+    ok = gen(engine_env, ids, MemoryRef("hook", version, chunks))
     assert ok.injected_tokens > 0 and ok.fallback is None
+    engine_env.loop.run(engine_env.engine.evict("hook"))
