@@ -378,20 +378,21 @@ def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
     assert ok.injected_tokens > 0 and ok.fallback is None
     engine_env.loop.run(engine_env.engine.evict("hook"))
 
-def test_text_tail_after_injected_memory(engine_env, caroline):
+def test_text_tail_after_injected_memory(engine_env, embedder):
     """Memory injected for the first facts, the last facts prefilled as text after it:
     only the injected part comes from the connector, and the answer is the prefill's."""
     from inferscale.compose import Composer
     from inferscale.encode import PREFIX_ID
 
-    version, table = caroline
+    version, table = publish_user(engine_env, embedder, "tail-user", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("tail-user", version, "gpu"))
     tok = engine_env.model.tokenizer
     composer = Composer(tok)
     fids, tids = table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()
     for q in QUESTIONS[:4]:
         ids, m = composer.compose([composer.prefix_ids()] + tids[:4], q, tids[4:])
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
-        injected = gen(engine_env, ids, MemoryRef("caroline", version, (PREFIX_ID, *fids[:4])))
+        injected = gen(engine_env, ids, MemoryRef("tail-user", version, (PREFIX_ID, *fids[:4])))
         plain = gen(engine_env, ids)
         assert injected.fallback is None and 0 < injected.injected_tokens <= m
         assert injected.token_ids == plain.token_ids
