@@ -75,7 +75,7 @@ class ResidentLoader:
         """Start a thread that loads ``user``'s ``version`` into ``tier`` (unless an admin
         evicted the user); its failure is kept for :meth:`take_failures`."""
         if user in self.admin_evicted:
-            self._fail(user, version, "evicted by an admin")
+            self.record_failure(user, version, "evicted by an admin")
             return
         threading.Thread(target=self._reload, args=(user, version, tier), daemon=True,
                          name=f"inferscale-reload-{user}").start()
@@ -89,9 +89,10 @@ class ResidentLoader:
             self.reloads += 1
             log.info("reloaded user %s version %s into %s", user, version[:12], tier)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
-            self._fail(user, version, str(exc))
+            self.record_failure(user, version, str(exc))
 
-    def _fail(self, user: str, version: str, reason: str) -> None:
+    def record_failure(self, user: str, version: str, reason: str) -> None:
+        """Keep a failed reload of ``user``'s ``version`` for :meth:`take_failures`."""
         with self._lock:
             self._failed.append((user, version, reason))
 

@@ -8,7 +8,7 @@ reloads to start (:class:`ReloadOrder`).
 Worker -> scheduler: :class:`ResidencyReport` (built by
 :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.build_connector_worker_meta`): which
 (user, version) became resident or went away (:class:`ResidentInfo`: what the scheduler
-needs to admit a request), and which reloads failed.
+needs to admit a request), and which reloads and loads failed.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class InferScaleMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     reloads: list[ReloadOrder] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)  # admitted, then failed: recompute
+    scheduler_errors: int = 0  # the scheduler side's failure count (shown in status)
 
 
 @dataclass
@@ -69,16 +71,19 @@ class ResidentInfo:
 
 @dataclass
 class ResidencyReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: residency changes since the last report, oldest first.
+    """Worker -> scheduler: residency changes since the last report, oldest first, and
+    the reloads and loads that failed.
 
     ``changes`` holds ``("add", ResidentInfo)`` and ``("remove", (user, version))``.
     """
 
     changes: list[tuple[str, Any]] = field(default_factory=list)
     failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
+    failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
 
     def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
         # Tensor parallelism is refused at start-up, so there is one worker; merging
         # keeps every change in order.
         return ResidencyReport(self.changes + other.changes,
-                               self.failed_reloads + other.failed_reloads)
+                               self.failed_reloads + other.failed_reloads,
+                               self.failed_loads + other.failed_loads)

@@ -12,7 +12,10 @@ otherwise 0 and the request simply prefills (the reason is logged and returned w
 request). A miss on a user the workers do not hold asks them to reload it in the
 background (unless an admin evicted it). :meth:`~ConnectorScheduler.build_connector_meta`
 turns each admitted request into a
-:class:`~inferscale.vllm_plugin.metadata.LoadSpec` with its slot mapping.
+:class:`~inferscale.vllm_plugin.metadata.LoadSpec` with its slot mapping. An exception
+in any hook degrades to "0 external tokens" (the request prefills; a request already
+admitted has its blocks reported as load errors), is logged and counted
+(:class:`~inferscale.vllm_plugin.failures.Failures`).
 
 Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector`, which vLLM
 calls.
@@ -28,6 +31,7 @@ import numpy as np
 
 from inferscale.vllm_plugin.compat import block_ids_of
 from inferscale.vllm_plugin.config import PARAMS_KEY, ConnectorConfig
+from inferscale.vllm_plugin.failures import Failures
 from inferscale.vllm_plugin.metadata import (
     InferScaleMetadata, LoadSpec, ReloadOrder, ResidencyReport, ResidentInfo,
 )
@@ -69,10 +73,21 @@ class ConnectorScheduler:
         self._reload_pending: set[tuple[str, str]] = set()
         self.injected_tokens: dict[str, int] = {}
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
+        self._unloadable: set[str] = set()  # admitted, but no load could be planned
+        self._disabled: str | None = None  # set: no memory is admitted any more
+        self.failures = Failures()
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject."""
+        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject (0 on
+        any error: the request prefills)."""
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("get_num_new_matched_tokens", request.request_id, exc)
+            return 0, False
+
+    def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = _params(request)
         if params is None:
             return 0, False
@@ -96,9 +111,19 @@ class ConnectorScheduler:
         self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
+    def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
+        """A hook raised for ``req_id``: count, log, and prefill its memory."""
+        self._plans.pop(req_id, None)
+        fallback = f"connector error in {hook}: {type(exc).__name__}: {exc}"
+        if self._fallbacks.get(req_id) != fallback:  # once per request, not per retry
+            self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
+            self._fallbacks[req_id] = fallback
+
     def _refusal(self, user: str, version: str, chunks: list[str],
                  request: "Request") -> str | None:
         """Why this request's memory cannot be injected, or None when it can."""
+        if self._disabled:
+            return self._disabled
         info = self._view.get((user, version))
         if info is None:
             held = self._held.get(user)
@@ -129,10 +154,15 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        plan = self._plans.pop(request.request_id, None)
-        if num_external_tokens > 0 and plan is not None:
-            plan.start = plan.end - num_external_tokens
-            self._to_load[request.request_id] = plan
+        try:
+            plan = self._plans.pop(request.request_id, None)
+            if num_external_tokens > 0 and plan is not None:
+                plan.start = plan.end - num_external_tokens
+                self._to_load[request.request_id] = plan
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("update_state_after_alloc", request.request_id, exc)
+            if num_external_tokens > 0:  # vLLM counts them computed: report them failed
+                self._unloadable.add(request.request_id)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, list[int]]:
         """Paged-cache slot of each token in ``[start, end)``, and the blocks they use."""
@@ -144,6 +174,36 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InferScaleMetadata:
         meta = InferScaleMetadata(reloads=list(self._reloads.values()))
         self._reloads.clear()
+        try:
+            block_ids = self._scheduled_blocks(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            # the blocks of this step's admitted loads are unknown: they can be neither
+            # loaded nor reported, so no request is admitted from now on
+            cause = self.failures.record("build_connector_meta", exc,
+                                         "no memory is injected from now on")
+            self._disabled = f"connector disabled after an error ({cause})"
+            meta.scheduler_errors = self.failures.count
+            return meta
+        for req_id in self._unloadable & block_ids.keys():
+            self._unloadable.discard(req_id)
+            meta.failed_blocks.extend(block_ids[req_id])
+        for req_id, plan in list(self._to_load.items()):
+            if req_id not in block_ids:
+                continue  # not scheduled this step; stays pending
+            del self._to_load[req_id]
+            try:
+                slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
+                meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
+                                           plan.start, plan.end, slots, blocks))
+                self.injected_tokens[req_id] = plan.end - plan.start
+            except Exception as exc:  # noqa: BLE001 - its blocks are recomputed instead
+                self._failed("build_connector_meta", req_id, exc)
+                meta.failed_blocks.extend(block_ids[req_id])
+        meta.scheduler_errors = self.failures.count
+        return meta
+
+    def _scheduled_blocks(self, scheduler_output: "SchedulerOutput") -> dict[str, list[int]]:
+        """Block ids of the requests this step schedules that may need a load."""
         block_ids: dict[str, list[int]] = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             block_ids[new_req.req_id] = block_ids_of(new_req)
@@ -151,22 +211,22 @@ class ConnectorScheduler:
         resumed = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             # resumed after preemption: new_block_ids then lists all the request's blocks
-            if req_id in self._to_load and req_id in resumed and cached.new_block_ids[i]:
+            if (req_id in self._to_load or req_id in self._unloadable) and req_id in resumed \
+                    and cached.new_block_ids[i]:
                 block_ids[req_id] = list(cached.new_block_ids[i][0])
-        for req_id, plan in list(self._to_load.items()):
-            if req_id not in block_ids:
-                continue  # not scheduled this step; stays pending
-            slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
-            meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
-                                       plan.start, plan.end, slots, blocks))
-            self.injected_tokens[req_id] = plan.end - plan.start
-            del self._to_load[req_id]
-        return meta
+        return block_ids
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, ResidencyReport):
             return
+        try:
+            self._apply(report)
+        except Exception as exc:  # noqa: BLE001 - the workers re-check every load anyway
+            self.failures.record("update_connector_output", exc,
+                                 "the residency view may lag (loads are checked by workers)")
+
+    def _apply(self, report: ResidencyReport) -> None:
         for op, payload in report.changes:
             if op == "remove":
                 user, version = payload
@@ -184,14 +244,18 @@ class ConnectorScheduler:
         for user, version, reason in report.failed_reloads:
             log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
             self._reload_pending.discard((user, version))
+        for req_id, reason in report.failed_loads:  # the worker logged and counted it
+            if self.injected_tokens.pop(req_id, None) is not None:
+                self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._plans.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)
-        injected = self.injected_tokens.pop(request.request_id, 0)
-        result: dict[str, Any] = {"injected_tokens": injected}
-        fallback = self._fallbacks.pop(request.request_id, None)
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._to_load.pop(req_id, None)
+        self._unloadable.discard(req_id)
+        result: dict[str, Any] = {"injected_tokens": self.injected_tokens.pop(req_id, 0)}
+        fallback = self._fallbacks.pop(req_id, None)
         if fallback:
             result["fallback"] = fallback
         return False, {PARAMS_KEY: result}

@@ -8,10 +8,14 @@ ordered, checks every load against the worker's own store (never trusting the
 scheduler's view), gathers the needed tokens of all requests of the step and writes their
 rotated K and V into every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`:
 the fused kernel where it passed its check, else the model's rotary op and the backend's
-own writer). A load that cannot be served is reported through
-:meth:`~ConnectorWorker.get_block_ids_with_load_errors` and vLLM recomputes those blocks
-(``kv_load_failure_policy="recompute"``): never wrong KV. Residency changes and failed
-reloads go back to the scheduler in :meth:`~ConnectorWorker.build_connector_worker_meta`.
+own writer). A load that cannot be served — not resident here, or any exception while
+loading — is reported through :meth:`~ConnectorWorker.get_block_ids_with_load_errors`
+and vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never wrong
+KV, and nothing escapes into vLLM's step. The failure is logged once with its cause,
+counted (``load_failures`` in :meth:`~ConnectorWorker.status`) and reported to the
+scheduler, whose answer for that request then says ``fallback: memory load failed``.
+Residency changes, failed reloads and failed loads go back to the scheduler in
+:meth:`~ConnectorWorker.build_connector_worker_meta`.
 
 Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector` (vLLM's hooks)
 and by the worker extension's collective-RPC endpoints
@@ -31,6 +35,7 @@ from inferscale.hydrate.resident import Resident, ResidentStore
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.compat import attention_layers, find_rotary
 from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.failures import Failures
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 from inferscale.vllm_plugin.metadata import (
@@ -59,13 +64,17 @@ class ConnectorWorker:
     def __init__(self, config: ConnectorConfig, vllm_config: "VllmConfig"):
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
+        # the engine's model dtype: slabs are converted to it once, when hydrated
         self.model_dtype = vllm_config.model_config.dtype
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
-                                   config.host_budget_bytes)
+                                   config.host_budget_bytes, self.model_dtype)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
                                      config.storage_options)
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
+        self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
+        self.failures = Failures()
+        self.scheduler_errors = 0  # the scheduler half's count, as its last metadata said
         self.loaded_tokens = 0
         self.inject_seconds = 0.0
         self.inject_calls = 0
@@ -115,6 +124,8 @@ class ConnectorWorker:
         store = self.store
         return {"residents": store.residents(), "loaded_tokens": self.loaded_tokens,
                 "reloads": self.loader.reloads,
+                "load_failures": self.failures.count,  # loads recomputed instead (logged)
+                "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
                 "inject_calls": self.inject_calls,
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
                 "inject_path": self.inject_path,
@@ -131,9 +142,18 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ each step
 
     def start_load_kv(self, meta: InferScaleMetadata, forward_context: "ForwardContext") -> None:
+        """Start the step's background reloads and memory loads. Never raises: a load
+        that fails for any reason is reported through :meth:`get_block_ids_with_load_errors`."""
         assert isinstance(meta, InferScaleMetadata)
+        self.scheduler_errors = meta.scheduler_errors
+        self._invalid_blocks.update(meta.failed_blocks)
         for order in meta.reloads:
-            self.loader.reload_in_background(order.user, order.version, order.tier)
+            try:
+                self.loader.reload_in_background(order.user, order.version, order.tier)
+            except Exception as exc:  # noqa: BLE001 - reported to the scheduler
+                cause = self.failures.record(f"starting the reload of user {order.user}", exc,
+                                             "a later request orders it again")
+                self.loader.record_failure(order.user, order.version, cause)
         if meta.loads:
             t0 = time.perf_counter()
             self._step = self._begin(meta.loads, forward_context)
@@ -141,34 +161,76 @@ class ConnectorWorker:
             self.inject_calls += 1
 
     def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
-        """Verify the step's loads against the store, then start them (see inject.py)."""
+        """Verify the step's loads against the store, then start them (see inject.py).
+        Every load that is refused or raises is reported as failed (:meth:`_load_failed`)."""
+        jobs, specs, at = [], [], 0
+        try:
+            layers = self._attention_layers(forward_context)
+        except Exception as exc:  # noqa: BLE001 - every load of the step is recomputed
+            for spec in loads:
+                self._load_failed(spec, exc)
+            return None
+        for spec in loads:
+            try:
+                resident = self.store.get(spec.user, spec.version)
+                problem = self._check(spec, resident)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+                continue
+            if problem:
+                self._load_failed(spec, problem)
+                continue
+            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
+            specs.append(spec)
+            at += spec.end - spec.start
+        if not jobs:
+            return None
+        try:
+            return self._run(jobs, specs, layers)
+        except Exception as exc:  # noqa: BLE001
+            if len(jobs) == 1:
+                self._load_failed(specs[0], exc)
+                return None
+        # the step's joint load failed: load each request alone, so that only the
+        # requests whose own load fails are recomputed
+        step = None
+        for job, spec in zip(jobs, specs):
+            job.at = 0
+            try:
+                step = self._run([job], [spec], layers)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+        return step
+
+    def _attention_layers(self, forward_context: "ForwardContext") -> list[tuple[int, Any]]:
         if self._layers is None:  # the attention layers never change: find them once
             self._layers = attention_layers(forward_context.no_compile_layers)
         if self._fused is None:
             self._build_fused()
-        layers = self._layers
-        if not layers:
-            return None
-        jobs, slots, at = [], [], 0  # slots: one int64 array per job
-        for spec in loads:
-            resident = self.store.get(spec.user, spec.version)
-            problem = self._check(spec, resident)
-            if problem:
-                log.warning("request %s: cannot inject memory (%s); recomputing its blocks",
-                            spec.req_id, problem)
-                self._invalid_blocks.update(spec.block_ids)
-                continue
-            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
-            slots.append(spec.slot_mapping)
-            at += spec.end - spec.start
-        if not jobs:
-            return None
-        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary, slots,
-                            self._staging, self._fused)
-        self.loaded_tokens += at
+        if not self._layers:
+            raise RuntimeError("the engine has no attention layer with a paged KV cache")
+        return self._layers
+
+    def _run(self, jobs: list[Job], specs: list[LoadSpec],
+             layers: list[tuple[int, Any]]) -> StepLoad:
+        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary,
+                            [s.slot_mapping for s in specs], self._staging, self._fused)
+        self.loaded_tokens += sum(j.width for j in jobs)
         if self.verify_next:
             self.last_step, self.verify_next = step, False
         return step
+
+    def _load_failed(self, spec: LoadSpec, why: str | BaseException) -> None:
+        """Report ``spec``'s blocks as load errors (vLLM recomputes them), count and log
+        it once, and tell the scheduler (the request's answer names the cause)."""
+        what = f"request {spec.req_id} (user {spec.user}): memory load"
+        if isinstance(why, BaseException):
+            why = self.failures.record(what, why, "recomputing its blocks")
+        else:
+            self.failures.count += 1
+            log.warning("%s refused (%s); recomputing its blocks", what, why)
+        self._invalid_blocks.update(spec.block_ids)
+        self._failed_loads.append((spec.req_id, why))
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
         if resident is None:
@@ -193,8 +255,9 @@ class ConnectorWorker:
     def build_connector_worker_meta(self) -> ResidencyReport | None:
         events = self.store.take_events()
         failed = self.loader.take_failures()
-        if not events and not failed:
+        loads, self._failed_loads = self._failed_loads, []
+        if not events and not failed and not loads:
             return None
         changes = [("add", ResidentInfo.of(e.resident)) if e.op == "add"
                    else ("remove", (e.user, e.version)) for e in events]
-        return ResidencyReport(changes, failed)
+        return ResidencyReport(changes, failed, loads)

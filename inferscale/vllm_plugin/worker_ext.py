@@ -47,6 +47,7 @@ class InferScaleWorkerExtension:
         resident = worker.load(user, version, tier)
         return {"user": user, "version": resident.version, "tier": resident.tier,
                 "bytes": resident.nbytes, "chunks": len(resident.index),
+                "dtype": str(resident.slab.dtype).removeprefix("torch."),
                 "seconds": round(time.perf_counter() - t0, 4)}
 
     def inferscale_set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
@@ -67,6 +68,21 @@ class InferScaleWorkerExtension:
 
     def inferscale_evict(self, user: str) -> bool:
         return _worker().evict(user)
+
+    def inferscale_fault_drop_slab(self, user: str) -> bool:
+        """Fault injection, for tests: the data of ``user``'s resident slab disappears
+        underneath the store (the slab becomes a tensor of its shape and dtype without
+        storage), so its next load fails inside the real load path. Hydrate the user
+        again to repair it. Returns whether the user was resident."""
+        import torch
+
+        resident = _worker().store.held(user)
+        if resident is None:
+            return False
+        slab = resident.slab
+        resident.slab = torch.empty_strided(slab.shape, slab.stride(), dtype=slab.dtype,
+                                            device="meta")
+        return True
 
     def inferscale_status(self) -> dict:
         return _worker().status()

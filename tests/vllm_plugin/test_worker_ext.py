@@ -35,10 +35,12 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     nbytes = expected_slab(memory).numel() * expected_slab(memory).element_size()
     assert (loaded["user"], loaded["version"], loaded["tier"]) == ("ext-user", version, "host")
     assert loaded["bytes"] == nbytes and loaded["chunks"] == 4 and loaded["seconds"] >= 0
+    assert loaded["dtype"] == "float32"  # the engine's dtype
     status = rpc("inferscale_status")
     assert {"user": "ext-user", "version": version, "tier": "host", "bytes": nbytes,
-            "chunks": 4} in status["residents"]
+            "dtype": "float32", "chunks": 4} in status["residents"]
     assert status["used"]["host"] >= nbytes and status["inject_path"] == "numba"
+    assert status["load_failures"] >= 0 and status["scheduler_errors"] >= 0
     budgets = dict(status["budgets"])
     try:
         assert rpc("inferscale_set_budgets", budgets["gpu"], nbytes - 1) == {
