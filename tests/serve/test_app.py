@@ -132,6 +132,7 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
             embeddings=False)
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store, top_k=4)
+    engine_env.loop.run(server.hydrate("layout-user"))
     composer = Composer(engine_env.model.tokenizer)
     tokens = dict(zip(table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()))
     source = dict(zip(table.column("fact_id").to_pylist(),
