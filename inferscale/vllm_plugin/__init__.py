@@ -6,7 +6,8 @@ vLLM loads it by name (:mod:`inferscale.vllm_plugin.config`: ``kv_connector_modu
 - :mod:`~inferscale.vllm_plugin.connector`: the KV connector, a facade over
   :mod:`~inferscale.vllm_plugin.scheduler` (which requests get memory KV) and
   :mod:`~inferscale.vllm_plugin.worker` (the resident slabs, the loads), which talk
-  through :mod:`~inferscale.vllm_plugin.metadata`;
+  through :mod:`~inferscale.vllm_plugin.metadata` and count what fails inside them in
+  :mod:`~inferscale.vllm_plugin.failures` (nothing escapes into vLLM's step);
 - :mod:`~inferscale.vllm_plugin.inject`: one step's gather, rotate and write;
   :mod:`~inferscale.vllm_plugin.kernels`: the fused kernels behind it;
 - :mod:`~inferscale.vllm_plugin.worker_ext`: the collective-RPC endpoints of the worker;
