@@ -12,14 +12,17 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
   the workers do not hold; it runs in a thread, and a failure is kept for
   :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler).
 
-A user an admin evicted is not reloaded until an admin hydrates them again.
-Nothing here imports vLLM.
+A user an admin evicted is not reloaded until an admin hydrates them again. The loader
+counts its background reloads, their failures and their latency
+(:meth:`ResidentLoader.reload_stats`, read by the server's metrics through the worker
+extension). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.hydrate.resident import Resident, ResidentStore
@@ -27,6 +30,9 @@ from inferscale.hydrate.slab import hydrate
 
 # Under vLLM's logger namespace, so its handlers print these in the worker process.
 log = logging.getLogger("vllm.inferscale.loader")
+
+# Upper bounds (seconds) of the reload latency histogram's buckets; +Inf is implied.
+RELOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ResidentLoader:
@@ -42,6 +48,10 @@ class ResidentLoader:
         self.storage_options = dict(storage_options or {})
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
+        self.reload_failures = 0  # reloads that failed (or were refused)
+        # successful reloads per latency bucket (RELOAD_BUCKETS_S, then +Inf), their sum
+        self._reload_counts = [0] * (len(RELOAD_BUCKETS_S) + 1)
+        self._reload_seconds = 0.0
         self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
         self._lock = threading.Lock()
 
@@ -81,20 +91,37 @@ class ResidentLoader:
                          name=f"inferscale-reload-{user}").start()
 
     def _reload(self, user: str, version: str, tier: str) -> None:
+        t0 = time.perf_counter()
         try:
             resident = self.read(user, version)
             if user in self.admin_evicted:
                 raise RuntimeError("evicted by an admin since the reload was ordered")
             self.put(resident, tier)
-            self.reloads += 1
-            log.info("reloaded user %s version %s into %s", user, version[:12], tier)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
             self.record_failure(user, version, str(exc))
+            return
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.reloads += 1
+            self._reload_seconds += seconds
+            self._reload_counts[sum(seconds > b for b in RELOAD_BUCKETS_S)] += 1
+        log.info("reloaded user %s version %s into %s in %.2f s", user, version[:12], tier,
+                 seconds)
 
     def record_failure(self, user: str, version: str, reason: str) -> None:
         """Keep a failed reload of ``user``'s ``version`` for :meth:`take_failures`."""
         with self._lock:
+            self.reload_failures += 1
             self._failed.append((user, version, reason))
+
+    def reload_stats(self) -> dict:
+        """Running totals since start-up: ``reloads``, ``failures``, and the latency of
+        the successful ones (read, verify, place) as histogram ``buckets`` (upper bounds,
+        seconds), per-bucket ``counts`` (one more: above the last bound) and ``sum``."""
+        with self._lock:
+            return {"reloads": self.reloads, "failures": self.reload_failures,
+                    "buckets": list(RELOAD_BUCKETS_S), "counts": list(self._reload_counts),
+                    "sum": self._reload_seconds}
 
     def take_failures(self) -> list[tuple[str, str, str]]:
         """``(user, version, reason)`` of the reloads that failed since the last call."""

@@ -10,6 +10,15 @@ key decides the user (a ``user`` field naming someone else is refused); with
 ``user`` field decides, which is allowed only on a loopback address. Admin endpoints
 (``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) need ``INFERSCALE_ADMIN_KEY``
 off loopback. Binding beyond loopback without keys refuses to start.
+
+``GET /metrics`` is open, like vLLM's own (it names no user): vLLM's engine metrics and
+the server's, in the Prometheus text format (:mod:`inferscale.serve.metrics`).
+
+Beyond the OpenAI fields, a chat request may carry ``inferscale: {"mode", "top_k"}``,
+``ignore_eos`` (as vLLM's server: generate exactly ``max_tokens``) and, when streaming,
+``stream_options: {"include_usage": true}``. Streams send the first chunk (role and
+text) when the first token is out, and the ``inferscale`` extras (facts, tokens,
+fallback, timings) with the last.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
@@ -97,7 +106,7 @@ def _bearer(headers: dict[str, str]) -> str | None:
 def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
     """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints."""
     from fastapi import FastAPI, HTTPException
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="InferScale", version="0.1.0")
 
@@ -125,6 +134,13 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
     async def health() -> dict:
         return {"status": "ok", "mode": server.mode}
 
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await server.metrics.render(server.engine),
+                        media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
         body = await req.json()
@@ -144,13 +160,15 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
             raise HTTPException(status_code=400, detail="inferscale.mode must be 'kv' or 'prompt'")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        kwargs = dict(k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
+                      ignore_eos=bool(body.get("ignore_eos")))
         if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(
-                _sse(server, user, question, k, mode, max_tokens, temperature, rid, created,
-                     model_name),
+                _sse(server.answer_stream(user, question, **kwargs), rid, created, model_name,
+                     usage),
                 media_type="text/event-stream")
-        out = await server.answer(user, question, k=k, max_tokens=max_tokens,
-                                  temperature=temperature, mode=mode)
+        out = await server.answer(user, question, **kwargs)
         gen, info = out["generation"], out["info"]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -195,8 +213,11 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
     return app
 
 
-async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temperature, rid,
-               created, model_name):
+async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_name: str,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one answer: the first chunk (role and text) when the first
+    token is out, one per new text, the last with the finish reason and the
+    ``inferscale`` extras, then usage if asked for, then ``[DONE]``."""
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": model_name,
@@ -205,17 +226,29 @@ async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temper
             payload["inferscale"] = extra
         return f"data: {json.dumps(payload)}\n\n"
 
-    ids, ref, info = server.prepare(user, question, k, mode)
-    yield chunk({"role": "assistant", "content": ""})
-    finish = None
-    async for out in server.engine.stream(ids, ref, max_tokens=max_tokens,
-                                          temperature=temperature):
-        comp = out.outputs[0]
-        finish = comp.finish_reason or finish
-        if comp.text:
-            yield chunk({"content": comp.text})
+    started = False
+    async for item in answer:
+        if isinstance(item, dict):
+            gen, info = item["generation"], item["info"]
+            if not started:  # no token at all (max_tokens reached at once)
+                yield chunk({"role": "assistant", "content": ""})
+            yield chunk({}, gen.finish_reason or "stop", info)
+            if include_usage:
+                completion = len(gen.token_ids)
+                yield "data: " + json.dumps({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name, "choices": [],
+                    "usage": {"prompt_tokens": gen.prompt_tokens,
+                              "completion_tokens": completion,
+                              "total_tokens": gen.prompt_tokens + completion,
+                              "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
+                }) + "\n\n"
+        elif not started:
+            started = True
+            yield chunk({"role": "assistant", "content": item})
+        elif item:
+            yield chunk({"content": item})
         await asyncio.sleep(0)
-    yield chunk({}, finish or "stop", info)
     yield "data: [DONE]\n\n"
 
 
@@ -229,14 +262,22 @@ def policy_from(settings: Any, host: str) -> AccessPolicy:
         trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host))
 
 
-async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
-    """``inferscale serve``: check the access policy first (before loading anything)."""
+async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str, host: str,
+                    port: int, log_level: str = "info") -> None:
+    """Serve :func:`create_app` on ``host:port`` until stopped, then shut the engine down
+    (``inferscale serve``; the load benchmark's server process)."""
     import uvicorn
 
-    policy = policy_from(settings, host)
-    server, name = await start_server(settings, mode)
     try:
-        app = create_app(server, policy, name)
-        await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).serve()
+        app = create_app(server, policy, model_name)
+        await uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                            log_level=log_level)).serve()
     finally:
         server.engine.shutdown()
+
+
+async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
+    """``inferscale serve``: check the access policy first (before loading anything)."""
+    policy = policy_from(settings, host)
+    server, name = await start_server(settings, mode)
+    await serve_app(server, policy, name, host, port)

@@ -5,7 +5,9 @@ embed the query -> exact top-k of that user's facts (on the GPU when there is on
 compose ``[instruction prefix | facts | query]`` from stored token ids -> generate on the
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
-and the same retrieval).
+and the same retrieval); a request without a user or whose user has no memory is
+answered from the question alone (mode ``none``). Every finished request is counted in
+the server's metrics (:mod:`inferscale.serve.metrics`).
 
 Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 """
@@ -15,10 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from inferscale.encode.compose import Composer, memory_layout
-from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, MemoryRef
+from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 
 log = logging.getLogger("inferscale.serve")
@@ -50,6 +53,7 @@ class MemoryServer:
         self.fp = engine.config.model_fingerprint
         self.users: dict[str, UserMemory] = {}
         self._composers: dict[str, Composer] = {}
+        self.metrics = ServingMetrics()  # what it answered; the app's /metrics renders it
 
     def _composer(self, instruction: str | None) -> Composer:
         key = instruction or ""
@@ -99,7 +103,8 @@ class MemoryServer:
         mem = self.memory_of(user)
         composer = self._composer(None)
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
-        if mem is None:
+        if mem is None:  # no memory to use: the question alone
+            info["mode"] = "none"
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
             return ids, None, info
@@ -123,18 +128,48 @@ class MemoryServer:
                         "compose": (t3 - t2) * 1e3})
         return ids, ref, info
 
-    async def answer(self, user: str | None, question: str, *, k: int | None = None,
-                     max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: Mode | None = None) -> dict:
+    async def answer_stream(self, user: str | None, question: str, *, k: int | None = None,
+                            max_tokens: int | None = None, temperature: float = 0.0,
+                            mode: Mode | None = None, ignore_eos: bool = False
+                            ) -> AsyncIterator[str | dict]:
+        """Answer as tokens arrive: yield the text of each new output (``""`` for tokens
+        without text of their own yet), then ``{"generation", "info"}`` as
+        :meth:`answer` returns it. The finished request is counted in :attr:`metrics`."""
         t0 = time.perf_counter()
         ids, ref, info = self.prepare(user, question, k, mode)
-        gen = await self.engine.generate(ids, ref, max_tokens=max_tokens or self.max_tokens,
-                                         temperature=temperature)
+        first = gen = None
+        async for item in self.engine.generate_stream(
+                ids, ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
+                ignore_eos=ignore_eos):
+            if isinstance(item, Generation):
+                gen = item
+                continue
+            if first is None:
+                first = time.perf_counter()
+            yield item
+        assert gen is not None
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
-                                  query_to_first_token=(time.perf_counter() - t0 - gen.total_s
-                                                        + gen.ttft_s) * 1e3)
-        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens)
-        return {"generation": gen, "info": info}
+                                  query_to_first_token=((first or t0) - t0) * 1e3)
+        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
+                    completion_tokens=len(gen.token_ids))
+        if gen.fallback:
+            info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
+        self.metrics.observe(info, gen)
+        yield {"generation": gen, "info": info}
+
+    async def answer(self, user: str | None, question: str, *, k: int | None = None,
+                     max_tokens: int | None = None, temperature: float = 0.0,
+                     mode: Mode | None = None, ignore_eos: bool = False) -> dict:
+        """Retrieve, compose, generate: ``{"generation": Generation, "info": dict}``
+        (``info``: mode, facts, version, memory/tail/injected tokens, the fallback if
+        any, and timings in ms: embed, retrieve, compose, engine_ttft,
+        query_to_first_token)."""
+        async for item in self.answer_stream(user, question, k=k, max_tokens=max_tokens,
+                                             temperature=temperature, mode=mode,
+                                             ignore_eos=ignore_eos):
+            if isinstance(item, dict):
+                return item
+        raise RuntimeError("the answer finished without a result")
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval) and KV (into the engine's ``tier``)."""
