@@ -19,7 +19,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, KVDtype
+from inferscale.types import (
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, MEMORY_ORDERS, KVDtype)
 
 
 def default_home() -> Path:
@@ -51,7 +53,16 @@ class Settings(BaseSettings):
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     kv_dtype: KVDtype = "bfloat16"
-    window: int = Field(default=5, ge=0, description="turns of context before each fact")
+    window: int = Field(default=DEFAULT_WINDOW, ge=0,
+                        description="turns of context before each fact")
+    encoder_context: Literal[ENCODER_CONTEXTS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_CONTEXT, description="what each fact is encoded after: 'memory' = "
+        "the serving prefix and the window as memory lines; 'transcript' = the window as raw "
+        "transcript (the original encoder); 'prefix' = the prefix and the raw window")
+    memory_order: Literal[MEMORY_ORDERS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_MEMORY_ORDER, description="order of a request's injected facts")
+    text_tail: int = Field(default=DEFAULT_TEXT_TAIL, ge=0, description="the best facts "
+                           "prefilled as text right before the question instead of injected")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
     encode_batch_tokens: int = Field(default=16384, ge=64)
