@@ -14,10 +14,15 @@ expand):
   The user is ``sample_id``, else the ``user`` argument, else the file's stem. A shared
   photo's ``blip_caption`` is appended to the turn's text.
 
-Every record is validated; a bad one (undecodable bytes, invalid JSON, missing field,
-wrong type, empty or oversized text, bad timestamp, duplicate turn id) goes to the
-quarantine JSONL file as ``{"source", "location", "reason", "detail", "raw"}`` and
-reading goes on. :func:`read_logs` returns one Arrow table per user
+Every record is validated; a bad one (undecodable bytes, invalid JSON, JSON nested too
+deep or with integers past Python's digit limit, missing field, wrong type, empty or
+oversized text, bad timestamp, duplicate turn id, a LoCoMo file whose parts have the
+wrong shape, anything else a record can get wrong) goes to the quarantine JSONL file as
+``{"source", "location", "reason", "detail", "raw"}`` and reading goes on: one bad
+record never stops the others. JSONL is read in bounded chunks: a line over
+``max_line_bytes`` is skipped to its newline without being held in memory (its first
+200 bytes are kept for the quarantine record); a LoCoMo file over ``max_document_bytes``
+is refused the same way. :func:`read_logs` returns one Arrow table per user
 (``storage_schemas.turns.SCHEMA``), the quarantined records and the counts.
 
 :func:`turns_hash` is the content hash of one user's validated turns (canonical JSON of
@@ -33,7 +38,7 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import date, datetime, timezone
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Literal, Sequence
@@ -44,7 +49,7 @@ from storage_schemas import turns as turns_schema
 
 NATIVE_FIELDS = ("user", "session", "turn", "speaker", "text", "timestamp")
 _USER_RE = re.compile(r"^[^\x00-\x1f/\\]{1,128}$")
-_LOCOMO_SESSION_RE = re.compile(r"^session_(\d+)$")
+_LOCOMO_SESSION_RE = re.compile(r"^session_(\d{1,9})$")
 _LOCOMO_DATE_FORMATS = ("%I:%M %p on %d %B, %Y", "%I:%M %p on %d %b, %Y", "%d %B, %Y")
 
 Format = Literal["auto", "jsonl", "locomo"]
@@ -59,11 +64,13 @@ class LogLimits:
     """Validation limits; frozen, checked at construction."""
 
     max_text_chars: int = 8000
-    max_line_bytes: int = 1 << 20
+    max_line_bytes: int = 1 << 20  # a JSONL line
     max_id_chars: int = 128
+    max_document_bytes: int = 256 << 20  # a LoCoMo file (one JSON document)
 
     def __post_init__(self) -> None:
-        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars) < 1:
+        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars,
+               self.max_document_bytes) < 1:
             raise ValueError(f"LogLimits must be positive: {self}")
 
 
@@ -78,11 +85,13 @@ class Quarantined:
     raw: Any  # the parsed record, or the raw line as text when it did not parse
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"source": self.source, "location": self.location, "reason": self.reason,
-             "detail": self.detail, "raw": self.raw},
-            ensure_ascii=False, default=str,
-        )
+        body = {"source": self.source, "location": self.location, "reason": self.reason,
+                "detail": self.detail, "raw": self.raw}
+        try:
+            return json.dumps(body, ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):  # a raw record JSON cannot hold
+            body["raw"] = _preview(self.raw)
+            return json.dumps(body, ensure_ascii=False)
 
 
 @dataclass
@@ -95,6 +104,7 @@ class IngestResult:
     sources: list[str]
     quarantine_uri: str | None = None
     reasons: Counter = field(default_factory=Counter)
+    read_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
     def turns_kept(self) -> int:
@@ -159,6 +169,7 @@ def read_logs(
     """
     import fsspec
 
+    read_at = datetime.now(timezone.utc)  # before the first byte: the inputs' time
     opts = storage_options or {}
     files = []
     for uri in [uris] if isinstance(uris, str) else list(uris):
@@ -175,7 +186,7 @@ def read_logs(
         try:
             with of as f:
                 if kind == "locomo":
-                    _read_locomo(f.read(), source, user, acc)
+                    _read_locomo(f, source, user, acc)
                 else:
                     _read_jsonl(f, source, acc)
         except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
@@ -188,6 +199,7 @@ def read_logs(
         sources=sources,
         quarantine_uri=quarantine_uri,
         reasons=Counter(q.reason for q in acc.quarantined),
+        read_at=read_at,
     )
     if quarantine_uri is not None:
         write_quarantine(acc.quarantined, quarantine_uri, storage_options=opts)
@@ -236,7 +248,8 @@ class _Accumulator:
         self.quarantined.append(Quarantined(source, location, reason, detail, raw))
 
     def add(self, source: str, location: str, raw: Any, build) -> None:
-        """Validate one record with ``build(raw) -> _Turn``; keep it or quarantine it."""
+        """Validate one record with ``build(raw) -> _Turn``; keep it or quarantine it
+        (whatever ``build`` raises: a malformed record never stops the others)."""
         self.records_read += 1
         try:
             turn = build(raw)
@@ -246,6 +259,10 @@ class _Accumulator:
         except _Reject as rej:
             self.reject(source, location, rej.reason, rej.detail, raw)
             return
+        except Exception as exc:  # noqa: BLE001 - any malformed shape, RecursionError too
+            self.reject(source, location, "malformed_record", f"{type(exc).__name__}: {exc}",
+                        raw)
+            return
         self.seen[turn.user].add(turn.turn_id)
         self.turns.setdefault(turn.user, []).append(turn)
 
@@ -254,16 +271,54 @@ def _guess_format(path: str) -> str:
     return "locomo" if PurePosixPath(path).suffix.lower() == ".json" else "jsonl"
 
 
+def _bounded_lines(f, max_bytes: int, chunk: int = 1 << 16) -> Iterator[tuple[bytes, int]]:
+    """Lines of a binary file as ``(line, length)``, read ``chunk`` bytes at a time; a
+    line longer than ``max_bytes`` comes back as its first 200 bytes with its full length
+    (the rest is skipped to the next newline, never buffered)."""
+    buf = bytearray()
+    skipping = 0  # > 0: inside an oversized line, bytes seen so far
+    head = b""
+    while True:
+        data = f.read(chunk)
+        if not data:
+            break
+        start = 0
+        while start < len(data):
+            nl = data.find(b"\n", start)
+            end = len(data) if nl < 0 else nl + 1
+            piece = data[start:end]
+            start = end
+            if skipping:
+                skipping += len(piece)
+            elif len(buf) + len(piece) > max_bytes:
+                head = bytes((buf + piece)[:200])
+                skipping = len(buf) + len(piece)
+                buf.clear()
+            else:
+                buf += piece
+            if nl >= 0:
+                if skipping:
+                    yield head, skipping
+                    skipping = 0
+                else:
+                    yield bytes(buf), len(buf)
+                    buf.clear()
+    if skipping:
+        yield head, skipping
+    elif buf:
+        yield bytes(buf), len(buf)
+
+
 def _read_jsonl(f, source: str, acc: _Accumulator) -> None:
-    for lineno, line in enumerate(f, start=1):
+    limit = acc.limits.max_line_bytes
+    for lineno, (line, length) in enumerate(_bounded_lines(f, limit), start=1):
         location = f"line {lineno}"
-        if not line.strip():
-            continue
-        if len(line) > acc.limits.max_line_bytes:
+        if length > limit:
             acc.records_read += 1
-            acc.reject(source, location, "oversized_line",
-                       f"{len(line)} bytes > {acc.limits.max_line_bytes}",
+            acc.reject(source, location, "oversized_line", f"{length} bytes > {limit}",
                        line[:200].decode("utf-8", "backslashreplace") + "...")
+            continue
+        if not line.strip():
             continue
         try:
             text = line.decode("utf-8")
@@ -273,12 +328,35 @@ def _read_jsonl(f, source: str, acc: _Accumulator) -> None:
                        line.decode("utf-8", "backslashreplace").rstrip("\r\n"))
             continue
         try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
+            record = _parse_json(text)
+        except _Reject as rej:
             acc.records_read += 1
-            acc.reject(source, location, "invalid_json", str(exc), text.rstrip("\r\n"))
+            acc.reject(source, location, rej.reason, rej.detail, text.rstrip("\r\n"))
             continue
         acc.add(source, location, record, lambda r: _native_turn(r, acc.limits))
+
+
+def _parse_json(text: str) -> Any:
+    """``json.loads``, every way it can fail a :class:`_Reject`: syntax, nesting deeper
+    than the interpreter's recursion limit, integers past Python's digit limit."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Reject("invalid_json", str(exc)) from None
+    except RecursionError:
+        raise _Reject("invalid_json", "nested too deeply") from None
+    except ValueError as exc:  # e.g. "Exceeds the limit (4300 digits) for integer string"
+        raise _Reject("invalid_json", str(exc)) from None
+
+
+def _preview(raw: Any, limit: int = 2000) -> str:
+    """A record that JSON cannot hold again (nested too deeply...), as bounded text."""
+    if not isinstance(raw, str):
+        try:
+            raw = repr(raw)
+        except (RecursionError, ValueError):
+            raw = f"<a {type(raw).__name__} too deep or too large to show>"
+    return raw if len(raw) <= limit else raw[:limit] + "..."
 
 
 def _native_turn(record: Any, limits: LogLimits) -> _Turn:
@@ -343,24 +421,40 @@ def _locomo_timestamp(value: Any) -> str | None:
     raise _Reject("bad_timestamp", f"unrecognized LoCoMo date {value!r}")
 
 
-def _read_locomo(data: bytes, source: str, user: str | None, acc: _Accumulator) -> None:
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+def _read_locomo(f, source: str, user: str | None, acc: _Accumulator) -> None:
+    limit = acc.limits.max_document_bytes
+    data = f.read(limit + 1)
+    if len(data) > limit:
         acc.records_read += 1
-        acc.reject(source, "file", "invalid_json", str(exc),
+        acc.reject(source, "file", "oversized_document", f"more than {limit} bytes",
+                   data[:200].decode("utf-8", "backslashreplace") + "...")
+        return
+    try:
+        doc = _parse_json(data.decode("utf-8"))
+    except (UnicodeDecodeError, _Reject) as exc:
+        acc.records_read += 1
+        reason = exc.reason if isinstance(exc, _Reject) else "undecodable_bytes"
+        acc.reject(source, "file", reason, getattr(exc, "detail", str(exc)),
                    data[:200].decode("utf-8", "backslashreplace"))
         return
     samples = doc if isinstance(doc, list) else [doc]
     stem = PurePosixPath(source).stem
     for i, sample in enumerate(samples):
+        where = f"sample {i}"
         if not isinstance(sample, dict):
             acc.records_read += 1
-            acc.reject(source, f"sample {i}", "not_an_object", "LoCoMo sample is not an object",
-                       sample)
+            acc.reject(source, where, "not_an_object", "LoCoMo sample is not an object", sample)
             continue
         conv = sample.get("conversation", sample)
         who = sample.get("sample_id") or user or (stem if len(samples) == 1 else f"{stem}-{i}")
+        if not isinstance(conv, dict) or not isinstance(who, (str, int)) or isinstance(who, bool):
+            acc.records_read += 1
+            what = (f"'conversation' must be an object, got {type(conv).__name__}"
+                    if not isinstance(conv, dict) else
+                    f"'sample_id' must be a string, got {type(who).__name__}")
+            acc.reject(source, where, "wrong_type", what,
+                       {k: v for k, v in sample.items() if k != "qa"})
+            continue
         _read_locomo_conversation(conv, str(who), source, acc)
 
 
