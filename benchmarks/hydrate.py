@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from inferscale.artifacts import Lineage, publish  # noqa: E402
+from inferscale.artifacts import Lineage, data_path, publish  # noqa: E402
 from inferscale.hydrate import hydrate  # noqa: E402
 from inferscale.blobs import Location  # noqa: E402
 from inferscale.store import KV_FILE, StoreConfig  # noqa: E402
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = publish(store, USER, memory, facts, lineage, embeddings=False)
     publish_s = time.perf_counter() - t
     del memory, facts
-    path = Location(store, USER, FP).file(result.version, KV_FILE)
+    path = data_path(Location(store, USER, FP), result.manifest, KV_FILE)
     size = os.path.getsize(path)
     slab_bytes = result.manifest.kv["slab_bytes"]
 

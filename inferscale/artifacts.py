@@ -1,25 +1,30 @@
 """Versioned, content-addressed memory artifacts per (user, model): publish, read, gc.
 
-A version holds ``facts.arrow`` (the facts table), ``kv.arrow`` (the KV slab and its
-offsets table, layout in :mod:`storage_schemas.kv`) and ``manifest.json`` (lineage,
-sizes, checksums; :mod:`storage_schemas.manifest`). Its id is a content hash of the
-inputs (user, log hash, facts hash, model fingerprint, encoder config, storage format
-versions): publishing unchanged inputs writes nothing and returns the existing version.
+A version holds a facts table and a KV file (the KV slab and its offsets table, layout
+in :mod:`storage_schemas.kv`) and ``manifest.json`` (lineage, sizes, checksums, stored
+names; :mod:`storage_schemas.manifest`). Its id is a content hash of everything that
+decides its bytes: user, log hash, facts hash, model fingerprint, encoder config (which
+the encoder extends with the dtype and device kind it computed in) and the storage
+format versions. Publishing unchanged inputs writes nothing and returns the existing
+version, once its files verified.
 
-Publish order, so that a crash at any point leaves ``LATEST`` on a complete, verified
-version: data files (each atomic) -> re-read and verify sizes and checksums -> fact
-embeddings into LanceDB (tagged with the version id) -> manifest (created exclusively:
-when publishers race on one version exactly one creates it) -> ``LATEST`` (atomically
-replaced) -> optional gc. A version without a manifest is unfinished and invisible;
-re-running the publish completes it under the same id.
+Publish order, so that a crash or a race at any point leaves ``LATEST`` on a complete,
+verified version: data files under names no other publish uses (``kv.<nonce>.arrow``,
+each atomic) -> re-read and verify sizes and checksums -> fact embeddings into LanceDB
+(tagged with the version id) -> manifest (created exclusively: when publishers race on
+one version exactly one manifest wins, and the others adopt it only after verifying its
+files; a manifest whose files do not verify is replaced by the next publish: a repair)
+-> ``LATEST`` (compare-and-swap: it names the publish of the newest inputs, see
+:func:`publish`) -> optional gc. A version without a manifest is unfinished and
+invisible; re-running the publish completes it under the same id.
 
 Fact embeddings also go into a LanceDB table per (user, model) beside the versions
 (:mod:`inferscale.fact_table`), tagged with each version id, so ``open_fact_table`` sees
 exactly the facts of a version. lancedb is imported only when used.
 
 Callers: the encode flow/task (``publish``, ``gc``), the CLI and flows (listing,
-lineage), ``inferscale.hydrate`` (``read_manifest``) and the retrieval side
-(``read_facts``, ``open_fact_table``).
+lineage), ``inferscale.hydrate`` (``read_manifest``, ``data_path``) and the retrieval
+side (``read_facts``, ``open_fact_table``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping
@@ -58,7 +64,7 @@ __all__ = [
     "InvalidUserId", "Lineage", "Manifest", "MissingManifest", "PublishResult", "StoreConfig",
     "TruncatedArtifact", "gc", "latest_version", "list_models", "list_users", "list_versions",
     "open_fact_table", "index_embeddings", "publish", "read_facts", "read_manifest",
-    "resolve_version", "verify_version", "version_id",
+    "resolve_version", "set_latest", "verify_version", "version_id",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,9 +86,10 @@ class Lineage:
 @dataclass(frozen=True)
 class PublishResult:
     version: str
-    created: bool  # False: the version existed (nothing written but, maybe, LATEST)
+    created: bool  # False: the version existed and verified (nothing written but LATEST)
     manifest: Manifest
     removed: tuple[str, ...] = ()  # versions garbage-collected afterwards
+    latest: str = ""  # what LATEST names afterwards (another version when newer inputs won)
 
 
 # ------------------------------------------------------------------------------ versions
@@ -106,10 +113,25 @@ def latest_version(store: StoreConfig, user: str, model_fp: str) -> str | None:
         data = loc.blobs.read_bytes(loc.latest)
     except FileNotFoundError:
         return None
-    version = data.decode("ascii", "replace").strip()
+    return _parse_latest(loc, data)[0]
+
+
+def _parse_latest(loc: Location, data: bytes) -> tuple[str, datetime | None]:
+    """``LATEST`` is the version id on its first line, then (since manifest schema 2)
+    ``{"inputs_at": ISO-8601}``: when the inputs of the publish that set it were taken."""
+    first, _, rest = data.decode("ascii", "replace").partition("\n")
+    version = first.strip()
     if not VERSION_RE.fullmatch(version):
         raise CorruptArtifact(f"{loc.latest} holds {data[:80]!r}, not a version id")
-    return version
+    try:
+        return version, datetime.fromisoformat(json.loads(rest)["inputs_at"])
+    except (ValueError, KeyError, TypeError):
+        return version, None  # a LATEST written by an older InferScale: no time
+
+
+def _latest_bytes(version: str, inputs_at: datetime) -> bytes:
+    return (version + "\n" + json.dumps({"inputs_at": inputs_at.isoformat(
+        timespec="microseconds")}) + "\n").encode()
 
 
 def resolve_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> str:
@@ -212,12 +234,8 @@ def list_models(store: StoreConfig, user: str) -> list[str]:
 def verify_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Manifest:
     """Check every file of a version against the manifest (sizes, then full checksums)."""
     loc = Location(store, user, model_fp)
-    version = resolve_version(store, user, model_fp, version)
-    m = manifest_at(loc, version)
-    for name in m.files:
-        check_size(loc, m, name)
-    for name, entry in m.files.items():
-        check_digest(loc, m, name, loc.blobs.hash_file(loc.file(version, name), entry.bytes))
+    m = manifest_at(loc, resolve_version(store, user, model_fp, version))
+    _verify_files(loc, m)
     return m
 
 
@@ -227,7 +245,7 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     version = resolve_version(store, user, model_fp, version)
     m = manifest_at(loc, version)
     check_size(loc, m, FACTS_FILE)
-    path = loc.file(version, FACTS_FILE)
+    path = data_path(loc, m, FACTS_FILE)
     try:
         data = loc.blobs.read_bytes(path)
     except FileNotFoundError:
@@ -246,9 +264,14 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     return table
 
 
+def data_path(loc: Location, m: Manifest, name: str) -> str:
+    """Where file ``name`` (``kv.arrow``, ``facts.arrow``) of version ``m`` is stored."""
+    return loc.file(m.version, m.files[name].stored_name(name))
+
+
 def check_size(loc: Location, m: Manifest, name: str) -> None:
     """:class:`TruncatedArtifact` unless file ``name`` exists with the manifest's size."""
-    path = loc.file(m.version, name)
+    path = data_path(loc, m, name)
     size = loc.blobs.size(path)
     want = m.files[name].bytes
     if size is None:
@@ -262,7 +285,7 @@ def check_digest(loc: Location, m: Manifest, name: str, digest: str) -> None:
     """:class:`ChecksumError` unless ``digest`` is the manifest's xxh3-128 of ``name``."""
     want = m.files[name].xxh3_128
     if digest != want:
-        raise ChecksumError(f"{loc.file(m.version, name)}: xxh3-128 {digest} differs from the "
+        raise ChecksumError(f"{data_path(loc, m, name)}: xxh3-128 {digest} differs from the "
                             f"manifest's {want} (the file is damaged)")
 
 
@@ -270,38 +293,75 @@ def check_digest(loc: Location, m: Manifest, name: str, digest: str) -> None:
 
 
 def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa.Table,
-            lineage: Lineage, *, keep: int | None = None, embeddings: bool = True) -> PublishResult:
+            lineage: Lineage, *, keep: int | None = None, embeddings: bool = True,
+            inputs_at: datetime | None = None) -> PublishResult:
     """Publish one (user, model) version from the encoder's output and the facts table.
 
     ``facts`` has :func:`storage_schemas.facts.schema` for its embedding size, rows of
     ``user`` only; ``encoded.chunks`` are ``"prefix"`` then exactly one chunk per fact.
     ``keep``: afterwards keep only the newest ``keep`` versions (plus LATEST's).
     ``embeddings``: also write the LanceDB fact table (needs lancedb).
+    ``inputs_at``: when the inputs were taken (the flows pass the time the logs were
+    read; default: now). ``LATEST`` names the publish with the newest ``inputs_at``
+    (ties: the larger version id): a publish of older inputs that finishes after a
+    newer one still creates its version but leaves ``LATEST`` alone (``result.latest``
+    says what it names). Publishing old inputs again with a newer ``inputs_at`` (a
+    log reverted, a rollback) moves ``LATEST`` back to their version.
     Raises :class:`InvalidArtifactInput` (and :class:`InvalidUserId`) for bad inputs.
 
-    The version id hashes the inputs, not the KV: when the version exists, the chunks
-    are not even laid out again. An encoder change must therefore show in the model
-    fingerprint or the encoder config (it does: dtype, window, instruction... live there).
+    The version id hashes the inputs, not the KV: when the version exists and its files
+    verify, the chunks are not even laid out again. An encoder change must therefore
+    show in the model fingerprint or the encoder config (it does: dtype, window,
+    instruction, compute dtype and device live there).
     """
     model_fp = encoded.model_fingerprint
     loc = Location(store, user, model_fp)
     encoder_config = _jsonable(encoded.encoder_config)
+    inputs_at = _utc(inputs_at)
     facts = _check_facts(facts, user)
     _check_chunks_match_facts([c.chunk_id for c in encoded.chunks], facts)
     if embeddings:
         fact_table.require_lancedb()  # fail before writing anything
     version = version_id(user, lineage, model_fp, encoder_config)
 
-    existing = _existing(loc, version)
-    if existing is not None:  # same inputs: the KV is not even laid out again
+    existing, damage = _existing(loc, version)
+    if existing is not None:  # same inputs, verified: the KV is not even laid out again
         if embeddings:
             fact_table.ensure_tag(store, loc, version, facts)
-        _point_latest(loc, version)
-        return PublishResult(version, False, existing, _maybe_gc(store, user, model_fp, keep))
+        latest = _point_latest(loc, version, inputs_at)
+        if latest != version or _readable(loc, version):
+            return PublishResult(version, False, existing,
+                                 _maybe_gc(store, user, model_fp, keep), latest)
+        # a concurrent gc removed it (an old version) while LATEST moved back to it
+        log.warning("%s was removed while LATEST moved to it; writing it again",
+                    loc.describe(version))
+    if damage is not None:
+        log.warning("%s does not verify; publishing it again: %s", loc.describe(version), damage)
 
-    layout, batch, slab_buffer = build_kv_batch(encoded, model_fp)
+    manifest = _write_files(loc, version, encoded, facts, lineage, encoder_config)
+    if embeddings:
+        fact_table.index_embeddings(store, user, model_fp, version, facts)
+    manifest, created = _commit_manifest(loc, manifest, replace=damage is not None)
+    latest = _point_latest(loc, version, inputs_at)
+    return PublishResult(version, created, manifest, _maybe_gc(store, user, model_fp, keep),
+                         latest)
 
-    files: dict[str, FileEntry] = {}
+
+def set_latest(store: StoreConfig, user: str, model_fp: str, version: str,
+               inputs_at: datetime | None = None) -> str:
+    """Point ``LATEST`` at a complete, verified ``version`` (a rollback: with the default
+    ``inputs_at`` of now it wins over every earlier publish). Returns what LATEST names."""
+    loc = Location(store, user, model_fp)
+    verify_version(store, user, model_fp, version)
+    return _point_latest(loc, version, _utc(inputs_at))
+
+
+def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts: pa.Table,
+                 lineage: Lineage, encoder_config: dict[str, Any]) -> Manifest:
+    """Write the data files under names of this attempt only, re-read and verify them;
+    returns the manifest that describes them (not yet stored)."""
+    layout, batch, slab_buffer = build_kv_batch(encoded, loc.model_fp)
+    nonce = uuid.uuid4().hex[:16]  # racing publishers never write each other's files
 
     def write_facts(w: Any) -> None:
         with pa.ipc.new_file(w, facts.schema) as writer:
@@ -311,11 +371,16 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         with pa.ipc.new_file(w, batch.schema) as writer:
             writer.write_batch(batch)
 
-    out = loc.blobs.write_stream(loc.file(version, FACTS_FILE), write_facts)
-    files[FACTS_FILE] = FileEntry(out.nbytes, out.xxh3_128)
-    out = loc.blobs.write_stream(loc.file(version, KV_FILE), write_kv, watch=slab_buffer.address)
-    files[KV_FILE] = FileEntry(out.nbytes, out.xxh3_128)
-    slab_offset = out.watched_at
+    files: dict[str, FileEntry] = {}
+    slab_offset = None
+    for name, fill, watch in ((FACTS_FILE, write_facts, None),
+                              (KV_FILE, write_kv, slab_buffer.address)):
+        stem, _, ext = name.partition(".")
+        stored = f"{stem}.{nonce}.{ext}"
+        out = loc.blobs.write_stream(loc.file(version, stored), fill, watch=watch)
+        files[name] = FileEntry(out.nbytes, out.xxh3_128, stored)
+        if watch is not None:
+            slab_offset = out.watched_at
     if slab_offset is None:
         if layout.slab_bytes:
             raise ArtifactError("could not locate the slab inside kv.arrow while writing it "
@@ -323,7 +388,8 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         slab_offset = 0
 
     manifest = Manifest(
-        user=user, model_fingerprint=model_fp, version=version, encoder_config=encoder_config,
+        user=loc.user, model_fingerprint=loc.model_fp, version=version,
+        encoder_config=encoder_config,
         parents={"log": lineage.log_hash, "facts": lineage.facts_hash}, files=files,
         counts={"facts": facts.num_rows, "chunks": batch.num_rows, "tokens": layout.tokens},
         kv={"layout": kv_schema.LAYOUT, "dtype": layout.dtype, "layers": layout.layers,
@@ -332,37 +398,104 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         producer=f"inferscale {__version__}",
     )
-    for name in files:  # verify what is stored, not what we meant to store
-        check_size(loc, manifest, name)
-        digest = loc.blobs.hash_file(loc.file(version, name), files[name].bytes)
-        check_digest(loc, manifest, name, digest)
-    if embeddings:
-        fact_table.index_embeddings(store, user, model_fp, version, facts)
-    created = loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json())
-    if not created:  # a concurrent publisher of the same inputs won: use its manifest
-        manifest = manifest_at(loc, version)
-    _point_latest(loc, version)
-    return PublishResult(version, created, manifest, _maybe_gc(store, user, model_fp, keep))
+    _verify_files(loc, manifest)  # what is stored, not what we meant to store
+    return manifest
 
 
-def _existing(loc: Location, version: str) -> Manifest | None:
-    """The complete version's manifest (sizes checked), or None if not (fully) there."""
+def _commit_manifest(loc: Location, manifest: Manifest, replace: bool) -> tuple[Manifest, bool]:
+    """Store ``manifest`` (files written and verified) unless a racing publisher's
+    verified manifest got there first; returns (the version's manifest, whether ours).
+
+    ``replace``: the stored manifest or its files failed verification: ours replaces it.
+    A lost race adopts the winner's manifest only when its files verify (then our files,
+    which nothing references, are removed); otherwise ours replaces it.
+    """
+    path = loc.file(manifest.version, MANIFEST_FILE)
+    for _ in range(3):
+        if replace:
+            loc.blobs.replace(path, manifest.to_json())
+        elif not loc.blobs.create_exclusive(path, manifest.to_json()):
+            winner, damage = _existing(loc, manifest.version)
+            if winner is not None:
+                for entry in manifest.files.values():
+                    loc.blobs.remove_file(loc.file(manifest.version, entry.stored_as))
+                return winner, False
+            replace = damage is not None
+            if damage is not None:
+                log.warning("the racing publisher's %s does not verify: %s",
+                            loc.describe(manifest.version), damage)
+            continue  # repair it, or (removed meanwhile) create it again
+        # our files are still there (a gc of files it took for stale can race a publish
+        # that stalled for an hour): else fail before LATEST, the next publish repairs
+        for name in manifest.files:
+            check_size(loc, manifest, name)
+        return manifest, True
+    raise ArtifactError(f"{loc.describe(manifest.version)}: could not store the manifest "
+                        "(concurrent publishers and removals)")
+
+
+def _verify_files(loc: Location, m: Manifest) -> None:
+    """Sizes, then full xxh3-128 checksums of every data file of ``m``."""
+    for name in m.files:
+        check_size(loc, m, name)
+    for name, entry in m.files.items():
+        check_digest(loc, m, name, loc.blobs.hash_file(data_path(loc, m, name), entry.bytes))
+
+
+def _existing(loc: Location, version: str) -> tuple[Manifest | None, ArtifactError | None]:
+    """(manifest, None) for a complete version whose files verify (sizes and checksums);
+    (None, None) when it is not there or unfinished; (None, the error) when its manifest
+    or files are damaged: the publish then writes it again (a repair). A manifest of a
+    newer schema or another model is left alone (raised)."""
     try:
         m = manifest_at(loc, version)
+        _verify_files(loc, m)
     except (ArtifactNotFound, MissingManifest):
-        return None
-    for name in m.files:
-        check_size(loc, m, name)  # damaged complete versions are errors, not republished
-    return m
+        return None, None
+    except (TruncatedArtifact, ChecksumError, CorruptArtifact) as exc:
+        return None, exc
+    return m, None
 
 
-def _point_latest(loc: Location, version: str) -> None:
+def _point_latest(loc: Location, version: str, inputs_at: datetime) -> str:
+    """Compare-and-swap ``LATEST`` to ``version`` unless it names ``version`` already or
+    the publish of newer inputs (a later ``inputs_at``; equal times: the larger version
+    id) that is still readable. Returns the version LATEST names afterwards."""
+    def decide(current: bytes | None) -> bytes | None:
+        if current is not None:
+            try:
+                cur, cur_at = _parse_latest(loc, current)
+            except CorruptArtifact:
+                cur, cur_at = None, None  # a damaged LATEST is replaced
+            if cur == version:
+                return None  # already named: an unchanged publish writes nothing
+            if cur is not None and cur_at is not None and (cur_at, cur) > (inputs_at, version):
+                if _readable(loc, cur):
+                    return None
+        return _latest_bytes(version, inputs_at)
+
+    final = loc.blobs.swap(loc.latest, decide)
+    return _parse_latest(loc, final)[0] if final is not None else version
+
+
+def _readable(loc: Location, version: str) -> bool:
+    """Whether ``version``'s manifest reads (a LATEST naming a removed or damaged version
+    gives way to any complete one)."""
     try:
-        current = latest_version(loc.config, loc.user, loc.model_fp)
-    except CorruptArtifact:
-        current = None
-    if current != version:
-        loc.blobs.replace(loc.latest, (version + "\n").encode())
+        manifest_at(loc, version)
+    except ArtifactSchemaError:
+        return True  # written by a newer InferScale: valid, not ours to displace
+    except ArtifactError:
+        return False
+    return True
+
+
+def _utc(when: datetime | None) -> datetime:
+    if when is None:
+        return datetime.now(timezone.utc)
+    if not isinstance(when, datetime) or when.tzinfo is None:
+        raise InvalidArtifactInput(f"inputs_at must be a timezone-aware datetime, got {when!r}")
+    return when.astimezone(timezone.utc)
 
 
 def _maybe_gc(store: StoreConfig, user: str, model_fp: str, keep: int | None) -> tuple[str, ...]:
@@ -415,12 +548,19 @@ def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:
 def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
        stale_after_s: float = 3600.0) -> list[str]:
     """Keep the newest ``keep`` complete versions (by creation time) and the one LATEST
-    names; remove the rest, and unfinished versions untouched for ``stale_after_s``
-    (an unfinished version younger than that may be a publish in progress). Damaged
-    versions are left for a person to look at. Returns the removed version ids.
+    names; remove the rest. Returns the removed version ids.
 
-    Run it from one place per (user, model) (the publish flow): a gc racing with a
-    publish that moves LATEST back to an old version could remove that version.
+    Unfinished uploads are removed only once untouched for ``stale_after_s``: a version
+    folder without a manifest whose newest file (temporary names included) and, on S3,
+    newest multipart upload in progress (started or last given a part) are older than
+    that; and, inside kept versions, files the manifest does not reference (a racing
+    publisher's or a repaired version's files, temporary names) older than that. Younger
+    ones may be a publish in progress. Damaged versions are left for a person to look at.
+
+    Publishing runs it too (``keep``), so gc races publishes: a publish that moves LATEST
+    back to an old version that a gc removes meanwhile notices it and writes the version
+    again; a publish whose files a gc removed (stalled over ``stale_after_s``) fails
+    before moving LATEST.
     """
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
@@ -445,6 +585,9 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
         touched = loc.blobs.mtime(loc.version_dir(name))
         if touched is not None and now - touched > stale_after_s and name != latest:
             doomed.append(name)
+    for m in complete:
+        if m.version in keep_set:
+            _remove_stray_files(loc, m, now - stale_after_s)
     for name in doomed:
         # the manifest goes first: a half-removed version then reads as unfinished
         loc.blobs.remove_file(loc.file(name, MANIFEST_FILE))
@@ -452,6 +595,17 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
     if doomed and LANCE_DIR in loc.blobs.listdir(loc.dir):
         fact_table.drop_tags(store, loc, doomed)
     return doomed
+
+
+def _remove_stray_files(loc: Location, m: Manifest, before: float) -> None:
+    """Remove files of a complete version that its manifest does not reference and that
+    were last modified before ``before`` (a time.time())."""
+    wanted = {MANIFEST_FILE} | {e.stored_name(n) for n, e in m.files.items()}
+    for name, mtime in loc.blobs.files(loc.version_dir(m.version)).items():
+        if name not in wanted and mtime < before:
+            log.info("gc removes %s of %s (referenced by no manifest)", name,
+                     loc.describe(m.version))
+            loc.blobs.remove_file(loc.file(m.version, name))
 
 
 def open_fact_table(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Any:

@@ -5,7 +5,10 @@ Writes are atomic per file: on local disk a temporary sibling is written, fsynce
 multipart upload becomes visible only when complete (an aborted upload is discarded,
 never committed). ``create_exclusive`` lets exactly one concurrent writer create a file
 (``os.link`` locally, ``If-None-Match: *`` through s3fs; other fsspec filesystems fall
-back to fsspec's check-then-write).
+back to fsspec's check-then-write); a failed conditional put counts as "exists" by what
+the store holds afterwards, not by the error's wording (MinIO's 412 names no condition).
+``swap`` replaces a small file by compare-and-swap (a lock file locally, ``If-Match``
+on the ETag on S3), so concurrent writers of ``LATEST`` cannot undo each other's checks.
 
 Reads can be fused with checksums: :meth:`Blobs.read_into` streams a file in parts
 (ranged parallel reads on object stores, parallel ``preadv`` on local disk) straight into
@@ -19,8 +22,11 @@ Only fsspec, xxhash and the standard library are needed here.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import shutil
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,6 +109,14 @@ class Blobs:
     def remove_file(self, path: str) -> None: raise NotImplementedError
     def replace(self, path: str, data: bytes) -> None: raise NotImplementedError
     def create_exclusive(self, path: str, data: bytes) -> bool: raise NotImplementedError
+    def swap(self, path: str, decide: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        """Compare-and-swap: ``decide(current)`` (``None`` when absent) returns the new
+        content or ``None`` to keep it; the write happens only if nobody changed the file
+        since it was read (else read and decide again). Returns what the file holds."""
+        raise NotImplementedError
+    def files(self, path: str) -> dict[str, float]:
+        """Plain files directly under ``path`` (temporary names included) -> mtime."""
+        raise NotImplementedError
     def write_stream(self, path: str, fill: Callable[[_HashingWriter], T],
                      watch: int | None = None) -> Written: raise NotImplementedError
     def _range_reader(self, path: str) -> tuple[Callable[[int, int, Any], Any], Callable[[], None]]:
@@ -224,6 +238,31 @@ class LocalBlobs(Blobs):
         _fsync_dir(os.path.dirname(path))
         return created
 
+    def swap(self, path: str, decide: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        d, name = os.path.split(path)
+        os.makedirs(d, exist_ok=True)
+        fd = os.open(os.path.join(d, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # writers only; readers see os.replace atomically
+            try:
+                current: bytes | None = self.read_bytes(path)
+            except FileNotFoundError:
+                current = None
+            new = decide(current)
+            if new is None or new == current:
+                return current
+            self.replace(path, new)
+            return new
+        finally:
+            os.close(fd)  # releases the lock
+
+    def files(self, path: str) -> dict[str, float]:
+        try:
+            return {e.name: e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)
+                    if e.is_file(follow_symlinks=False)}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
     def write_stream(self, path: str, fill: Callable[[_HashingWriter], T],
                      watch: int | None = None) -> Written:
         tmp = self._tmp(path)
@@ -273,18 +312,38 @@ class FsspecBlobs(Blobs):
         return None if info.get("type") == "directory" else int(info["size"])
 
     def mtime(self, path: str) -> float | None:
-        newest = None
+        """Newest modification under ``path``: its objects and, on S3, the multipart
+        uploads still in progress there (started or last given a part): an upload is
+        invisible to listings until it completes, but it is activity all the same."""
+        times = list(self.files(path).values()) + self._uploads_activity(path)
+        return max(times) if times else None
+
+    def files(self, path: str) -> dict[str, float]:
         try:
             entries = self.fs.ls(path, detail=True)
         except FileNotFoundError:
-            return None
+            return {}
+        out = {}
         for e in entries:
             t = e.get("LastModified") or e.get("mtime") or e.get("created")
-            if t is None:
+            if e.get("type") == "directory" or t is None:
                 continue
-            t = t.timestamp() if hasattr(t, "timestamp") else float(t)
-            newest = t if newest is None else max(newest, t)
-        return newest
+            out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = _seconds(t)
+        return out
+
+    def _uploads_activity(self, path: str) -> list[float]:
+        if not hasattr(self.fs, "call_s3"):
+            return []
+        bucket, key, _ = self.fs.split_path(path)
+        times = []
+        uploads = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                  Prefix=key.rstrip("/") + "/").get("Uploads", [])
+        for up in uploads:
+            times.append(_seconds(up["Initiated"]))
+            parts = self.fs.call_s3("list_parts", Bucket=bucket, Key=up["Key"],
+                                    UploadId=up["UploadId"]).get("Parts", [])
+            times += [_seconds(p["LastModified"]) for p in parts]
+        return times
 
     def listdir(self, path: str) -> list[str]:
         try:
@@ -312,9 +371,59 @@ class FsspecBlobs(Blobs):
     def create_exclusive(self, path: str, data: bytes) -> bool:
         try:
             self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
+        except OSError:
+            # s3fs says FileExistsError only when the 412 names the If-None-Match
+            # condition (AWS's wording); MinIO's names none, some stores answer 409, and a
+            # retried PUT whose first attempt landed fails too. Whatever the wording: if
+            # the object exists now, the create was lost (or already done): "exists".
+            self.fs.invalidate_cache(path)
+            if self.exists(path):
+                return False
+            raise
         return True
+
+    def swap(self, path: str, decide: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        if not hasattr(self.fs, "call_s3"):  # no conditional writes: last writer wins
+            try:
+                current: bytes | None = self.read_bytes(path)
+            except FileNotFoundError:
+                current = None
+            new = decide(current)
+            if new is not None and new != current:
+                self.replace(path, new)
+                return new
+            return current
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def get() -> tuple[bytes | None, str | None]:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                return None, None
+            try:
+                return await resp["Body"].read(), resp["ETag"]
+            finally:
+                resp["Body"].close()
+
+        for attempt in range(100):
+            current, etag = sync(self.fs.loop, get)  # the bytes and their ETag, one response
+            new = decide(current)
+            if new is None or new == current:
+                return current
+            cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=new, **cond)
+            except OSError as exc:  # FileNotFoundError: deleted since read (If-Match)
+                if not (_condition_failed(exc) or isinstance(exc, FileNotFoundError)):
+                    raise
+                time.sleep(random.uniform(0.5, 1.5) * min(0.5, 0.005 * 2 ** attempt))
+                continue
+            finally:
+                self.fs.invalidate_cache(path)
+            return new
+        raise OSError(f"{path}: gave up after 100 conflicting concurrent updates")
 
     def write_stream(self, path: str, fill: Callable[[_HashingWriter], T],
                      watch: int | None = None) -> Written:
@@ -348,6 +457,20 @@ class FsspecBlobs(Blobs):
         return read, lambda: None
 
 
+def _seconds(t: Any) -> float:
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
+def _condition_failed(exc: BaseException) -> bool:
+    """Whether an s3fs error is a failed precondition (412) or a conflicting concurrent
+    conditional write (409), by status and code, whatever the message says."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code")
+    return (isinstance(exc, FileExistsError) or status in (409, 412)
+            or code in ("PreconditionFailed", "ConditionalRequestConflict"))
+
+
 def open_blobs(config: StoreConfig) -> Blobs:
     return LocalBlobs(config) if config.is_local else FsspecBlobs(config)
 
@@ -375,8 +498,9 @@ def _fsync_dir(path: str) -> None:
 class Location:
     """Paths of one (user, model) under a store; validates both names once.
 
-    ``Location(config, user, model_fp).file(version, KV_FILE)`` is the kv.arrow of that
-    version. Used by ``artifacts`` and ``hydrate``.
+    ``Location(config, user, model_fp).file(version, name)`` is file ``name`` of that
+    version (``artifacts.data_path`` gives a data file's stored name). Used by
+    ``artifacts`` and ``hydrate``.
     """
 
     def __init__(self, config: StoreConfig, user: str, model_fp: str) -> None:

@@ -1,7 +1,7 @@
 """Hydration: one published artifact's KV slab into host or GPU memory, verified.
 
 ``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
-and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
+and the file size first, then reads the KV file in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
 second pass), refuses anything whose checksum differs, and only then parses the Arrow
 file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
@@ -38,7 +38,9 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from inferscale.artifacts import check_digest, check_size, manifest_at, resolve_version
+from inferscale.artifacts import (
+    check_digest, check_size, data_path, manifest_at, resolve_version,
+)
 from inferscale.blobs import Location
 from inferscale.store import (
     KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
@@ -114,7 +116,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
     check_size(loc, manifest, KV_FILE)
     size = manifest.files[KV_FILE].bytes
-    path = loc.file(version, KV_FILE)
+    path = data_path(loc, manifest, KV_FILE)
 
     cuda = dev.type == "cuda"
     plain_local = store.is_local and not cuda

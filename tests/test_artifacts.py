@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
 import pytest
@@ -13,6 +14,7 @@ import torch
 from builders import expected_slab, make_inputs
 from inferscale import artifacts as A
 from inferscale.blobs import Location
+from inferscale.hydrate import hydrate
 from inferscale.store import (
     InvalidArtifactInput, InvalidStoreConfig, InvalidUserId, StoreConfig, user_dirname,
     user_from_dirname,
@@ -287,4 +289,105 @@ def test_manifest_is_json_for_people(local_store):
     loc = Location(local_store, "g", FP)
     body = json.loads(open(loc.file(r.version, "manifest.json")).read())
     assert body["parents"] == {"log": "log-0", "facts": "facts-0"}
-    assert body["files"]["kv.arrow"]["bytes"] == os.path.getsize(loc.file(r.version, "kv.arrow"))
+    stored = body["files"]["kv.arrow"]["stored_as"]
+    assert stored.startswith("kv.") and stored.endswith(".arrow") and stored != "kv.arrow"
+    assert body["files"]["kv.arrow"]["bytes"] == os.path.getsize(loc.file(r.version, stored))
+    assert A.data_path(loc, r.manifest, "kv.arrow") == loc.file(r.version, stored)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "removed", "manifest"])
+def test_republish_repairs_a_version_that_does_not_verify(store, damage):
+    """A complete version whose files no longer verify is written again by the next
+    publish of its inputs, instead of ``created False`` while hydrate keeps failing."""
+    memory, facts, lineage = make_inputs("rita", 5)
+    first = A.publish(store, "rita", memory, facts, lineage)
+    loc = Location(store, "rita", FP)
+    fs = store.filesystem()
+    path = A.data_path(loc, first.manifest, "kv.arrow")
+    data = fs.cat_file(path)
+    if damage == "flipped":  # same size: only the checksum tells
+        fs.pipe_file(path, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "truncated":
+        fs.pipe_file(path, data[:-10])
+    elif damage == "removed":
+        fs.rm_file(path)
+    else:
+        mpath = loc.file(first.version, "manifest.json")
+        fs.pipe_file(mpath, fs.cat_file(mpath).replace(b'"producer"', b'"producex"'))
+    with pytest.raises((A.ChecksumError, A.TruncatedArtifact)):
+        hydrate(store, "rita", FP)
+
+    again = A.publish(store, "rita", memory, facts, lineage)
+    assert (again.version, again.created, again.latest) == (first.version, True, first.version)
+    assert A.verify_version(store, "rita", FP) == again.manifest
+    assert torch.equal(hydrate(store, "rita", FP).slab, expected_slab(memory))
+    assert A.read_facts(store, "rita", FP).equals(facts)
+    assert A.publish(store, "rita", memory, facts, lineage).created is False  # verifies now
+
+
+def test_latest_follows_the_newest_inputs(store):
+    t = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    old, new = make_inputs("lena", 2, seed=1), make_inputs("lena", 3, seed=2)
+    rn = A.publish(store, "lena", *new, inputs_at=t + timedelta(hours=1))
+    ro = A.publish(store, "lena", *old, inputs_at=t)  # older inputs, finished later
+    assert ro.created and ro.latest == rn.version == A.latest_version(store, "lena", FP)
+    A.verify_version(store, "lena", FP, ro.version)  # complete all the same
+    # the old inputs read again, later (a log reverted): LATEST moves back to them
+    back = A.publish(store, "lena", *old, inputs_at=t + timedelta(hours=2))
+    assert (back.version, back.created, back.latest) == (ro.version, False, ro.version)
+    # a rollback by hand wins over every earlier publish
+    assert A.set_latest(store, "lena", FP, rn.version) == rn.version
+    assert A.publish(store, "lena", *old, inputs_at=t + timedelta(hours=3)).latest == rn.version
+    with pytest.raises(InvalidArtifactInput, match="timezone"):
+        A.publish(store, "lena", *old, inputs_at=datetime(2026, 3, 1))
+    # a LATEST without a time (older InferScale) or naming a removed version gives way
+    loc = Location(store, "lena", FP)
+    loc.blobs.replace(loc.latest, (rn.version + "\n").encode())
+    assert A.publish(store, "lena", *old, inputs_at=t).latest == ro.version
+    loc.blobs.replace(loc.latest, A._latest_bytes("f" * 32, t + timedelta(days=9)))
+    assert A.publish(store, "lena", *new, inputs_at=t).latest == rn.version
+
+
+def test_gc_keeps_an_upload_in_progress_on_s3(s3_store):
+    """An unfinished version whose data file is still being uploaded (a multipart upload:
+    invisible to listings until complete) is not stale, however old its other files."""
+    store = s3_store
+    A.publish(store, "ursa", *make_inputs("ursa", 2), embeddings=False)
+    loc = Location(store, "ursa", FP)
+    fs = store.filesystem()
+    partial = "c" * 32
+    fs.pipe_file(loc.file(partial, "facts.0123456789abcdef.arrow"), b"facts")
+    bucket, key, _ = fs.split_path(loc.file(partial, "kv.0123456789abcdef.arrow"))
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+               Body=b"x" * (5 << 20))
+    time.sleep(3.2)  # the facts file is now "stale" for stale_after_s=2
+    fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=2,
+               Body=b"y" * 10)  # but the upload goes on
+    assert A.gc(store, "ursa", FP, keep=1, stale_after_s=2) == []
+    assert fs.exists(loc.file(partial, "facts.0123456789abcdef.arrow"))
+    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+    time.sleep(3.2)
+    assert A.gc(store, "ursa", FP, keep=1, stale_after_s=2) == [partial]
+    assert not fs.exists(loc.file(partial, "facts.0123456789abcdef.arrow"))
+
+
+def test_gc_removes_stray_files_of_kept_versions_only_when_stale(local_store):
+    """Files a manifest does not reference (a racing publisher's, a repaired version's,
+    temporary names) go once stale; younger ones may be a publish in progress."""
+    store = local_store
+    r = A.publish(store, "sven", *make_inputs("sven", 2), embeddings=False)
+    loc = Location(store, "sven", FP)
+    vdir = loc.version_dir(r.version)
+    names = ["kv.00000000deadbeef.arrow", ".kv.1234.arrow.99.abcd1234.tmp", "facts.ffff.arrow"]
+    for name in names:
+        with open(os.path.join(vdir, name), "wb") as f:
+            f.write(b"partial")
+    old = time.time() - 7200
+    for name in names[:2]:
+        os.utime(os.path.join(vdir, name), (old, old))
+    assert A.gc(store, "sven", FP, keep=1) == []
+    left = set(os.listdir(vdir))
+    assert left == {"manifest.json", "facts.ffff.arrow",
+                    *(e.stored_as for e in r.manifest.files.values())}
+    A.verify_version(store, "sven", FP)

@@ -4,9 +4,14 @@ API, reruns served from the content-hash caches."""
 
 from __future__ import annotations
 
+import base64
+import time
+
 import pytest
 
-from prefect_env import artifacts_of_run, artifacts_with_key, table_rows, task_runs_of
+from prefect_env import (
+    artifacts_of_run, artifacts_with_key, result_records, table_rows, task_runs_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +32,7 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     from inferscale.store import StoreConfig
 
     root = tmp_path / "artifacts"
+    started = time.time()
     state = encode_users(artifact_root=str(root), fact_mode="raw", return_state=True)
     assert state.is_completed(), state.message
     report = state.result()
@@ -89,7 +95,16 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     assert states["encode-kv-maya"] == ["Cached"] and states["encode-kv-tomas"] == ["Cached"]
     for user in users:
         a, b = verify_version(store, user, fp), verify_version(other, user, fp)
-        assert a.version == b.version and a.files == b.files
+        assert a.version == b.version
+        assert {n: (e.bytes, e.xxh3_128) for n, e in a.files.items()} == \
+            {n: (e.bytes, e.xxh3_128) for n, e in b.files.items()}
+
+    # what these runs left in result storage: the facts and the KV as Arrow, no pickle
+    records = result_records(since=started)
+    kinds = [r["metadata"]["serializer"]["type"] for r in records]
+    assert sorted(kinds) == ["inferscale-encoded-kv-arrow"] * 2 + ["inferscale-facts-arrow"] * 2
+    for r in records:
+        assert not base64.b64decode(r["result"]).startswith(b"\x80")  # a pickle's first byte
 
 
 def test_unknown_user_is_refused(flow_env, tmp_path):
