@@ -124,14 +124,22 @@ class Racers:
         (self.go_dir / go).touch()
         return [self.next(name) for name in names or self.procs]
 
-    def close(self) -> None:
+    def __enter__(self) -> "Racers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Wait for the publishers to finish (all rounds done) and check they exited 0;
+        on a failed test, kill them at once (they may wait for a go file forever)."""
         for p in self.procs.values():
+            if exc_type is not None:
+                p.kill()
             try:
                 p.wait(timeout=180)
             except subprocess.TimeoutExpired:
                 p.kill()
-        for p in self.procs.values():
-            assert p.returncode == 0, p.stderr.read()[-3000:]
+        if exc_type is None:
+            for p in self.procs.values():
+                assert p.returncode == 0, p.stderr.read()[-3000:]
 
 
 def racer_inputs(seed: int, noise: int | None = None):
@@ -147,15 +155,12 @@ def racer_version(seed: int) -> str:
 def test_concurrent_publishers(request, child_env, tmp_path, backend):
     store = request.getfixturevalue(f"{backend}_store")
     # round 0: same inputs; round 1: different inputs
-    racers = Racers(store, child_env, tmp_path / "go",
-                    {"p1": [{"seed": 1}, {"seed": 2}], "p2": [{"seed": 1}, {"seed": 3}]})
-    try:
+    with Racers(store, child_env, tmp_path / "go",
+                {"p1": [{"seed": 1}, {"seed": 2}], "p2": [{"seed": 1}, {"seed": 3}]}) as racers:
         results = {}
         for round_ in (0, 1):
             racers.ready(round_)
             results[round_] = racers.go(f"go{round_}")
-    finally:
-        racers.close()
     same, different = results[0], results[1]
     v1 = racer_version(1)
     assert [r["version"] for r in same] == [v1, v1]
@@ -176,16 +181,13 @@ def test_racing_publishers_with_different_bytes_for_one_version(request, child_e
     hydrates to the winner's bytes, and every publisher reports the winner's manifest."""
     store = request.getfixturevalue(f"{backend}_store")
     seeds, names = (11, 12, 13), ("a", "b", "c")
-    racers = Racers(store, child_env, tmp_path / "go", {
-        name: [{"seed": seed, "noise": 100 * k + i} for i, seed in enumerate(seeds)]
-        for k, name in enumerate(names)})
-    try:
+    with Racers(store, child_env, tmp_path / "go", {
+            name: [{"seed": seed, "noise": 100 * k + i} for i, seed in enumerate(seeds)]
+            for k, name in enumerate(names)}) as racers:
         results = []
         for round_ in range(len(seeds)):
             racers.ready(round_)
             results.append(racers.go(f"go{round_}"))
-    finally:
-        racers.close()
     for i, (seed, rs) in enumerate(zip(seeds, results)):
         version = racer_version(seed)
         assert {r["version"] for r in rs} == {version}
@@ -210,20 +212,17 @@ def test_latest_names_the_newest_inputs_whatever_finishes_last(request, child_en
     at = {name: [(t0 + timedelta(hours=h)).isoformat() for h in hours]
           for name, hours in {"new": (2, 11), "mid": (1, 12), "old": (0, 10)}.items()}
     seeds = {"new": (21, 31), "mid": (22, 32), "old": (23, 33)}
-    racers = Racers(store, child_env, tmp_path / "go", {
-        name: [{"seed": seeds[name][0], "inputs_at": at[name][0],
-                "go": "first" if name == "new" else "rest"},
-               {"seed": seeds[name][1], "inputs_at": at[name][1]}]
-        for name in ("new", "mid", "old")})
-    try:
+    with Racers(store, child_env, tmp_path / "go", {
+            name: [{"seed": seeds[name][0], "inputs_at": at[name][0],
+                    "go": "first" if name == "new" else "rest"},
+                   {"seed": seeds[name][1], "inputs_at": at[name][1]}]
+            for name in ("new", "mid", "old")}) as racers:
         racers.ready(0)
         racers.go("first", ["new"])
         racers.go("rest", ["mid", "old"])
         assert A.latest_version(store, "racer", FP) == racer_version(seeds["new"][0])
         racers.ready(1)
         racers.go("go1")
-    finally:
-        racers.close()
     assert A.latest_version(store, "racer", FP) == racer_version(seeds["mid"][1])
     for name in seeds:  # the versions that did not become LATEST are complete all the same
         for seed in seeds[name]:
