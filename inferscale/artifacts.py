@@ -124,9 +124,10 @@ def _parse_latest(loc: Location, data: bytes) -> tuple[str, datetime | None]:
     if not VERSION_RE.fullmatch(version):
         raise CorruptArtifact(f"{loc.latest} holds {data[:80]!r}, not a version id")
     try:
-        return version, datetime.fromisoformat(json.loads(rest)["inputs_at"])
+        at = datetime.fromisoformat(json.loads(rest)["inputs_at"])
     except (ValueError, KeyError, TypeError):
-        return version, None  # a LATEST written by an older InferScale: no time
+        return version, None  # a LATEST written by an older InferScale (or a person)
+    return version, at if at.tzinfo is not None else None
 
 
 def _latest_bytes(version: str, inputs_at: datetime) -> bytes:

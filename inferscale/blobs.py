@@ -23,6 +23,7 @@ Only fsspec, xxhash and the standard library are needed here.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import shutil
@@ -40,6 +41,7 @@ from inferscale.store import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class _HashingWriter:
@@ -336,8 +338,12 @@ class FsspecBlobs(Blobs):
             return []
         bucket, key, _ = self.fs.split_path(path)
         times = []
-        uploads = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
-                                  Prefix=key.rstrip("/") + "/").get("Uploads", [])
+        try:
+            uploads = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                      Prefix=key.rstrip("/") + "/").get("Uploads", [])
+        except PermissionError as exc:  # no s3:ListBucketMultipartUploads: objects only
+            log.warning("cannot list uploads in progress under %s: %s", path, exc)
+            return []
         for up in uploads:
             times.append(_seconds(up["Initiated"]))
             parts = self.fs.call_s3("list_parts", Bucket=bucket, Key=up["Key"],
