@@ -3,9 +3,13 @@
 Layout under one root (a local directory, or ``s3://bucket/prefix`` through s3fs, or
 any fsspec URL whose filesystem is installed)::
 
-    {root}/users/{user}/{model_fp}/{version}/facts.arrow  kv.arrow  manifest.json
-    {root}/users/{user}/{model_fp}/LATEST     the published version's id, atomically replaced
+    {root}/users/{user}/{model_fp}/{version}/facts.<nonce>.arrow  kv.<nonce>.arrow  manifest.json
+    {root}/users/{user}/{model_fp}/LATEST     the published version's id (+ its inputs' time)
     {root}/users/{user}/{model_fp}/lance/     LanceDB database of fact embeddings
+
+``facts.arrow`` and ``kv.arrow`` (``FACTS_FILE``, ``KV_FILE``) are the logical names of a
+version's data files; each publish stores them under names of its own, which the manifest
+records (``artifacts.data_path``).
 
 User ids become one safe path component each (:func:`user_dirname`): ids made of
 ``[a-z0-9._-]`` (starting with a letter or digit, at most 100 characters) are used as
