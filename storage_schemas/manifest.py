@@ -4,11 +4,12 @@ One ``manifest.json`` per version, written last (after every data file is writte
 verified), so its presence means the version is complete. It records the schema
 version, the user, the model fingerprint, the encoder config, the version hash and its
 parents (log and facts content hashes), byte sizes and xxh3-128 checksums of every file,
-the name each file is stored under, the KV layout, counts and the creation time. The manifest checksums itself: the
-``checksum`` field is the xxh3-128 of the canonical JSON of every other field, so a
-damaged manifest is reported as damaged instead of misleading a reader.
+the name each file is stored under, the KV layout, counts and the creation time. The
+manifest checksums itself: the ``checksum`` field is the xxh3-128 of the canonical JSON
+of every other field, so a damaged manifest is reported as damaged instead of
+misleading a reader.
 
-Written by ``inferscale.artifacts.publish``; read by every reader (listing, hydration,
+Written by ``inferscale.artifacts.publish.publish``; read by every reader (listing, hydration,
 the Prefect artifact that shows lineage).
 """
 

@@ -3,7 +3,7 @@
 Prefect keeps a persisted task result in result storage, by default pickled; the facts
 and KV tasks' results are cached there for days and often on shared storage, where a
 pickle would let whoever can write it run code in the next run that loads it. These
-serializers store them as Arrow IPC (:mod:`inferscale.result_codec`), base64-wrapped as
+serializers store them as Arrow IPC (:mod:`inferscale.artifacts.result_codec`), base64-wrapped as
 Prefect's result records expect. Prefect finds them by their ``type`` when it reads a
 record; importing this module (the tasks do) registers them.
 """
@@ -16,7 +16,9 @@ from typing import Any
 from prefect.serializers import Serializer
 from pydantic import Field
 
-from inferscale.result_codec import encoded_from_ipc, encoded_to_ipc, facts_from_ipc, facts_to_ipc
+from inferscale.artifacts.result_codec import (
+    encoded_from_ipc, encoded_to_ipc, facts_from_ipc, facts_to_ipc,
+)
 
 
 class EncodedKVSerializer(Serializer):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from builders import make_inputs
-from inferscale.facts import FactsResult
+from inferscale.facts.extractor import FactsResult
 from tasks.results import EncodedKVSerializer, FactsResultSerializer
 
 
