@@ -139,7 +139,7 @@ def fan_out(prep: Prepared, users: dict[str, str], *, task_runner: RunnerKind = 
                 fut = runner.submit(encode_user, parameters=dict(
                     cfg=cfg, facts_cfg=prep.facts_cfg, user=user,
                     turns=prep.ingest.turns[user], model_fp=prep.model_fp, reason=reason,
-                    sources=list(prep.ingest.sources)))
+                    sources=list(prep.ingest.sources), inputs_at=prep.ingest.read_at))
                 futures[fut] = user
         for fut in as_completed(list(futures)):
             user = futures[fut]

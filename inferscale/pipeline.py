@@ -139,7 +139,7 @@ def extract_user_facts(cfg: PipelineConfig, facts_cfg: Any, turns: pa.Table):
 
 def compact(encoded: Any) -> Any:
     """The encoder's output with every chunk's K/V copied out of the batch tensors it
-    views, so that pickling it (a cached task result) stores the chunks, not the batches."""
+    views, so that a cached task result holds the chunks, not the batches."""
     chunks = [replace(c, keys=c.keys.clone(), values=c.values.clone()) for c in encoded.chunks]
     return replace(encoded, chunks=chunks)
 
@@ -149,7 +149,8 @@ def expected_version(cfg: PipelineConfig, user: str, log_hash: str, facts_hash: 
     """The version id that publishing these inputs yields (without encoding them)."""
     from inferscale.artifacts.publish import Lineage, version_id
 
-    return version_id(user, Lineage(log_hash, facts_hash), model_fp, cfg.encoder.to_dict())
+    return version_id(user, Lineage(log_hash, facts_hash), model_fp,
+                      cfg.encoder.identity(cfg.model_dtype, cfg.device))
 
 
 def facts_identity(facts_cfg: Any) -> dict:
@@ -203,12 +204,14 @@ def encode_user_kv(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progre
 
 
 def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
-                 facts_hash: str):
-    """Publish a version (a no-op returning the existing one when inputs are unchanged)."""
+                 facts_hash: str, inputs_at: Any = None):
+    """Publish a version (a no-op returning the existing one when inputs are unchanged).
+    ``inputs_at``: when the logs were read (``IngestResult.read_at``): LATEST names the
+    publish of the newest inputs when runs race (:mod:`inferscale.artifacts.latest`)."""
     from inferscale.artifacts.publish import Lineage, publish
 
     return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
-                   keep=cfg.keep_versions)
+                   keep=cfg.keep_versions, inputs_at=inputs_at)
 
 
 def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
@@ -229,7 +232,8 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     for user, turns in selected.items():
         fr = facts[user]
         encoded = encode_user_kv(cfg, turns, fr.table, progress)
-        res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
+        res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash,
+                           ingest.read_at)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,
                            "kv_bytes": res.manifest.files["kv.arrow"].bytes}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import datetime
 from typing import Any, Sequence
 
 import pyarrow as pa
@@ -39,13 +40,14 @@ LEASE_S = 60  # the server's minimum; a killed worker's slots come back after it
 @task(name="encode-user", task_run_name="encode-user-{user}", persist_result=False)
 def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: pa.Table,
                 model_fp: str, reason: str = "requested",
-                sources: Sequence[str] = ()) -> dict[str, Any]:
+                sources: Sequence[str] = (), inputs_at: datetime | None = None) -> dict[str, Any]:
     """Encode and publish ``user`` for ``model_fp``; returns a
     :class:`~inferscale.run_report.UserOutcome` as a dict. Raises on failure (the flow
     records the user as failed and goes on with the others).
 
     ``reason`` says why the user is encoded (``requested``, ``new``, ``log-changed``...);
-    ``sources`` are the log URIs (the lineage's upstream assets). Submitted once per user
+    ``sources`` are the log URIs (the lineage's upstream assets); ``inputs_at`` when they
+    were read (LATEST names the newest inputs when runs race). Submitted once per user
     by the encode, nightly and backfill flows.
     """
     t0 = time.perf_counter()
@@ -65,7 +67,7 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         logger.info("user %s: LATEST already names version %s", user, version)
     else:
         published = publish_version(cfg, user, encoded, facts.table, log_hash,
-                                    facts.facts_hash)
+                                    facts.facts_hash, inputs_at)
         if published["version"] != version:
             raise RuntimeError(f"published version {published['version']} differs from the "
                                f"expected {version}: version ids and the encoder disagree")

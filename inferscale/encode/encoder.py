@@ -117,6 +117,15 @@ class EncoderConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def identity(self, compute_dtype: str, device: str) -> dict:
+        """The config plus what else decides the stored KV bits: the dtype the model
+        computes in and the device kind (bf16 on CUDA rounds differently from float32 on
+        CPU). The encoder records it in ``EncodedMemory.encoder_config``, so an
+        artifact's version id covers it. Called by :func:`encode_facts` and by
+        ``inferscale.pipeline.expected_version`` (with the planned device and dtype)."""
+        return {**self.to_dict(), "compute_dtype": str(compute_dtype).removeprefix("torch."),
+                "compute_device": str(device).split(":")[0]}
+
 
 @dataclass(frozen=True)
 class TurnText:
@@ -356,4 +365,6 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
         "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
         "forward_tokens": sum(s.length for s in segments),
     }
-    return EncodedMemory(ordered, model_fingerprint, cfg.to_dict(), stats)
+    param = next(model.parameters())
+    return EncodedMemory(ordered, model_fingerprint, cfg.identity(param.dtype, param.device.type),
+                         stats)

@@ -4,7 +4,7 @@
 chunk index and token ids, the manifest), ready for the worker's resident store.
 
 ``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
-and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
+and the file size first, then reads the KV file in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
 second pass), refuses anything whose checksum differs, and only then parses the Arrow
 file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
@@ -44,7 +44,9 @@ from inferscale.artifacts.layout import (
     KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
     TruncatedArtifact,
 )
-from inferscale.artifacts.read import check_digest, check_size, manifest_at, resolve_version
+from inferscale.artifacts.read import (
+    check_digest, check_size, data_path, manifest_at, resolve_version,
+)
 from inferscale.hydrate.resident import Resident
 from inferscale.types import Tier, check_tier, torch_dtype
 from storage_schemas import kv as kv_schema
@@ -82,7 +84,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
     check_size(loc, manifest, KV_FILE)
     size = manifest.files[KV_FILE].bytes
-    path = loc.file(version, KV_FILE)
+    path = data_path(loc, manifest, KV_FILE)
 
     cuda = dev.type == "cuda"
     plain_local = store.is_local and not cuda

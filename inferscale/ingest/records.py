@@ -24,11 +24,13 @@ class LogLimits:
     """Validation limits; frozen, checked at construction."""
 
     max_text_chars: int = 8000
-    max_line_bytes: int = 1 << 20
+    max_line_bytes: int = 1 << 20  # a JSONL line
     max_id_chars: int = 128
+    max_document_bytes: int = 256 << 20  # a LoCoMo file (one JSON document)
 
     def __post_init__(self) -> None:
-        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars) < 1:
+        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars,
+               self.max_document_bytes) < 1:
             raise ValueError(f"LogLimits must be positive: {self}")
 
 
@@ -43,11 +45,23 @@ class Quarantined:
     raw: Any  # the parsed record, or the raw line as text when it did not parse
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"source": self.source, "location": self.location, "reason": self.reason,
-             "detail": self.detail, "raw": self.raw},
-            ensure_ascii=False, default=str,
-        )
+        body = {"source": self.source, "location": self.location, "reason": self.reason,
+                "detail": self.detail, "raw": self.raw}
+        try:
+            return json.dumps(body, ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):  # a raw record JSON cannot hold
+            body["raw"] = _preview(self.raw)
+            return json.dumps(body, ensure_ascii=False)
+
+
+def _preview(raw: Any, limit: int = 2000) -> str:
+    """A record that JSON cannot hold again (nested too deeply...), as bounded text."""
+    if not isinstance(raw, str):
+        try:
+            raw = repr(raw)
+        except (RecursionError, ValueError):
+            raw = f"<a {type(raw).__name__} too deep or too large to show>"
+    return raw if len(raw) <= limit else raw[:limit] + "..."
 
 
 class Reject(Exception):
@@ -84,7 +98,8 @@ class Accumulator:
         self.quarantined.append(Quarantined(source, location, reason, detail, raw))
 
     def add(self, source: str, location: str, raw: Any, build) -> None:
-        """Validate one record with ``build(raw) -> Turn``; keep it or quarantine it."""
+        """Validate one record with ``build(raw) -> Turn``; keep it or quarantine it
+        (whatever ``build`` raises: a malformed record never stops the others)."""
         self.records_read += 1
         try:
             turn = build(raw)
@@ -93,6 +108,10 @@ class Accumulator:
                               f"turn id {turn.turn_id!r} already seen for user {turn.user!r}")
         except Reject as rej:
             self.reject(source, location, rej.reason, rej.detail, raw)
+            return
+        except Exception as exc:  # noqa: BLE001 - any malformed shape, RecursionError too
+            self.reject(source, location, "malformed_record", f"{type(exc).__name__}: {exc}",
+                        raw)
             return
         self.seen[turn.user].add(turn.turn_id)
         self.turns.setdefault(turn.user, []).append(turn)

@@ -214,7 +214,28 @@ def test_encode_facts_end_to_end(smollm2):
         assert c.keys.shape == (30, len(c.token_ids), 3, 64)
         assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
+    assert mem.encoder_config == cfg.identity("float32", "cpu")  # what version ids hash
     assert mem.stats["facts"] == 2
+
+
+def test_version_ids_cover_the_compute_dtype_and_device():
+    """The Ray path encodes with CUDA/bf16, the CPU path with float32: other bytes for
+    the same inputs, so other version ids (never one id for two contents)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from inferscale.pipeline import PipelineConfig, expected_version
+
+    cpu = PipelineConfig(home=Path("/h"), model="embedded", device="cpu", model_dtype="float32",
+                         encoder=EncoderConfig(), artifact_root="/a", storage_options={})
+    gpu = replace(cpu, device="cuda", model_dtype="bfloat16")
+    ids = {name: expected_version(c, "maya", "log-h", "facts-h", "fp1") for name, c in {
+        "cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
+        "gpu-fp32": replace(gpu, model_dtype="float32")}.items()}
+    assert ids["cpu"] != ids["gpu"] and ids["gpu"] != ids["gpu-fp32"] != ids["cpu"]
+    assert ids["gpu"] == ids["gpu1"]  # the device kind counts, not which one
+    assert EncoderConfig().identity(torch.bfloat16, "cuda:0") == {
+        **EncoderConfig().to_dict(), "compute_dtype": "bfloat16", "compute_device": "cuda"}
 
 
 def test_capture_ignores_other_models_in_other_threads():

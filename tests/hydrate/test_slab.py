@@ -17,10 +17,12 @@ from inferscale.artifacts.layout import (
     FingerprintMismatch, MissingManifest, TruncatedArtifact,
 )
 from inferscale.artifacts.publish import publish
-from inferscale.artifacts.read import list_versions, read_facts, read_manifest, verify_version
+from inferscale.artifacts.read import (
+    data_path, list_versions, read_facts, read_manifest, verify_version,
+)
 from inferscale.hydrate.slab import hydrate
 from storage_schemas.common import SchemaVersionError
-from storage_schemas.manifest import FileEntry, Manifest
+from storage_schemas.manifest import VERSION, FileEntry, Manifest
 
 FP = "fp-test"
 
@@ -113,11 +115,15 @@ def rewrite_manifest(store, loc, version, **changes) -> None:
     write(store, loc.file(version, "manifest.json"), Manifest(**body).to_json())
 
 
+def kv_path(loc, r) -> str:
+    return data_path(loc, r.manifest, "kv.arrow")  # kv.<nonce>.arrow
+
+
 def test_truncated_kv(published):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
+    path = kv_path(loc, r)
     write(store, path, read(store, path)[:-100])
-    with pytest.raises(TruncatedArtifact, match="kv.arrow is .* bytes; the manifest says"):
+    with pytest.raises(TruncatedArtifact, match=r"kv\.\w+\.arrow is .* bytes; the manifest says"):
         hydrate(store, "dana", FP)
     with pytest.raises(TruncatedArtifact):
         verify_version(store, "dana", FP)
@@ -125,19 +131,19 @@ def test_truncated_kv(published):
 
 def test_missing_kv(published):
     store, loc, r = published
-    store.filesystem().rm(loc.file(r.version, "kv.arrow"))
-    with pytest.raises(TruncatedArtifact, match="kv.arrow is missing"):
+    store.filesystem().rm(kv_path(loc, r))
+    with pytest.raises(TruncatedArtifact, match=r"kv\.\w+\.arrow is missing"):
         hydrate(store, "dana", FP)
 
 
 @pytest.mark.parametrize("where", [0.5, 0.01, 0.999])
 def test_flipped_byte_in_kv(published, where):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
+    path = kv_path(loc, r)
     data = bytearray(read(store, path))
     data[int(len(data) * where)] ^= 0x10
     write(store, path, bytes(data))
-    with pytest.raises(ChecksumError, match="kv.arrow: xxh3-128 .* differs"):
+    with pytest.raises(ChecksumError, match=r"kv\.\w+\.arrow: xxh3-128 .* differs"):
         hydrate(store, "dana", FP)
     if store.is_local:
         with pytest.raises(ChecksumError):
@@ -146,13 +152,13 @@ def test_flipped_byte_in_kv(published, where):
 
 def test_flipped_byte_in_facts(published):
     store, loc, r = published
-    path = loc.file(r.version, "facts.arrow")
+    path = data_path(loc, r.manifest, "facts.arrow")
     data = bytearray(read(store, path))
     data[len(data) // 2] ^= 0x01
     write(store, path, bytes(data))
-    with pytest.raises(ChecksumError, match="facts.arrow"):
+    with pytest.raises(ChecksumError, match=r"facts\.\w+\.arrow"):
         read_facts(store, "dana", FP)
-    with pytest.raises(ChecksumError, match="facts.arrow"):
+    with pytest.raises(ChecksumError, match=r"facts\.\w+\.arrow"):
         verify_version(store, "dana", FP)
     hydrate(store, "dana", FP)  # the KV is intact and still usable
 
@@ -183,14 +189,15 @@ def test_missing_manifest(published):
 
 def test_newer_manifest_schema(published):
     store, loc, r = published
-    rewrite_manifest(store, loc, r.version, schema_version=2)
-    with pytest.raises(ArtifactSchemaError, match="manifest.json: manifest schema version 2 is newer"):
+    rewrite_manifest(store, loc, r.version, schema_version=VERSION + 1)
+    with pytest.raises(ArtifactSchemaError,
+                       match=f"manifest.json: manifest schema version {VERSION + 1} is newer"):
         hydrate(store, "dana", FP)
 
 
 def test_newer_kv_schema(published):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
+    path = kv_path(loc, r)
     table = pa.ipc.open_file(pa.py_buffer(read(store, path))).read_all()
     meta = {**table.schema.metadata, b"inferscale.schema_version": b"2"}
     sink = pa.BufferOutputStream()
@@ -198,9 +205,10 @@ def test_newer_kv_schema(published):
         w.write_table(table.replace_schema_metadata(meta))
     data = sink.getvalue().to_pybytes()
     write(store, path, data)
-    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
+    files = {**r.manifest.files, "kv.arrow": FileEntry(
+        len(data), xxhash.xxh3_128_hexdigest(data), r.manifest.files["kv.arrow"].stored_as)}
     rewrite_manifest(store, loc, r.version, files=files)
-    with pytest.raises(ArtifactSchemaError, match="kv.arrow: kv schema version 2 is newer") as err:
+    with pytest.raises(ArtifactSchemaError, match=r"kv\.\w+\.arrow: kv schema version 2 is newer") as err:
         hydrate(store, "dana", FP)
     assert isinstance(err.value, SchemaVersionError)
 
@@ -218,7 +226,7 @@ def test_wrong_model_fingerprint(published):
         hydrate(store, "dana", FP, expected_fingerprint="fp-other")
     # the artifact copied under another model's folder is refused as well
     other = Location(store, "dana", "fp-other")
-    for name in ("kv.arrow", "facts.arrow", "manifest.json"):
+    for name in [e.stored_as for e in r.manifest.files.values()] + ["manifest.json"]:
         write(store, other.file(r.version, name), read(store, loc.file(r.version, name)))
     write(store, other.latest, r.version.encode())
     with pytest.raises(FingerprintMismatch, match="written for model fp-test"):
@@ -230,9 +238,10 @@ def test_kv_of_another_model_behind_a_matching_manifest(published):
     memory, facts, lineage = make_inputs("dana", 12, fp="fp-evil")
     evil = publish(store, "dana", memory, facts, lineage, embeddings=False)
     evil_loc = Location(store, "dana", "fp-evil")
-    data = read(store, evil_loc.file(evil.version, "kv.arrow"))
-    write(store, loc.file(r.version, "kv.arrow"), data)
-    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
+    data = read(store, kv_path(evil_loc, evil))
+    write(store, kv_path(loc, r), data)
+    files = {**r.manifest.files, "kv.arrow": FileEntry(
+        len(data), xxhash.xxh3_128_hexdigest(data), r.manifest.files["kv.arrow"].stored_as)}
     rewrite_manifest(store, loc, r.version, files=files)
     with pytest.raises(FingerprintMismatch, match="holds KV of model fp-evil"):
         hydrate(store, "dana", FP)
@@ -263,10 +272,10 @@ def test_errors_share_one_base():
 def test_manifest_on_disk_names_sizes(published):
     store, loc, r = published
     body = json.loads(read(store, loc.file(r.version, "manifest.json")))
-    size = store.filesystem().size(loc.file(r.version, "kv.arrow"))
+    size = store.filesystem().size(kv_path(loc, r))
     assert body["files"]["kv.arrow"]["bytes"] == size
     assert 0 < body["kv"]["slab_offset"] < size
-    assert os.path.basename(loc.file(r.version, "kv.arrow")) == "kv.arrow"
+    assert os.path.basename(kv_path(loc, r)) == body["files"]["kv.arrow"]["stored_as"]
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -292,7 +301,7 @@ def test_cuda_tiers(local_store, tier):
 def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
     memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
     r = publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
-    path = Location(local_store, "gpu", FP).file(r.version, "kv.arrow")
+    path = kv_path(Location(local_store, "gpu", FP), r)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
