@@ -40,10 +40,10 @@ from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import pyarrow as pa
 
+from inferscale.user_ids import user_id_problem
 from storage_schemas import turns as turns_schema
 
 NATIVE_FIELDS = ("user", "session", "turn", "speaker", "text", "timestamp")
-_USER_RE = re.compile(r"^[^\x00-\x1f/\\]{1,128}$")
 _LOCOMO_SESSION_RE = re.compile(r"^session_(\d+)$")
 _LOCOMO_DATE_FORMATS = ("%I:%M %p on %d %B, %Y", "%I:%M %p on %d %b, %Y", "%d %B, %Y")
 
@@ -305,9 +305,9 @@ def _make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
         if not value.strip() or len(value) > limits.max_id_chars:
             raise _Reject("bad_id", f"field {name!r} must be 1..{limits.max_id_chars} "
                                     f"characters, not blank")
-    if not _USER_RE.match(user) or user in (".", "..") or not user.strip():
-        raise _Reject("bad_user", f"user {user[:40]!r}: 1..128 characters, no '/', '\\' "
-                                  "or control characters")
+    problem = user_id_problem(user)
+    if problem is not None:
+        raise _Reject("bad_user", f"user {user[:40]!r} {problem}")
     if not text.strip():
         raise _Reject("empty_text", "text is empty or blank")
     if len(text) > limits.max_text_chars:
