@@ -13,9 +13,13 @@ Scheduler side (engine-core process)
     tokens as externally available only when the user's version is resident, the
     fingerprint is the engine's, every chunk is known and the prompt begins with exactly
     the chunks' token ids; otherwise 0 and the request simply prefills (the reason is
-    logged). A miss on a user the workers do not hold asks them to reload it in the
-    background (unless an admin evicted it). ``build_connector_meta`` turns each admitted
-    request into a :class:`LoadSpec` with its slot mapping.
+    logged). A miss on a user the workers do not hold, or on a version that
+    ``supersedes`` the one they hold (the server moved the user to a new LATEST), asks
+    them to reload it in the background (unless an admin evicted it); after a failed
+    reload the same (user, version) is not ordered again before a back-off
+    (``reload_backoff_s``, doubling per failure up to ``reload_backoff_max_s``).
+    ``build_connector_meta`` turns each admitted request into a :class:`LoadSpec` with
+    its slot mapping.
 
 Worker side (worker process)
     :meth:`start_load_kv` checks every load against the worker's own
@@ -26,7 +30,9 @@ Worker side (worker process)
     virtual positions, and writes each layer with the attention backend's own cache
     writer through the slot mapping. A load that cannot be served is reported through
     ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks
-    (``kv_load_failure_policy="recompute"``): never wrong KV.
+    (``kv_load_failure_policy="recompute"``): never wrong KV. Background reloads run on a
+    pool of ``reload_workers`` threads, one per (user, version) at a time, and check the
+    slab's size from the manifest against the budgets before reading it.
 
 Version differences live in ``inferscale.vllm_compat``.
 """
@@ -36,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +81,11 @@ class ConnectorConfig:
     storage_options: dict = field(default_factory=dict)
     gpu_budget_bytes: int = 8 << 30
     host_budget_bytes: int = 32 << 30
-    reload_tier: str = "host"  # where background reloads land
+    reload_tier: str = "host"  # where background reloads of a user not resident land
     auto_reload: bool = True
+    reload_workers: int = 2  # background reloads running at once (a pool, not a thread each)
+    reload_backoff_s: float = 30.0  # first wait after a failed reload; doubles per failure
+    reload_backoff_max_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -84,6 +94,14 @@ class ConnectorConfig:
             raise ValueError(f"reload_tier must be 'gpu' or 'host', got {self.reload_tier!r}")
         if self.gpu_budget_bytes < 0 or self.host_budget_bytes < 0:
             raise ValueError("byte budgets must be >= 0")
+        if self.reload_workers < 1:
+            raise ValueError(f"reload_workers must be >= 1, got {self.reload_workers}")
+        if not 0 <= self.reload_backoff_s <= self.reload_backoff_max_s:
+            raise ValueError("need 0 <= reload_backoff_s <= reload_backoff_max_s")
+
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait before reloading again after ``failures`` failures in a row."""
+        return min(self.reload_backoff_max_s, self.reload_backoff_s * 2 ** max(0, failures - 1))
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> "ConnectorConfig":
@@ -113,11 +131,12 @@ class LoadSpec:
 
 @dataclass
 class ReloadOrder:
-    """Ask workers to hydrate a user's version in the background."""
+    """Ask workers to hydrate a user's version in the background (``tier`` None: the tier
+    the user's current version is on, else ``reload_tier``)."""
 
     user: str
     version: str
-    tier: str
+    tier: str | None
 
 
 @dataclass
@@ -190,6 +209,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._to_load: dict[str, _Plan] = {}
             self._reloads: dict[tuple[str, str], ReloadOrder] = {}
             self._reload_pending: set[tuple[str, str]] = set()
+            self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
             self.injected_tokens: dict[str, int] = {}
             self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         else:
@@ -202,6 +222,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._invalid_blocks: set[int] = set()
             self._failed_reloads: list[tuple[str, str, str]] = []
             self._reload_lock = threading.Lock()
+            self._reload_pool = ThreadPoolExecutor(self.config.reload_workers,
+                                                   thread_name_prefix="inferscale-reload")
+            self._reloading: set[tuple[str, str]] = set()
+            self.reload_failures = 0
             self.loaded_tokens = 0
             self.inject_seconds = 0.0
             self._step: StepLoad | None = None
@@ -236,7 +260,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             return 0, False
         user, version = str(params.get("user")), str(params.get("version"))
         chunks = [str(c) for c in params.get("chunks") or []]
-        why = self._refusal(user, version, chunks, request)
+        why = self._refusal(user, version, chunks, request, bool(params.get("supersedes")))
         if why is not None:
             if self._fallbacks.get(request.request_id) != why:
                 log.warning("request %s (user %s, version %s): prefilling memory, %s",
@@ -254,15 +278,20 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
-    def _refusal(self, user: str, version: str, chunks: list[str],
-                 request: "Request") -> str | None:
-        """Why this request's memory cannot be injected, or None when it can."""
+    def _refusal(self, user: str, version: str, chunks: list[str], request: "Request",
+                 supersedes: bool = False) -> str | None:
+        """Why this request's memory cannot be injected, or None when it can. A miss
+        orders a background reload when the workers hold nothing of the user, or hold
+        another version and the request's version ``supersedes`` it (the server moved
+        the user to a new LATEST)."""
         info = self._view.get((user, version))
         if info is None:
             held = self._held.get(user)
             if held is None:
-                self._order_reload(user, version)
+                self._order_reload(user, version, self.config.reload_tier)
                 return "user not resident"
+            if supersedes:
+                self._order_reload(user, version, None)  # into the old version's tier
             return f"stale version (workers hold {held[:12]})"
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
@@ -278,12 +307,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             return "prompt does not begin with the memory's token ids"
         return None
 
-    def _order_reload(self, user: str, version: str) -> None:
+    def _order_reload(self, user: str, version: str, tier: str | None) -> None:
         key = (user, version)
-        if self.config.auto_reload and self.config.artifact_root and \
-                key not in self._reload_pending:
-            self._reloads[key] = ReloadOrder(user, version, self.config.reload_tier)
-            self._reload_pending.add(key)
+        if not (self.config.auto_reload and self.config.artifact_root) or \
+                key in self._reload_pending:
+            return
+        failed = self._reload_failed.get(key)
+        if failed is not None and time.monotonic() < failed[1]:
+            return  # backing off after a failure
+        self._reloads[key] = ReloadOrder(user, version, tier)
+        self._reload_pending.add(key)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -329,6 +362,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             if op == "remove":
                 user, version = payload
                 self._view.pop((user, version), None)
+                self._reload_pending.discard((user, version))
                 if self._held.get(user) == version:
                     del self._held[user]
                 continue
@@ -339,9 +373,16 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._view[(info.user, info.version)] = info
             self._held[info.user] = info.version
             self._reload_pending.discard((info.user, info.version))
+            self._reload_failed.pop((info.user, info.version), None)
         for user, version, reason in report.failed_reloads:
-            log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
-            self._reload_pending.discard((user, version))
+            key = (user, version)
+            failures = self._reload_failed.get(key, (0, 0.0))[0] + 1
+            wait = self.config.backoff_s(failures)
+            self._reload_failed[key] = (failures, time.monotonic() + wait)
+            self._reload_pending.discard(key)
+            log.warning("reload of user %s version %s failed (%d in a row; next try in "
+                        "%.0f s at the earliest): %s", user, version[:12], failures, wait,
+                        reason)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -394,31 +435,58 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.admin_evicted.add(user)
         return self.store.evict(user)
 
+    def admission(self, tier: str):
+        """``admit(manifest)`` for hydration: refuses, before any KV byte is read, a slab
+        larger than every budget ``tier`` may use (:meth:`ResidentStore.fit_tier`)."""
+        from inferscale.hydrate import slab_nbytes
+
+        def admit(manifest: Any) -> None:
+            self.store.fit_tier(manifest.user, slab_nbytes(manifest), tier)
+        return admit
+
+    def _submit_reload(self, order: ReloadOrder) -> None:
+        """Queue the scheduler's reload order on the pool (at most one per (user, version)
+        at a time); ``order.tier`` None: the tier the user's current version is on, else
+        ``reload_tier``. An admin-evicted user is refused (reported to the scheduler)."""
+        user, version = order.user, order.version
+        if user in self.admin_evicted:
+            with self._reload_lock:
+                self._failed_reloads.append((user, version, "evicted by an admin"))
+            return
+        with self._reload_lock:
+            if (user, version) in self._reloading:
+                return
+            self._reloading.add((user, version))
+        tier = order.tier or self.store.tier_of(user) or self.config.reload_tier
+        self._reload_pool.submit(self._reload, ReloadOrder(user, version, tier))
+
     def _reload(self, order: ReloadOrder) -> None:
         from inferscale.worker_ext import load_resident
 
         try:
-            resident = load_resident(self.config, order.user, order.version)
-            if order.user in self.admin_evicted:
-                raise RuntimeError("evicted by an admin since the reload was ordered")
-            self.hydrate(resident, order.tier)
-            self.reloads += 1
-            log.info("reloaded user %s version %s into %s", order.user, order.version[:12],
-                     order.tier)
+            if self.store.get(order.user, order.version) is None:
+                resident = load_resident(self.config, order.user, order.version,
+                                         self.admission(order.tier))
+                if order.user in self.admin_evicted:
+                    raise RuntimeError("evicted by an admin since the reload was ordered")
+                self.hydrate(resident, order.tier)
+                self.reloads += 1
+                log.info("reloaded user %s version %s into %s", order.user,
+                         order.version[:12], order.tier)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged
             with self._reload_lock:
-                self._failed_reloads.append((order.user, order.version, str(exc)))
+                self.reload_failures += 1
+                self._failed_reloads.append((order.user, order.version,
+                                             f"{type(exc).__name__}: {exc}"))
+        finally:
+            with self._reload_lock:
+                self._reloading.discard((order.user, order.version))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, InferScaleMetadata)
         for order in meta.reloads:
-            if order.user in self.admin_evicted:
-                with self._reload_lock:
-                    self._failed_reloads.append((order.user, order.version, "evicted by an admin"))
-                continue
-            threading.Thread(target=self._reload, args=(order,), daemon=True,
-                             name=f"inferscale-reload-{order.user}").start()
+            self._submit_reload(order)
         if meta.loads:
             t0 = time.perf_counter()
             self._step = self._begin(meta.loads, forward_context)

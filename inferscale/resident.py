@@ -118,6 +118,25 @@ class ResidentStore:
             slab = slab.pin_memory()
         return slab
 
+    def fit_tier(self, user: str, nbytes: int, tier: str) -> str:
+        """The tier a slab of ``nbytes`` asked for on ``tier`` lands on (``gpu`` falls
+        back to ``host``), or :class:`ResidencyError` when it exceeds every budget it may
+        use. Hydration calls it with the manifest's size before reading anything."""
+        if tier not in TIERS:
+            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
+        if nbytes <= self.budget[tier]:
+            return tier
+        if tier == "gpu" and nbytes <= self.budget["host"]:
+            return "host"
+        raise ResidencyError(f"user {user!r}: {nbytes} bytes exceed the {tier} budget "
+                             f"({self.budget[tier]} bytes)")
+
+    def tier_of(self, user: str) -> str | None:
+        """The tier the user's resident version is on, or None."""
+        with self._lock:
+            r = self._lru.get(user)
+            return r.tier if r is not None else None
+
     def used(self, tier: str) -> int:
         with self._lock:
             return sum(r.nbytes for r in self._lru.values() if r.tier == tier)
@@ -125,17 +144,9 @@ class ResidentStore:
     def put(self, resident: Resident, tier: str = "gpu") -> Resident:
         """Make ``resident`` available on ``tier`` (replacing the user's older version)
         and enforce budgets. Raises :class:`ResidencyError` if it fits no budget."""
-        if tier not in TIERS:
-            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
         if resident.slab.dim() != 5 or resident.slab.shape[1] != 2:
             raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(resident.slab.shape)}")
-        if resident.nbytes > self.budget[tier]:
-            if tier == "gpu" and resident.nbytes <= self.budget["host"]:
-                tier = "host"
-            else:
-                raise ResidencyError(
-                    f"user {resident.user!r}: {resident.nbytes} bytes exceed the {tier} budget "
-                    f"({self.budget[tier]} bytes)")
+        tier = self.fit_tier(resident.user, resident.nbytes, tier)
         resident.slab = self.place(resident.slab, tier)
         resident.tier = tier
         with self._lock:

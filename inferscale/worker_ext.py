@@ -12,16 +12,18 @@ connector's background reloads (:func:`load_resident`).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from inferscale.resident import Resident
 
 
-def load_resident(config: Any, user: str, version: str) -> Resident:
+def load_resident(config: Any, user: str, version: str,
+                  admit: Callable[[Any], None] | None = None) -> Resident:
     """Hydrate ``user``'s artifact ``version`` from the store named in the connector config.
 
     The slab lands in host memory (pinned where CUDA exists); the store moves it to the
-    tier asked for. Checksums and the model fingerprint are verified by hydration.
+    tier asked for. Checksums and the model fingerprint are verified by hydration;
+    ``admit(manifest)`` may refuse the version before its KV is read (the budget check).
     """
     from inferscale.hydrate import hydrate
     from inferscale.store import StoreConfig
@@ -29,7 +31,7 @@ def load_resident(config: Any, user: str, version: str) -> Resident:
     if not config.artifact_root:
         raise RuntimeError("the connector has no artifact_root to hydrate from")
     store = StoreConfig(config.artifact_root, dict(config.storage_options))
-    art = hydrate(store, user, config.model_fingerprint, version, tier="host")
+    art = hydrate(store, user, config.model_fingerprint, version, tier="host", admit=admit)
     return Resident(user=user, version=art.manifest.version,
                     fingerprint=art.manifest.model_fingerprint, slab=art.slab,
                     index=dict(art.index),
@@ -63,7 +65,8 @@ class InferScaleWorkerExtension:
         conn = _connector()
         conn.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
         t0 = time.perf_counter()
-        resident = conn.hydrate(load_resident(conn.config, user, version), tier)
+        resident = conn.hydrate(load_resident(conn.config, user, version, conn.admission(tier)),
+                                tier)
         return {"user": user, "version": resident.version, "tier": resident.tier,
                 "bytes": resident.nbytes, "chunks": len(resident.index),
                 "seconds": round(time.perf_counter() - t0, 4)}
@@ -120,8 +123,11 @@ class InferScaleWorkerExtension:
 
     def inferscale_status(self) -> dict:
         conn = _connector()
+        from inferscale.hydrate import READS
+
         return {"residents": conn.store.residents(), "loaded_tokens": conn.loaded_tokens,
-                "reloads": conn.reloads,
+                "reloads": conn.reloads, "reload_failures": conn.reload_failures,
+                "kv_reads": dict(READS),
                 "inject_calls": conn.inject_calls,
                 "inject_ms_mean": conn.inject_seconds * 1e3 / max(1, conn.inject_calls),
                 "inject_path": conn.inject_path,
