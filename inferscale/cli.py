@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 from inferscale.settings import Settings, offline_environment
 
@@ -69,11 +70,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace):
-    from inferscale.admin_client import AdminClient
+    """The admin client: the key from ``--admin-key-file`` or INFERSCALE_ADMIN_KEY (never
+    from the command line, where ``ps`` shows it), sent only to a configured server."""
+    from inferscale.admin_client import admin_client_for
 
     settings = Settings()
-    key = args.admin_key or (settings.admin_key.get_secret_value() if settings.admin_key else None)
-    return AdminClient(args.url, admin_key=key)
+    if args.admin_key_file:
+        key = Path(args.admin_key_file).read_text().strip() or None
+    else:
+        key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    return admin_client_for(args.url, key, settings.admin_urls())
 
 
 def cmd_hydrate(args: argparse.Namespace) -> int:
@@ -194,6 +200,10 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
 # ---------------------------------------------------------------------------- parser
 
 
+ADMIN_KEY_HELP = ("file holding the admin key (default: INFERSCALE_ADMIN_KEY); sent only to "
+                  "INFERSCALE_SERVER_URLS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="inferscale", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -227,17 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, help_ in (("hydrate", cmd_hydrate, "load users into a running server"),
                               ("evict", cmd_evict, "drop users from a running server")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, allow_abbrev=False)  # --admin-key is no option
         p.add_argument("users", nargs="+")
         p.add_argument("--url", default="http://127.0.0.1:8000")
-        p.add_argument("--admin-key", default=None)
+        p.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
         if name == "hydrate":
             p.add_argument("--tier", choices=["gpu", "host"], default="gpu")
             p.add_argument("--version", default="latest")
         p.set_defaults(func=func)
-    p = sub.add_parser("status", help="what a running server holds")
+    p = sub.add_parser("status", help="what a running server holds", allow_abbrev=False)
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--admin-key", default=None)
+    p.add_argument("--admin-key-file", default=None, help=ADMIN_KEY_HELP)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("versions", help="a user's published versions (* = LATEST)")
