@@ -47,6 +47,9 @@ class UserMemory:
     texts: list[str]
     token_ids: dict[str, list[int]]  # chunk id -> token ids ("prefix" included)
     index: Any  # retrieval.FactIndex
+    source_index: dict[str, int] = field(default_factory=dict)  # fact id -> source turn index
+    memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
+    text_tail: int = 0
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:

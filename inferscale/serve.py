@@ -34,7 +34,7 @@ from inferscale.access import AccessPolicy, ServeError, is_loopback  # noqa: F40
 from inferscale.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
-from inferscale.compose import Composer
+from inferscale.compose import Composer, memory_layout
 from inferscale.encode import PREFIX_ID
 from inferscale.engine import MemoryEngine, MemoryRef, request_salt
 from inferscale.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory  # noqa: F401
@@ -93,8 +93,11 @@ class MemoryServer:
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
+        enc = manifest.encoder_config
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                          token_ids, FactIndex.from_table(facts, device=self.embedder.device))
+                          token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                          dict(zip(fact_ids, facts.column("source_index").to_pylist())),
+                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts import latest_version
@@ -125,14 +128,22 @@ class MemoryServer:
         t1 = time.perf_counter()
         facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
         t2 = time.perf_counter()
-        chunks = (PREFIX_ID, *facts)
-        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question)
+        if mode == "kv":  # the artifact's layout: injected facts, then a text tail
+            injected, tail = memory_layout(facts, mem.memory_order, mem.text_tail,
+                                           mem.source_index)
+        else:  # the baseline: every fact as text, best first
+            injected, tail = list(facts), []
+        chunks = (PREFIX_ID, *injected)
+        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
+                                  [mem.token_ids[c] for c in tail])
         # the version this server serves the user from: the workers replace an older one
         ref = MemoryRef(mem.user, mem.version, chunks, supersedes=True) if mode == "kv" else None
         salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
-        info.update(facts=list(facts), version=mem.version, memory_tokens=m, timings_ms={
-            "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3})
+        info.update(facts=list(facts), version=mem.version, memory_tokens=m,
+                    text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
+                        "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
+                        "compose": (t3 - t2) * 1e3})
         return Prepared(ids, ref, salt, info)
 
     def prepare(self, user: str | None, question: str, k: int | None = None,
