@@ -172,7 +172,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     dtype = getattr(torch, dtype_name)
     root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
     loaded = load_model(args.model, Settings().home, device=device, dtype=dtype_name)
-    embedder = Embedder("embedded", device=device)
+    embedder = Embedder(Settings().embedder, device=device)
     t0 = time.perf_counter()
     users = build_users(loaded.model, loaded.tokenizer, loaded.fingerprint, embedder, dtype,
                         args.window, root)

@@ -19,7 +19,9 @@ Scheduler side (engine-core process)
     reload the same (user, version) is not ordered again before a back-off
     (``reload_backoff_s``, doubling per failure up to ``reload_backoff_max_s``).
     ``build_connector_meta`` turns each admitted request into a :class:`LoadSpec` with
-    its slot mapping.
+    its slot mapping. An exception in any scheduler hook degrades to "0 external tokens"
+    (the request prefills; a request already admitted has its blocks reported as load
+    errors), is logged and counted.
 
 Worker side (worker process)
     :meth:`start_load_kv` checks every load against the worker's own
@@ -28,11 +30,15 @@ Worker side (worker process)
     tier: ``index_select``; host tier: pinned host->device copies of just those rows),
     rotates all keys of all layers in one call of the model's own rotary op at their
     virtual positions, and writes each layer with the attention backend's own cache
-    writer through the slot mapping. A load that cannot be served is reported through
-    ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks
-    (``kv_load_failure_policy="recompute"``): never wrong KV. Background reloads run on a
-    pool of ``reload_workers`` threads, one per (user, version) at a time, and check the
-    slab's size from the manifest against the budgets before reading it.
+    writer through the slot mapping. A load that cannot be served — not resident here, or
+    any exception while loading — is reported through ``get_block_ids_with_load_errors``
+    and vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never
+    wrong KV, and nothing escapes into vLLM's step. The failure is logged once with its
+    cause, counted (``load_failures`` in the worker's status) and reported to the
+    scheduler, whose answer for that request then says ``fallback: memory load failed``.
+    Background reloads run on a pool of ``reload_workers`` threads, one per (user,
+    version) at a time, and check the slab's size from the manifest against the budgets
+    before reading it.
 
 Version differences live in ``inferscale.vllm_compat``.
 """
@@ -145,6 +151,8 @@ class InferScaleMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     reloads: list[ReloadOrder] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)  # admitted, then failed: recompute
+    scheduler_errors: int = 0  # the scheduler side's failure count (shown in status)
 
 
 @dataclass
@@ -163,19 +171,42 @@ class ResidentInfo:
 
 @dataclass
 class ResidencyReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: residency changes since the last report, oldest first.
+    """Worker -> scheduler: residency changes since the last report, oldest first, and
+    the reloads and loads that failed.
 
     ``changes`` holds ``("add", ResidentInfo)`` and ``("remove", (user, version))``.
     """
 
     changes: list[tuple[str, Any]] = field(default_factory=list)
     failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
+    failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
 
     def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
         # Tensor parallelism is refused at start-up, so there is one worker; merging
         # keeps every change in order.
         return ResidencyReport(self.changes + other.changes,
-                               self.failed_reloads + other.failed_reloads)
+                               self.failed_reloads + other.failed_reloads,
+                               self.failed_loads + other.failed_loads)
+
+
+class Failures:
+    """Counts the connector's failures and logs each once: one line with its cause, and
+    the traceback the first time that cause is seen. One per connector side."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen: set[str] = set()
+
+    def record(self, what: str, exc: BaseException, then: str) -> str:
+        """Count and log ``exc`` (raised while doing ``what``; ``then``: what happens
+        instead); returns its cause as one line."""
+        self.count += 1
+        cause = f"{type(exc).__name__}: {exc}"
+        first = cause not in self._seen
+        if first and len(self._seen) < 1000:
+            self._seen.add(cause)
+        log.error("%s failed (%s); %s", what, cause, then, exc_info=exc if first else None)
+        return cause
 
 
 @dataclass
@@ -212,15 +243,22 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
             self.injected_tokens: dict[str, int] = {}
             self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
+            self._unloadable: set[str] = set()  # admitted, but no load could be planned
+            self._disabled: str | None = None  # set: no memory is admitted any more
+            self.failures = Failures()
         else:
+            # the engine's model dtype: slabs are converted to it once, when hydrated
+            self.model_dtype = vllm_config.model_config.dtype
             self.store = ResidentStore(self._worker_device(vllm_config),
                                        self.config.gpu_budget_bytes,
-                                       self.config.host_budget_bytes)
+                                       self.config.host_budget_bytes, self.model_dtype)
             self.rotary: torch.nn.Module | None = None
-            self.model_dtype = vllm_config.model_config.dtype
             self.admin_evicted: set[str] = set()
             self._invalid_blocks: set[int] = set()
             self._failed_reloads: list[tuple[str, str, str]] = []
+            self._failed_loads: list[tuple[str, str]] = []
+            self.failures = Failures()
+            self.scheduler_errors = 0
             self._reload_lock = threading.Lock()
             self._reload_pool = ThreadPoolExecutor(self.config.reload_workers,
                                                    thread_name_prefix="inferscale-reload")
@@ -254,7 +292,15 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject."""
+        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject (0 on
+        any error: the request prefills)."""
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("get_num_new_matched_tokens", request.request_id, exc)
+            return 0, False
+
+    def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)
         if params is None:
             return 0, False
@@ -278,12 +324,22 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
+    def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
+        """A scheduler hook raised for ``req_id``: count, log, and prefill its memory."""
+        self._plans.pop(req_id, None)
+        fallback = f"connector error in {hook}: {type(exc).__name__}: {exc}"
+        if self._fallbacks.get(req_id) != fallback:  # once per request, not per retry
+            self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
+            self._fallbacks[req_id] = fallback
+
     def _refusal(self, user: str, version: str, chunks: list[str], request: "Request",
                  supersedes: bool = False) -> str | None:
         """Why this request's memory cannot be injected, or None when it can. A miss
         orders a background reload when the workers hold nothing of the user, or hold
         another version and the request's version ``supersedes`` it (the server moved
         the user to a new LATEST)."""
+        if self._disabled:
+            return self._disabled
         info = self._view.get((user, version))
         if info is None:
             held = self._held.get(user)
@@ -320,10 +376,15 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        plan = self._plans.pop(request.request_id, None)
-        if num_external_tokens > 0 and plan is not None:
-            plan.start = plan.end - num_external_tokens
-            self._to_load[request.request_id] = plan
+        try:
+            plan = self._plans.pop(request.request_id, None)
+            if num_external_tokens > 0 and plan is not None:
+                plan.start = plan.end - num_external_tokens
+                self._to_load[request.request_id] = plan
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("update_state_after_alloc", request.request_id, exc)
+            if num_external_tokens > 0:  # vLLM counts them computed: report them failed
+                self._unloadable.add(request.request_id)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, list[int]]:
         """Paged-cache slot of each token in ``[start, end)``, and the blocks they use."""
@@ -335,6 +396,36 @@ class InferScaleConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = InferScaleMetadata(reloads=list(self._reloads.values()))
         self._reloads.clear()
+        try:
+            block_ids = self._scheduled_blocks(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            # the blocks of this step's admitted loads are unknown: they can be neither
+            # loaded nor reported, so no request is admitted from now on
+            cause = self.failures.record("build_connector_meta", exc,
+                                         "no memory is injected from now on")
+            self._disabled = f"connector disabled after an error ({cause})"
+            meta.scheduler_errors = self.failures.count
+            return meta
+        for req_id in self._unloadable & block_ids.keys():
+            self._unloadable.discard(req_id)
+            meta.failed_blocks.extend(block_ids[req_id])
+        for req_id, plan in list(self._to_load.items()):
+            if req_id not in block_ids:
+                continue  # not scheduled this step; stays pending
+            del self._to_load[req_id]
+            try:
+                slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
+                meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
+                                           plan.start, plan.end, slots, blocks))
+                self.injected_tokens[req_id] = plan.end - plan.start
+            except Exception as exc:  # noqa: BLE001 - its blocks are recomputed instead
+                self._failed("build_connector_meta", req_id, exc)
+                meta.failed_blocks.extend(block_ids[req_id])
+        meta.scheduler_errors = self.failures.count
+        return meta
+
+    def _scheduled_blocks(self, scheduler_output: "SchedulerOutput") -> dict[str, list[int]]:
+        """Block ids of the requests this step schedules that may need a load."""
         block_ids: dict[str, list[int]] = {}
         for new_req in scheduler_output.scheduled_new_reqs:
             block_ids[new_req.req_id] = block_ids_of(new_req)
@@ -342,22 +433,22 @@ class InferScaleConnector(KVConnectorBase_V1):
         resumed = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             # resumed after preemption: new_block_ids then lists all the request's blocks
-            if req_id in self._to_load and req_id in resumed and cached.new_block_ids[i]:
+            if (req_id in self._to_load or req_id in self._unloadable) and req_id in resumed \
+                    and cached.new_block_ids[i]:
                 block_ids[req_id] = list(cached.new_block_ids[i][0])
-        for req_id, plan in list(self._to_load.items()):
-            if req_id not in block_ids:
-                continue  # not scheduled this step; stays pending
-            slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
-            meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
-                                       plan.start, plan.end, slots, blocks))
-            self.injected_tokens[req_id] = plan.end - plan.start
-            del self._to_load[req_id]
-        return meta
+        return block_ids
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, ResidencyReport):
             return
+        try:
+            self._apply(report)
+        except Exception as exc:  # noqa: BLE001 - the workers re-check every load anyway
+            self.failures.record("update_connector_output", exc,
+                                 "the residency view may lag (loads are checked by workers)")
+
+    def _apply(self, report: ResidencyReport) -> None:
         for op, payload in report.changes:
             if op == "remove":
                 user, version = payload
@@ -383,14 +474,18 @@ class InferScaleConnector(KVConnectorBase_V1):
             log.warning("reload of user %s version %s failed (%d in a row; next try in "
                         "%.0f s at the earliest): %s", user, version[:12], failures, wait,
                         reason)
+        for req_id, reason in report.failed_loads:  # the worker logged and counted it
+            if self.injected_tokens.pop(req_id, None) is not None:
+                self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._plans.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)
-        injected = self.injected_tokens.pop(request.request_id, 0)
-        result: dict[str, Any] = {"injected_tokens": injected}
-        fallback = self._fallbacks.pop(request.request_id, None)
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._to_load.pop(req_id, None)
+        self._unloadable.discard(req_id)
+        result: dict[str, Any] = {"injected_tokens": self.injected_tokens.pop(req_id, 0)}
+        fallback = self._fallbacks.pop(req_id, None)
         if fallback:
             result["fallback"] = fallback
         return False, {PARAMS_KEY: result}
@@ -441,10 +536,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         from inferscale.hydrate import slab_nbytes
 
         def admit(manifest: Any) -> None:
-            self.store.fit_tier(manifest.user, slab_nbytes(manifest), tier)
+            self.store.fit_tier(manifest.user, slab_nbytes(manifest, self.store.dtype), tier)
         return admit
 
-    def _submit_reload(self, order: ReloadOrder) -> None:
+    def _start_reload(self, order: ReloadOrder) -> None:
         """Queue the scheduler's reload order on the pool (at most one per (user, version)
         at a time); ``order.tier`` None: the tier the user's current version is on, else
         ``reload_tier``. An admin-evicted user is refused (reported to the scheduler)."""
@@ -457,7 +552,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             if (user, version) in self._reloading:
                 return
             self._reloading.add((user, version))
-        tier = order.tier or self.store.tier_of(user) or self.config.reload_tier
+        held = self.store.held(user)
+        tier = order.tier or (held.tier if held is not None else self.config.reload_tier)
         self._reload_pool.submit(self._reload, ReloadOrder(user, version, tier))
 
     def _reload(self, order: ReloadOrder) -> None:
@@ -483,10 +579,20 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._reloading.discard((order.user, order.version))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Start the step's background reloads and memory loads. Never raises: a load
+        that fails for any reason is reported through :meth:`get_block_ids_with_load_errors`."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, InferScaleMetadata)
+        self.scheduler_errors = meta.scheduler_errors
+        self._invalid_blocks.update(meta.failed_blocks)
         for order in meta.reloads:
-            self._submit_reload(order)
+            try:
+                self._start_reload(order)
+            except Exception as exc:  # noqa: BLE001 - reported to the scheduler
+                cause = self.failures.record(f"starting the reload of user {order.user}", exc,
+                                             "a later request orders it again")
+                with self._reload_lock:
+                    self._failed_reloads.append((order.user, order.version, cause))
         if meta.loads:
             t0 = time.perf_counter()
             self._step = self._begin(meta.loads, forward_context)
@@ -494,34 +600,76 @@ class InferScaleConnector(KVConnectorBase_V1):
             self.inject_calls += 1
 
     def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
-        """Verify the step's loads against the store, then start them (see inject.py)."""
+        """Verify the step's loads against the store, then start them (see inject.py).
+        Every load that is refused or raises is reported as failed (:meth:`_load_failed`)."""
+        jobs, specs, at = [], [], 0
+        try:
+            layers = self._attention_layers(forward_context)
+        except Exception as exc:  # noqa: BLE001 - every load of the step is recomputed
+            for spec in loads:
+                self._load_failed(spec, exc)
+            return None
+        for spec in loads:
+            try:
+                resident = self.store.get(spec.user, spec.version)
+                problem = self._check(spec, resident)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+                continue
+            if problem:
+                self._load_failed(spec, problem)
+                continue
+            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
+            specs.append(spec)
+            at += spec.end - spec.start
+        if not jobs:
+            return None
+        try:
+            return self._run(jobs, specs, layers)
+        except Exception as exc:  # noqa: BLE001
+            if len(jobs) == 1:
+                self._load_failed(specs[0], exc)
+                return None
+        # the step's joint load failed: load each request alone, so that only the
+        # requests whose own load fails are recomputed
+        step = None
+        for job, spec in zip(jobs, specs):
+            job.at = 0
+            try:
+                step = self._run([job], [spec], layers)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+        return step
+
+    def _attention_layers(self, forward_context: "ForwardContext") -> list[tuple[int, Any]]:
         if self._layers is None:  # the attention layers never change: find them once
             self._layers = attention_layers(forward_context.no_compile_layers)
         if self._fused is None:
             self._build_fused()
-        layers = self._layers
-        if not layers:
-            return None
-        jobs, slots, at = [], [], 0  # slots: one int64 array per job
-        for spec in loads:
-            resident = self.store.get(spec.user, spec.version)
-            problem = self._check(spec, resident)
-            if problem:
-                log.warning("request %s: cannot inject memory (%s); recomputing its blocks",
-                            spec.req_id, problem)
-                self._invalid_blocks.update(spec.block_ids)
-                continue
-            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
-            slots.append(spec.slot_mapping)
-            at += spec.end - spec.start
-        if not jobs:
-            return None
-        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary, slots,
-                            self._staging, self._fused)
-        self.loaded_tokens += at
+        if not self._layers:
+            raise RuntimeError("the engine has no attention layer with a paged KV cache")
+        return self._layers
+
+    def _run(self, jobs: list[Job], specs: list[LoadSpec],
+             layers: list[tuple[int, Any]]) -> StepLoad:
+        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary,
+                            [s.slot_mapping for s in specs], self._staging, self._fused)
+        self.loaded_tokens += sum(j.width for j in jobs)
         if self.verify_next:
             self.last_step, self.verify_next = step, False
         return step
+
+    def _load_failed(self, spec: LoadSpec, why: str | BaseException) -> None:
+        """Report ``spec``'s blocks as load errors (vLLM recomputes them), count and log
+        it once, and tell the scheduler (the request's answer names the cause)."""
+        what = f"request {spec.req_id} (user {spec.user}): memory load"
+        if isinstance(why, BaseException):
+            why = self.failures.record(what, why, "recomputing its blocks")
+        else:
+            self.failures.count += 1
+            log.warning("%s refused (%s); recomputing its blocks", what, why)
+        self._invalid_blocks.update(spec.block_ids)
+        self._failed_loads.append((spec.req_id, why))
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
         if resident is None:
@@ -554,8 +702,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         events = self.store.take_events()
         with self._reload_lock:
             failed, self._failed_reloads = self._failed_reloads, []
-        if not events and not failed:
+        loads, self._failed_loads = self._failed_loads, []
+        if not events and not failed and not loads:
             return None
         changes = [("add", ResidentInfo.of(e.resident)) if e.op == "add"
                    else ("remove", (e.user, e.version)) for e in events]
-        return ResidencyReport(changes, failed)
+        return ResidencyReport(changes, failed, loads)

@@ -83,14 +83,16 @@ class HydratedArtifact:
         return self.slab[offset:offset + length]
 
 
-def slab_nbytes(manifest: Manifest) -> int:
-    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored, from its manifest
-    alone (nothing of ``kv.arrow`` is read)."""
+def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored, or once converted to
+    ``dtype``, from its manifest alone (nothing of ``kv.arrow`` is read)."""
     kv, tokens = manifest.kv, int(manifest.counts.get("tokens") or 0)
     itemsize = kv_schema.ITEMSIZE.get(str(kv.get("dtype")))
     if itemsize is None:
         raise CorruptArtifact(f"manifest of version {manifest.version}: unknown KV dtype "
                               f"{kv.get('dtype')!r}")
+    if dtype is not None:
+        itemsize = dtype.itemsize
     return tokens * 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * itemsize
 
 

@@ -107,12 +107,14 @@ def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch
     sources, moved = [], []
     for j in jobs:
         sl = slice(j.at, j.at + j.width)
-        if j.resident.slab.device == device:  # read in place
-            sources.append(Source(j.resident.slab, row_numpy(j.resident, j.chunks, j.start,
-                                                             j.end), positions[sl], slots[sl]))
+        slab = j.resident.slab
+        if slab.device == device and slab.dtype == dtype:  # read in place
+            sources.append(Source(slab, row_numpy(j.resident, j.chunks, j.start, j.end),
+                                  positions[sl], slots[sl]))
         else:
             moved.append(j)
-    if moved:  # host tier behind a device: only the needed rows cross, into staging
+    if moved:  # host tier behind a device (or a slab in another dtype, which the resident
+        # store never keeps): only the needed rows cross, into staging, converted
         _, _, L, H, D = moved[0].resident.slab.shape
         n = sum(j.width for j in moved)
         buf = staging.take((n, 2, L, H, D), dtype, device)  # [n, 2, L, H, D]

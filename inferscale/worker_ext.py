@@ -69,6 +69,7 @@ class InferScaleWorkerExtension:
                                 tier)
         return {"user": user, "version": resident.version, "tier": resident.tier,
                 "bytes": resident.nbytes, "chunks": len(resident.index),
+                "dtype": str(resident.slab.dtype).removeprefix("torch."),
                 "seconds": round(time.perf_counter() - t0, 4)}
 
     def inferscale_set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
@@ -121,13 +122,30 @@ class InferScaleWorkerExtension:
     def inferscale_evict(self, user: str) -> bool:
         return _connector().evict(user)
 
+    def inferscale_fault_drop_slab(self, user: str) -> bool:
+        """Fault injection, for tests: the data of ``user``'s resident slab disappears
+        underneath the store (the slab becomes a tensor of its shape and dtype without
+        storage), so its next load fails inside the real load path. Hydrate the user
+        again to repair it. Returns whether the user was resident."""
+        import torch
+
+        resident = _connector().store.held(user)
+        if resident is None:
+            return False
+        slab = resident.slab
+        resident.slab = torch.empty_strided(slab.shape, slab.stride(), dtype=slab.dtype,
+                                            device="meta")
+        return True
+
     def inferscale_status(self) -> dict:
         conn = _connector()
         from inferscale.hydrate import READS
 
         return {"residents": conn.store.residents(), "loaded_tokens": conn.loaded_tokens,
                 "reloads": conn.reloads, "reload_failures": conn.reload_failures,
-                "kv_reads": dict(READS),
+                "kv_reads": dict(READS),  # kv.arrow reads started (hydrations, reloads)
+                "load_failures": conn.failures.count,  # loads recomputed instead (logged)
+                "scheduler_errors": conn.scheduler_errors,  # scheduler-hook errors (logged)
                 "inject_calls": conn.inject_calls,
                 "inject_ms_mean": conn.inject_seconds * 1e3 / max(1, conn.inject_calls),
                 "inject_path": conn.inject_path,

