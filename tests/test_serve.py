@@ -285,6 +285,7 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert pref is None and pinfo["facts"] == info["facts"]
     assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info["facts"]],
                                     q)[0]
+    engine_env.loop.run(engine_env.engine.hydrate("layout-user", "latest", "gpu"))
     out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
 
