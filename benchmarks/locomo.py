@@ -289,7 +289,7 @@ def _save(res: dict, out: str | None, complete: bool, wall: float) -> dict:
     res["summary"]["wall_seconds"] = wall
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+        Path(out).write_text(locomo_report.dumps(res))
     return res
 
 
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
                          "benchmarks/locomo_select.py and compare it with the baseline")
-    ap.add_argument("--max-tail", type=int, default=3,
+    ap.add_argument("--max-tail", type=int, default=5,
                     help="longest text tail --select-default may pick (serving cost)")
     ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
                     help="numbers of retrieved facts")

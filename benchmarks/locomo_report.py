@@ -7,10 +7,22 @@ Callers: ``benchmarks/locomo.py`` (after every phase), ``tests/test_bench_locomo
 
 from __future__ import annotations
 
+import json
 import platform
 from typing import Any, Iterable, Sequence
 
 from benchmarks import qa_metrics
+
+
+def dumps(result: dict) -> str:
+    """The result as JSON text: indented, but one line per answer record (compact and
+    still diffable; a run holds tens of thousands of them)."""
+    head = {k: v for k, v in result.items() if k != "records"}
+    text = json.dumps(head, indent=1)
+    if "records" not in result:
+        return text + "\n"
+    lines = ",\n".join(json.dumps(r, separators=(",", ":")) for r in result["records"])
+    return text[:-2] + ',\n "records": [\n' + lines + "\n ]\n}\n"
 
 
 def device_line(device: str) -> str:

@@ -113,7 +113,7 @@ case "${1:-}" in
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
     ;;
   equivalence)
-    run equivalence-h200 240 python benchmarks/equivalence.py --device cuda \
+    run equivalence-h200 540 python benchmarks/equivalence.py --device cuda \
       --dtypes float32 bfloat16 --out "$OUT/equivalence-h200.json"
     ;;
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
