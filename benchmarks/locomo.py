@@ -17,7 +17,7 @@ vLLM engine, in these modes:
 
 Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encoder config
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
-``inferscale.encode.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
+``inferscale.encode.encoder.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
 ``memory_order``, ``text_tail``). Retrieval runs once per question (exact top-``max(ks)``)
 and top-k is its first k facts, so every mode and k answers from the same facts.
 
@@ -68,14 +68,14 @@ class Variant:
     fields: tuple[tuple[str, object], ...]
 
     def encoder_config(self, **base):
-        from inferscale.encode import EncoderConfig
+        from inferscale.encode.encoder import EncoderConfig
 
         return EncoderConfig(**{**base, **dict(self.fields)})
 
 
 def parse_variant(spec: str) -> Variant:
     """``NAME:field=value,field=value`` -> :class:`Variant` (values: int, float or text)."""
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.encoder import EncoderConfig
 
     name, _, body = spec.partition(":")
     known = {f.name: f.type for f in fields(EncoderConfig)}
@@ -117,7 +117,7 @@ def build_facts(args, turns: pa.Table, tokenizer, embedder) -> pa.Table:
         from benchmarks.memory_setup import raw_facts
 
         return raw_facts(turns, tokenizer, embedder)
-    from inferscale.facts import FactsConfig, extract_facts
+    from inferscale.facts.extractor import FactsConfig, extract_facts
 
     cfg = FactsConfig(mode="mem0", llm_base_url=args.llm_base_url, llm_model=args.llm_model)
     (result,) = extract_facts(turns, tokenizer, cfg).values()
@@ -145,7 +145,7 @@ class Conversation:
 
 def prepare(args, path: str, loaded, embedder) -> Conversation:
     from benchmarks.memory_setup import load_turns
-    from inferscale.retrieval import FactIndex
+    from inferscale.serve.retrieval import FactIndex
 
     turns = load_turns(path)
     facts = build_facts(args, turns, loaded.tokenizer, embedder)
@@ -197,7 +197,7 @@ async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation
     """Answer every question of ``conv`` at every k in ``mode``; records keyed by (q, k).
 
     ``ref_of(ranked) -> (injected, tail, MemoryRef)`` lays out a KV mode's request."""
-    from inferscale.encode import PREFIX_ID
+    from inferscale.types import PREFIX_ID
 
     prefix = token_ids[PREFIX_ID]
     sem = asyncio.Semaphore(args.concurrency)
@@ -231,9 +231,9 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
               on_phase) -> None:
     """Every (conversation, mode, question, k) on one engine. A variant's facts are
     encoded just before its phase; ``on_phase(conv, mode, phase, answers)`` after each."""
-    from inferscale.compose import Composer, memory_layout
-    from inferscale.encode import PREFIX_ID
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.encode.compose import Composer, memory_layout
+    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.types import PREFIX_ID
 
     engine = await MemoryEngine(EngineConfig(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint,
@@ -274,7 +274,8 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
                 variant = next(v for v in variants if v.name == mode)
                 for conv in convs:
                     hydrated[conv.name] = encode_variant(args, loaded, conv, variant, root)
-                    await engine.hydrate(hydrated[conv.name][0], hydrated[conv.name][1], "gpu")
+                    await engine.hydrate(hydrated[conv.name][0], version=hydrated[conv.name][1],
+                                         tier="gpu")
             await engine.llm.reset_prefix_cache()
             await asyncio.gather(*(phase_of(c, mode, hydrated[c.name]) for c in convs))
             for h in hydrated.values():
@@ -367,9 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     command = command_line(argv)
 
-    from inferscale.encode import EncoderConfig
-    from inferscale.models import load_model
-    from inferscale.retrieval import Embedder
+    from inferscale.encode.encoder import EncoderConfig
+    from inferscale.encode.models import load_model
+    from inferscale.serve.retrieval import Embedder
 
     loaded = load_model(args.model, Settings().home, device=args.device, dtype=args.kv_dtype)
     embedder = Embedder(Settings().embedder, device=args.device)

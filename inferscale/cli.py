@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from inferscale.settings import Settings, offline_environment
+from inferscale.types import TIERS
 
 DEMO_QUESTIONS = [
     ("maya", "What is my dog's name?"),
@@ -46,8 +47,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from inferscale.facts import FactsConfig
-    from inferscale.logs import sample_conversations
+    from inferscale.facts.extractor import FactsConfig
+    from inferscale.ingest.logs import sample_conversations
     from inferscale.pipeline import PipelineConfig, run
 
     settings = _settings(args)
@@ -59,7 +60,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from inferscale.serve import ServeError, serve_forever
+    from inferscale.serve.app import ServeError, serve_forever
 
     try:
         asyncio.run(serve_forever(_settings(args), args.mode, args.host, args.port))
@@ -72,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace):
     """The admin client: the key from ``--admin-key-file`` or INFERSCALE_ADMIN_KEY (never
     from the command line, where ``ps`` shows it), sent only to a configured server."""
-    from inferscale.admin_client import admin_client_for
+    from inferscale.serve.admin_client import admin_client_for
 
     settings = Settings()
     if args.admin_key_file:
@@ -103,7 +104,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _admin_failure(args: argparse.Namespace, exc: Exception) -> int:
     """One line on stderr for a failed admin call; exit status 1."""
-    from inferscale.admin_client import AdminError
+    from inferscale.serve.admin_client import AdminError
 
     if isinstance(exc, AdminError) and exc.status is None:
         cause = exc.__cause__ or exc
@@ -115,9 +116,9 @@ def _admin_failure(args: argparse.Namespace, exc: Exception) -> int:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from inferscale.artifacts import latest_version, list_versions
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import latest_version, list_versions
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
 
     settings = _settings(args)
     store = StoreConfig.from_settings(settings)
@@ -145,7 +146,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     root = args.artifact_root or str(settings.home / "demo" / "artifacts")
     os.environ.setdefault("PREFECT_HOME", str(settings.home / "prefect"))
     from flows.encode import encode_users
-    from inferscale.logs import sample_conversations
+    from inferscale.ingest.logs import sample_conversations
 
     print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({args.fact_mode})"
           f" -> pre-RoPE KV (window {settings.window}) -> artifacts under {root}", flush=True)
@@ -177,7 +178,8 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
     import uvicorn
     from openai import AsyncOpenAI
 
-    from inferscale.serve import AccessPolicy, create_app, start_server
+    from inferscale.serve.app import AccessPolicy, create_app
+    from inferscale.serve.server import start_server
 
     print("[2/3] starting the engine (vLLM + InferScale connector) and the OpenAI-compatible "
           "server on 127.0.0.1", flush=True)
@@ -286,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default="http://127.0.0.1:8000", help=url_help)
         p.add_argument("--admin-key-file", default=None, help=key_help)
         if name == "hydrate":
-            p.add_argument("--tier", choices=["gpu", "host"], default="gpu",
+            p.add_argument("--tier", choices=list(TIERS), default="gpu",
                            help="gpu: device memory; host: pinned host memory")
             p.add_argument("--version", default="latest",
                            help="version id to load, or 'latest' (the LATEST pointer)")
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "port", 1) is None:
         args.port = Settings().port
     if args.func in (cmd_hydrate, cmd_evict, cmd_status):
-        from inferscale.admin_client import AdminError
+        from inferscale.serve.admin_client import AdminError
 
         try:
             return args.func(args)

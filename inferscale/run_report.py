@@ -2,7 +2,7 @@
 
 Each user ends in one :class:`UserOutcome` (``published``: a new version; ``unchanged``:
 its inputs were already published, ``LATEST`` names that version; ``up-to-date``: skipped
-without encoding, see :mod:`inferscale.staleness`; ``failed``: with the error). A
+without encoding, see :mod:`inferscale.artifacts.staleness`; ``failed``: with the error). A
 :class:`RunReport` collects them with the ingest counts and renders the run summary as a
 dict (what a flow returns), as markdown and as table rows.
 

@@ -19,7 +19,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inferscale.user_ids import check_user_id
+from inferscale.types import (
+    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, KVDtype, check_user_id,
+)
 
 # The settings a Ray worker of the encode flows may receive in its environment
 # (``runtime_env``): an explicit allow-list of non-secret knobs. Keys, the admin key, the
@@ -60,7 +62,7 @@ class Settings(BaseSettings):
     # -- the serving model and the encoder
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    kv_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    kv_dtype: KVDtype = "bfloat16"
     window: int = Field(default=5, ge=0, description="turns of context before each fact")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
@@ -108,8 +110,8 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(default=8192, ge=1)
     max_output_tokens: int = Field(default=4096, ge=1, description="largest max_tokens")
     max_top_k: int = Field(default=100, ge=1)
-    gpu_budget_bytes: int = Field(default=8 << 30, ge=0)
-    host_budget_bytes: int = Field(default=32 << 30, ge=0)
+    gpu_budget_bytes: int = Field(default=GPU_BUDGET_BYTES, ge=0)
+    host_budget_bytes: int = Field(default=HOST_BUDGET_BYTES, ge=0)
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(
         default=None, gt=0, description="vLLM KV cache size; set = gpu_memory_utilization is "

@@ -16,7 +16,7 @@ The file holds one record batch, one row per chunk:
   the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32;
   the true dtype, the layout and L/H/D are in the schema metadata.
 
-Written by ``inferscale.artifacts.publish``; read by ``inferscale.hydrate``.
+Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
 """
 
 from __future__ import annotations

