@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from inferscale.settings import Settings, offline_environment
-from inferscale.types import TIERS
+from inferscale.types import ENCODER_CONTEXTS, TIERS
 
 DEMO_QUESTIONS = [
     ("maya", "What is my dog's name?"),
@@ -38,6 +38,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "artifact_root": getattr(args, "artifact_root", None),
         "model": getattr(args, "model", None),
         "window": getattr(args, "window", None),
+        "encoder_context": getattr(args, "context", None),
+        "text_tail": getattr(args, "text_tail", None),
         "fact_mode": getattr(args, "fact_mode", None),
     }.items() if v is not None}
     return Settings(**overrides)
@@ -265,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: INFERSCALE_FACT_MODE)")
     p.add_argument("--window", type=int, default=None,
                    help="turns of context encoded before each fact (default: INFERSCALE_WINDOW)")
+    p.add_argument("--context", choices=list(ENCODER_CONTEXTS), default=None,
+                   help="what each fact is encoded after: memory = the serving prefix and the "
+                   "window as memory lines; transcript = the raw window (the original "
+                   "encoder) (default: INFERSCALE_ENCODER_CONTEXT)")
+    p.add_argument("--text-tail", type=int, default=None,
+                   help="best facts a request prefills as text right before the question "
+                   "instead of injecting them (default: INFERSCALE_TEXT_TAIL)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--artifact-root", default=None, help=root_help)
     p.add_argument("--quarantine", default=None, help="where rejected records go (JSONL)")

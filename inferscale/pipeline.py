@@ -51,7 +51,10 @@ class PipelineConfig:
             encoder=EncoderConfig(window=settings.window, dtype=settings.kv_dtype,
                                   max_fact_tokens=settings.max_fact_tokens,
                                   max_window_tokens=settings.max_window_tokens,
-                                  batch_tokens=settings.encode_batch_tokens),
+                                  batch_tokens=settings.encode_batch_tokens,
+                                  context=settings.encoder_context,
+                                  memory_order=settings.memory_order,
+                                  text_tail=settings.text_tail),
             artifact_root=settings.resolved_artifact_root(),
             storage_options=settings.storage_options(),
         )

@@ -20,8 +20,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.types import (
-    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, KVDtype, check_user_id,
-)
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, MEMORY_ORDERS, KVDtype, check_user_id)
 
 # The settings a Ray worker of the encode flows may receive in its environment
 # (``runtime_env``): an explicit allow-list of non-secret knobs. Keys, the admin key, the
@@ -29,8 +29,9 @@ from inferscale.types import (
 # their parameters).
 WORKER_ENV_SETTINGS = (
     "home", "artifact_root", "s3_endpoint_url", "s3_region", "log_uris", "model", "device",
-    "kv_dtype", "window", "max_fact_tokens", "max_window_tokens", "encode_batch_tokens",
-    "fact_mode", "embedder", "llm_base_url", "llm_model", "openai_embedding_model",
+    "kv_dtype", "window", "encoder_context", "memory_order", "text_tail", "max_fact_tokens",
+    "max_window_tokens", "encode_batch_tokens", "fact_mode", "embedder", "llm_base_url",
+    "llm_model", "openai_embedding_model",
 )
 
 
@@ -63,7 +64,16 @@ class Settings(BaseSettings):
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     kv_dtype: KVDtype = "bfloat16"
-    window: int = Field(default=5, ge=0, description="turns of context before each fact")
+    window: int = Field(default=DEFAULT_WINDOW, ge=0,
+                        description="turns of context before each fact")
+    encoder_context: Literal[ENCODER_CONTEXTS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_CONTEXT, description="what each fact is encoded after: 'memory' = "
+        "the serving prefix and the window as memory lines; 'transcript' = the window as raw "
+        "transcript (the original encoder); 'prefix' = the prefix and the raw window")
+    memory_order: Literal[MEMORY_ORDERS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_MEMORY_ORDER, description="order of a request's injected facts")
+    text_tail: int = Field(default=DEFAULT_TEXT_TAIL, ge=0, description="the best facts "
+                           "prefilled as text right before the question instead of injected")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
     encode_batch_tokens: int = Field(default=16384, ge=64)

@@ -10,6 +10,12 @@
   where CUDA exists).
 - :data:`GPU_BUDGET_BYTES` / :data:`HOST_BUDGET_BYTES`: the default byte budgets of those
   tiers (``INFERSCALE_GPU_BUDGET_BYTES``, ``INFERSCALE_HOST_BUDGET_BYTES``).
+- :data:`ENCODER_CONTEXTS`, :data:`MEMORY_ORDERS` and the encoder's defaults
+  (:data:`DEFAULT_WINDOW`, :data:`DEFAULT_CONTEXT`, :data:`DEFAULT_MEMORY_ORDER`,
+  :data:`DEFAULT_TEXT_TAIL`): what each fact is encoded after and how a request lays out
+  its memory; the encoder config and the settings both default to these. They are the
+  variant that answered as well as the prompt baseline on LoCoMo
+  (``benchmarks/README.md``, "Answer quality").
 - :func:`check_user_id` / :func:`user_id_problem`: what a valid user id is, checked
   wherever an id enters the system (log ingestion quarantines a record with a bad one;
   the settings' ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin
@@ -46,6 +52,17 @@ TIERS: tuple[Tier, ...] = ("gpu", "host")
 
 GPU_BUDGET_BYTES = 8 << 30
 HOST_BUDGET_BYTES = 32 << 30
+
+# "transcript": the window's turns as raw transcript, nothing before them; "memory": the
+# serving prefix, then the window's turns as memory lines; "prefix": the serving prefix,
+# then the window as transcript.
+ENCODER_CONTEXTS = ("transcript", "memory", "prefix")
+# The order of a request's injected facts: best first, best last, or by source turn.
+MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
+DEFAULT_WINDOW = 20
+DEFAULT_CONTEXT = "memory"
+DEFAULT_MEMORY_ORDER = "relevance"
+DEFAULT_TEXT_TAIL = 5  # the best facts prefilled as text right before the question
 
 
 def torch_dtype(name: str) -> "torch.dtype":

@@ -1,13 +1,26 @@
 """Context-window encoder: facts -> relocatable pre-RoPE KV.
 
-A fact extracted from turn ``t`` is encoded in one forward pass over
-``[turns t-w .. t-1] + [fact tokens]``; only the fact's K and V are kept, for every layer.
+A fact extracted from turn ``t`` is encoded in one forward pass over a context and then
+the fact's tokens; only the fact's K and V are kept, for every layer. The context
+(``EncoderConfig.context``) is, by default (``"memory"``), the serving prefix
+(chat-template head + instruction, at positions 0..P-1, so every fact shares the serving
+attention sink) followed by the ``w`` turns before ``t`` written as memory lines
+(``- [date] Speaker: text``), exactly as the served memory list writes facts: the encoding
+context looks like the serving context. ``"transcript"`` (the original encoder) writes
+the window as raw transcript with nothing before it; ``"prefix"`` puts the serving prefix
+before a raw window. With raw-turn facts and a window reaching back to the first turn,
+``"memory"`` is exactly the joint prefill of the chronological memory list.
+
 K is exactly the tensor that enters the model's ``apply_rotary_pos_emb`` (after ``k_norm``
 where the architecture has one, e.g. Qwen3); V is the tensor that enters the attention
-function, exactly what a KV cache would store. Facts sharing a source turn share one pass: the sequence is
-``[window | fact_1 | fact_2 | ...]`` with a block mask (each fact sees the window and
-itself, never another fact) and position ids that restart at ``len(window)`` for every
-fact, so each fact is encoded exactly as if it followed its window alone.
+function, exactly what a KV cache would store. Facts sharing a source turn share one pass:
+the sequence is ``[context | fact_1 | fact_2 | ...]`` with a block mask (each fact sees
+the context and itself, never another fact) and position ids that restart at
+``len(context)`` for every fact, so each fact is encoded exactly as if it followed its
+context alone. ``key_temperature`` != 1 divides the stored keys of facts (an experiment;
+it breaks the limiting case's exactness). ``memory_order`` and ``text_tail`` do not
+change the encoding: they are the composer settings the artifact carries for the server
+(:func:`inferscale.encode.compose.memory_layout`).
 
 The general form is :func:`encode_segments`: any context token ids followed by chunks
 (:class:`~inferscale.encode.batches.Segment`; batching and the block mask are
@@ -18,9 +31,10 @@ The window form (:func:`encode_facts`) builds contexts from turns; tests build t
 Callers: the encode flow (through ``tasks/``), the CLI, benchmarks and tests. The
 output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
 
-Edge cases (stated): ``w = 0`` encodes the fact alone at positions ``0..len-1``; windows
-stop at the start of the conversation; a window longer than ``max_window_tokens`` keeps
-its most recent tokens; a fact longer than ``max_fact_tokens`` is truncated to its first
+Edge cases (stated): ``w = 0`` encodes the fact after the serving prefix (``"memory"``,
+``"prefix"``) or alone at positions ``0..len-1`` (``"transcript"``); windows stop at the
+start of the conversation; a window longer than ``max_window_tokens`` keeps its most
+recent tokens (the prefix is always kept); a fact longer than ``max_fact_tokens`` is truncated to its first
 ``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
 :class:`~inferscale.encode.compose.ComposeError`.
 """
@@ -36,11 +50,12 @@ import torch
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.encode.compose import (
-    DEFAULT_INSTRUCTION, MEMORY_ORDERS, Composer, memory_text,
+    DEFAULT_INSTRUCTION, Composer, memory_text,
 )
-from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
+from inferscale.types import (
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    KV_DTYPES, MEMORY_ORDERS, PREFIX_ID, torch_dtype)
 
-CONTEXTS = ("transcript", "memory", "prefix")
 _capture_lock = threading.Lock()
 
 
@@ -52,32 +67,33 @@ class EncodeError(ValueError):
 class EncoderConfig:
     """How facts are encoded; part of an artifact's identity (its version hash)."""
 
-    window: int = 5
+    window: int = DEFAULT_WINDOW
     dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
     max_fact_tokens: int = 256
     max_window_tokens: int = 4096
     batch_tokens: int = 16384  # padded tokens per forward pass
     instruction: str = DEFAULT_INSTRUCTION
     turn_template: str = "{speaker}: {text}\n"
-    # What each fact is encoded after (see the module docstring): ``"transcript"`` = the
-    # window's turns as raw transcript (``turn_template``), nothing before them;
-    # ``"memory"`` = the serving prefix (chat-template head + instruction) at positions
-    # 0..P-1, then the window's turns written as memory lines, exactly as the served
-    # memory list writes facts; ``"prefix"`` = the serving prefix, then the window as
-    # transcript (the shared attention sink alone, for ablations).
-    context: str = "transcript"
+    # What each fact is encoded after (see the module docstring): ``"memory"`` (default)
+    # = the serving prefix (chat-template head + instruction) at positions 0..P-1, then
+    # the window's turns written as memory lines, exactly as the served memory list writes
+    # facts; ``"transcript"`` = the window's turns as raw transcript (``turn_template``),
+    # nothing before them (the original encoder); ``"prefix"`` = the serving prefix, then
+    # the window as transcript (the shared attention sink alone, for ablations).
+    context: str = DEFAULT_CONTEXT
     # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
     key_temperature: float = 1.0
     # How the server lays out a request's memory (composer settings kept with the artifact):
     # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
     # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
     # facts are prefilled as text right before the question instead of injected.
-    memory_order: str = "relevance"
-    text_tail: int = 0
+    memory_order: str = DEFAULT_MEMORY_ORDER
+    text_tail: int = DEFAULT_TEXT_TAIL
 
     def __post_init__(self) -> None:
-        if self.context not in CONTEXTS:
-            raise EncodeError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if self.context not in ENCODER_CONTEXTS:
+            raise EncodeError(f"context must be one of {ENCODER_CONTEXTS}, "
+                              f"got {self.context!r}")
         if not self.key_temperature > 0:
             raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
         if self.memory_order not in MEMORY_ORDERS:

@@ -160,7 +160,7 @@ TURNS = [TurnText("A", "I got a dog."), TurnText("B", "What is his name?"),
 @pytest.mark.slow
 def test_window_edges(smol_tokenizer):
     composer = Composer(smol_tokenizer)
-    cfg = EncoderConfig(window=2)
+    cfg = EncoderConfig(window=2, context="transcript")
     facts = [FactSpec("f0", "A has a dog.", 0), FactSpec("f2", "The dog is Rex.", 2),
              FactSpec("f2b", "A named the dog Rex.", 2)]
     segs = window_segments(TURNS, facts, composer, cfg)
@@ -168,12 +168,14 @@ def test_window_edges(smol_tokenizer):
     expected = "".join(f"{t.speaker}: {t.text}\n" for t in TURNS[0:2])
     assert smol_tokenizer.decode(list(segs[1].context)) == expected
     assert [cid for cid, _ in segs[1].chunks] == ["f2", "f2b"]  # one pass for one turn
-    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0))
+    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0, context="transcript"))
     assert all(s.context == () for s in w0)
-    long_window = window_segments(TURNS, facts, composer, EncoderConfig(window=50))
+    long_window = window_segments(TURNS, facts, composer,
+                                  EncoderConfig(window=50, context="transcript"))
     assert len(long_window[1].context) == len(segs[1].context)
     truncated = window_segments(TURNS, facts, composer,
-                                EncoderConfig(window=2, max_window_tokens=4))
+                                EncoderConfig(window=2, context="transcript",
+                                              max_window_tokens=4))
     assert truncated[1].context == segs[1].context[-4:]  # keeps the most recent tokens
 
 
@@ -277,7 +279,7 @@ def test_window_contexts(smol_tokenizer):
     composer = Composer(smol_tokenizer)
     fact = [FactSpec("f", "A named the dog Rex.", 2)]
     raw = "A: I got a dog.\nB: What is his name?\n"
-    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2))
+    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="transcript"))
     assert smol_tokenizer.decode(list(t.context)) == raw
     (p,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="prefix"))
     assert list(p.context) == composer.prefix_ids() + list(t.context)

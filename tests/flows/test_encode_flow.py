@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from inferscale.types import DEFAULT_CONTEXT, DEFAULT_WINDOW
 from prefect_env import artifacts_of_run, artifacts_with_key, table_rows, task_runs_of
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,8 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
         assert str(m.files["kv.arrow"].bytes) in rows["kv.arrow"]
         assert m.files["kv.arrow"].xxh3_128 in rows["kv.arrow"]
         assert rows["files"].endswith(f"/{m.version}") and rows["files"].startswith("file://")
-        assert '"window": 5' in rows["encoder config"]
+        assert f'"window": {DEFAULT_WINDOW}' in rows["encoder config"]
+        assert f'"context": "{DEFAULT_CONTEXT}"' in rows["encoder config"]
         assert read_manifest(store, user, fp).version == m.version
     # the run's markdown summary links each user's lineage key
     run_arts = artifacts_of_run(state.state_details.flow_run_id)
