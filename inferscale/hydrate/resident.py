@@ -145,6 +145,19 @@ class ResidentStore:
         """Bytes ``slab`` takes once placed (in the store's dtype)."""
         return slab.numel() * (self.dtype or slab.dtype).itemsize
 
+    def fit_tier(self, user: str, nbytes: int, tier: str) -> str:
+        """The tier a slab of ``nbytes`` asked for on ``tier`` lands on (``gpu`` falls
+        back to ``host``), or :class:`ResidencyError` when it exceeds every budget it may
+        use. Hydration calls it with the manifest's size before reading anything."""
+        if tier not in TIERS:
+            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
+        if nbytes <= self.budget[tier]:
+            return tier
+        if tier == "gpu" and nbytes <= self.budget["host"]:
+            return "host"
+        raise ResidencyError(f"user {user!r}: {nbytes} bytes exceed the {tier} budget "
+                             f"({self.budget[tier]} bytes)")
+
     def used(self, tier: str) -> int:
         with self._lock:
             return sum(r.nbytes for r in self._lru.values() if r.tier == tier)
@@ -152,18 +165,9 @@ class ResidentStore:
     def put(self, resident: Resident, tier: str = "gpu") -> Resident:
         """Make ``resident`` available on ``tier`` (replacing the user's older version)
         and enforce budgets. Raises :class:`ResidencyError` if it fits no budget."""
-        if tier not in TIERS:
-            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
         if resident.slab.dim() != 5 or resident.slab.shape[1] != 2:
             raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(resident.slab.shape)}")
-        nbytes = self.placed_bytes(resident.slab)
-        if nbytes > self.budget[tier]:
-            if tier == "gpu" and nbytes <= self.budget["host"]:
-                tier = "host"
-            else:
-                raise ResidencyError(
-                    f"user {resident.user!r}: {nbytes} bytes exceed the {tier} budget "
-                    f"({self.budget[tier]} bytes)")
+        tier = self.fit_tier(resident.user, self.placed_bytes(resident.slab), tier)
         resident.slab = self.place(resident.slab, tier)
         resident.tier = tier
         with self._lock:

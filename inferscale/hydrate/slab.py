@@ -33,6 +33,7 @@ import mmap
 import os
 import sys
 import threading
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -54,10 +55,28 @@ from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
 
 
+def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored, or once converted to
+    ``dtype``, from its manifest alone (nothing of ``kv.arrow`` is read)."""
+    kv, tokens = manifest.kv, int(manifest.counts.get("tokens") or 0)
+    itemsize = kv_schema.ITEMSIZE.get(str(kv.get("dtype")))
+    if itemsize is None:
+        raise CorruptArtifact(f"manifest of version {manifest.version}: unknown KV dtype "
+                              f"{kv.get('dtype')!r}")
+    if dtype is not None:
+        itemsize = dtype.itemsize
+    return tokens * 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * itemsize
+
+
+# kv.arrow reads started in this process (the worker's status reports them)
+READS = {"kv_files": 0, "kv_bytes": 0}
+
+
 def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
             tier: Tier = "host", device: str | torch.device | None = None,
             expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
-            part_bytes: int = 32 << 20, workers: int | None = None) -> Resident:
+            part_bytes: int = 32 << 20, workers: int | None = None,
+            admit: Callable[[Manifest], None] | None = None) -> Resident:
     """Load and verify one version's KV slab.
 
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
@@ -65,8 +84,12 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
     the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
     True for a local store into plain memory (see module docstring), False forces a
-    copy. Errors: ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``,
-    ``ChecksumError``, ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``.
+    copy. ``admit(manifest)``: called with the verified manifest before any byte of
+    ``kv.arrow`` is read; it raises to refuse the version (the serving worker checks the
+    slab's size, :func:`slab_nbytes`, against its memory budget there). Errors:
+    ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``, ``ChecksumError``,
+    ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``, and what
+    ``admit`` raises.
     """
     check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
@@ -82,6 +105,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                   f"holds artifacts of model {model_fp}")
     version = resolve_version(store, user, model_fp, version)
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
+    if admit is not None:
+        admit(manifest)
     check_size(loc, manifest, KV_FILE)
     size = manifest.files[KV_FILE].bytes
     path = data_path(loc, manifest, KV_FILE)
@@ -116,6 +141,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
           part_bytes: int, workers: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """The file's bytes in host memory (and on the device for the CUDA gpu tier), hashed."""
+    READS["kv_files"] += 1
+    READS["kv_bytes"] += size
     if use_mmap:
         host, digest = _map_and_hash(path, size, part_bytes)
         return host, None, digest

@@ -11,12 +11,11 @@ Callers: :mod:`inferscale.ingest.formats` and :mod:`inferscale.ingest.logs`.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-USER_RE = re.compile(r"^[^\x00-\x1f/\\]{1,128}$")
+from inferscale.types import user_id_problem
 
 
 @dataclass(frozen=True)
@@ -128,9 +127,9 @@ def make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
         if not value.strip() or len(value) > limits.max_id_chars:
             raise Reject("bad_id", f"field {name!r} must be 1..{limits.max_id_chars} "
                                     f"characters, not blank")
-    if not USER_RE.match(user) or user in (".", "..") or not user.strip():
-        raise Reject("bad_user", f"user {user[:40]!r}: 1..128 characters, no '/', '\\' "
-                                  "or control characters")
+    problem = user_id_problem(user)
+    if problem is not None:
+        raise Reject("bad_user", f"user {user[:40]!r} {problem}")
     if not text.strip():
         raise Reject("empty_text", "text is empty or blank")
     if len(text) > limits.max_text_chars:

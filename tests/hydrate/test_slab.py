@@ -136,6 +136,28 @@ def test_missing_kv(published):
         hydrate(store, "dana", FP)
 
 
+def test_admission_refuses_before_reading_the_kv(published):
+    """``admit`` sees the verified manifest first: a refusal reads nothing of kv.arrow
+    (here the file is even gone, which any read or size check would report)."""
+    from inferscale.hydrate.slab import READS, slab_nbytes
+    from inferscale.hydrate.resident import ResidencyError, ResidentStore
+
+    store, loc, r = published
+    assert slab_nbytes(r.manifest) == r.manifest.kv["slab_bytes"] > 0
+    budgets = ResidentStore("cpu", gpu_budget_bytes=0, host_budget_bytes=100)
+    seen = []
+
+    def admit(manifest):
+        seen.append(manifest.version)
+        budgets.fit_tier(manifest.user, slab_nbytes(manifest), "gpu")
+
+    store.filesystem().rm(loc.file(r.version, "kv.arrow"))
+    before = dict(READS)
+    with pytest.raises(ResidencyError, match="exceed the gpu budget"):
+        hydrate(store, "dana", FP, admit=admit)
+    assert seen == [r.version] and READS == before
+
+
 @pytest.mark.parametrize("where", [0.5, 0.01, 0.999])
 def test_flipped_byte_in_kv(published, where):
     store, loc, r = published

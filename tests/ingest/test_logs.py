@@ -257,3 +257,14 @@ def test_oversized_locomo_document_is_refused(tmp_path):
     path.write_text(json.dumps(doc))
     res = read_logs(str(path), limits=LogLimits(max_document_bytes=1 << 20))
     assert not res.turns and [q.reason for q in res.quarantined] == ["oversized_document"]
+
+
+@pytest.mark.parametrize("user", ["bob\n", "\u202ebob", "bo\u200bb", "bob\u2028", " bob"])
+def test_user_ids_with_control_or_invisible_characters_are_quarantined(tmp_path, user):
+    """The one user-id rule (``inferscale.types``): a trailing newline, bidi overrides,
+    zero-width characters and line separators are refused, not stored as another user."""
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(_line(**_good("bob", "t1")) + _line(**_good(user, "t2")))
+    res = read_logs(str(log), quarantine_uri=str(tmp_path / "q.jsonl"))
+    assert list(res.turns) == ["bob"] and res.turns["bob"].num_rows == 1
+    assert res.reasons == Counter({"bad_user": 1})
