@@ -4,10 +4,22 @@ A fact extracted from turn ``t`` is encoded in one forward pass over
 ``[turns t-w .. t-1] + [fact tokens]``; only the fact's K and V are kept, for every layer.
 K is exactly the tensor that enters the model's ``apply_rotary_pos_emb`` (after ``k_norm``
 where the architecture has one, e.g. Qwen3); V is the tensor that enters the attention
-function, exactly what a KV cache would store. Facts sharing a source turn share one pass: the sequence is
+function, exactly what a KV cache would store.
+
+Batch invariance and reuse (``EncoderConfig.batch_invariant``, the default): every fact
+gets a forward pass of its own, ``[context | fact]`` with no padding and no neighbours, so
+its K/V bits are a function of its context's token ids, its own token ids, the encoder
+config, the model and the numerics of the computation (dtype, device, kernels, CPU thread
+count) alone — packing facts into padded batches changes the last bits of most of them
+(measured on CPU: 52 of 60 facts). That function's inputs, hashed, are the fact's
+:func:`content_key`, stored with its K/V; :func:`encode_facts` given the rows of a
+previous version (``reuse``: content key -> K, V) takes every fact whose key is there
+from it with no forward pass and encodes only the rest, and the result is byte-identical
+to encoding everything. With ``batch_invariant=False`` facts are packed into padded
+batches of ``batch_tokens`` (faster on GPUs) and facts of one turn share a pass
 ``[window | fact_1 | fact_2 | ...]`` with a block mask (each fact sees the window and
-itself, never another fact) and position ids that restart at ``len(window)`` for every
-fact, so each fact is encoded exactly as if it followed its window alone.
+itself, positions restarting at ``len(window)``); such chunks get no content key and are
+never reused.
 
 The general form is :func:`encode_segments`: any context token ids followed by chunks.
 The window form (:func:`encode_facts`) builds contexts from turns; tests build the
@@ -25,16 +37,23 @@ its most recent tokens; a fact longer than ``max_fact_tokens`` is truncated to i
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from inferscale.compose import DEFAULT_INSTRUCTION, Composer
 
+log = logging.getLogger(__name__)
+
 PREFIX_ID = "prefix"
+KEY_FORMAT = "inferscale.content-key.v1"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _capture_lock = threading.Lock()
 
@@ -51,9 +70,10 @@ class EncoderConfig:
     dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
     max_fact_tokens: int = 256
     max_window_tokens: int = 4096
-    batch_tokens: int = 16384  # padded tokens per forward pass
+    batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
     instruction: str = DEFAULT_INSTRUCTION
     turn_template: str = "{speaker}: {text}\n"
+    batch_invariant: bool = True  # one pass per fact: content keys, reuse (module docstring)
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -100,6 +120,7 @@ class EncodedChunk:
     token_ids: list[int]
     keys: torch.Tensor  # [L, T, H, D] pre-RoPE
     values: torch.Tensor  # [L, T, H, D]
+    content_key: str | None = None  # set by encode_facts in batch-invariant mode
 
 
 @dataclass
@@ -296,19 +317,25 @@ def _kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
-                    out_dtype: torch.dtype, batch_tokens: int, pad_id: int = 0,
+                    out_dtype: torch.dtype, batch_tokens: int | None, pad_id: int = 0,
                     progress: Any = None, keep_on_device: bool = False
                     ) -> Iterator[EncodedChunk]:
-    """Run the batched passes and yield every chunk's K, V ``[L, T, H, D]``.
+    """Run the passes and yield every chunk's K, V ``[L, T, H, D]``.
 
-    Chunks come out batch by batch (not in input order); ``progress`` (a tqdm bar) is
-    advanced by the number of chunks done. Results move to CPU unless ``keep_on_device``.
+    ``batch_tokens``: segments packed into padded batches of at most that many tokens
+    (:func:`plan_batches`), or ``None``: every segment alone in its pass, in the order
+    given, unpadded — its chunks' bits then depend on nothing but the segment (batch
+    invariance). Chunks come out batch by batch (not in input order when batched);
+    ``progress`` (a tqdm bar) is advanced by the number of chunks done. Results move to
+    CPU unless ``keep_on_device``.
     """
     device = next(model.parameters()).device
     compute_dtype = next(model.parameters()).dtype
     L, H, D = _kv_shape(model)
     decoder = _decoder(model)
-    for batch in plan_batches(segments, batch_tokens):
+    plan = ([[i] for i in range(len(segments))] if batch_tokens is None
+            else plan_batches(segments, batch_tokens))
+    for batch in plan:
         inputs = build_batch([segments[i] for i in batch], pad_id, device, compute_dtype)
         n = inputs["select_b"].numel()
         out_k = torch.empty((L, n, H, D), dtype=out_dtype, device=device)
@@ -334,7 +361,9 @@ def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
 
 def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], composer: Composer,
                     cfg: EncoderConfig) -> list[Segment]:
-    """Segments for ``facts``: one per source turn, its window then all its facts."""
+    """Segments for ``facts``: each fact's window then the fact, one segment per fact in
+    the order given (``cfg.batch_invariant``), or one per source turn holding all its
+    facts, in turn order (otherwise)."""
     by_turn: dict[int, list[FactSpec]] = {}
     seen: set[str] = set()
     for fact in facts:
@@ -353,40 +382,138 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
             turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker, text=t.text))
         return turn_ids[i]
 
-    segments = []
-    for t, group in sorted(by_turn.items()):
+    contexts: dict[int, tuple[int, ...]] = {}
+    for t in by_turn:
         context = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
         if len(context) > cfg.max_window_tokens:
             context = context[len(context) - cfg.max_window_tokens:]
-        chunks = tuple((f.fact_id, tuple(f.token_ids) if f.token_ids
-                        else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
-                       for f in group)
-        segments.append(Segment(tuple(context), chunks))
-    return segments
+        contexts[t] = tuple(context)
+
+    def chunk(f: FactSpec) -> tuple[str, tuple[int, ...]]:
+        return (f.fact_id, tuple(f.token_ids) if f.token_ids
+                else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
+
+    if cfg.batch_invariant:
+        return [Segment(contexts[f.source_index], (chunk(f),)) for f in facts]
+    return [Segment(contexts[t], tuple(chunk(f) for f in group))
+            for t, group in sorted(by_turn.items())]
+
+
+# ------------------------------------------------------------------ content keys
+
+
+def numerics(model: torch.nn.Module) -> dict[str, Any]:
+    """What decides the last bits of the encoder's K/V besides its inputs: the compute
+    dtype and device (GPU name; CPU instruction set and intra-op thread count, which
+    changes how CPU kernels split their sums), torch and transformers versions and the
+    attention implementation."""
+    import transformers
+
+    p = next(model.parameters())
+    out: dict[str, Any] = {
+        "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+    }
+    if p.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(p.device)
+    else:
+        out["cpu"] = torch.backends.cpu.get_cpu_capability()
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
+def key_identity(cfg: EncoderConfig, model_fingerprint: str, model: torch.nn.Module) -> str:
+    """The part of every content key that is not token ids: key format, the full encoder
+    config, the model fingerprint and :func:`numerics` (canonical JSON)."""
+    return json.dumps({"format": KEY_FORMAT, "encoder": cfg.to_dict(),
+                       "model": model_fingerprint, "numerics": numerics(model)},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def content_key(identity: str, context: Sequence[int], token_ids: Sequence[int]) -> str:
+    """sha256 (hex) of ``identity``, then the context's and the chunk's token ids (each
+    length-prefixed, int64 little-endian): what a batch-invariant chunk's K/V is a
+    function of. The context is whatever precedes the chunk in its pass, token for token,
+    so any change of what the encoder puts there changes the key."""
+    h = hashlib.sha256(identity.encode())
+    for ids in (context, token_ids):
+        arr = np.asarray(ids, dtype="<i8")
+        h.update(len(arr).to_bytes(8, "little"))
+        h.update(arr.tobytes())
+    return h.hexdigest()
 
 
 def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnText],
                  facts: Sequence[FactSpec], cfg: EncoderConfig, model_fingerprint: str,
-                 progress: bool = True) -> EncodedMemory:
+                 progress: bool = True,
+                 reuse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> EncodedMemory:
     """Encode the instruction prefix and every fact with its window of preceding turns.
 
-    Returns chunks in order: the prefix first, then facts in the order given.
+    ``reuse``: K/V of a previous version by content key (``HydratedArtifact.
+    kv_by_content_key``); a chunk whose key is there is taken from it (no forward pass),
+    the others are encoded. Ignored unless ``cfg.batch_invariant``. Returns chunks in
+    order: the prefix first, then facts in the order given; ``stats`` count facts
+    ``reused`` and ``encoded`` and the ``forward_tokens`` actually run.
     """
     from tqdm.auto import tqdm
 
     composer = Composer(tokenizer, cfg.instruction)
     prefix = Segment((), ((PREFIX_ID, tuple(composer.prefix_ids())),))
     segments = [prefix] + window_segments(turns, facts, composer, cfg)
+    keys: dict[str, str] = {}
+    chunks: dict[str, EncodedChunk] = {}
+    todo = segments
+    if cfg.batch_invariant:
+        identity = key_identity(cfg, model_fingerprint, model)
+        todo = []
+        for seg in segments:
+            ((chunk_id, ids),) = seg.chunks
+            keys[chunk_id] = key = content_key(identity, seg.context, ids)
+            hit = _reusable(model, cfg, chunk_id, ids, (reuse or {}).get(key))
+            if hit is None:
+                todo.append(seg)
+            else:
+                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), *hit, content_key=key)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bar = tqdm(total=len(facts) + 1, desc="encoding facts", unit="fact", disable=not progress)
-    chunks = {c.chunk_id: c for c in encode_segments(
-        model, segments, out_dtype=cfg.torch_dtype, batch_tokens=cfg.batch_tokens,
-        pad_id=pad_id, progress=bar)}
+    bar = tqdm(total=sum(len(s.chunks) for s in todo), desc="encoding facts", unit="fact",
+               disable=not progress)
+    for c in encode_segments(model, todo, out_dtype=cfg.torch_dtype, pad_id=pad_id,
+                             batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
+                             progress=bar):
+        c.content_key = keys.get(c.chunk_id)
+        chunks[c.chunk_id] = c
     bar.close()
     ordered = [chunks[PREFIX_ID]] + [chunks[f.fact_id] for f in facts]
+    encoded = {cid for s in todo for cid, _ in s.chunks} - {PREFIX_ID}
     stats = {
         "facts": len(facts),
         "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
-        "forward_tokens": sum(s.length for s in segments),
+        "forward_tokens": sum(s.length for s in todo),
+        "encoded": len(encoded),
+        "reused": len(facts) - len(encoded),
+        "prefix_reused": PREFIX_ID not in {cid for s in todo for cid, _ in s.chunks},
     }
+    if reuse is not None and cfg.batch_invariant:
+        log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
+                 stats["encoded"], stats["reused"], len(reuse))
     return EncodedMemory(ordered, model_fingerprint, cfg.to_dict(), stats)
+
+
+def _reusable(model: torch.nn.Module, cfg: EncoderConfig, chunk_id: str, ids: Sequence[int],
+              hit: tuple[torch.Tensor, torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``hit`` if it has this chunk's shape ``[L, len(ids), H, D]`` and the stored dtype
+    (a key match implies both; a mismatch means a damaged or foreign previous version,
+    so the chunk is encoded instead and a warning says so)."""
+    if hit is None:
+        return None
+    L, H, D = _kv_shape(model)
+    want = (L, len(ids), H, D)
+    if all(tuple(t.shape) == want and t.dtype == cfg.torch_dtype for t in hit):
+        return hit
+    log.warning("chunk %s: the previous version's rows under its content key are %s %s, not "
+                "%s %s; encoding it", chunk_id, tuple(hit[0].shape), hit[0].dtype, want,
+                cfg.torch_dtype)
+    return None

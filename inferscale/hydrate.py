@@ -30,7 +30,7 @@ import mmap
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -60,6 +60,7 @@ class HydratedArtifact:
     index: dict[str, tuple[int, int]]  # chunk_id -> (offset, length) in slab rows
     token_ids: dict[str, list[int]]  # chunk_id -> token ids
     manifest: Manifest
+    content_keys: dict[str, str] = field(default_factory=dict)  # chunk_id -> key (kv v2+)
 
     @property
     def version(self) -> str:
@@ -81,6 +82,16 @@ class HydratedArtifact:
         """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
+
+    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
+        encoder's chunk layout), for every chunk stored with a key. Called by the pipeline
+        to reuse a previous version's K/V (``inferscale.encode.encode_facts(reuse=...)``)."""
+        out = {}
+        for chunk_id, key in self.content_keys.items():
+            rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
+            out[key] = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
+        return out
 
 
 def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
@@ -132,14 +143,14 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                 f"({loc.describe(version)})") from exc
     check_digest(loc, manifest, KV_FILE, digest)
 
-    layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
+    layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest, expected)
     source = dev_buf if dev_buf is not None else host
     dtype = TORCH_DTYPE[layout.dtype]
     if layout.slab_bytes:
         slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
-    return HydratedArtifact(slab, index, token_ids, manifest)
+    return HydratedArtifact(slab, index, token_ids, manifest, keys)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
@@ -250,7 +261,8 @@ def _advise(mm: mmap.mmap, name: str) -> None:
 
 
 def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
-    """Verified kv.arrow bytes -> (layout, index, token ids, slab byte offset in ``buf``)."""
+    """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
+    in ``buf``)."""
     base = pa.py_buffer(buf)
     try:
         reader = pa.ipc.open_file(base)
@@ -262,6 +274,8 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
         offsets = batch.column("offset").to_pylist()
         lengths = batch.column("length").to_pylist()
         tokens = batch.column("token_ids").to_pylist()
+        keys = (batch.column("content_key").to_pylist()
+                if "content_key" in batch.schema.names else [None] * len(ids))
         kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
         kv = batch.column("kv")
         want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
@@ -292,4 +306,5 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
             raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
                                   f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
     index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
-    return layout, index, dict(zip(ids, tokens)), slab_offset
+    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
+    return layout, index, dict(zip(ids, tokens)), content_keys, slab_offset

@@ -51,7 +51,8 @@ class PipelineConfig:
             encoder=EncoderConfig(window=settings.window, dtype=settings.kv_dtype,
                                   max_fact_tokens=settings.max_fact_tokens,
                                   max_window_tokens=settings.max_window_tokens,
-                                  batch_tokens=settings.encode_batch_tokens),
+                                  batch_tokens=settings.encode_batch_tokens,
+                                  batch_invariant=settings.encode_batch_invariant),
             artifact_root=settings.resolved_artifact_root(),
             storage_options=settings.storage_options(),
         )
@@ -189,12 +190,38 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True):
-    """One user's facts -> :class:`~inferscale.encode.EncodedMemory` with the serving model."""
+def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True,
+                *, user: str | None = None, previous: str | None = None):
+    """One user's facts -> :class:`~inferscale.encode.EncodedMemory` with the serving model.
+
+    ``previous``: a published version of ``user`` (normally the one ``LATEST`` names)
+    whose K/V rows are reused for every fact with the same content key; only the other
+    facts are encoded (the result is byte-identical to encoding them all)."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
+    reuse = None
+    if previous is not None and cfg.encoder.batch_invariant:
+        if user is None:
+            raise ValueError("encode_user: previous needs the user it belongs to")
+        reuse = previous_kv(cfg, user, model.fingerprint, previous)
     return encode_facts(model.model, model.tokenizer, turn_texts, specs, cfg.encoder,
-                        model.fingerprint, progress=progress)
+                        model.fingerprint, progress=progress, reuse=reuse)
+
+
+def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> dict | None:
+    """``content key -> (K, V)`` of a published version, read and checksum-verified (a
+    memory map of a local file; S3 is read into memory), or None when it cannot be read:
+    then every fact is encoded, and a warning says why."""
+    from inferscale.hydrate import hydrate
+    from inferscale.store import ArtifactError
+
+    try:
+        hydrated = hydrate(cfg.store(), user, model_fp, version, tier="host", device="cpu")
+    except ArtifactError as exc:
+        log.warning("user %s: previous version %s unreadable, encoding every fact: %s",
+                    user, version, exc)
+        return None
+    return hydrated.kv_by_content_key()
 
 
 def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
@@ -210,6 +237,7 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
         users: list[str] | None = None, quarantine_uri: str | None = None,
         progress: bool = True) -> dict:
     """The whole chain in this process (what ``inferscale encode`` runs)."""
+    from inferscale.artifacts import latest_version
     from inferscale.facts import extract_facts
     from inferscale.logs import read_logs, turns_hash
 
@@ -218,15 +246,18 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     missing = sorted(set(users or []) - set(selected))
     if missing:
         raise ValueError(f"no turns for users {missing} in {logs}")
-    tokenizer = serving_model(cfg).tokenizer
-    facts = extract_facts(selected, tokenizer, facts_cfg, home=cfg.home)
+    model = serving_model(cfg)
+    facts = extract_facts(selected, model.tokenizer, facts_cfg, home=cfg.home)
     published = {}
     for user, turns in selected.items():
         fr = facts[user]
-        encoded = encode_user(cfg, turns, fr.table, progress)
+        encoded = encode_user(cfg, turns, fr.table, progress, user=user,
+                              previous=latest_version(cfg.store(), user, model.fingerprint))
         res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,
+                           "reused": encoded.stats.get("reused"),
+                           "encoded": encoded.stats.get("encoded"),
                            "kv_bytes": res.manifest.files["kv.arrow"].bytes}
         log.info("user %s: version %s (%s)", user, res.version,
                  "new" if res.created else "unchanged")

@@ -1,12 +1,14 @@
 """The context-window encoder: relocation, the limiting case, batching, edge cases."""
 
+import json
+
 import pytest
 import torch
 
 from inferscale.compose import ComposeError, Composer
 from inferscale.encode import (
     PREFIX_ID, EncodeError, EncoderConfig, FactSpec, Segment, TurnText, build_batch,
-    encode_facts, encode_segments, plan_batches, window_segments,
+    content_key, encode_facts, encode_segments, key_identity, plan_batches, window_segments,
 )
 from inferscale.rope import RotaryTables, rotate_keys
 from tests.conftest import tiny_llama, tiny_qwen3
@@ -146,6 +148,58 @@ def test_plan_batches_respects_token_budget():
 
 
 
+def test_segments_alone_do_not_depend_on_their_neighbours():
+    """batch_tokens=None: every segment is its own unpadded pass, so a chunk's bits are
+    the same whatever else is encoded in the run (batched, they need not be)."""
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    g = torch.Generator().manual_seed(4)
+    segs = [Segment(tuple(torch.randint(0, 256, (n,), generator=g).tolist()),
+                    ((f"c{n}", tuple(torch.randint(0, 256, (5,), generator=g).tolist())),))
+            for n in (3, 40, 17, 0)]
+    together = {c.chunk_id: c for c in encode_segments(
+        model, segs, out_dtype=torch.float32, batch_tokens=None)}
+    assert list(together) == [s.chunks[0][0] for s in segs]  # input order
+    for seg in segs:
+        (alone,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=None)
+        assert torch.equal(alone.keys, together[alone.chunk_id].keys)
+        assert torch.equal(alone.values, together[alone.chunk_id].values)
+
+
+def test_content_key_covers_every_input():
+    ident = key_identity(EncoderConfig(window=2), "fp", tiny_llama())
+    base = content_key(ident, [1, 2, 3], [4, 5])
+    assert base == content_key(ident, (1, 2, 3), (4, 5)) and len(base) == 64
+    others = [
+        content_key(ident, [1, 2, 9], [4, 5]),  # a context token
+        content_key(ident, [1, 2, 3, 3], [4, 5]),  # the context gained a token
+        content_key(ident, [1, 2, 3], [4, 6]),  # a fact token
+        content_key(ident, [1, 2], [3, 4, 5]),  # same ids, other boundary
+        content_key(key_identity(EncoderConfig(window=3), "fp", tiny_llama()), [1, 2, 3], [4, 5]),
+        content_key(key_identity(EncoderConfig(window=2, instruction="x"), "fp", tiny_llama()),
+                    [1, 2, 3], [4, 5]),
+        content_key(key_identity(EncoderConfig(window=2), "fp2", tiny_llama()), [1, 2, 3], [4, 5]),
+    ]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_key_identity_names_the_numerics():
+    """CPU thread count changes how kernels split sums (measured: different bits), so it
+    is part of the identity, as are the compute dtype and the attention kernel."""
+    model = tiny_llama()
+    ident = json.loads(key_identity(EncoderConfig(), "fp", model))
+    assert ident["numerics"]["dtype"] == "float32" and ident["numerics"]["device"] == "cpu"
+    assert ident["numerics"]["attention"] == "sdpa"
+    assert ident["encoder"] == EncoderConfig().to_dict() and ident["model"] == "fp"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        other = key_identity(EncoderConfig(), "fp", model)
+    finally:
+        torch.set_num_threads(threads)
+    assert other != key_identity(EncoderConfig(), "fp", model)
+    assert key_identity(EncoderConfig(), "fp", model.to(torch.bfloat16)) != other
+
+
 @pytest.fixture(scope="module")
 def smol_tokenizer(smollm2):
     return smollm2.tokenizer
@@ -158,7 +212,7 @@ TURNS = [TurnText("A", "I got a dog."), TurnText("B", "What is his name?"),
 @pytest.mark.slow
 def test_window_edges(smol_tokenizer):
     composer = Composer(smol_tokenizer)
-    cfg = EncoderConfig(window=2)
+    cfg = EncoderConfig(window=2, batch_invariant=False)
     facts = [FactSpec("f0", "A has a dog.", 0), FactSpec("f2", "The dog is Rex.", 2),
              FactSpec("f2b", "A named the dog Rex.", 2)]
     segs = window_segments(TURNS, facts, composer, cfg)
@@ -166,6 +220,10 @@ def test_window_edges(smol_tokenizer):
     expected = "".join(f"{t.speaker}: {t.text}\n" for t in TURNS[0:2])
     assert smol_tokenizer.decode(list(segs[1].context)) == expected
     assert [cid for cid, _ in segs[1].chunks] == ["f2", "f2b"]  # one pass for one turn
+    # batch-invariant (the default): one segment per fact, in the order given
+    alone = window_segments(TURNS, facts[::-1], composer, EncoderConfig(window=2))
+    assert [s.chunks for s in alone] == [(c,) for c in segs[1].chunks[::-1] + segs[0].chunks]
+    assert [s.context for s in alone] == [segs[1].context, segs[1].context, ()]
     w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0))
     assert all(s.context == () for s in w0)
     long_window = window_segments(TURNS, facts, composer, EncoderConfig(window=50))
@@ -210,7 +268,13 @@ def test_encode_facts_end_to_end(smollm2):
         assert c.keys.shape == (30, len(c.token_ids), 3, 64)
         assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
-    assert mem.stats["facts"] == 2
+    assert mem.stats["facts"] == 2 and (mem.stats["encoded"], mem.stats["reused"]) == (2, 0)
+    assert len({c.content_key for c in mem.chunks}) == 3 and None not in {
+        c.content_key for c in mem.chunks}
+    batched = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
+                           EncoderConfig(window=2, batch_invariant=False), smollm2.fingerprint,
+                           progress=False)
+    assert [c.content_key for c in batched.chunks] == [None] * 3  # never reused
 
 
 def test_capture_ignores_other_models_in_other_threads():
