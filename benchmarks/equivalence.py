@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -47,7 +46,9 @@ offline_environment()
 
 import torch  # noqa: E402
 
+from benchmarks.common import command_line  # noqa: E402
 from benchmarks.qa_metrics import first_line, normalize_answer  # noqa: E402
+from inferscale.encode import EncoderConfig  # noqa: E402
 
 # user -> turns (speaker, text), and two queries: (kind, question, key facts). A factual
 # answer is right when it contains one of its keys; for both kinds, "equivalent" means
@@ -234,28 +235,56 @@ def tally(rows: list[dict]) -> dict:
     return out
 
 
+def run_isolated(args, name: str) -> dict:
+    """One dtype in its own process (a fresh engine and device state; a failure there is
+    recorded, not fatal to the other dtypes)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--dtypes", name,
+               "--device", args.device, "--window", str(args.window),
+               "--max-tokens", str(args.max_tokens), "--model", args.model, "--out", str(out)]
+        if args.gpu_memory_utilization:
+            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(tail, file=sys.stderr)
+            return {"status": "failed", "returncode": proc.returncode, "log_tail": tail}
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="embedded", help="'embedded' or an HF checkpoint dir")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="model, engine and KV dtypes to compare (each in its own process "
+                         "when several are given)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the encoder and the engine run")
     ap.add_argument("--window", type=int, default=5, help="window of the ordinary encoding")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--max-tokens", type=int, default=48, help="answer length (greedy)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM's share of GPU memory (CPU: of host RAM)")
+    ap.add_argument("--out", default=None, help="result JSON")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     columns, details = {}, {}
     for name in args.dtypes:
+        col = f"{kind}-{name}"
+        if len(args.dtypes) > 1:
+            one = run_isolated(args, name)
+            if one.get("status") == "failed":
+                columns[col] = one
+                continue
+            columns[col], details[col] = one["columns"][col], one["rows"][col]
+            continue
         res = asyncio.run(run_dtype(args, name, args.device))
-        columns[f"{kind}-{name}"] = {**tally(res["rows"]), "encode_seconds": res["encode_seconds"],
-                                     "answer_seconds": res["answer_seconds"]}
-        details[f"{kind}-{name}"] = res["rows"]
-    if kind == "cpu":
-        columns["h200-bfloat16"] = {"status": "not run",
-                                    "reason": "no H200 device time left for issue 7; "
-                                              "the same command runs it on CUDA unchanged"}
+        columns[col] = {**tally(res["rows"]), "encode_seconds": res["encode_seconds"],
+                        "answer_seconds": res["answer_seconds"]}
+        details[col] = res["rows"]
     device = (torch.cuda.get_device_name() if kind == "cuda"
               else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
     summary = {}
@@ -265,10 +294,14 @@ def main(argv: list[str] | None = None) -> dict:
                 summary[f"{col}_{enc}_identical"] = c[enc]["token_identical"]
                 summary[f"{col}_{enc}_equivalent"] = c[enc]["equivalent"]
                 summary[f"{col}_{enc}_differs"] = c[enc]["differs"]
+            if col.endswith("float32"):
+                summary["fp32_limiting_identical_share"] = round(
+                    c["limiting"]["token_identical"] / c["limiting"]["queries"], 4)
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": command_line(argv),
         "device": f"{device} (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "window": args.window, "max_tokens": args.max_tokens,
+        "encoder_defaults": EncoderConfig().to_dict(),
         "users": len(USERS), "queries": sum(len(u["queries"]) for u in USERS.values()),
         "columns": columns, "rows": details,
         "summary": {**summary, "wall_seconds": round(time.perf_counter() - t0, 1)},

@@ -46,7 +46,7 @@ import pyarrow.compute as pc  # noqa: E402
 from benchmarks.common import command_line, write_result  # noqa: E402
 from inferscale.artifacts import Lineage, publish  # noqa: E402
 from inferscale.blobs import Location  # noqa: E402
-from inferscale.compose import Composer  # noqa: E402
+from inferscale.compose import Composer, memory_text  # noqa: E402
 from inferscale.encode import EncoderConfig, encode_facts  # noqa: E402
 from inferscale.facts import fact_id, facts_hash  # noqa: E402
 from inferscale.logs import read_logs, turns_hash  # noqa: E402
@@ -63,8 +63,7 @@ def raw_facts(turns: pa.Table, tokenizer, cfg: EncoderConfig) -> pa.Table:
     """One fact per turn, ``"[date] speaker: text"`` as raw fact mode stores it."""
     composer = Composer(tokenizer, cfg.instruction)
     rows = turns.sort_by("turn_index").to_pylist()
-    texts = [(f"[{r['timestamp'][:10]}] " if r["timestamp"] else "") +
-             f"{r['speaker']}: {r['text']}" for r in rows]
+    texts = [memory_text(r["speaker"], r["text"], r["timestamp"]) for r in rows]
     return pa.table({
         "fact_id": [fact_id(r["user"], r["turn_id"], t) for r, t in zip(rows, texts)],
         "user": [r["user"] for r in rows], "source_turn_id": [r["turn_id"] for r in rows],

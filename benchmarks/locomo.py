@@ -1,39 +1,35 @@
-"""LoCoMo answer quality: KV injection (per encoder window w) against the prompt baseline.
+"""LoCoMo answer quality: KV-injection variants against the prompt baseline, on any
+LoCoMo-format conversations, per conversation and pooled.
 
-For one LoCoMo-format conversation: the user's memory is built with the pipeline
-(turns -> facts with ``inferscale.facts.extract_facts``: ``--fact-mode raw`` makes every
-turn one fact ``"[date] Speaker: text"``; ``mem0`` extracts facts with an LLM through an
-OpenAI-compatible endpoint), encoded once per window ``w`` with the serving model and
-published as one artifact per ``w``. Every question of categories 1-4 is then answered,
-greedily, on ONE vLLM engine:
+For each conversation file (``--conversation a.json b.json ...``), the user's memory is
+built the pipeline's way: every turn one fact ``"[date] Speaker: text"`` (raw fact mode,
+:func:`benchmarks.memory_setup.raw_facts`; ``--fact-mode mem0`` extracts facts through
+Mem0 and an OpenAI-compatible LLM instead), embedded with MiniLM. Every question of
+categories 1-4 (no sampling unless ``--max-questions``) is then answered greedily on ONE
+vLLM engine, in these modes:
 
-- ``prompt``: the Mem0-style baseline: the top-k facts as text in the prompt, full
-  prefill (prefix caching on);
-- ``kv_w{w}``: the same prompt token ids, the memory part injected from the ``w``
-  artifact by the connector; only the query is prefilled.
+- ``prompt``: the Mem0-style baseline, the top-k facts as text (best first), full prefill;
+- ``nomem``: the same question with no facts (what the model knows without memory);
+- every KV variant: the memory encoded with that variant's encoder config, published
+  as an artifact, hydrated, and injected by the connector; the request is laid out by
+  the variant's composer settings (``memory_order``, ``text_tail``: facts re-prefilled
+  as text before the question) exactly as ``MemoryServer.prepare`` does.
 
-Retrieval is done once per question (MiniLM, exact top-``max(ks)``), and top-k is its
-first k facts, so every mode and every k answers from the same facts in the same order;
-the prompt is ``Composer.compose([prefix, facts...], query)`` exactly as
-``MemoryServer.prepare`` builds it. The query is :data:`QUERY_TEMPLATE` around the
-question (LoCoMo's own "Short answer:" style; the same for every mode). Answers (first line of at most
-``--max-tokens`` tokens) are scored with LoCoMo's token F1 (:mod:`benchmarks.qa_metrics`)
-per category and overall; ``--judge-url`` adds an LLM judge.
+Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encoder config
+at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
+``inferscale.encode.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
+``memory_order``, ``text_tail``). Retrieval runs once per question (exact top-``max(ks)``)
+and top-k is its first k facts, so every mode and k answers from the same facts.
 
-Speed (2 shared CPU cores): one engine; per question the ks run in increasing order so
-that each request finds its shorter-k prefix in vLLM's prefix cache (same salt), and
-``--concurrency`` questions run at once so vLLM batches them; encodings are shared
-across k. Each window encodes only the facts its questions retrieve at ``max(ks)``:
-outputs are identical to encoding every fact (retrieval ran over all facts first, and
-those are all the prompts use), and the offline cost drops. A window's encoding costs
-about ``(w + 1) x 40`` forward tokens per fact, so ``--window-questions 50=M`` answers
-window 50 on only M of the questions (the baseline is then also reported on those M).
-A partial result is written after every phase.
+Scores: LoCoMo's token F1 of the first line (:mod:`benchmarks.qa_metrics`) per mode, k
+and category; the paired bootstrap 95% interval of (mode - prompt) at each k; the share
+of answers that continue the transcript (they begin like a memory line or a speaker
+label); evidence recall of the shared retrieval. Per conversation and pooled over all.
 
     python benchmarks/locomo.py --conversation ../shared/data/locomo/conv-26.json \\
-        --out benchmarks/results/locomo-cpu-smollm2.json
+        ../shared/data/locomo/conv-30.json --out benchmarks/results/locomo-cpu-smollm2.json
 
-Needs ``nltk`` (Porter stemmer of the metric). Starts an engine: run as a script.
+Needs ``nltk`` (Porter stemmer). Starts an engine: run as a script.
 """
 
 from __future__ import annotations
@@ -42,10 +38,10 @@ import argparse
 import asyncio
 import json
 import platform
-import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,9 +54,47 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import qa_metrics  # noqa: E402
+from benchmarks import locomo_report  # noqa: E402
+from benchmarks.common import command_line  # noqa: E402
 
 QUERY_TEMPLATE = "Question: {question} Short answer:"  # the same for every mode
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A KV mode: a name and the encoder-config fields it sets (the rest: defaults)."""
+
+    name: str
+    fields: tuple[tuple[str, object], ...]
+
+    def encoder_config(self, **base):
+        from inferscale.encode import EncoderConfig
+
+        return EncoderConfig(**{**base, **dict(self.fields)})
+
+
+def parse_variant(spec: str) -> Variant:
+    """``NAME:field=value,field=value`` -> :class:`Variant` (values: int, float or text)."""
+    from inferscale.encode import EncoderConfig
+
+    name, _, body = spec.partition(":")
+    known = {f.name: f.type for f in fields(EncoderConfig)}
+    out = []
+    for item in filter(None, body.split(",")):
+        key, _, raw = item.partition("=")
+        if key not in known:
+            raise ValueError(f"variant {name!r}: unknown encoder field {key!r}")
+        value: object = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                pass
+        out.append((key, value))
+    if not name or name in ("prompt", "nomem"):
+        raise ValueError(f"bad variant name in {spec!r}")
+    return Variant(name, tuple(out))
 
 
 def load_questions(conversation: str, categories=(1, 2, 3, 4),
@@ -77,17 +111,17 @@ def load_questions(conversation: str, categories=(1, 2, 3, 4),
             for i, q in enumerate(qa)]
 
 
-def build_facts(args, turns: pa.Table, tokenizer) -> tuple[pa.Table, dict]:
-    """The pipeline's fact step for this user (raw or mem0 mode)."""
+def build_facts(args, turns: pa.Table, tokenizer, embedder) -> pa.Table:
+    """The pipeline's fact step for this user (raw: no LLM; mem0: Mem0 + an LLM)."""
+    if args.fact_mode == "raw":
+        from benchmarks.memory_setup import raw_facts
+
+        return raw_facts(turns, tokenizer, embedder)
     from inferscale.facts import FactsConfig, extract_facts
 
-    cfg = FactsConfig(mode=args.fact_mode, llm_base_url=args.llm_base_url,
-                      llm_model=args.llm_model)
-    t0 = time.perf_counter()
+    cfg = FactsConfig(mode="mem0", llm_base_url=args.llm_base_url, llm_model=args.llm_model)
     (result,) = extract_facts(turns, tokenizer, cfg).values()
-    return result.table, {"facts": result.table.num_rows, "turns": turns.num_rows,
-                          "fact_mode": args.fact_mode,
-                          "seconds": round(time.perf_counter() - t0, 1)}
+    return result.table
 
 
 def for_user(facts: pa.Table, user: str) -> pa.Table:
@@ -96,257 +130,267 @@ def for_user(facts: pa.Table, user: str) -> pa.Table:
     return facts.set_column(col, facts.schema.field(col), pa.array([user] * facts.num_rows))
 
 
-def retrieve(facts: pa.Table, questions: list[dict], k: int) -> list[list[str]]:
-    """Top-``k`` fact ids per question, best first (the serving path's exact top-k)."""
-    from inferscale.retrieval import Embedder, FactIndex
+@dataclass
+class Conversation:
+    """One conversation's user, turns, facts, questions and shared retrieval."""
 
-    emb = Embedder("embedded", device="cpu")
-    q = emb.embed([item["question"] for item in questions])
-    return FactIndex.from_table(facts, device="cpu").topk(q, min(k, facts.num_rows))
-
-
-def spaced(n: int, m: int | None) -> list[int]:
-    """``m`` evenly spaced indices of ``range(n)`` (all when ``m`` is None or >= n)."""
-    if m is None or m >= n:
-        return list(range(n))
-    return [int(i * n / m) for i in range(m)]
+    name: str
+    user: str
+    turns: pa.Table
+    facts: pa.Table
+    questions: list[dict]
+    top: list[list[str]]  # per question: fact ids, best first (top max(ks))
+    speakers: list[str]
 
 
-def encode_window(args, loaded, turns: pa.Table, facts: pa.Table, user: str, root: Path,
-                  w: int) -> tuple[str, dict]:
-    """Encode ``facts`` with window ``w`` and publish them as user ``{user}-w{w}``."""
-    from inferscale.artifacts import Lineage, publish
-    from inferscale.encode import EncoderConfig
-    from inferscale.facts import facts_hash
-    from inferscale.logs import turns_hash
-    from inferscale.store import StoreConfig
-    from benchmarks.memory_setup import encoded_memory
+def prepare(args, path: str, loaded, embedder) -> Conversation:
+    from benchmarks.memory_setup import load_turns
+    from inferscale.retrieval import FactIndex
 
-    cfg = EncoderConfig(window=w, dtype="float32", batch_tokens=args.batch_tokens)
+    turns = load_turns(path)
+    facts = build_facts(args, turns, loaded.tokenizer, embedder)
+    questions = load_questions(path, max_questions=args.max_questions)
+    q = embedder.embed([item["question"] for item in questions])
+    top = FactIndex.from_table(facts, device=embedder.device).topk(
+        q, min(max(args.ks), facts.num_rows))
+    source = dict(zip(facts.column("fact_id").to_pylist(),
+                      facts.column("source_turn_id").to_pylist()))
+    for item, t in zip(questions, top):
+        item["top_sources"] = [source[f] for f in t]
+    return Conversation(Path(path).stem, turns.column("user")[0].as_py(), turns, facts,
+                        questions, top, sorted(set(turns.column("speaker").to_pylist())))
+
+
+# Fields that change the layout of a request only: variants differing in these alone
+# share one encoding (each still gets its own artifact version).
+LAYOUT_FIELDS = ("memory_order", "text_tail")
+_last_encoding: dict = {}
+
+
+def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Path):
+    """Encode the facts the questions retrieve with ``variant`` and publish them as user
+    ``{user}-{variant}``: (user, version, encoder config, stats)."""
+    from dataclasses import asdict
+
+    from benchmarks.memory_setup import encoded_memory, publish_memory
+
+    used = sorted({f for t in conv.top for f in t})
+    facts = conv.facts.filter(pc.is_in(conv.facts["fact_id"], pa.array(used)))
+    cfg = variant.encoder_config(dtype=args.kv_dtype, batch_tokens=args.batch_tokens)
+    key = (conv.name, json.dumps({k: v for k, v in asdict(cfg).items()
+                                  if k not in LAYOUT_FIELDS}, sort_keys=True))
     t0 = time.perf_counter()
-    mem = encoded_memory(loaded.model, loaded.tokenizer, turns, facts, cfg, loaded.fingerprint)
-    enc_s = time.perf_counter() - t0
-    wuser = f"{user}-w{w}"
-    wfacts = for_user(facts, wuser)
-    res = publish(StoreConfig(str(root)), wuser, mem, wfacts,
-                  Lineage(turns_hash(turns), facts_hash(wfacts, "bench")), embeddings=False)
-    row = {"window": w, "facts": facts.num_rows, "encode_seconds": round(enc_s, 1),
-           "forward_tokens_per_s": round(mem.stats["forward_tokens"] / enc_s, 1), **mem.stats}
-    print(json.dumps({"encoded": row}), flush=True)
-    return res.version, row
+    if key not in _last_encoding:
+        _last_encoding.clear()
+        _last_encoding[key] = encoded_memory(loaded.model, loaded.tokenizer, conv.turns, facts,
+                                             cfg, loaded.fingerprint)
+    mem = _last_encoding[key]
+    mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats)
+    seconds = time.perf_counter() - t0
+    vuser = f"{conv.user}-{variant.name}".replace("_", "-")
+    version = publish_memory(root, vuser, conv.turns, for_user(facts, vuser), mem)
+    return vuser, version, cfg, {"facts": facts.num_rows, "encode_seconds": round(seconds, 1),
+                                 **mem.stats}
 
 
-async def run_modes(args, loaded, root: Path, user: str, turns: pa.Table, facts: pa.Table,
-                    questions: list[dict], top: list[list[str]], mode_questions: dict,
-                    on_phase) -> None:
-    """Every (mode, question, k) on one engine. A window's facts are encoded just before
-    its phase (the engine idles meanwhile); ``on_phase(phase, answers)`` after each."""
-    from inferscale.compose import Composer
+async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation,
+                     mode: str, ref_of=None) -> dict:
+    """Answer every question of ``conv`` at every k in ``mode``; records keyed by (q, k).
+
+    ``ref_of(ranked) -> (injected, tail, MemoryRef)`` lays out a KV mode's request."""
+    from inferscale.encode import PREFIX_ID
+
+    prefix = token_ids[PREFIX_ID]
+    sem = asyncio.Semaphore(args.concurrency)
+    out: dict = {}
+
+    async def chain(i: int) -> None:
+        question = QUERY_TEMPLATE.format(question=conv.questions[i]["question"])
+        async with sem:
+            for k in ([0] if mode == "nomem" else args.ks):  # increasing: prefix-cache reuse
+                ranked = conv.top[i][:k]
+                ref, tail = None, []
+                if mode == "nomem":
+                    memory = [prefix]
+                elif mode == "prompt":
+                    memory = [prefix] + [token_ids[f] for f in ranked]
+                else:
+                    injected, tail, ref = ref_of(ranked)
+                    memory = [prefix] + [token_ids[f] for f in injected]
+                ids, m = composer.compose(memory, question, [token_ids[f] for f in tail])
+                gen = await engine.generate(ids, ref, max_tokens=args.max_tokens)
+                out[(i, k)] = {"text": gen.text, "memory_tokens": m, "prompt_tokens": len(ids),
+                               "tail_tokens": sum(len(token_ids[f]) for f in tail),
+                               "injected": gen.injected_tokens, "cached": gen.cached_tokens,
+                               "fallback": gen.fallback}
+
+    await asyncio.gather(*(chain(i) for i in range(len(conv.questions))))
+    return out
+
+
+async def run(args, loaded, convs: list[Conversation], variants: list[Variant], root: Path,
+              on_phase) -> None:
+    """Every (conversation, mode, question, k) on one engine. A variant's facts are
+    encoded just before its phase; ``on_phase(conv, mode, phase, answers)`` after each."""
+    from inferscale.compose import Composer, memory_layout
     from inferscale.encode import PREFIX_ID
     from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
 
     engine = await MemoryEngine(EngineConfig(
-        model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint, dtype="float32",
+        model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint,
+        dtype=args.kv_dtype, enforce_eager=not args.compile,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         artifact_root=str(root), gpu_budget_bytes=args.store_budget_gb << 30)).start()
     composer = Composer(loaded.tokenizer)
-    token_ids = dict(zip(facts.column("fact_id").to_pylist(),
-                         facts.column("token_ids").to_pylist()))
-    token_ids[PREFIX_ID] = composer.prefix_ids()
-    answers: dict[str, dict] = {}
     try:
-        for mode, qids in mode_questions.items():
-            phase: dict = {"mode": mode, "questions": len(qids)}
-            w = None if mode == "prompt" else int(mode[len("kv_w"):])
-            wuser = f"{user}-w{w}"
-            if w is not None:
-                used = sorted({f for i in qids for f in top[i]})
-                wfacts = facts.filter(pc.is_in(facts["fact_id"], pa.array(used)))
-                version, phase["encode"] = encode_window(args, loaded, turns, wfacts, user,
-                                                         root, w)
-                await engine.hydrate(wuser, version, "gpu")
-            sem = asyncio.Semaphore(args.concurrency)
-            fallbacks = 0
+        for conv in convs:
+            token_ids = dict(zip(conv.facts.column("fact_id").to_pylist(),
+                                 conv.facts.column("token_ids").to_pylist()))
+            token_ids[PREFIX_ID] = composer.prefix_ids()
+            source = dict(zip(conv.facts.column("fact_id").to_pylist(),
+                              conv.facts.column("source_index").to_pylist()))
+            for mode in ["prompt", "nomem", *[v.name for v in variants]]:
+                phase: dict = {"conversation": conv.name, "mode": mode}
+                ref_of = None
+                if mode not in ("prompt", "nomem"):
+                    variant = next(v for v in variants if v.name == mode)
+                    vuser, version, cfg, phase["encode"] = encode_variant(
+                        args, loaded, conv, variant, root)
+                    await engine.hydrate(vuser, version, "gpu")
 
-            async def chain(i: int) -> None:
-                nonlocal fallbacks
-                async with sem:
-                    for k in args.ks:  # increasing: each k finds the shorter k's prefix cached
-                        chunks = (PREFIX_ID, *top[i][:k])
-                        ids, m = composer.compose([token_ids[c] for c in chunks],
-                                                  QUERY_TEMPLATE.format(question=questions[i]["question"]))
-                        ref = None if w is None else MemoryRef(wuser, version, chunks)
-                        gen = await engine.generate(ids, ref, max_tokens=args.max_tokens)
-                        if ref is not None and (gen.fallback or gen.injected_tokens == 0) \
-                                and gen.cached_tokens < m:
-                            fallbacks += 1
-                        answers[f"{mode}|{i}|{k}"] = {
-                            "text": gen.text, "memory_tokens": m, "prompt_tokens": len(ids),
-                            "injected": gen.injected_tokens, "cached": gen.cached_tokens,
-                            "fallback": gen.fallback}
-
-            await engine.llm.reset_prefix_cache()
-            before = engine.prompt_token_counters()
-            t0 = time.perf_counter()
-            await asyncio.gather(*(chain(i) for i in qids))
-            after = engine.prompt_token_counters()
-            phase.update(answer_seconds=round(time.perf_counter() - t0, 1),
-                         requests=len(qids) * len(args.ks), kv_fallbacks=fallbacks,
-                         prompt_tokens={s: after[s] - before[s] for s in after})
-            print(json.dumps({"phase": phase}), flush=True)
-            if w is not None:
-                await engine.evict(wuser)
-            on_phase(phase, answers)
+                    def ref_of(ranked, cfg=cfg, vuser=vuser, version=version):
+                        injected, tail = memory_layout(ranked, cfg.memory_order,
+                                                       cfg.text_tail, source)
+                        return injected, tail, MemoryRef(vuser, version,
+                                                         (PREFIX_ID, *injected))
+                await engine.llm.reset_prefix_cache()
+                before = engine.prompt_token_counters()
+                t0 = time.perf_counter()
+                answers = await answer_all(args, engine, composer, token_ids, conv, mode,
+                                           ref_of)
+                after = engine.prompt_token_counters()
+                phase.update(answer_seconds=round(time.perf_counter() - t0, 1),
+                             requests=len(answers),
+                             prompt_tokens={s: after[s] - before[s] for s in after})
+                if ref_of is not None:
+                    phase["kv_fallbacks"] = sum(
+                        1 for a in answers.values()
+                        if a["injected"] == 0 and a["cached"] < a["memory_tokens"])
+                    await engine.evict(vuser)
+                print(json.dumps({"phase": phase}), flush=True)
+                on_phase(conv, mode, phase, answers)
     finally:
         engine.shutdown()
 
 
-def score(args, questions: list[dict], top: list[list[str]], answers: dict,
-          mode_questions: dict) -> tuple[list[dict], dict, list[dict]]:
-    """Rows per (mode, k): F1 overall and per category on the mode's questions, and the
-    prompt baseline's F1 on the same questions (paired); per-answer records."""
-    f1s: dict[tuple[str, int, int], float] = {}
-    records = []
-    for key, a in answers.items():
-        mode, i, k = key.split("|")
-        q = questions[int(i)]
-        pred = qa_metrics.first_line(a["text"])
-        f1s[(mode, int(i), int(k))] = qa_metrics.locomo_f1(pred, q["answer"], q["category"])
-        records.append({"mode": mode, "k": int(k), "q": int(i), "prediction": pred,
-                        "f1": round(f1s[(mode, int(i), int(k))], 4)})
-    rows, summary = [], {}
-    for mode, qids in mode_questions.items():
-        for k in args.ks:
-            if any((mode, i, k) not in f1s for i in qids):
-                continue
-            s = qa_metrics.summarize((questions[i]["category"], f1s[(mode, i, k)]) for i in qids)
-            row = {"mode": mode, "window": None if mode == "prompt" else int(mode[4:]), "k": k,
-                   "questions": s["n"], "f1": s["overall"],
-                   **{f"f1_{c}": v["mean"] for c, v in s["by_category"].items()}}
-            if mode != "prompt" and all(("prompt", i, k) in f1s for i in qids):
-                row["f1_prompt_same_questions"] = qa_metrics.summarize(
-                    (questions[i]["category"], f1s[("prompt", i, k)]) for i in qids)["overall"]
-                if len(qids) < len(mode_questions["prompt"]):
-                    summary[f"f1_prompt_k{k}_on_{mode}_questions"] = row["f1_prompt_same_questions"]
-            rows.append(row)
-            summary[f"f1_{mode}_k{k}"] = s["overall"]
-    for k in args.ks:  # evidence recall of the shared retrieval: were the needed turns there?
-        hits = [len(set(q["evidence"]) & {q_src for q_src in q["top_sources"][:k]})
-                / len(set(q["evidence"])) for q in questions if q["evidence"]]
-        summary[f"evidence_recall_k{k}"] = round(sum(hits) / len(hits), 4) if hits else None
-    return rows, summary, records
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversation", default="../shared/data/locomo/conv-26.json")
+    ap.add_argument("--conversation", nargs="+",
+                    default=["../shared/data/locomo/conv-26.json"],
+                    help="LoCoMo-format JSON files (each one user)")
     ap.add_argument("--model", default="embedded", help="'embedded' or an HF checkpoint dir")
-    ap.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the encoder and the embedder run")
+    ap.add_argument("--kv-dtype", default=None,
+                    help="engine, encoder and stored KV dtype (default: bfloat16 on CUDA, "
+                         "float32 on CPU)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compiled engine with CUDA graphs (default: eager)")
+    ap.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw",
+                    help="raw: every turn one fact (no LLM); mem0: extract with an LLM")
     ap.add_argument("--llm-base-url", default=None, help="OpenAI-compatible endpoint (mem0)")
-    ap.add_argument("--llm-model", default=None, help="model name at --llm-base-url")
-    ap.add_argument("--windows", type=int, nargs="+", default=[0, 5, 20, 50])
-    ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50])
+    ap.add_argument("--llm-model", default=None, help="model name at --llm-base-url (mem0)")
+    ap.add_argument("--windows", type=int, nargs="*", default=[0, 5, 20, 50],
+                    help="add kv_w{w}: the default encoder config at window w")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=V,...",
+                    help="add a KV variant with these encoder-config fields (repeatable)")
+    ap.add_argument("--variants-file", default=None,
+                    help="a file of --variant specs, one per line (# comments)")
+    ap.add_argument("--base", default=None, metavar="FIELD=V,...",
+                    help="encoder-config fields of the kv_w{w} modes besides the window "
+                         "(default: the pipeline's defaults)")
+    ap.add_argument("--default-variant", default=None,
+                    help="the variant the summary compares with the prompt baseline "
+                         "(f1_default_minus_prompt_min)")
+    ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
+                    help="numbers of retrieved facts")
     ap.add_argument("--max-questions", type=int, default=None,
-                    help="evenly spaced subset of the category 1-4 questions")
-    ap.add_argument("--window-questions", nargs="*", default=[], metavar="W=M",
-                    help="answer window W on only M (evenly spaced) of the questions: its "
-                         "encoding cost grows with W; the baseline is reported on the same M")
-    ap.add_argument("--max-tokens", type=int, default=16)
+                    help="an evenly spaced subset of each conversation's questions")
+    ap.add_argument("--max-tokens", type=int, default=16, help="answer length (greedy)")
     ap.add_argument("--concurrency", type=int, default=16, help="questions in flight")
-    ap.add_argument("--batch-tokens", type=int, default=8192, help="encoder pass size")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="encoder pass size")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                    help="vLLM's share of GPU memory (on CPU: of host RAM)")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="vLLM's context length")
     ap.add_argument("--store-budget-gb", type=int, default=8, help="connector store budget")
-    ap.add_argument("--judge-url", default=None, help="OpenAI-compatible judge endpoint")
-    ap.add_argument("--judge-model", default=None)
-    ap.add_argument("--judge-key", default="EMPTY")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--workdir", default=None, help="artifact directory (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="result JSON (written after every phase)")
     args = ap.parse_args(argv)
     args.ks = sorted(args.ks)
-    if args.judge_url and not args.judge_model:
-        ap.error("--judge-url needs --judge-model")
-    limits = {}
-    for spec in args.window_questions:
-        w, _, m = spec.partition("=")
-        if not (w.isdigit() and m.isdigit()) or int(w) not in args.windows:
-            ap.error(f"--window-questions takes W=M with W among --windows, got {spec!r}")
-        limits[int(w)] = int(m)
+    cuda = args.device.startswith("cuda")
+    args.kv_dtype = args.kv_dtype or ("bfloat16" if cuda else "float32")
+    args.batch_tokens = args.batch_tokens or (65536 if cuda else 8192)
+    base = parse_variant(f"base:{args.base}").fields if args.base else ()
+    if any(key == "window" for key, _ in base):
+        ap.error("--base sets every field but the window")
+    variants = [Variant(f"kv_w{w}", (*base, ("window", w))) for w in args.windows]
+    specs = list(args.variant)
+    if args.variants_file:
+        specs += [line.split("#")[0].strip() for line in Path(args.variants_file).read_text()
+                  .splitlines() if line.split("#")[0].strip()]
+    variants += [parse_variant(s) for s in specs]
+    # variants sharing an encoding run back to back (it is encoded once for them)
+    variants.sort(key=lambda v: json.dumps(sorted((k, x) for k, x in v.fields
+                                                  if k not in LAYOUT_FIELDS)))
+    if len({v.name for v in variants}) != len(variants):
+        ap.error("variant names must be unique")
+    if args.default_variant and args.default_variant not in {v.name for v in variants}:
+        ap.error(f"--default-variant {args.default_variant!r} is not a variant")
     t_start = time.perf_counter()
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(argv)
 
-    from benchmarks.memory_setup import load_turns
+    from inferscale.encode import EncoderConfig
     from inferscale.models import load_model
+    from inferscale.retrieval import Embedder
 
-    questions = load_questions(args.conversation, max_questions=args.max_questions)
-    loaded = load_model(args.model, Settings().home, device="cpu", dtype="float32")
-    turns = load_turns(args.conversation)
-    user = turns.column("user")[0].as_py()
-    facts, fact_info = build_facts(args, turns, loaded.tokenizer)
-    top = retrieve(facts, questions, max(args.ks))
-    source = dict(zip(facts.column("fact_id").to_pylist(),
-                      facts.column("source_turn_id").to_pylist()))
-    for q, t in zip(questions, top):
-        q["top_sources"] = [source[f] for f in t]
-    mode_questions = {"prompt": list(range(len(questions)))}
-    for w in args.windows:
-        mode_questions[f"kv_w{w}"] = spaced(len(questions), limits.get(w))
+    loaded = load_model(args.model, Settings().home, device=args.device, dtype=args.kv_dtype)
+    embedder = Embedder(Settings().embedder, device=args.device)
+    convs = [prepare(args, path, loaded, embedder) for path in args.conversation]
     root = Path(args.workdir or tempfile.mkdtemp(prefix="inferscale-locomo-")) / "artifacts"
-    setup_s = time.perf_counter() - t_start
-    print(json.dumps({"facts": fact_info, "questions": len(questions),
-                      "setup_seconds": round(setup_s, 1)}), flush=True)
+    print(json.dumps({"conversations": {c.name: {"facts": c.facts.num_rows,
+                                                  "questions": len(c.questions)}
+                                         for c in convs},
+                      "setup_seconds": round(time.perf_counter() - t_start, 1)}), flush=True)
     phases: list[dict] = []
+    answers: dict = {}
+    meta = {
+        "command": command, "model": args.model, "fact_mode": args.fact_mode,
+        "device": locomo_report.device_line(args.device),
+        "query_template": QUERY_TEMPLATE, "max_tokens": args.max_tokens, "greedy": True,
+        "kv_dtype": args.kv_dtype, "compiled": args.compile, "ks": args.ks,
+        "variants": {v.name: dict(v.fields) for v in variants},
+        "encoder_defaults": EncoderConfig().to_dict(),
+        "default_variant": args.default_variant, "phases": phases,
+    }
 
-    def result(answers: dict, complete: bool) -> dict:
-        rows, summary, records = score(args, questions, top, answers, mode_questions)
-        wall = time.perf_counter() - t_start
-        return {
-            "command": command,
-            "device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads "
-                      f"(torch {torch.__version__}, vllm {__import__('vllm').__version__})",
-            "complete": complete, "model": args.model,
-            "conversation": Path(args.conversation).name, "facts": fact_info,
-            "questions": len(questions), "questions_available": len(
-                load_questions(args.conversation)),
-            "questions_per_mode": {m: len(v) for m, v in mode_questions.items()},
-            "query_template": QUERY_TEMPLATE, "max_tokens": args.max_tokens, "greedy": True,
-            "kv_dtype": "float32", "windows": args.windows, "ks": args.ks,
-            "setup_seconds": round(setup_s, 1), "phases": phases,
-            "wall_seconds": round(wall, 1),
-            "rows": rows, "summary": {**summary, "wall_seconds": round(wall, 1)},
-            "records": records,
-            "questions_list": [{k: q[k] for k in ("id", "question", "answer", "category")}
-                               for q in questions],
-        }
-
-    def write(res: dict) -> None:
+    def write(complete: bool) -> dict:
+        res = locomo_report.report(meta, convs, answers, [v.name for v in variants], args.ks,
+                                   args.default_variant)
+        res.update(complete=complete, wall_seconds=round(time.perf_counter() - t_start, 1))
+        res["summary"]["wall_seconds"] = res["wall_seconds"]
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        return res
 
-    def on_phase(phase: dict, answers: dict) -> None:
+    def on_phase(conv, mode, phase, got) -> None:
         phases.append(phase)
-        write(result(answers, complete=False))  # a partial result survives an interruption
+        for (i, k), a in got.items():
+            answers[(conv.name, mode, i, k)] = a
+        write(complete=False)  # a partial result survives an interruption
 
-    answers: dict = {}
-    asyncio.run(run_modes(args, loaded, root, user, turns, facts, questions, top,
-                          mode_questions, lambda p, a: (answers.update(a), on_phase(p, a))))
-    res = result(answers, complete=True)
-    if args.judge_url:
-        cfg = qa_metrics.JudgeConfig(args.judge_url, args.judge_model, args.judge_key)
-        verdicts = qa_metrics.judge(
-            [{"question": questions[r["q"]]["question"], "reference": questions[r["q"]]["answer"],
-              "prediction": r["prediction"]} for r in res["records"]], cfg)
-        for r, v in zip(res["records"], verdicts):
-            r["judge"] = v
-        res["judge"] = {"url": args.judge_url, "model": args.judge_model}
-        for row in res["rows"]:
-            qids = set(mode_questions[row["mode"]])
-            vs = [r["judge"] for r in res["records"] if r["mode"] == row["mode"]
-                  and r["k"] == row["k"] and r["q"] in qids and r["judge"] is not None]
-            row["judge_accuracy"] = round(sum(vs) / len(vs), 4) if vs else None
-            res["summary"][f"judge_{row['mode']}_k{row['k']}"] = row["judge_accuracy"]
-    write(res)
+    asyncio.run(run(args, loaded, convs, variants, root, on_phase))
+    res = write(complete=True)
     print(json.dumps(res["summary"]))
     return res
 

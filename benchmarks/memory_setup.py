@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts import Lineage, publish
-from inferscale.compose import Composer
+from inferscale.compose import Composer, memory_text
 from inferscale.encode import (
     PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments)
 from inferscale.facts import fact_id
@@ -51,10 +51,31 @@ def turn_facts(turns: pa.Table, user: str, tokenizer, embedder, max_tokens: int 
     }, schema=facts_schema.schema(emb.shape[1]))
 
 
+def raw_facts(turns: pa.Table, tokenizer, embedder, max_tokens: int = 256) -> pa.Table:
+    """The pipeline's raw fact mode without Mem0: every turn one fact
+    ``"[date] Speaker: text"`` (the same ids, texts and token ids ``extract_facts`` gives
+    in raw mode), embedded with ``embedder``. For machines without Mem0/LanceDB."""
+    rows = turns.sort_by("turn_index").to_pylist()
+    user = rows[0]["user"]
+    texts = [memory_text(r["speaker"], r["text"], r["timestamp"]) for r in rows]
+    composer = Composer(tokenizer)
+    emb = embedder.embed(texts).cpu().numpy()
+    return pa.table({
+        "fact_id": [fact_id(user, r["turn_id"], t) for r, t in zip(rows, texts)],
+        "user": [user] * len(rows),
+        "source_turn_id": [r["turn_id"] for r in rows],
+        "source_index": [r["turn_index"] for r in rows],
+        "text": texts,
+        "token_ids": [composer.fact_ids(t, max_tokens) for t in texts],
+        "embedding": [list(map(float, e)) for e in emb],
+    }, schema=facts_schema.schema(emb.shape[1]))
+
+
 def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype: torch.dtype,
-                  fingerprint: str, seed: int = 0) -> EncodedMemory:
+                  fingerprint: str, seed: int = 0, layout: dict | None = None) -> EncodedMemory:
     """Random K/V ``[L, T, H, D]`` per chunk (for dummy-weight models, whose real KV would
-    be as meaningless): right sizes, right token ids, no forward pass."""
+    be as meaningless): right sizes, right token ids, no forward pass. ``layout``: the
+    composer settings (``memory_order``, ``text_tail``) the artifact carries."""
     L, H, D = shape
     g = torch.Generator().manual_seed(seed)
     chunks = [(PREFIX_ID, Composer(tokenizer).prefix_ids())]
@@ -63,7 +84,8 @@ def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype
     for cid, ids in chunks:
         kv = torch.randn((2, L, len(ids), H, D), generator=g).to(dtype)
         out.append(EncodedChunk(cid, list(ids), kv[0], kv[1]))
-    return EncodedMemory(out, fingerprint, {"random_kv": True, "dtype": str(dtype)})
+    return EncodedMemory(out, fingerprint, {"random_kv": True, "dtype": str(dtype),
+                                            **(layout or {})})
 
 
 def encoded_memory(model, tokenizer, turns: pa.Table, facts: pa.Table, cfg: EncoderConfig,

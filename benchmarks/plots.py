@@ -3,9 +3,10 @@
 - ``ttft-<name>.png`` per ``ttft-*.json``: engine TTFT and query-to-first-token against
   k for the prompt baseline and KV injection from the gpu and host tiers (and vLLM's
   own prefix cache as the floor);
-- ``locomo-<name>.png`` per ``locomo-*.json``: token F1 against k, the prompt baseline
-  and KV injection per window w (a window answered on fewer questions is drawn dashed
-  with its paired baseline dotted).
+- ``locomo-<name>.png`` per ``locomo-*.json``: pooled token F1 against k, the prompt
+  baseline, no memory, and KV injection per window or variant (with many variants: the
+  default and those closest to the baseline at their worst k; a mode answered on fewer
+  questions is drawn dashed with its paired baseline dotted).
 
 A missing or unreadable result file is skipped with a message, never a crash.
 
@@ -82,6 +83,31 @@ def plot_ttft(path: Path, figures: Path) -> Path | None:
     return out
 
 
+def _locomo_label(mode: str, rows: list[dict], data: dict) -> str:
+    if mode == "prompt":
+        return "prompt baseline (facts as text)"
+    if mode == "nomem":
+        return "no memory"
+    label = f"KV inject, w={rows[0]['window']}" if rows[0].get("window") is not None \
+        else f"KV {mode}"
+    return label + (" (default)" if mode == data.get("default_variant") else "")
+
+
+def _locomo_modes(by_mode: dict[str, list[dict]], data: dict, most: int = 7) -> list[str]:
+    """Every mode when few; else the baseline, no memory, the default and the variants
+    whose worst-k difference to the baseline is smallest."""
+    modes = sorted(by_mode, key=lambda m: (m != "prompt", m != "nomem", m))
+    if len(modes) <= most:
+        return modes
+    base = {r["k"]: r["f1"] for r in by_mode.get("prompt", [])}
+
+    def worst(m: str) -> float:
+        return min((r["f1"] - base.get(r["k"], 0.0) for r in by_mode[m]), default=-1.0)
+    kv = sorted((m for m in modes if m not in ("prompt", "nomem")), key=worst, reverse=True)
+    keep = [m for m in ("prompt", "nomem", data.get("default_variant")) if m in by_mode]
+    return keep + [m for m in kv if m not in keep][: most - len(keep)]
+
+
 def plot_locomo(path: Path, figures: Path) -> Path | None:
     data = _load(path)
     if data is None:
@@ -89,30 +115,35 @@ def plot_locomo(path: Path, figures: Path) -> Path | None:
     plt = _plt()
     by_mode: dict[str, list[dict]] = {}
     for r in data["rows"]:
-        by_mode.setdefault(r["mode"], []).append(r)
-    total = max((r.get("questions", 0) for r in data["rows"]), default=0)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for mode, rows in sorted(by_mode.items(), key=lambda kv: (kv[0] != "prompt", kv[0])):
-        rows = sorted(rows, key=lambda r: r["k"])
-        ks = [r["k"] for r in rows]
+        if r.get("scope", "pooled") == "pooled":
+            by_mode.setdefault(r["mode"], []).append(r)
+    total = max((r.get("questions", 0) for rows in by_mode.values() for r in rows), default=0)
+    ks = sorted({r["k"] for rows in by_mode.values() for r in rows if r["k"]})
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for mode in _locomo_modes(by_mode, data):
+        rows = sorted(by_mode[mode], key=lambda r: r["k"])
+        label = _locomo_label(mode, rows, data)
+        if mode == "nomem":
+            ax.axhline(rows[0]["f1"], color="grey", linestyle=":", label=label)
+            continue
         n = rows[0].get("questions", total)
         partial = n < total
-        label = "prompt baseline" if mode == "prompt" else f"KV inject, w={rows[0]['window']}"
         if partial:
             label += f" ({n} questions)"
-        line = ax.plot(ks, [r["f1"] for r in rows], "o--" if partial else "o-", label=label,
-                       linewidth=2.2 if mode == "prompt" else 1.5)
+        line = ax.plot([r["k"] for r in rows], [r["f1"] for r in rows],
+                       "o--" if partial else "o-", label=label,
+                       linewidth=2.4 if mode in ("prompt", data.get("default_variant")) else 1.4)
         if partial and all(r.get("f1_prompt_same_questions") is not None for r in rows):
-            ax.plot(ks, [r["f1_prompt_same_questions"] for r in rows], ":",
+            ax.plot([r["k"] for r in rows], [r["f1_prompt_same_questions"] for r in rows], ":",
                     color=line[0].get_color(), alpha=0.7,
                     label=f"prompt baseline on those {n}")
-    ks = sorted({r["k"] for r in data["rows"]})
     ax.set_xscale("log")
     ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
     ax.set_xlabel("k (facts retrieved)")
     ax.set_ylabel("LoCoMo token F1 (categories 1-4)")
-    ax.set_title(f"{data.get('conversation', path.stem)}: {total} questions, "
-                 f"{data.get('model', '')}", fontsize=9)
+    convs = ", ".join(data.get("conversations", {})) or data.get("conversation", path.stem)
+    ax.set_title(f"{convs}: {total} questions, {data.get('model', '')}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

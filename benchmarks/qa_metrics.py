@@ -28,7 +28,7 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
@@ -103,6 +103,33 @@ def first_line(text: str) -> str:
         if line.strip():
             return line.strip()
     return ""
+
+
+_MEMORY_LINE = re.compile(r"^\s*([-*]\s|\[|\d+\.\s)")
+
+
+def continues_transcript(text: str, speakers: Iterable[str]) -> bool:
+    """Whether a generation continues the memory/transcript instead of answering: it
+    begins like a memory or list line (``- ...``, ``[2023-...``, ``1. ...``) or with a
+    speaker label of the conversation (``Caroline:``). A bare date is an answer."""
+    head = str(text).lstrip()
+    if _MEMORY_LINE.match(head):
+        return True
+    return any(re.match(rf"{re.escape(s)}\s*:", head) for s in speakers if s)
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], n: int = 4000,
+                     seed: int = 0) -> dict:
+    """Mean of ``a - b`` over paired items and its 95% percentile-bootstrap interval."""
+    import numpy as np
+
+    if len(a) != len(b) or not len(a):
+        raise ValueError("paired_bootstrap needs two equally long, non-empty sequences")
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(n, len(d)))
+    lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
+    return {"mean": round(float(d.mean()), 4), "lo": round(float(lo), 4),
+            "hi": round(float(hi), 4), "n": int(len(d))}
 
 
 # ---------------------------------------------------------------------- LLM judge

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
+from inferscale.encode import EncoderConfig  # noqa: E402
 
 
 MODES = ("prompt", "inject_gpu", "cached", "inject_host")
@@ -61,7 +62,6 @@ async def measure(args) -> dict:
     from benchmarks.memory_setup import (
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
     from inferscale.compose import Composer
-    from inferscale.encode import EncoderConfig
     from inferscale.engine import EngineConfig, MemoryEngine
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.retrieval import Embedder
@@ -75,6 +75,8 @@ async def measure(args) -> dict:
                         dtype=torch.float16 if cuda else None)
     turns = load_turns(args.conversation)
     users = {"gpu": "bench-gpu", "host": "bench-host"}
+    # the composer settings the artifacts carry (what the server lays out per request)
+    layout = {"memory_order": args.memory_order, "text_tail": args.text_tail}
     t0 = time.perf_counter()
     if args.model in SHAPES:
         tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
@@ -88,14 +90,15 @@ async def measure(args) -> dict:
             facts = turn_facts(turns, user, tok, embedder)
             kv_dtype = torch.bfloat16 if cuda else torch.float32
             versions[tier] = publish_memory(work / "artifacts", user, turns, facts,
-                                            random_memory(facts, tok, shape, kv_dtype, fp))
+                                            random_memory(facts, tok, shape, kv_dtype, fp,
+                                                          layout=layout))
         engine_cfg = dict(model=str(ckpt), load_format="dummy",
                           dtype="bfloat16" if cuda else "float32")
         kv_note = "random KV (dummy weights)"
     else:
         loaded = load_model(args.model, home, device="cpu", dtype="float32")
         ckpt, fp, tok = loaded.checkpoint, loaded.fingerprint, loaded.tokenizer
-        enc_cfg = EncoderConfig(window=args.window, dtype="float32")
+        enc_cfg = EncoderConfig(window=args.window, dtype="float32", **layout)
         versions = {}
         for tier, user in users.items():
             facts = turn_facts(turns, user, tok, embedder)
@@ -132,6 +135,7 @@ async def measure(args) -> dict:
         gen = await engine.generate(ids, ref, max_tokens=1)
         return {"ttft_ms": gen.ttft_s * 1e3, "q2ft_ms": (prep + gen.ttft_s) * 1e3,
                 "memory_tokens": info.get("memory_tokens", 0), "prompt_tokens": len(ids),
+                "tail_tokens": info.get("text_tail_tokens", 0),
                 "injected": gen.injected_tokens, "cached": gen.cached_tokens,
                 "embed_ms": info["timings_ms"].get("embed", 0.0),
                 "retrieve_ms": info["timings_ms"].get("retrieve", 0.0)}
@@ -176,6 +180,9 @@ async def measure(args) -> dict:
             "k": k, "queries": len(qs) - 1,
             "memory_tokens": med["inject_gpu"]["memory_tokens"],
             "injected_tokens": med["inject_gpu"]["injected"],
+            "text_tail_tokens": med["inject_gpu"]["tail_tokens"],
+            "prompt_tokens": med["prompt"]["prompt_tokens"],
+            "inject_prompt_tokens": med["inject_gpu"]["prompt_tokens"],
             "prompt_ttft_ms": med["prompt"]["ttft_ms"],
             "inject_gpu_ttft_ms": med["inject_gpu"]["ttft_ms"],
             "inject_host_ttft_ms": med["inject_host"]["ttft_ms"],
@@ -196,6 +203,7 @@ async def measure(args) -> dict:
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
+        "layout": layout,
         "setup_seconds": round(setup_s, 1), "verify": verify, "rows": rows,
         "loaded_tokens_total": status["loaded_tokens"],
         "inject_ms_mean": round(status["inject_ms_mean"], 3),
@@ -218,6 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--queries", type=int, default=20,
                     help="per k; medians of fewer swing by 10-20%% on a noisy 2-core machine")
     ap.add_argument("--window", type=int, default=0, help="encoder window (real models)")
+    ap.add_argument("--text-tail", type=int, default=EncoderConfig.text_tail,
+                    help="facts prefilled as text after the injected ones (the artifact's "
+                         "layout; default: the encoder default)")
+    ap.add_argument("--memory-order", default=EncoderConfig.memory_order,
+                    help="order of the injected facts (relevance, relevance_last, "
+                         "chronological; default: the encoder default)")
     ap.add_argument("--embedder", default="embedded", help="sentence-transformers dir")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,

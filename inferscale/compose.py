@@ -17,13 +17,48 @@ the connector's tests, benchmarks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant with a long-term memory of the user. "
     "Answer the user's question using these remembered facts when they are relevant.\n"
 )
 _SYS, _USR = "\x00SYSTEM\x00", "\x00USER\x00"
+MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
+
+
+def memory_text(speaker: str, text: str, timestamp: str | None = None) -> str:
+    """A conversation turn as a memory line's text: ``"[2023-05-08] Caroline: text"``.
+
+    The one format shared by raw-turn facts (``facts.py``) and encoder windows written
+    as memory lines (``encode.py``).
+    """
+    line = f"{speaker}: {text}"
+    return f"[{timestamp[:10]}] {line}" if timestamp else line
+
+
+def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: int = 0,
+                  source_index: Mapping[str, int] | None = None
+                  ) -> tuple[list[str], list[str]]:
+    """Split retrieved facts (``ranked``: best first) into (injected, tail), both in the
+    order they are served.
+
+    ``tail``: the ``text_tail`` best facts, best last (right before the question), which
+    the request prefills as text; ``injected``: the others in ``order`` ("relevance":
+    best first, "relevance_last": best last, "chronological": by ``source_index``).
+    Callers: the server's request composition, benchmarks.
+    """
+    if order not in MEMORY_ORDERS:
+        raise ComposeError(f"memory order must be one of {MEMORY_ORDERS}, got {order!r}")
+    tail = list(reversed(ranked[:text_tail]))
+    injected = list(ranked[text_tail:])
+    if order == "relevance_last":
+        injected.reverse()
+    elif order == "chronological":
+        if source_index is None:
+            raise ComposeError("chronological order needs the facts' source turn indices")
+        injected.sort(key=lambda f: source_index[f])
+    return injected, tail
 
 
 class ComposeError(ValueError):
@@ -88,11 +123,15 @@ class Composer:
         _, middle, tail = self._pieces
         return self._encode(middle + question.strip() + tail)
 
-    def compose(self, memory: Sequence[Sequence[int]], question: str) -> tuple[list[int], int]:
-        """``memory`` = [prefix ids, fact ids...] -> (prompt ids, memory length m)."""
+    def compose(self, memory: Sequence[Sequence[int]], question: str,
+                tail: Sequence[Sequence[int]] = ()) -> tuple[list[int], int]:
+        """``memory`` = [prefix ids, fact ids...] -> (prompt ids, memory length m).
+
+        ``tail``: facts written as text after the memory and before the question (the
+        request prefills them; they are not part of the ``m`` memory tokens)."""
         ids: list[int] = [t for chunk in memory for t in chunk]
         m = len(ids)
-        return ids + self.query_ids(question), m
+        return ids + [t for chunk in tail for t in chunk] + self.query_ids(question), m
 
     def fact_text_prompt(self, facts: Sequence[str], question: str) -> list[int]:
         """The Mem0-style baseline prompt: same layout, facts as text, same tokens."""

@@ -48,11 +48,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from inferscale.compose import DEFAULT_INSTRUCTION, Composer
+from inferscale.compose import DEFAULT_INSTRUCTION, MEMORY_ORDERS, Composer, memory_text
 
 log = logging.getLogger(__name__)
 
 PREFIX_ID = "prefix"
+CONTEXTS = ("transcript", "memory", "prefix")
 KEY_FORMAT = "inferscale.content-key.v1"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _capture_lock = threading.Lock()
@@ -73,9 +74,33 @@ class EncoderConfig:
     batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
     instruction: str = DEFAULT_INSTRUCTION
     turn_template: str = "{speaker}: {text}\n"
+    # What each fact is encoded after (see the module docstring): ``"transcript"`` = the
+    # window's turns as raw transcript (``turn_template``), nothing before them;
+    # ``"memory"`` = the serving prefix (chat-template head + instruction) at positions
+    # 0..P-1, then the window's turns written as memory lines, exactly as the served
+    # memory list writes facts; ``"prefix"`` = the serving prefix, then the window as
+    # transcript (the shared attention sink alone, for ablations).
+    context: str = "transcript"
+    # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
+    key_temperature: float = 1.0
+    # How the server lays out a request's memory (composer settings kept with the artifact):
+    # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
+    # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
+    # facts are prefilled as text right before the question instead of injected.
+    memory_order: str = "relevance"
+    text_tail: int = 0
     batch_invariant: bool = True  # one pass per fact: content keys, reuse (module docstring)
 
     def __post_init__(self) -> None:
+        if self.context not in CONTEXTS:
+            raise EncodeError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if not self.key_temperature > 0:
+            raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
+        if self.memory_order not in MEMORY_ORDERS:
+            raise EncodeError(f"memory_order must be one of {MEMORY_ORDERS}, "
+                              f"got {self.memory_order!r}")
+        if self.text_tail < 0:
+            raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
         if self.window < 0:
             raise EncodeError(f"window must be >= 0, got {self.window}")
         if self.dtype not in _DTYPES:
@@ -95,10 +120,11 @@ class EncoderConfig:
 
 @dataclass(frozen=True)
 class TurnText:
-    """One conversation turn as the window sees it."""
+    """One conversation turn as the window sees it (``timestamp``: ISO, or None)."""
 
     speaker: str
     text: str
+    timestamp: str | None = None
 
 
 @dataclass(frozen=True)
@@ -361,9 +387,14 @@ def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
 
 def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], composer: Composer,
                     cfg: EncoderConfig) -> list[Segment]:
-    """Segments for ``facts``: each fact's window then the fact, one segment per fact in
+    """Segments for ``facts``: each fact's context then the fact, one segment per fact in
     the order given (``cfg.batch_invariant``), or one per source turn holding all its
-    facts, in turn order (otherwise)."""
+    facts, in turn order (otherwise).
+
+    The context is ``cfg.context``'s: the window's turns as transcript, or the serving
+    prefix followed by the window's turns as memory lines (or as transcript). A window
+    longer than ``max_window_tokens`` loses its oldest tokens; the prefix is always kept.
+    """
     by_turn: dict[int, list[FactSpec]] = {}
     seen: set[str] = set()
     for fact in facts:
@@ -375,19 +406,26 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
         seen.add(fact.fact_id)
         by_turn.setdefault(fact.source_index, []).append(fact)
     turn_ids: dict[int, list[int]] = {}
+    as_memory = cfg.context == "memory"
 
     def turn_tokens(i: int) -> list[int]:
         if i not in turn_ids:
             t = turns[i]
-            turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker, text=t.text))
+            if as_memory:
+                turn_ids[i] = composer.fact_ids(memory_text(t.speaker, t.text, t.timestamp),
+                                                cfg.max_fact_tokens)
+            else:
+                turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker,
+                                                                        text=t.text))
         return turn_ids[i]
 
+    head = composer.prefix_ids() if cfg.context in ("memory", "prefix") else []
     contexts: dict[int, tuple[int, ...]] = {}
     for t in by_turn:
-        context = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
-        if len(context) > cfg.max_window_tokens:
-            context = context[len(context) - cfg.max_window_tokens:]
-        contexts[t] = tuple(context)
+        window = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
+        if len(window) > cfg.max_window_tokens:
+            window = window[len(window) - cfg.max_window_tokens:]
+        contexts[t] = tuple(head + window)
 
     def chunk(f: FactSpec) -> tuple[str, tuple[int, ...]]:
         return (f.fact_id, tuple(f.token_ids) if f.token_ids
@@ -482,6 +520,8 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     for c in encode_segments(model, todo, out_dtype=cfg.torch_dtype, pad_id=pad_id,
                              batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
                              progress=bar):
+        if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
+            c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
         c.content_key = keys.get(c.chunk_id)
         chunks[c.chunk_id] = c
     bar.close()

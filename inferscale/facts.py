@@ -46,6 +46,7 @@ from typing import Any, Iterator, Literal, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from inferscale.compose import memory_text
 from storage_schemas import facts as facts_schema
 
 log = logging.getLogger(__name__)
@@ -369,9 +370,7 @@ def extract_facts(turns: dict[str, pa.Table] | pa.Table, tokenizer: Any, config:
 def _message(row: dict, raw: bool) -> dict:
     """A turn as a Mem0 message: the speaker's name is kept in the content."""
     role = "assistant" if row["speaker"].strip().lower() in ("assistant", "ai", "bot") else "user"
-    content = f"{row['speaker']}: {row['text']}"
-    if raw and row["timestamp"]:
-        content = f"[{row['timestamp'][:10]}] {content}"
+    content = memory_text(row["speaker"], row["text"], row["timestamp"] if raw else None)
     return {"role": role, "content": content}
 
 

