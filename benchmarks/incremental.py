@@ -9,7 +9,7 @@ path: encode seconds (the incremental one includes reading and verifying version
 slab), forward tokens, facts reused and encoded, publish seconds; and whether both
 versions are byte-identical (same version id, same file checksums, same kv.arrow bytes).
 
-``--batched-sample N`` also measures what batch invariance costs: the first N facts
+``--batched-sample N`` also measures what batch invariance costs: the last N facts
 encoded one pass per fact (what the encoder does) and packed into padded batches of
 ``--batch-tokens`` (the encoder's former default), with the number of facts whose K/V
 bits differ between the two.
@@ -97,8 +97,8 @@ def row(path: str, encoded, enc_s: float, res, pub_s: float) -> dict:
 
 def batched_cost(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, n: int,
                  batch_tokens: int) -> dict:
-    """The first ``n`` facts encoded alone per pass and in padded batches: seconds, and
-    how many facts' K/V bits differ."""
+    """The last ``n`` facts (full windows) encoded alone per pass and in padded batches:
+    seconds, and how many facts' K/V bits differ."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
     out = {}
@@ -106,7 +106,7 @@ def batched_cost(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, n: int,
         enc_cfg = EncoderConfig(**{**cfg.encoder.to_dict(), "batch_invariant": invariant,
                                    "batch_tokens": batch_tokens})
         start = time.perf_counter()
-        out[name] = encode_facts(model.model, model.tokenizer, turn_texts, specs[:n], enc_cfg,
+        out[name] = encode_facts(model.model, model.tokenizer, turn_texts, specs[-n:], enc_cfg,
                                  model.fingerprint, progress=False)
         out[name + "_s"] = time.perf_counter() - start
     differ = sum(not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
