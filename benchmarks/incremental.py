@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="facts for the batch-invariance cost measurement (0: skip)")
     ap.add_argument("--batch-tokens", type=int, default=8192,
                     help="padded tokens per batch on the batched side of that measurement")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's; part of the content keys)")
     ap.add_argument("--store", default=None, help="artifact root (default: a temporary dir)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--append-sessions must be >= 1")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
 
     (user, turns), = read_logs(args.conversation).turns.items()

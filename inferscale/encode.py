@@ -442,9 +442,9 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
 
 def numerics(model: torch.nn.Module) -> dict[str, Any]:
     """What decides the last bits of the encoder's K/V besides its inputs: the compute
-    dtype and device (GPU name; CPU instruction set and intra-op thread count, which
-    changes how CPU kernels split their sums), torch and transformers versions and the
-    attention implementation."""
+    dtype and device (GPU name and SM count; CPU instruction set and intra-op thread
+    count, which changes how CPU kernels split their sums: measured, different bits),
+    fp32 matmul precision, torch and transformers versions and the attention kernel."""
     import transformers
 
     p = next(model.parameters())
@@ -452,9 +452,11 @@ def numerics(model: torch.nn.Module) -> dict[str, Any]:
         "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+        "fp32_matmul": torch.get_float32_matmul_precision(),
     }
     if p.device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(p.device)
+        out["sms"] = torch.cuda.get_device_properties(p.device).multi_processor_count
     else:
         out["cpu"] = torch.backends.cpu.get_cpu_capability()
         out["threads"] = torch.get_num_threads()
