@@ -11,8 +11,8 @@ versions are byte-identical (same version id, same file checksums, same kv.arrow
 
 ``--batched-sample N`` also measures what batch invariance costs: the last N facts
 encoded one pass per fact (what the encoder does) and packed into padded batches of
-``--batch-tokens`` (the encoder's former default), with the number of facts whose K/V
-bits differ between the two.
+``--batch-tokens`` (how it encoded before), batch by batch in alternation, with the
+number of facts whose K/V bits differ between the two.
 
     python benchmarks/incremental.py --window 20 --batched-sample 60 \
         --out benchmarks/results/incremental-cpu.json
@@ -47,7 +47,9 @@ from benchmarks.common import command_line, write_result  # noqa: E402
 from inferscale.artifacts import Lineage, publish  # noqa: E402
 from inferscale.blobs import Location  # noqa: E402
 from inferscale.compose import Composer, memory_text  # noqa: E402
-from inferscale.encode import EncoderConfig, encode_facts  # noqa: E402
+from inferscale.encode import (  # noqa: E402
+    EncoderConfig, encode_segments, plan_batches, window_segments,
+)
 from inferscale.facts import fact_id, facts_hash  # noqa: E402
 from inferscale.logs import read_logs, turns_hash  # noqa: E402
 from inferscale.pipeline import (  # noqa: E402
@@ -97,25 +99,35 @@ def row(path: str, encoded, enc_s: float, res, pub_s: float) -> dict:
 
 def batched_cost(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, n: int,
                  batch_tokens: int) -> dict:
-    """The last ``n`` facts (full windows) encoded alone per pass and in padded batches:
-    seconds, and how many facts' K/V bits differ."""
+    """The last ``n`` facts (full windows), one segment each, planned into padded batches
+    of ``batch_tokens``; each batch is encoded batched and its segments one pass each,
+    the two alternating which goes first, so both see the same machine state. Returns
+    seconds of both and how many facts' K/V bits differ."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
-    out = {}
-    for name, invariant in (("alone", True), ("batched", False)):
-        enc_cfg = EncoderConfig(**{**cfg.encoder.to_dict(), "batch_invariant": invariant,
-                                   "batch_tokens": batch_tokens})
-        start = time.perf_counter()
-        out[name] = encode_facts(model.model, model.tokenizer, turn_texts, specs[-n:], enc_cfg,
-                                 model.fingerprint, progress=False)
-        out[name + "_s"] = time.perf_counter() - start
-    differ = sum(not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
-                 for a, b in zip(out["alone"].chunks[1:], out["batched"].chunks[1:]))
-    return {"facts": n, "forward_tokens_alone": out["alone"].stats["forward_tokens"],
-            "forward_tokens_batched": out["batched"].stats["forward_tokens"],
-            "batch_tokens": batch_tokens, "alone_seconds": round(out["alone_s"], 3),
-            "batched_seconds": round(out["batched_s"], 3),
-            "alone_vs_batched_seconds": round(out["alone_s"] / out["batched_s"], 3),
+    composer = Composer(model.tokenizer, cfg.encoder.instruction)
+    segments = window_segments(turn_texts, specs[-n:], composer, cfg.encoder)
+    pad_id = model.tokenizer.pad_token_id or 0
+    seconds = {"alone": 0.0, "batched": 0.0}
+    differ = 0
+    batches = plan_batches(segments, batch_tokens)
+    for j, batch in enumerate(batches):
+        segs = [segments[i] for i in batch]
+        got = {}
+        for mode in (("alone", "batched") if j % 2 == 0 else ("batched", "alone")):
+            start = time.perf_counter()
+            got[mode] = {c.chunk_id: c for c in encode_segments(
+                model.model, segs, out_dtype=cfg.encoder.torch_dtype, pad_id=pad_id,
+                batch_tokens=None if mode == "alone" else batch_tokens)}
+            seconds[mode] += time.perf_counter() - start
+        differ += sum(not (torch.equal(a.keys, got["batched"][cid].keys)
+                           and torch.equal(a.values, got["batched"][cid].values))
+                      for cid, a in got["alone"].items())
+    return {"facts": n, "forward_tokens": sum(s.length for s in segments),
+            "batch_tokens": batch_tokens, "batches": len(batches),
+            "alone_seconds": round(seconds["alone"], 3),
+            "batched_seconds": round(seconds["batched"], 3),
+            "alone_vs_batched_seconds": round(seconds["alone"] / seconds["batched"], 3),
             "facts_with_different_bits": differ}
 
 

@@ -11,7 +11,7 @@ gets a forward pass of its own, ``[context | fact]`` with no padding and no neig
 its K/V bits are a function of its context's token ids, its own token ids, the encoder
 config, the model and the numerics of the computation (dtype, device, kernels, CPU thread
 count) alone — packing facts into padded batches changes the last bits of most of them
-(measured on CPU: 52 of 60 facts). That function's inputs, hashed, are the fact's
+(24 of 32 on CPU, ``benchmarks/results/incremental-cpu.json``). That function's inputs, hashed, are the fact's
 :func:`content_key`, stored with its K/V; :func:`encode_facts` given the rows of a
 previous version (``reuse``: content key -> K, V) takes every fact whose key is there
 from it with no forward pass and encodes only the rest, and the result is byte-identical

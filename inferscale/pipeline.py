@@ -194,9 +194,9 @@ def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress:
                 *, user: str | None = None, previous: str | None = None):
     """One user's facts -> :class:`~inferscale.encode.EncodedMemory` with the serving model.
 
-    ``previous``: a published version of ``user`` (normally the one ``LATEST`` names)
-    whose K/V rows are reused for every fact with the same content key; only the other
-    facts are encoded (the result is byte-identical to encoding them all)."""
+    ``previous``: a published version of ``user`` (or ``"latest"``: the one ``LATEST``
+    names, if any) whose K/V rows are reused for every fact with the same content key;
+    only the other facts are encoded (the result is byte-identical to encoding them all)."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
     reuse = None
@@ -209,13 +209,19 @@ def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress:
 
 
 def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> dict | None:
-    """``content key -> (K, V)`` of a published version, read and checksum-verified (a
-    memory map of a local file; S3 is read into memory), or None when it cannot be read:
-    then every fact is encoded, and a warning says why."""
+    """``content key -> (K, V)`` of a published version (``"latest"``: ``LATEST``'s), read
+    and checksum-verified (a memory map of a local file; S3 is read into memory), or None
+    when there is none or it cannot be read: then every fact is encoded (a warning says
+    why when a version was there)."""
+    from inferscale.artifacts import latest_version
     from inferscale.hydrate import hydrate
     from inferscale.store import ArtifactError
 
     try:
+        if version == "latest":
+            version = latest_version(cfg.store(), user, model_fp)
+            if version is None:
+                return None
         hydrated = hydrate(cfg.store(), user, model_fp, version, tier="host", device="cpu")
     except ArtifactError as exc:
         log.warning("user %s: previous version %s unreadable, encoding every fact: %s",
@@ -237,7 +243,6 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
         users: list[str] | None = None, quarantine_uri: str | None = None,
         progress: bool = True) -> dict:
     """The whole chain in this process (what ``inferscale encode`` runs)."""
-    from inferscale.artifacts import latest_version
     from inferscale.facts import extract_facts
     from inferscale.logs import read_logs, turns_hash
 
@@ -246,13 +251,12 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     missing = sorted(set(users or []) - set(selected))
     if missing:
         raise ValueError(f"no turns for users {missing} in {logs}")
-    model = serving_model(cfg)
-    facts = extract_facts(selected, model.tokenizer, facts_cfg, home=cfg.home)
+    tokenizer = serving_model(cfg).tokenizer
+    facts = extract_facts(selected, tokenizer, facts_cfg, home=cfg.home)
     published = {}
     for user, turns in selected.items():
         fr = facts[user]
-        encoded = encode_user(cfg, turns, fr.table, progress, user=user,
-                              previous=latest_version(cfg.store(), user, model.fingerprint))
+        encoded = encode_user(cfg, turns, fr.table, progress, user=user, previous="latest")
         res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,

@@ -17,7 +17,7 @@ from inferscale.encode import EncoderConfig
 from inferscale.facts import fact_id, facts_hash
 from inferscale.hydrate import hydrate
 from inferscale.logs import turns_hash
-from inferscale.pipeline import PipelineConfig, encode_user, publish_user
+from inferscale.pipeline import PipelineConfig, encode_user, previous_kv, publish_user
 from inferscale.store import KV_FILE, StoreConfig
 from storage_schemas import facts as facts_schema
 from storage_schemas import turns as turns_schema
@@ -185,10 +185,12 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     with open(path, "wb") as f:
         f.write(bytes(data))
     with caplog.at_level(logging.WARNING, logger="inferscale.pipeline"):
+        assert previous_kv(cfg, "nobody", fp, "latest") is None  # nothing published: quiet
+        assert not caplog.text
         again = encode_user(cfg, turns2, facts2, progress=False, user=USER,
-                            previous=keyed.version)
+                            previous="latest")  # LATEST names the damaged version
     assert again.stats["reused"] == 0 and "unreadable, encoding every fact" in caplog.text
-    assert "xxh3-128" in caplog.text
+    assert keyed.version in caplog.text and "xxh3-128" in caplog.text
 
 
 def test_serving_prefix_context_and_key_temperature(local_store, inferscale_home, smollm2):
