@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+# Two entry points for a fresh machine (see README): `make demo` and `make test`;
+# CI (.ci/run) runs `make test`, then `make demo`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

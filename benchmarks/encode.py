@@ -37,19 +37,19 @@ from inferscale.settings import Settings, offline_environment  # noqa: E402
 
 offline_environment()
 
-from inferscale.compose import Composer  # noqa: E402
-from inferscale.encode import (  # noqa: E402
-    EncoderConfig, FactSpec, Segment, TurnText, build_batch, encode_segments, plan_batches,
-    window_segments,
+from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
+from inferscale.encode.compose import Composer  # noqa: E402
+from inferscale.encode.encoder import (  # noqa: E402
+    EncoderConfig, FactSpec, TurnText, encode_segments, window_segments,
 )
-from inferscale.logs import read_logs  # noqa: E402
+from inferscale.ingest.logs import read_logs  # noqa: E402
 from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
 
 def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inferscale.models import load_model, resolve_checkpoint
+    from inferscale.encode.models import load_model, resolve_checkpoint
 
     home = Settings().home
     if model_name in SHAPES:

@@ -10,7 +10,7 @@ composed in stored order, ``[prefix | fact_1 .. fact_n | query]``, and answered 
   the whole memory before it as its window: exactly a joint prefill's KV,
   :func:`benchmarks.memory_setup.limiting_memory`);
 - ``window``: the memory injected from the ordinary encoding (each fact with its own
-  ``--window`` preceding turns, ``inferscale.encode.encode_facts``).
+  ``--window`` preceding turns, ``inferscale.encode.encoder.encode_facts``).
 
 Each injected answer is compared with the prefill answer: ``token_identical``;
 ``equivalent`` (not identical, but the same normalized first line, or mentioning the
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import command_line  # noqa: E402
 from benchmarks.qa_metrics import first_line, normalize_answer  # noqa: E402
-from inferscale.encode import EncoderConfig  # noqa: E402
+from inferscale.encode.encoder import EncoderConfig  # noqa: E402
 
 # user -> turns (speaker, text), and two queries: (kind, question, key facts). A factual
 # answer is right when it contains one of its keys; for both kinds, "equivalent" means
@@ -133,10 +133,10 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
                 ) -> dict[str, dict]:
     """Publish every user twice (limiting, window) -> per user: versions and its table."""
     from benchmarks.memory_setup import facts_table, limiting_memory
-    from inferscale.artifacts import Lineage, publish
-    from inferscale.compose import Composer
-    from inferscale.encode import EncoderConfig, FactSpec, TurnText, encode_facts
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.publish import Lineage, publish
+    from inferscale.encode.compose import Composer
+    from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
 
     store = StoreConfig(str(root))
     composer = Composer(tok)
@@ -165,14 +165,14 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
 async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
-    from inferscale.models import load_model
-    from inferscale.retrieval import Embedder
+    from inferscale.encode.models import load_model
+    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.serve.retrieval import Embedder
 
     dtype = getattr(torch, dtype_name)
     root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
     loaded = load_model(args.model, Settings().home, device=device, dtype=dtype_name)
-    embedder = Embedder("embedded", device=device)
+    embedder = Embedder(Settings().embedder, device=device)
     t0 = time.perf_counter()
     users = build_users(loaded.model, loaded.tokenizer, loaded.fingerprint, embedder, dtype,
                         args.window, root)
@@ -189,7 +189,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     try:
         for user, u in users.items():
             for enc in ("limiting", "window"):
-                await engine.hydrate(*u[enc], "gpu")
+                await engine.hydrate(u[enc][0], version=u[enc][1], tier="gpu")
             for kind, question, keys in USERS[user]["queries"]:
                 ids, chunks = memory_prompt(tok, u["table"], question)
                 await engine.llm.reset_prefix_cache()

@@ -43,17 +43,17 @@ offline_environment()
 import torch  # noqa: E402
 
 from benchmarks.shapes import SHAPES, kv_shape  # noqa: E402
+from storage_schemas import kv as kv_schema  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ["smollm2-135m", "llama-3.1-8b-shape", "qwen2.5-7b-shape", "mistral-7b-shape",
           "qwen3-14b-shape"]
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_bytes_per_token(shape: tuple[int, int, int], dtype: str = "bfloat16") -> int:
     """K and V of one token over all layers: layers x kv_heads x head_dim x 2 x bytes."""
     layers, heads, head_dim = shape
-    return layers * heads * head_dim * 2 * DTYPE_BYTES[dtype]
+    return layers * heads * head_dim * 2 * kv_schema.ITEMSIZE[dtype]
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -67,8 +67,8 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
             dtype: str = "bfloat16") -> dict:
     """Sizes of a published version read from its manifest (and LanceDB folder, if any),
     with the slab checked against the shape arithmetic."""
-    from inferscale.artifacts import read_facts, read_manifest
-    from inferscale.blobs import Location
+    from inferscale.artifacts.blobs import Location
+    from inferscale.artifacts.read import read_facts, read_manifest
 
     m = read_manifest(store, user, model_fp, version)
     facts = read_facts(store, user, model_fp, version)
@@ -97,12 +97,12 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
 def conversation_rows(conversation: str, models: list[str], window: int, work: Path,
                       lancedb: bool) -> list[dict]:
     from benchmarks.memory_setup import encoded_memory, load_turns, random_memory, turn_facts
-    from inferscale.artifacts import Lineage, publish
-    from inferscale.encode import EncoderConfig
-    from inferscale.logs import turns_hash
-    from inferscale.models import dummy_fingerprint, load_model
-    from inferscale.retrieval import Embedder
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.publish import Lineage, publish
+    from inferscale.encode.encoder import EncoderConfig
+    from inferscale.encode.models import dummy_fingerprint, load_model
+    from inferscale.ingest.logs import turns_hash
+    from inferscale.serve.retrieval import Embedder
     from benchmarks.shapes import write_dummy_checkpoint
 
     home = Settings().home

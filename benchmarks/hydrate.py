@@ -6,7 +6,7 @@ same run and alternating, ``--repeats`` times each:
 
 - ``raw_read``: a plain sequential read of kv.arrow into a preallocated buffer (pinned
   when CUDA is used, plain memory otherwise), 64 MiB ``readinto`` calls;
-- ``hydrate``: ``inferscale.hydrate.hydrate(tier="host")``: manifest and fingerprint
+- ``hydrate``: ``inferscale.hydrate.slab.hydrate(tier="host")``: manifest and fingerprint
   checks, the read fused with the xxh3-128 checksum, Arrow parsing, the slab view
   (pinned host memory on CUDA, plain memory/mmap on CPU);
 - on CPU also ``hydrate_copy`` (``use_mmap=False``: the read-into-a-buffer path that the
@@ -40,10 +40,11 @@ sys.path.insert(0, str(REPO))
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from inferscale.artifacts import Lineage, publish  # noqa: E402
-from inferscale.hydrate import hydrate  # noqa: E402
-from inferscale.blobs import Location  # noqa: E402
-from inferscale.store import KV_FILE, StoreConfig  # noqa: E402
+from inferscale.artifacts.blobs import Location  # noqa: E402
+from inferscale.artifacts.layout import KV_FILE, StoreConfig  # noqa: E402
+from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
+from inferscale.hydrate.slab import hydrate  # noqa: E402
+from inferscale.types import PREFIX_ID  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128
@@ -76,7 +77,7 @@ def synthetic(size_bytes: int, seed: int = 0) -> tuple[Memory, pa.Table, Lineage
     lengths[-1] -= total - tokens
     chunks, fact_ids, token_ids, o = [], [], [], 0
     for i, n in enumerate(lengths):
-        cid = "prefix" if i == 0 else f"fact-{i:06d}"
+        cid = PREFIX_ID if i == 0 else f"fact-{i:06d}"
         ids = list(range(o, o + n))
         chunks.append(Chunk(cid, ids, keys[:, o:o + n], values[:, o:o + n]))  # views
         if i:

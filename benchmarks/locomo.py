@@ -17,7 +17,7 @@ vLLM engine, in these modes:
 
 Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encoder config
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
-``inferscale.encode.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
+``inferscale.encode.encoder.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
 ``memory_order``, ``text_tail``). Retrieval runs once per question (exact top-``max(ks)``)
 and top-k is its first k facts, so every mode and k answers from the same facts.
 
@@ -68,14 +68,14 @@ class Variant:
     fields: tuple[tuple[str, object], ...]
 
     def encoder_config(self, **base):
-        from inferscale.encode import EncoderConfig
+        from inferscale.encode.encoder import EncoderConfig
 
         return EncoderConfig(**{**base, **dict(self.fields)})
 
 
 def parse_variant(spec: str) -> Variant:
     """``NAME:field=value,field=value`` -> :class:`Variant` (values: int, float or text)."""
-    from inferscale.encode import EncoderConfig
+    from inferscale.encode.encoder import EncoderConfig
 
     name, _, body = spec.partition(":")
     known = {f.name: f.type for f in fields(EncoderConfig)}
@@ -117,7 +117,7 @@ def build_facts(args, turns: pa.Table, tokenizer, embedder) -> pa.Table:
         from benchmarks.memory_setup import raw_facts
 
         return raw_facts(turns, tokenizer, embedder)
-    from inferscale.facts import FactsConfig, extract_facts
+    from inferscale.facts.extractor import FactsConfig, extract_facts
 
     cfg = FactsConfig(mode="mem0", llm_base_url=args.llm_base_url, llm_model=args.llm_model)
     (result,) = extract_facts(turns, tokenizer, cfg).values()
@@ -145,7 +145,7 @@ class Conversation:
 
 def prepare(args, path: str, loaded, embedder) -> Conversation:
     from benchmarks.memory_setup import load_turns
-    from inferscale.retrieval import FactIndex
+    from inferscale.serve.retrieval import FactIndex
 
     turns = load_turns(path)
     facts = build_facts(args, turns, loaded.tokenizer, embedder)
@@ -164,7 +164,7 @@ def prepare(args, path: str, loaded, embedder) -> Conversation:
 # Fields that change the layout of a request only: variants differing in these alone
 # share one encoding (each still gets its own artifact version).
 LAYOUT_FIELDS = ("memory_order", "text_tail")
-_last_encoding: dict = {}
+_last_encoding: dict = {}  # conversation -> (encoding key, EncodedMemory)
 
 
 def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Path):
@@ -177,14 +177,13 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     used = sorted({f for t in conv.top for f in t})
     facts = conv.facts.filter(pc.is_in(conv.facts["fact_id"], pa.array(used)))
     cfg = variant.encoder_config(dtype=args.kv_dtype, batch_tokens=args.batch_tokens)
-    key = (conv.name, json.dumps({k: v for k, v in asdict(cfg).items()
-                                  if k not in LAYOUT_FIELDS}, sort_keys=True))
+    key = json.dumps({k: v for k, v in asdict(cfg).items() if k not in LAYOUT_FIELDS},
+                     sort_keys=True)
     t0 = time.perf_counter()
-    if key not in _last_encoding:
-        _last_encoding.clear()
-        _last_encoding[key] = encoded_memory(loaded.model, loaded.tokenizer, conv.turns, facts,
-                                             cfg, loaded.fingerprint)
-    mem = _last_encoding[key]
+    if _last_encoding.get(conv.name, (None,))[0] != key:  # one encoding kept per conversation
+        _last_encoding[conv.name] = (key, encoded_memory(
+            loaded.model, loaded.tokenizer, conv.turns, facts, cfg, loaded.fingerprint))
+    mem = _last_encoding[conv.name][1]
     mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats)
     seconds = time.perf_counter() - t0
     vuser = f"{conv.user}-{variant.name}".replace("_", "-")
@@ -198,7 +197,7 @@ async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation
     """Answer every question of ``conv`` at every k in ``mode``; records keyed by (q, k).
 
     ``ref_of(ranked) -> (injected, tail, MemoryRef)`` lays out a KV mode's request."""
-    from inferscale.encode import PREFIX_ID
+    from inferscale.types import PREFIX_ID
 
     prefix = token_ids[PREFIX_ID]
     sem = asyncio.Semaphore(args.concurrency)
@@ -232,9 +231,9 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
               on_phase) -> None:
     """Every (conversation, mode, question, k) on one engine. A variant's facts are
     encoded just before its phase; ``on_phase(conv, mode, phase, answers)`` after each."""
-    from inferscale.compose import Composer, memory_layout
-    from inferscale.encode import PREFIX_ID
-    from inferscale.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.encode.compose import Composer, memory_layout
+    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.types import PREFIX_ID
 
     engine = await MemoryEngine(EngineConfig(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint,
@@ -242,45 +241,57 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         artifact_root=str(root), gpu_budget_bytes=args.store_budget_gb << 30)).start()
     composer = Composer(loaded.tokenizer)
-    try:
-        for conv in convs:
-            token_ids = dict(zip(conv.facts.column("fact_id").to_pylist(),
-                                 conv.facts.column("token_ids").to_pylist()))
-            token_ids[PREFIX_ID] = composer.prefix_ids()
-            source = dict(zip(conv.facts.column("fact_id").to_pylist(),
-                              conv.facts.column("source_index").to_pylist()))
-            for mode in ["prompt", "nomem", *[v.name for v in variants]]:
-                phase: dict = {"conversation": conv.name, "mode": mode}
-                ref_of = None
-                if mode not in ("prompt", "nomem"):
-                    variant = next(v for v in variants if v.name == mode)
-                    vuser, version, cfg, phase["encode"] = encode_variant(
-                        args, loaded, conv, variant, root)
-                    await engine.hydrate(vuser, version, "gpu")
+    tables = {c.name: (dict(zip(c.facts.column("fact_id").to_pylist(),
+                                c.facts.column("token_ids").to_pylist()))
+                       | {PREFIX_ID: composer.prefix_ids()},
+                       dict(zip(c.facts.column("fact_id").to_pylist(),
+                                c.facts.column("source_index").to_pylist()))) for c in convs}
 
-                    def ref_of(ranked, cfg=cfg, vuser=vuser, version=version):
-                        injected, tail = memory_layout(ranked, cfg.memory_order,
-                                                       cfg.text_tail, source)
-                        return injected, tail, MemoryRef(vuser, version,
-                                                         (PREFIX_ID, *injected))
-                await engine.llm.reset_prefix_cache()
-                before = engine.prompt_token_counters()
-                t0 = time.perf_counter()
-                answers = await answer_all(args, engine, composer, token_ids, conv, mode,
-                                           ref_of)
-                after = engine.prompt_token_counters()
-                phase.update(answer_seconds=round(time.perf_counter() - t0, 1),
-                             requests=len(answers),
-                             prompt_tokens={s: after[s] - before[s] for s in after})
-                if ref_of is not None:
-                    phase["kv_fallbacks"] = sum(
-                        1 for a in answers.values()
-                        if a["injected"] == 0 and a["cached"] < a["memory_tokens"])
-                    await engine.evict(vuser)
-                print(json.dumps({"phase": phase}), flush=True)
-                on_phase(conv, mode, phase, answers)
+    async def phase_of(conv: Conversation, mode: str, hydrated) -> None:
+        token_ids, source = tables[conv.name]
+        phase: dict = {"conversation": conv.name, "mode": mode}
+        ref_of = None
+        if hydrated is not None:
+            vuser, version, cfg, phase["encode"] = hydrated
+
+            def ref_of(ranked):
+                injected, tail = memory_layout(ranked, cfg.memory_order, cfg.text_tail, source)
+                return injected, tail, MemoryRef(vuser, version, (PREFIX_ID, *injected))
+        t0 = time.perf_counter()
+        answers = await answer_all(args, engine, composer, token_ids, conv, mode, ref_of)
+        phase.update(answer_seconds=round(time.perf_counter() - t0, 1), requests=len(answers))
+        if ref_of is not None:
+            phase["kv_fallbacks"] = sum(1 for a in answers.values()
+                                        if a["injected"] == 0 and a["cached"] < a["memory_tokens"])
+        print(json.dumps({"phase": phase}), flush=True)
+        on_phase(conv, mode, phase, answers)
+
+    try:
+        # mode by mode, every conversation at once: an interrupted run loses whole modes
+        for mode in ["prompt", "nomem", *[v.name for v in variants]]:
+            hydrated = {c.name: None for c in convs}
+            if mode not in ("prompt", "nomem"):
+                variant = next(v for v in variants if v.name == mode)
+                for conv in convs:
+                    hydrated[conv.name] = encode_variant(args, loaded, conv, variant, root)
+                    await engine.hydrate(hydrated[conv.name][0], version=hydrated[conv.name][1],
+                                         tier="gpu")
+            await engine.llm.reset_prefix_cache()
+            await asyncio.gather(*(phase_of(c, mode, hydrated[c.name]) for c in convs))
+            for h in hydrated.values():
+                if h is not None:
+                    await engine.evict(h[0])
     finally:
         engine.shutdown()
+
+
+def _save(res: dict, out: str | None, complete: bool, wall: float) -> dict:
+    res.update(complete=complete, wall_seconds=wall)
+    res["summary"]["wall_seconds"] = wall
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(locomo_report.dumps(res))
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -312,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--default-variant", default=None,
                     help="the variant the summary compares with the prompt baseline "
                          "(f1_default_minus_prompt_min)")
+    ap.add_argument("--select-default", action="store_true",
+                    help="after the run, pick the default variant by the fixed rule of "
+                         "benchmarks/locomo_select.py and compare it with the baseline")
+    ap.add_argument("--max-tail", type=int, default=5,
+                    help="longest text tail --select-default may pick (serving cost)")
     ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
                     help="numbers of retrieved facts")
     ap.add_argument("--max-questions", type=int, default=None,
@@ -325,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--store-budget-gb", type=int, default=8, help="connector store budget")
     ap.add_argument("--workdir", default=None, help="artifact directory (default: a temp dir)")
     ap.add_argument("--out", default=None, help="result JSON (written after every phase)")
+    ap.add_argument("--grid-out", default=None,
+                    help="also write the baseline, no memory and the kv_w{w} grid alone here")
     args = ap.parse_args(argv)
     args.ks = sorted(args.ks)
     cuda = args.device.startswith("cuda")
@@ -340,8 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
                   .splitlines() if line.split("#")[0].strip()]
     variants += [parse_variant(s) for s in specs]
     # variants sharing an encoding run back to back (it is encoded once for them)
-    variants.sort(key=lambda v: json.dumps(sorted((k, x) for k, x in v.fields
-                                                  if k not in LAYOUT_FIELDS)))
+    variants.sort(key=lambda v: json.dumps({k: x for k, x in v.encoder_config().to_dict()
+                                            .items() if k not in LAYOUT_FIELDS},
+                                           sort_keys=True))
     if len({v.name for v in variants}) != len(variants):
         ap.error("variant names must be unique")
     if args.default_variant and args.default_variant not in {v.name for v in variants}:
@@ -349,9 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     command = command_line(argv)
 
-    from inferscale.encode import EncoderConfig
-    from inferscale.models import load_model
-    from inferscale.retrieval import Embedder
+    from inferscale.encode.encoder import EncoderConfig
+    from inferscale.encode.models import load_model
+    from inferscale.serve.retrieval import Embedder
 
     loaded = load_model(args.model, Settings().home, device=args.device, dtype=args.kv_dtype)
     embedder = Embedder(Settings().embedder, device=args.device)
@@ -373,15 +392,18 @@ def main(argv: list[str] | None = None) -> dict:
         "default_variant": args.default_variant, "phases": phases,
     }
 
+    grid = [f"kv_w{w}" for w in args.windows]
+
     def write(complete: bool) -> dict:
+        wall = round(time.perf_counter() - t_start, 1)
         res = locomo_report.report(meta, convs, answers, [v.name for v in variants], args.ks,
                                    args.default_variant)
-        res.update(complete=complete, wall_seconds=round(time.perf_counter() - t_start, 1))
-        res["summary"]["wall_seconds"] = res["wall_seconds"]
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-        return res
+        if args.grid_out:  # the same run, restricted to the baseline and the window grid
+            kept = {key: a for key, a in answers.items() if key[1] in ("prompt", "nomem", *grid)}
+            sub = locomo_report.report({**meta, "default_variant": None, "variants": {
+                m: meta["variants"][m] for m in grid}}, convs, kept, grid, args.ks, None)
+            _save(sub, args.grid_out, complete, wall)
+        return _save(res, args.out, complete, wall)
 
     def on_phase(conv, mode, phase, got) -> None:
         phases.append(phase)
@@ -391,6 +413,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     asyncio.run(run(args, loaded, convs, variants, root, on_phase))
     res = write(complete=True)
+    if args.select_default:
+        from benchmarks.locomo_select import select
+
+        name, _, score = select(res, args.max_tail)
+        meta.update(default_variant=name, default_rule=f"benchmarks/locomo_select.py "
+                    f"--max-tail {args.max_tail}", default_score=score)
+        args.default_variant = name
+        res = write(complete=True)
     print(json.dumps(res["summary"]))
     return res
 

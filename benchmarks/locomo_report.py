@@ -7,10 +7,22 @@ Callers: ``benchmarks/locomo.py`` (after every phase), ``tests/test_bench_locomo
 
 from __future__ import annotations
 
+import json
 import platform
 from typing import Any, Iterable, Sequence
 
 from benchmarks import qa_metrics
+
+
+def dumps(result: dict) -> str:
+    """The result as JSON text: indented, but one line per answer record (compact and
+    still diffable; a run holds tens of thousands of them)."""
+    head = {k: v for k, v in result.items() if k != "records"}
+    text = json.dumps(head, indent=1)
+    if "records" not in result:
+        return text + "\n"
+    lines = ",\n".join(json.dumps(r, separators=(",", ":")) for r in result["records"])
+    return text[:-2] + ',\n "records": [\n' + lines + "\n ]\n}\n"
 
 
 def device_line(device: str) -> str:
@@ -52,8 +64,10 @@ def score_answers(convs: Iterable[Any], answers: dict) -> list[dict]:
     return records
 
 
-def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int]) -> list[dict]:
-    """Rows per (mode, k) of ``records`` (one scope: a conversation, or all pooled)."""
+def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int],
+          expected: int) -> list[dict]:
+    """Rows per (mode, k) of ``records`` (one scope: a conversation, or all pooled); a
+    cell with fewer than ``expected`` answers (an interrupted run) has no row."""
     cell: dict[tuple[str, int], dict[tuple[str, int], dict]] = {}
     for r in records:
         cell.setdefault((r["mode"], r["k"]), {})[(r["conversation"], r["q"])] = r
@@ -61,7 +75,7 @@ def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int]) -> l
     for mode in ["prompt", "nomem", *modes]:
         for k in ([0] if mode == "nomem" else ks):
             got = cell.get((mode, k))
-            if not got:
+            if not got or len(got) < expected:
                 continue
             recs = list(got.values())
             s = qa_metrics.summarize((r["category"], r["f1"]) for r in recs)
@@ -109,10 +123,11 @@ def report(meta: dict, convs: Sequence[Any], answers: dict, modes: list[str], ks
            default: str | None) -> dict:
     """The whole result: rows and summaries per conversation and pooled, every answer."""
     records = score_answers(convs, answers)
-    pooled = _rows("pooled", records, modes, ks)
+    pooled = _rows("pooled", records, modes, ks, sum(len(c.questions) for c in convs))
     per_conv = {}
     for c in convs:
-        rows = _rows(c.name, [r for r in records if r["conversation"] == c.name], modes, ks)
+        rows = _rows(c.name, [r for r in records if r["conversation"] == c.name], modes, ks,
+                     len(c.questions))
         per_conv[c.name] = {"facts": c.facts.num_rows, "questions": len(c.questions),
                             "rows": rows, "summary": _summary(rows, modes, ks, default, [c])}
     return {

@@ -18,14 +18,17 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from inferscale.artifacts import Lineage, publish
-from inferscale.compose import Composer, memory_text
-from inferscale.encode import (
-    PREFIX_ID, EncodedChunk, EncodedMemory, EncoderConfig, Segment, encode_facts, encode_segments)
-from inferscale.facts import fact_id
-from inferscale.logs import read_logs, turns_hash
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.artifacts.publish import Lineage, publish
+from inferscale.encode.batches import Segment
+from inferscale.encode.compose import Composer, memory_text
+from inferscale.encode.encoder import (
+    EncodedChunk, EncodedMemory, EncoderConfig, encode_facts, encode_segments,
+)
+from inferscale.facts.extractor import fact_id
+from inferscale.ingest.logs import read_logs, turns_hash
 from inferscale.pipeline import turns_and_facts
-from inferscale.store import StoreConfig
+from inferscale.types import PREFIX_ID
 from storage_schemas import facts as facts_schema
 
 

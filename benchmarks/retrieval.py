@@ -5,7 +5,7 @@ model; then, one query per iteration, the benchmark times ``Embedder.embed`` (on
 synchronized on CUDA) and ``FactIndex.topk`` (matrix product + top-k + the ids read back,
 which is the one host sync the server pays). Warm-up iterations are not timed.
 
-Imports only torch, numpy, sentence-transformers and ``inferscale.retrieval`` (no Mem0,
+Imports only torch, numpy, sentence-transformers and ``inferscale.serve.retrieval`` (no Mem0,
 no LanceDB, no network: ``HF_HUB_OFFLINE=1``), so it runs on a bare GPU machine with the
 model directory copied there (``--embedder-path``).
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inferscale.retrieval import Embedder, FactIndex  # noqa: E402
+from inferscale.serve.retrieval import Embedder, FactIndex  # noqa: E402
 
 TARGETS_MS = {"embed_p50_ms": 3.0, "topk_p50_ms": 0.2}
 _NAMES = ["Maya", "Tomás", "Ada", "Priya", "Lucía", "Elena", "Marta", "Tom", "Ines", "Karl",

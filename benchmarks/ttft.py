@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
-from inferscale.encode import EncoderConfig  # noqa: E402
+from inferscale.encode.encoder import EncoderConfig  # noqa: E402
 
 
 MODES = ("prompt", "inject_gpu", "cached", "inject_host")
@@ -61,12 +61,12 @@ async def measure(args) -> dict:
 
     from benchmarks.memory_setup import (
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
-    from inferscale.compose import Composer
-    from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
-    from inferscale.retrieval import Embedder
-    from inferscale.serve import MemoryServer
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.encode.compose import Composer
+    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.retrieval import Embedder
+    from inferscale.serve.server import MemoryServer
 
     cuda = torch.cuda.is_available()
     home = Settings().home
@@ -117,7 +117,7 @@ async def measure(args) -> dict:
     kv = MemoryServer(engine, tok, embedder, store, mode="kv")
     prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
     for tier, user in users.items():
-        await kv.hydrate(user, tier, versions[tier])
+        await kv.hydrate(user, version=versions[tier], tier=tier)
         prompt.load_user(user, versions[tier])
     qs = questions(args.conversation, args.queries + 1)
     llm = engine.llm

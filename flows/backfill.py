@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.common import fan_out, finish, prepare, record_skipped
-from inferscale.lineage import artifact_key, fingerprint_slug
+from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
 from inferscale.run_report import RunReport, UserOutcome
 from tasks.store import plan
 

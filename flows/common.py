@@ -24,9 +24,9 @@ from prefect.artifacts import (
 from prefect.futures import as_completed
 from prefect.states import Failed
 
-from inferscale.facts import FactsConfig
-from inferscale.lineage import artifact_key
-from inferscale.logs import IngestResult, sample_conversations
+from inferscale.artifacts.lineage_view import artifact_key
+from inferscale.facts.extractor import FactsConfig
+from inferscale.ingest.logs import IngestResult, sample_conversations
 from inferscale.pipeline import PipelineConfig, configs_from_settings
 from inferscale.run_report import RunReport, UserOutcome
 from inferscale.settings import Settings

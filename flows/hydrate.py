@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.states import Failed
 
+from inferscale.types import Tier
 from tasks.serving import hydrate_user
 
 
 @flow(name="hydrate-serving", log_prints=True)
 def hydrate_serving(users: list[str], server_url: str = "http://127.0.0.1:8000",
-                    tier: Literal["gpu", "host"] = "gpu", version: str = "latest") -> Any:
+                    version: str = "latest", tier: Tier = "gpu") -> Any:
     """Load the listed users' artifacts into a running server through its admin API.
 
     One ``POST /admin/hydrate`` per user (retried when the server is unreachable or
@@ -25,11 +26,11 @@ def hydrate_serving(users: list[str], server_url: str = "http://127.0.0.1:8000",
     Args:
         users: user ids to hydrate.
         server_url: root URL of the running ``inferscale serve``.
-        tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
         version: artifact version to load; "latest" = what LATEST names.
+        tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
     """
     logger = get_run_logger()
-    futures = {u: hydrate_user.submit(server_url, u, tier, version) for u in users}
+    futures = {u: hydrate_user.submit(server_url, u, version=version, tier=tier) for u in users}
     rows, failed = [], []
     for user, fut in futures.items():
         fut.wait()

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.common import fan_out, finish, prepare, record_skipped
-from inferscale.lineage import artifact_key
+from inferscale.artifacts.lineage_view import artifact_key
 from inferscale.run_report import UserOutcome
 from tasks.store import plan
 

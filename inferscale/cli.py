@@ -21,6 +21,7 @@ import socket
 import sys
 
 from inferscale.settings import Settings, offline_environment
+from inferscale.types import TIERS
 
 DEMO_QUESTIONS = [
     ("maya", "What is my dog's name?"),
@@ -45,8 +46,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from inferscale.facts import FactsConfig
-    from inferscale.logs import sample_conversations
+    from inferscale.facts.extractor import FactsConfig
+    from inferscale.ingest.logs import sample_conversations
     from inferscale.pipeline import PipelineConfig, run
 
     settings = _settings(args)
@@ -58,7 +59,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from inferscale.serve import ServeError, serve_forever
+    from inferscale.serve.app import ServeError, serve_forever
 
     try:
         asyncio.run(serve_forever(_settings(args), args.mode, args.host, args.port))
@@ -69,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace):
-    from inferscale.admin_client import AdminClient
+    from inferscale.serve.admin_client import AdminClient
 
     settings = Settings()
     key = args.admin_key or (settings.admin_key.get_secret_value() if settings.admin_key else None)
@@ -95,16 +96,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_failure(args: argparse.Namespace, exc: Exception) -> int:
+    """One line on stderr for a failed admin call; exit status 1."""
+    from inferscale.serve.admin_client import AdminError
+
+    if isinstance(exc, AdminError) and exc.status is None:
+        cause = exc.__cause__ or exc
+        print(f"inferscale {args.command}: no server answers at {args.url} "
+              f"({type(cause).__name__}: {cause})", file=sys.stderr)
+    else:
+        print(f"inferscale {args.command}: {exc}", file=sys.stderr)
+    return 1
+
+
 def cmd_versions(args: argparse.Namespace) -> int:
-    from inferscale.artifacts import latest_version, list_versions
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import latest_version, list_versions
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
 
     settings = _settings(args)
     store = StoreConfig.from_settings(settings)
     fp = checkpoint_fingerprint(resolve_checkpoint(settings.model, settings.home), settings.home)
     latest = latest_version(store, args.user, fp)
-    for m in list_versions(store, args.user, fp):
+    found = list_versions(store, args.user, fp)
+    if not found:
+        print(f"inferscale versions: no versions of user {args.user!r} for model {fp} under "
+              f"{store.root}", file=sys.stderr)
+        return 1
+    for m in found:
         mark = "*" if m.version == latest else " "
         print(f"{mark} {m.version}  created {m.created}  facts {m.counts.get('facts')}  "
               f"kv {m.files['kv.arrow'].bytes} B  parents log={m.parents.get('log', '')[:12]} "
@@ -121,14 +140,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     root = args.artifact_root or str(settings.home / "demo" / "artifacts")
     os.environ.setdefault("PREFECT_HOME", str(settings.home / "prefect"))
     from flows.encode import encode_users
-    from inferscale.logs import sample_conversations
+    from inferscale.ingest.logs import sample_conversations
 
     print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({args.fact_mode})"
           f" -> pre-RoPE KV (window {settings.window}) -> artifacts under {root}", flush=True)
     report = encode_users(logs=[str(sample_conversations())], fact_mode=args.fact_mode,
                           artifact_root=root)
     print(_report_lines(report), flush=True)
-    settings = Settings(artifact_root=root, model=settings.model, window=settings.window)
+    import torch
+
+    # on CPU a 1 GiB KV cache (the demo's prompts are ~400 tokens) instead of half the
+    # host's memory: the engine starts sooner and fits a small CI machine
+    kv_bytes = settings.kv_cache_memory_bytes or (
+        None if torch.cuda.is_available() and settings.device != "cpu" else 1 << 30)
+    settings = Settings(artifact_root=root, model=settings.model, window=settings.window,
+                        kv_cache_memory_bytes=kv_bytes)
     return asyncio.run(_demo_serve(settings, args.questions, args.max_tokens))
 
 
@@ -146,7 +172,8 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
     import uvicorn
     from openai import AsyncOpenAI
 
-    from inferscale.serve import AccessPolicy, create_app, start_server
+    from inferscale.serve.app import AccessPolicy, create_app
+    from inferscale.serve.server import start_server
 
     print("[2/3] starting the engine (vLLM + InferScale connector) and the OpenAI-compatible "
           "server on 127.0.0.1", flush=True)
@@ -171,6 +198,7 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
         client = AsyncOpenAI(base_url=f"{base}/v1", api_key="local", http_client=None)
         print("[3/3] answers (greedy; KV injection vs. the Mem0-style prompt baseline, same "
               "retrieval, same engine, prefix cache reset before each)", flush=True)
+        not_injected = []
         for user, question in DEMO_QUESTIONS[:n_questions]:
             print(f"\n  {user}: {question}")
             for mode in ("kv", "prompt"):
@@ -184,10 +212,16 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
                       f"(prompt {resp.usage.prompt_tokens} tokens, injected "
                       f"{info['injected_tokens']}): {resp.choices[0].message.content.strip()}",
                       flush=True)
+                if mode == "kv" and not info["injected_tokens"]:
+                    not_injected.append(f"{user}: {question} ({info.get('fallback')})")
     finally:
         web.should_exit = True
         await serving
         server.engine.shutdown()
+    if not_injected:  # the demo's point is answers from injected memory: say it failed
+        print("\ninferscale demo: KV answers prefilled instead of injected:\n  "
+              + "\n  ".join(not_injected), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -197,53 +231,71 @@ async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="inferscale", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
+    root_help = "artifact store root: a directory or s3://bucket/prefix (default: " \
+        "INFERSCALE_ARTIFACT_ROOT, else ~/.cache/inferscale/artifacts)"
+    model_help = "serving model: 'embedded' (SmolLM2), a checkpoint directory or a hub id " \
+        "(default: INFERSCALE_MODEL)"
+    url_help = "root URL of the running server (inferscale serve)"
+    key_help = "admin key the server wants off loopback (default: INFERSCALE_ADMIN_KEY)"
 
     p = sub.add_parser("demo", help="encode the sample conversation, serve it, compare answers")
     p.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw",
                    help="raw: each turn is a fact (fast); mem0: LLM extraction (slow on CPU)")
-    p.add_argument("--artifact-root", default=None)
-    p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS))
-    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--artifact-root", default=None,
+                   help="where the demo publishes (default: ~/.cache/inferscale/demo/artifacts)")
+    p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS),
+                   help=f"how many of the {len(DEMO_QUESTIONS)} sample questions to ask")
+    p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (greedy)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("encode", help="logs -> facts -> KV -> artifacts, in this process")
-    p.add_argument("--logs", nargs="+", default=None, help="fsspec URIs/globs (default: sample)")
-    p.add_argument("--users", nargs="+", default=None)
-    p.add_argument("--fact-mode", choices=["raw", "mem0"], default=None)
-    p.add_argument("--window", type=int, default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--artifact-root", default=None)
+    p.add_argument("--logs", nargs="+", default=None,
+                   help="fsspec URIs/globs of conversation logs (default: the sample)")
+    p.add_argument("--users", nargs="+", default=None,
+                   help="user ids to encode (default: every user in the logs)")
+    p.add_argument("--fact-mode", choices=["raw", "mem0"], default=None,
+                   help="raw: each turn is a fact; mem0: LLM extraction "
+                   "(default: INFERSCALE_FACT_MODE)")
+    p.add_argument("--window", type=int, default=None,
+                   help="turns of context encoded before each fact (default: INFERSCALE_WINDOW)")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--artifact-root", default=None, help=root_help)
     p.add_argument("--quarantine", default=None, help="where rejected records go (JSONL)")
     p.set_defaults(func=cmd_encode)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server answering from user memory")
     p.add_argument("--mode", choices=["kv", "prompt"], default="kv",
                    help="kv: inject memory KV; prompt: the Mem0-style baseline")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--artifact-root", default=None)
+    p.add_argument("--host", default=None,
+                   help="address to bind (default: INFERSCALE_HOST, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to listen on (default: INFERSCALE_PORT, 8000)")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--artifact-root", default=None, help=root_help)
     p.set_defaults(func=cmd_serve)
 
     for name, func, help_ in (("hydrate", cmd_hydrate, "load users into a running server"),
                               ("evict", cmd_evict, "drop users from a running server")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("users", nargs="+")
-        p.add_argument("--url", default="http://127.0.0.1:8000")
-        p.add_argument("--admin-key", default=None)
+        p.add_argument("users", nargs="+", help=f"ids of the users to {name}")
+        p.add_argument("--url", default="http://127.0.0.1:8000", help=url_help)
+        p.add_argument("--admin-key", default=None, help=key_help)
         if name == "hydrate":
-            p.add_argument("--tier", choices=["gpu", "host"], default="gpu")
-            p.add_argument("--version", default="latest")
+            p.add_argument("--tier", choices=list(TIERS), default="gpu",
+                           help="gpu: device memory; host: pinned host memory")
+            p.add_argument("--version", default="latest",
+                           help="version id to load, or 'latest' (the LATEST pointer)")
         p.set_defaults(func=func)
     p = sub.add_parser("status", help="what a running server holds")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--admin-key", default=None)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help=url_help)
+    p.add_argument("--admin-key", default=None, help=key_help)
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("versions", help="a user's published versions (* = LATEST)")
-    p.add_argument("--user", required=True)
-    p.add_argument("--model", default=None)
-    p.add_argument("--artifact-root", default=None)
+    p = sub.add_parser("versions", help="a user's published versions (* = LATEST); "
+                       "exit status 1 when there are none")
+    p.add_argument("--user", required=True, help="id of the user whose versions to list")
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--artifact-root", default=None, help=root_help)
     p.set_defaults(func=cmd_versions)
     return ap
 
@@ -255,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         args.host = Settings().host
     if getattr(args, "port", 1) is None:
         args.port = Settings().port
+    if args.func in (cmd_hydrate, cmd_evict, cmd_status):
+        from inferscale.serve.admin_client import AdminError
+
+        try:
+            return args.func(args)
+        except (AdminError, ValueError) as exc:
+            return _admin_failure(args, exc)
     return args.func(args)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from inferscale.encode import EncoderConfig, FactSpec, TurnText, encode_facts
+from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
 
 log = logging.getLogger("inferscale.pipeline")
 
@@ -60,7 +60,7 @@ class PipelineConfig:
         return cls(**kw)
 
     def store(self):
-        from inferscale.store import StoreConfig
+        from inferscale.artifacts.layout import StoreConfig
 
         return StoreConfig(self.artifact_root, dict(self.storage_options))
 
@@ -74,7 +74,7 @@ def configs_from_settings(settings: Any, *, model: str | None = None,
     LLM that extracts facts stays the configured one, so facts keep their text.
     Callers: the flows in ``flows/``, the demo.
     """
-    from inferscale.facts import FactsConfig
+    from inferscale.facts.extractor import FactsConfig
 
     overrides = {k: v for k, v in dict(model=model, fact_mode=fact_mode,
                                         artifact_root=artifact_root, window=window).items()
@@ -92,7 +92,7 @@ _FACTS_LOCK = threading.Lock()  # the shared fact extractors (Mem0 is not thread
 
 def serving_model(cfg: PipelineConfig):
     """The serving model (and tokenizer, fingerprint), loaded once per process."""
-    from inferscale.models import load_model
+    from inferscale.encode.models import load_model
 
     key = (cfg.model, cfg.device, cfg.model_dtype)
     with _LOCK:
@@ -105,7 +105,7 @@ def serving_model(cfg: PipelineConfig):
 def model_fingerprint(cfg: PipelineConfig) -> str:
     """The serving model's fingerprint without loading it (the embedded model is
     converted on first use; weight digests are cached under ``{home}/fingerprints``)."""
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
 
     key = (cfg.model, str(cfg.home))
     with _LOCK:
@@ -121,10 +121,10 @@ atexit.register(_EXIT.close)
 
 
 def extract_user_facts(cfg: PipelineConfig, facts_cfg: Any, turns: pa.Table):
-    """One user's facts (:class:`~inferscale.facts.FactsResult`) with this process's
+    """One user's facts (:class:`~inferscale.facts.extractor.FactsResult`) with this process's
     extractor: Mem0 (and the local LLM server in mem0 mode) is opened once per process
     and closed at exit; extractions in one process run one at a time."""
-    from inferscale.facts import FactExtractor
+    from inferscale.facts.extractor import FactExtractor
 
     tokenizer = serving_model(cfg).tokenizer
     key = json.dumps(asdict(facts_cfg), sort_keys=True, default=str)
@@ -145,7 +145,7 @@ def compact(encoded: Any) -> Any:
 def expected_version(cfg: PipelineConfig, user: str, log_hash: str, facts_hash: str,
                      model_fp: str) -> str:
     """The version id that publishing these inputs yields (without encoding them)."""
-    from inferscale.artifacts import Lineage, version_id
+    from inferscale.artifacts.publish import Lineage, version_id
 
     return version_id(user, Lineage(log_hash, facts_hash), model_fp, cfg.encoder.to_dict())
 
@@ -190,9 +190,11 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True,
-                *, user: str | None = None, previous: str | None = None):
-    """One user's facts -> :class:`~inferscale.encode.EncodedMemory` with the serving model.
+def encode_user_kv(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True,
+                   *, user: str | None = None, previous: str | None = None):
+    """One user's facts -> their pre-RoPE KV (:class:`~inferscale.encode.encoder.EncodedMemory`)
+    with the serving model: the encode step only (``tasks.user.encode_user`` runs the
+    whole chain: facts -> KV -> publish -> lineage).
 
     ``previous``: a published version of ``user`` (or ``"latest"``: the one ``LATEST``
     names, if any) whose K/V rows are reused for every fact with the same content key;
@@ -202,7 +204,7 @@ def encode_user(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress:
     reuse = None
     if previous is not None and cfg.encoder.batch_invariant:
         if user is None:
-            raise ValueError("encode_user: previous needs the user it belongs to")
+            raise ValueError("encode_user_kv: previous needs the user it belongs to")
         reuse = previous_kv(cfg, user, model.fingerprint, previous)
     return encode_facts(model.model, model.tokenizer, turn_texts, specs, cfg.encoder,
                         model.fingerprint, progress=progress, reuse=reuse)
@@ -213,9 +215,9 @@ def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> 
     and checksum-verified (a memory map of a local file; S3 is read into memory), or None
     when there is none or it cannot be read: then every fact is encoded (a warning says
     why when a version was there)."""
-    from inferscale.artifacts import latest_version
-    from inferscale.hydrate import hydrate
-    from inferscale.store import ArtifactError
+    from inferscale.artifacts.layout import ArtifactError
+    from inferscale.artifacts.read import latest_version
+    from inferscale.hydrate.slab import hydrate
 
     try:
         if version == "latest":
@@ -233,7 +235,7 @@ def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> 
 def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
                  facts_hash: str):
     """Publish a version (a no-op returning the existing one when inputs are unchanged)."""
-    from inferscale.artifacts import Lineage, publish
+    from inferscale.artifacts.publish import Lineage, publish
 
     return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
                    keep=cfg.keep_versions)
@@ -243,8 +245,8 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
         users: list[str] | None = None, quarantine_uri: str | None = None,
         progress: bool = True) -> dict:
     """The whole chain in this process (what ``inferscale encode`` runs)."""
-    from inferscale.facts import extract_facts
-    from inferscale.logs import read_logs, turns_hash
+    from inferscale.facts.extractor import extract_facts
+    from inferscale.ingest.logs import read_logs, turns_hash
 
     ingest = read_logs(logs, quarantine_uri=quarantine_uri)
     selected = {u: t for u, t in ingest.turns.items() if users is None or u in users}
@@ -256,7 +258,7 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     published = {}
     for user, turns in selected.items():
         fr = facts[user]
-        encoded = encode_user(cfg, turns, fr.table, progress, user=user, previous="latest")
+        encoded = encode_user_kv(cfg, turns, fr.table, progress, user=user, previous="latest")
         res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,

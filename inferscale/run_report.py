@@ -2,8 +2,8 @@
 
 Each user ends in one :class:`UserOutcome` (``published``: a new version; ``unchanged``:
 its inputs were already published, ``LATEST`` names that version; ``up-to-date``: skipped
-without encoding, see :mod:`inferscale.staleness`; ``failed``: with the error), with how
-many of its facts were reused from its previous version and how many encoded. A
+without encoding, see :mod:`inferscale.artifacts.staleness`; ``failed``: with the error),
+with how many of its facts were reused from its previous version and how many encoded. A
 :class:`RunReport` collects them with the ingest counts and renders the run summary as a
 dict (what a flow returns), as markdown and as table rows.
 

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, KVDtype
+
 
 def default_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "inferscale"
@@ -48,7 +50,7 @@ class Settings(BaseSettings):
     # -- the serving model and the encoder
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    kv_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    kv_dtype: KVDtype = "bfloat16"
     window: int = Field(default=5, ge=0, description="turns of context before each fact")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
@@ -75,8 +77,8 @@ class Settings(BaseSettings):
     admin_key: SecretStr | None = None
     trusted_user_header: str | None = Field(
         default=None, description="header a trusted gateway sets to the user id")
-    gpu_budget_bytes: int = Field(default=8 << 30, ge=0)
-    host_budget_bytes: int = Field(default=32 << 30, ge=0)
+    gpu_budget_bytes: int = Field(default=GPU_BUDGET_BYTES, ge=0)
+    host_budget_bytes: int = Field(default=HOST_BUDGET_BYTES, ge=0)
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(
         default=None, gt=0, description="vLLM KV cache size; set = gpu_memory_utilization is "

@@ -14,7 +14,7 @@ The file holds one record batch, one row per chunk:
 - ``content_key`` string (nullable; since version 2): what the chunk's K/V is a function
   of — a hash of its token ids, the token ids of the context it was encoded after, the
   encoder config, the model fingerprint and the numerics of the computation
-  (``inferscale.encode.content_key``). A later version of the same user reuses the rows
+  (``inferscale.encode.content_keys``). A later version of the same user reuses the rows
   of a chunk whose key it needs instead of encoding it again. Null: never reused;
 - ``kv`` large_list<storage>: the chunk's rows flattened. Its child values buffer is
   the whole slab, one contiguous buffer, so a memory-mapped or in-memory file yields
@@ -24,7 +24,7 @@ The file holds one record batch, one row per chunk:
 Versions: 1 had no ``content_key`` column; readers accept 1 and 2 (a version-1 file
 has no keys, so nothing is reused from it).
 
-Written by ``inferscale.artifacts.publish``; read by ``inferscale.hydrate``.
+Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the KV layout, counts and the creation time. The manifest checksums itself: the
 ``checksum`` field is the xxh3-128 of the canonical JSON of every other field, so a
 damaged manifest is reported as damaged instead of misleading a reader.
 
-Written by ``inferscale.artifacts.publish``; read by every reader (listing, hydration,
+Written by ``inferscale.artifacts.publish.publish``; read by every reader (listing, hydration,
 the Prefect artifact that shows lineage).
 """
 

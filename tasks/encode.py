@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 from prefect import task
 
-from inferscale.encode import EncodedMemory
-from inferscale.pipeline import PipelineConfig, compact, encode_user
+from inferscale.encode.encoder import EncodedMemory
+from inferscale.pipeline import PipelineConfig, compact, encode_user_kv
 from tasks.caching import CACHE_EXPIRATION, encode_cache_key
 
 
@@ -21,7 +21,7 @@ def encode_kv(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Table,
     The cache key is the turns and facts hashes, the encoder identity and ``model_fp``; the
     result (the KV, compacted; ``stats`` say how many facts were reused and encoded) is
     kept in result storage. No retries: compute. Called by ``tasks.user.encode_user``."""
-    encoded = encode_user(cfg, turns, facts, progress=False, user=user, previous=previous)
+    encoded = encode_user_kv(cfg, turns, facts, progress=False, user=user, previous=previous)
     if encoded.model_fingerprint != model_fp:
         raise RuntimeError(f"the loaded model's fingerprint {encoded.model_fingerprint} is not "
                            f"the planned {model_fp} (the checkpoint changed during the run?)")

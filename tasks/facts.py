@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 from prefect import task
 
-from inferscale.facts import FactsConfig, FactsResult
+from inferscale.facts.extractor import FactsConfig, FactsResult
 from inferscale.pipeline import PipelineConfig, extract_user_facts
 from tasks.caching import CACHE_EXPIRATION, facts_cache_key
 

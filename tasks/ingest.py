@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from inferscale.logs import IngestResult, read_logs, write_quarantine
+from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
 from inferscale.pipeline import PipelineConfig, log_storage_options
 from tasks.policy import IO_RETRIES
 

@@ -1,7 +1,7 @@
 """Lineage in Prefect: one table artifact per published version, keyed per (user, model),
 and the (user, model) folder declared as an asset materialized from the logs.
 
-The key (:func:`inferscale.lineage.artifact_key`) collects every version of a user's
+The key (:func:`inferscale.artifacts.lineage_view.artifact_key`) collects every version of a user's
 memory for one model; each table lists the version, its parents (log and facts hashes),
 the previous version, the model fingerprint, encoder config, sizes, checksums and where
 the files are. In the open-source UI, ``/artifacts/key/<key>`` shows them as a timeline,
@@ -20,10 +20,10 @@ from prefect import get_client, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
 
-from inferscale.artifacts import list_versions, read_manifest
-from inferscale.lineage import (
+from inferscale.artifacts.lineage_view import (
     artifact_key, asset_key, location_uri, version_markdown, version_of_rows, version_rows,
 )
+from inferscale.artifacts.read import list_versions, read_manifest
 from inferscale.pipeline import PipelineConfig
 from tasks.policy import IO_RETRIES
 

@@ -6,12 +6,12 @@ encoding) take none: a failure there is a bug or bad input, and running it again
 minutes for the same error.
 
 Transient: connection and timeout errors (``ConnectionError``, ``TimeoutError``,
-``httpx.TransportError``), an :class:`~inferscale.admin_client.AdminError` marked
+``httpx.TransportError``), an :class:`~inferscale.serve.admin_client.AdminError` marked
 transient (429/5xx gateway answers), botocore connection/throttling errors, and other
 ``OSError`` without an errno or with one of the "try again" errnos. Not transient: a
 missing or refused path (``FileNotFoundError``, ``PermissionError``,
 ``NotADirectoryError``...), full disks, bad inputs (``ValueError``), damaged artifacts
-(:class:`~inferscale.store.ArtifactError`).
+(:class:`~inferscale.artifacts.layout.ArtifactError`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def is_transient(exc: BaseException) -> bool:
     """Whether retrying the operation that raised ``exc`` may succeed (module docstring)."""
     import httpx
 
-    from inferscale.admin_client import AdminError
-    from inferscale.store import ArtifactError
+    from inferscale.artifacts.layout import ArtifactError
+    from inferscale.serve.admin_client import AdminError
 
     if isinstance(exc, AdminError):
         return exc.transient

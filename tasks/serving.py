@@ -6,14 +6,15 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from inferscale.admin_client import AdminClient
+from inferscale.serve.admin_client import AdminClient
+from inferscale.types import Tier
 from tasks.policy import IO_RETRIES
 
 
 @task(name="hydrate-user", task_run_name="hydrate-{user}", persist_result=False,
       **IO_RETRIES)
-def hydrate_user(server_url: str, user: str, tier: str = "gpu",
-                 version: str = "latest") -> dict[str, Any]:
+def hydrate_user(server_url: str, user: str, *, version: str = "latest",
+                 tier: Tier = "gpu") -> dict[str, Any]:
     """``POST /admin/hydrate`` for ``user``; the admin key comes from
     ``INFERSCALE_ADMIN_KEY`` in the worker's environment (never a flow parameter).
     Retries only transient failures (unreachable server, 429/502/503/504).
@@ -22,6 +23,6 @@ def hydrate_user(server_url: str, user: str, tier: str = "gpu",
 
     key = Settings().admin_key
     client = AdminClient(server_url, key.get_secret_value() if key else None)
-    answer = client.hydrate(user, tier, version)
+    answer = client.hydrate(user, version=version, tier=tier)
     get_run_logger().info("user %s hydrated to %s: %s", user, tier, answer)
     return answer

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from inferscale.artifacts import latest_version
+from inferscale.artifacts.read import latest_version
+from inferscale.artifacts.staleness import UserPlan, plan_users
 from inferscale.pipeline import PipelineConfig
-from inferscale.staleness import UserPlan, plan_users
 from tasks.policy import IO_RETRIES
 
 
 @task(name="plan-users", persist_result=False, **IO_RETRIES)
 def plan(cfg: PipelineConfig, model_fp: str, log_hashes: dict[str, str]) -> dict[str, UserPlan]:
-    """``user -> UserPlan`` (:mod:`inferscale.staleness`) for the users of ``log_hashes``
+    """``user -> UserPlan`` (:mod:`inferscale.artifacts.staleness`) for the users of ``log_hashes``
     (user -> current turns hash). Called by the nightly and backfill flows."""
     plans = plan_users(cfg.store(), model_fp, cfg.encoder.to_dict(), log_hashes)
     todo = sorted(u for u, p in plans.items() if p.needs_encoding)

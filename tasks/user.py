@@ -9,7 +9,7 @@ and encoded at once across every run and worker sharing the Prefect server.
 When ``LATEST`` already names the version these inputs make (the facts come from the
 cache when the turns did not change), nothing is encoded or written. Otherwise the K/V of
 every fact unchanged since ``LATEST``'s version is reused from it and only the rest is
-encoded (:func:`inferscale.pipeline.encode_user`).
+encoded (:func:`inferscale.pipeline.encode_user_kv`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.concurrency.sync import concurrency
 
-from inferscale.facts import FactsConfig
-from inferscale.lineage import artifact_key
-from inferscale.logs import turns_hash as hash_turns
+from inferscale.artifacts.lineage_view import artifact_key
+from inferscale.facts.extractor import FactsConfig
+from inferscale.ingest.logs import turns_hash as hash_turns
 from inferscale.pipeline import PipelineConfig, expected_version
 from inferscale.run_report import UserOutcome
 from tasks.encode import encode_kv

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import torch
 
-from inferscale.artifacts import Lineage
+from inferscale.artifacts.publish import Lineage
 from storage_schemas import facts as facts_schema
 
 EMB_DIM = 4

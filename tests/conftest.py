@@ -60,7 +60,7 @@ def s3_options(endpoint: str) -> dict:
 def s3_store(moto_endpoint):
     import boto3
 
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
 
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=moto_endpoint, region_name=S3_REGION,
@@ -70,7 +70,7 @@ def s3_store(moto_endpoint):
 
 @pytest.fixture
 def local_store(tmp_path):
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
 
     return StoreConfig(str(tmp_path / "artifacts"))
 
@@ -138,7 +138,7 @@ def inferscale_home():
 @pytest.fixture(scope="session")
 def smollm2(inferscale_home):
     """The real embedded SmolLM2-135M-Instruct, fp32 on CPU (converted once, ~40 s)."""
-    from inferscale.models import load_model
+    from inferscale.encode.models import load_model
 
     return load_model("embedded", inferscale_home, device="cpu", dtype="float32")
 
@@ -146,7 +146,7 @@ def smollm2(inferscale_home):
 @pytest.fixture(scope="session")
 def embedder():
     """The packaged MiniLM on CPU."""
-    from inferscale.retrieval import Embedder
+    from inferscale.serve.retrieval import Embedder
 
     return Embedder("embedded", device="cpu")
 
@@ -163,8 +163,8 @@ def engine_env(smollm2, tmp_path_factory):
 
     from engine_helpers import LoopThread
 
-    from inferscale.engine import EngineConfig, MemoryEngine
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
 
     root = tmp_path_factory.mktemp("engine") / "artifacts"
     loop = LoopThread()

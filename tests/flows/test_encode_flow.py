@@ -21,10 +21,10 @@ def _states(flow_run_id) -> dict[str, list[str]]:
 
 def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     from flows.encode import encode_users
-    from inferscale.artifacts import list_versions, read_manifest, verify_version
-    from inferscale.lineage import artifact_key, version_of_rows
-    from inferscale.logs import read_logs, sample_conversations
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key, version_of_rows
+    from inferscale.artifacts.read import list_versions, read_manifest, verify_version
+    from inferscale.ingest.logs import read_logs, sample_conversations
 
     root = tmp_path / "artifacts"
     state = encode_users(artifact_root=str(root), fact_mode="raw", return_state=True)

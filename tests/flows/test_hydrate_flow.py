@@ -17,7 +17,8 @@ def served(engine_env, embedder):
     loopback, as the server allows)."""
     from engine_helpers import served_app
 
-    from inferscale.serve import AccessPolicy, MemoryServer
+    from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.server import MemoryServer
 
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
@@ -28,8 +29,8 @@ def served(engine_env, embedder):
 def test_hydrate_users_into_running_server(flow_env, engine_env, served):
     from flows.encode import encode_users
     from flows.hydrate import hydrate_serving
-    from inferscale.admin_client import AdminClient
-    from inferscale.artifacts import latest_version
+    from inferscale.artifacts.read import latest_version
+    from inferscale.serve.admin_client import AdminClient
 
     published = encode_users(artifact_root=engine_env.store.root, fact_mode="raw")
     assert published["model_fingerprint"] == engine_env.engine.config.model_fingerprint

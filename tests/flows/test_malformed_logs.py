@@ -36,9 +36,9 @@ IVY = [
 
 def test_bad_records_quarantined_others_published(flow_env, tmp_path):
     from flows.encode import encode_users
-    from inferscale.artifacts import verify_version
-    from inferscale.logs import sample_conversations
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import verify_version
+    from inferscale.ingest.logs import sample_conversations
 
     logs = tmp_path / "logs.jsonl"
     lines = sample_conversations().read_text().splitlines()

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     from flows.encode import encode_users
     from flows.nightly import nightly_reencode
-    from inferscale.artifacts import latest_version, list_versions, verify_version
-    from inferscale.lineage import artifact_key
-    from inferscale.logs import read_logs, sample_conversations
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.lineage_view import artifact_key
+    from inferscale.artifacts.read import latest_version, list_versions, verify_version
+    from inferscale.ingest.logs import read_logs, sample_conversations
 
     root = tmp_path / "artifacts"
     store = StoreConfig(str(root))
@@ -79,19 +79,19 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
 
 def assert_same_as_full_encode(root, scratch, logs, version, fp):
     """The flow's incremental version of tomas == encoding all his facts from scratch."""
-    from inferscale.artifacts import read_facts, read_manifest
-    from inferscale.blobs import Location
-    from inferscale.logs import read_logs
-    from inferscale.pipeline import configs_from_settings, encode_user, publish_user
+    from inferscale.artifacts.blobs import Location
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import read_facts, read_manifest
+    from inferscale.ingest.logs import read_logs
+    from inferscale.pipeline import configs_from_settings, encode_user_kv, publish_user
     from inferscale.settings import Settings
-    from inferscale.store import StoreConfig
 
     cfg, _ = configs_from_settings(Settings(), fact_mode="raw", artifact_root=str(scratch))
     store = StoreConfig(str(root))
     facts = read_facts(store, "tomas", fp, version)
     m = read_manifest(store, "tomas", fp, version)
     turns = read_logs(str(logs)).turns["tomas"]
-    full = encode_user(cfg, turns, facts, progress=False)
+    full = encode_user_kv(cfg, turns, facts, progress=False)
     assert full.stats["reused"] == 0
     ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"])
     assert ref.version == version and ref.manifest.files == m.files

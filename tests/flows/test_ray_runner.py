@@ -13,8 +13,8 @@ def test_encode_on_local_ray(flow_env, tmp_path):
     import ray
 
     from flows.encode import encode_users
-    from inferscale.artifacts import verify_version
-    from inferscale.store import StoreConfig
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import verify_version
 
     assert not ray.is_initialized()
     root = tmp_path / "artifacts"

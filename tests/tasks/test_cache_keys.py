@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from inferscale.encode import EncoderConfig
-from inferscale.facts import FactsConfig
+from inferscale.encode.encoder import EncoderConfig
+from inferscale.facts.extractor import FactsConfig
 from inferscale.pipeline import PipelineConfig
 from tasks.caching import encode_cache_key, facts_cache_key
 

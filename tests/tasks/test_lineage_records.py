@@ -16,9 +16,12 @@ def test_record_each_version_once(prefect_server, tmp_path):
     from prefect import flow, get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    from inferscale.artifacts import publish, read_manifest
-    from inferscale.encode import EncoderConfig
-    from inferscale.lineage import artifact_key, asset_key, location_uri, version_of_rows
+    from inferscale.artifacts.lineage_view import (
+        artifact_key, asset_key, location_uri, version_of_rows,
+    )
+    from inferscale.artifacts.publish import publish
+    from inferscale.artifacts.read import read_manifest
+    from inferscale.encode.encoder import EncoderConfig
     from inferscale.pipeline import PipelineConfig
     from tasks.lineage import record_lineage
 

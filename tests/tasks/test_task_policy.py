@@ -11,8 +11,8 @@ def test_transient_classification():
     import botocore.exceptions
     import httpx
 
-    from inferscale.admin_client import AdminError
-    from inferscale.store import ArtifactNotFound, ChecksumError, TruncatedArtifact
+    from inferscale.artifacts.layout import ArtifactNotFound, ChecksumError, TruncatedArtifact
+    from inferscale.serve.admin_client import AdminError
     from tasks.policy import is_transient
 
     transient = [ConnectionResetError(), TimeoutError(), OSError("S3 503 SlowDown"),

@@ -1,0 +1,115 @@
+"""Encoder output -> the kv.arrow record batch (the fixed token-major slab layout).
+
+:func:`build_kv_batch` checks the encoder's chunks (prefix first, unique ids, one dtype,
+``[L, T, H, D]`` keys and values of one geometry, as many token ids as rows) and lays
+them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
+duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
+
+Callers: :func:`inferscale.artifacts.publish.publish`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from inferscale.artifacts.layout import InvalidArtifactInput
+from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name
+from storage_schemas import kv as kv_schema
+
+
+class EncodedChunkLike(Protocol):
+    chunk_id: str  # fact_id, or "prefix" (always first)
+    token_ids: Sequence[int]
+    keys: torch.Tensor  # [L, T, H, D] pre-RoPE, CPU
+    values: torch.Tensor  # [L, T, H, D]
+    # optional: ``content_key`` (str | None), what the K/V is a function of (stored; a
+    # chunk without one is never reused by a later version)
+
+
+class EncodedMemoryLike(Protocol):
+    """What the encoder returns (``inferscale.encode.encoder.EncodedMemory``); duck-typed."""
+
+    chunks: Sequence[EncodedChunkLike]
+    model_fingerprint: str
+    encoder_config: Mapping[str, Any]
+
+
+def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
+                   ) -> tuple[kv_schema.KVLayout, pa.RecordBatch, pa.Buffer]:
+    """Encoder chunks -> (layout, one record batch, the slab buffer inside it).
+
+    The batch's ``kv`` child values buffer is the ``[T, 2, L, H, D]`` slab (one copy of
+    the encoder's K,V, laid out token-major); the buffer is returned so the writer can
+    find the slab's byte offset in the file. Raises :class:`InvalidArtifactInput`.
+    """
+    chunks = list(encoded.chunks)
+    if not chunks or chunks[0].chunk_id != PREFIX_ID:
+        raise InvalidArtifactInput(f"the first chunk must be {PREFIX_ID!r}")
+    k0 = chunks[0].keys
+    if not isinstance(k0, torch.Tensor) or k0.dim() != 4:
+        raise InvalidArtifactInput("chunk keys must be 4-D tensors [L, T, H, D]")
+    dtype = dtype_name(k0.dtype)
+    if dtype is None:
+        raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(KV_DTYPES)}")
+    n_layers, _, n_heads, head_dim = k0.shape
+    ids, lengths, content_keys = [], [], []
+    for c in chunks:
+        k, v = c.keys, c.values
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: keys/values must be tensors")
+        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (
+                n_layers, n_heads, head_dim):
+            raise InvalidArtifactInput(
+                f"chunk {c.chunk_id!r}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
+                f"match [L={n_layers}, T, H={n_heads}, D={head_dim}]")
+        if k.dtype != k0.dtype or v.dtype != k0.dtype:
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: dtype differs from the prefix's")
+        if len(c.token_ids) != k.shape[1]:
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {len(c.token_ids)} token ids for "
+                                       f"{k.shape[1]} KV rows")
+        if not isinstance(c.chunk_id, str) or not c.chunk_id:
+            raise InvalidArtifactInput(f"chunk id must be a non-empty string, got {c.chunk_id!r}")
+        key = getattr(c, "content_key", None)
+        if key is not None and (not isinstance(key, str) or not key):
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: content key must be a non-empty "
+                                       f"string or None, got {key!r}")
+        ids.append(c.chunk_id)
+        lengths.append(int(k.shape[1]))
+        content_keys.append(key)
+    if len(set(ids)) != len(ids):
+        raise InvalidArtifactInput("duplicate chunk ids")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    try:
+        layout = kv_schema.KVLayout(dtype, int(n_layers), int(n_heads),
+                                    int(head_dim), int(offsets[-1]), model_fp)
+    except kv_schema.KVFormatError as exc:
+        raise InvalidArtifactInput(str(exc)) from exc
+
+    slab = torch.empty(layout.shape, dtype=k0.dtype)  # [T, 2, L, H, D]
+    for c, o, n in zip(chunks, offsets[:-1], lengths):
+        slab[o:o + n, 0].copy_(c.keys.permute(1, 0, 2, 3))  # [L, t, H, D] -> [t, L, H, D]
+        slab[o:o + n, 1].copy_(c.values.permute(1, 0, 2, 3))
+    flat = slab.reshape(-1)
+    flat_np = flat.numpy() if layout.dtype == "float32" else flat.view(torch.int16).numpy().view(np.uint16)
+    slab_buffer = pa.py_buffer(flat_np)
+    values = pa.Array.from_buffers(layout.storage_type, flat_np.size, [None, slab_buffer])
+    schema = layout.schema()
+    kv_arr = pa.LargeListArray.from_arrays(
+        pa.array(offsets * layout.row_elems, type=pa.int64()), values, type=schema.field("kv").type)
+    try:
+        token_ids = pa.array([list(map(int, c.token_ids)) for c in chunks], type=pa.list_(pa.int32()))
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArtifactInput(f"token ids must be int32 integers: {exc}") from exc
+    batch = pa.record_batch([
+        pa.array(ids, type=pa.string()),
+        pa.array(offsets[:-1], type=pa.int64()),
+        pa.array(lengths, type=pa.int32()),
+        token_ids,
+        pa.array(content_keys, type=pa.string()),
+        kv_arr,
+    ], schema=schema)
+    return layout, batch, slab_buffer

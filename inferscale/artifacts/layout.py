@@ -1,0 +1,223 @@
+"""Artifact store: where artifact files live, their names, the store config and errors.
+
+Layout under one root (a local directory, or ``s3://bucket/prefix`` through s3fs, or
+any fsspec URL whose filesystem is installed)::
+
+    {root}/users/{user}/{model_fp}/{version}/facts.arrow  kv.arrow  manifest.json
+    {root}/users/{user}/{model_fp}/LATEST     the published version's id, atomically replaced
+    {root}/users/{user}/{model_fp}/lance/     LanceDB database of fact embeddings
+
+User ids become one safe path component each (:func:`user_dirname`): ids made of
+``[a-z0-9._-]`` (starting with a letter or digit, at most 100 characters) are used as
+they are; any other id (upper case, ``/``, ``..``, spaces, unicode...) becomes ``_`` +
+lowercase base32 of its UTF-8 bytes, or ``__`` + sha256 hex when that would exceed 200
+characters. The three forms cannot collide, are safe on case-insensitive filesystems, and
+never contain ``/`` or start with ``.``. Empty ids, ids with NUL, ids that are not valid
+Unicode text and ids over 1024 UTF-8 bytes raise :class:`InvalidUserId`. The manifest
+keeps the real id.
+
+Every error of the store derives from :class:`ArtifactError` and names the file and the
+user/model/version it is about. File operations are in :mod:`inferscale.artifacts.blobs`.
+
+Callers: the rest of :mod:`inferscale.artifacts` (publish, read, gc),
+:mod:`inferscale.hydrate` (``StoreConfig``, errors), the pipeline, the CLI and the server.
+Only fsspec and the standard library are needed here (the GPU machine has them).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from storage_schemas.common import SchemaVersionError
+
+FACTS_FILE = "facts.arrow"
+KV_FILE = "kv.arrow"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "LATEST"
+LANCE_DIR = "lance"
+DATA_FILES = (FACTS_FILE, KV_FILE)
+
+MAX_USER_BYTES = 1024
+_PLAIN_USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
+_B32_MAX_BYTES = 120  # base32 of 120 bytes = 192 characters
+_MODEL_FP = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+VERSION_RE = re.compile(r"[0-9a-f]{32}")
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+class ArtifactError(Exception):
+    """Base of every artifact store error."""
+
+
+class InvalidStoreConfig(ArtifactError, ValueError):
+    """A store root or option that cannot be used."""
+
+
+class InvalidUserId(ArtifactError, ValueError):
+    """A user id that cannot name a folder (empty, NUL, not text, too long)."""
+
+
+class InvalidArtifactInput(ArtifactError, ValueError):
+    """Publish inputs that do not fit together (shapes, chunk ids vs facts, ...)."""
+
+
+class ArtifactNotFound(ArtifactError, FileNotFoundError):
+    """No such user, model, version, or no published version (no LATEST)."""
+
+
+class MissingManifest(ArtifactNotFound):
+    """A version folder without manifest.json: an unfinished publish or a damaged store."""
+
+
+class TruncatedArtifact(ArtifactError):
+    """A file of a version is missing or its size differs from the manifest's."""
+
+
+class ChecksumError(ArtifactError):
+    """A file's xxh3-128 differs from the manifest's (or the manifest's own checksum)."""
+
+
+class FingerprintMismatch(ArtifactError):
+    """An artifact made for another model than the one asking for it."""
+
+
+class CorruptArtifact(ArtifactError):
+    """A file whose checksum matches but whose content breaks the format, or a bad LATEST."""
+
+
+class ArtifactSchemaError(ArtifactError, SchemaVersionError):
+    """A file written under a schema this code does not know (unknown name, newer version)."""
+
+
+# ------------------------------------------------------------------------------- naming
+
+
+def user_dirname(user: str) -> str:
+    """The folder name of ``user`` (see the module docstring for the encoding)."""
+    if not isinstance(user, str) or not user:
+        raise InvalidUserId(f"user id must be a non-empty string, got {user!r}")
+    if "\x00" in user:
+        raise InvalidUserId(f"user id contains NUL: {user!r}")
+    try:
+        raw = user.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidUserId(f"user id is not valid Unicode text: {user!r}") from exc
+    if len(raw) > MAX_USER_BYTES:
+        raise InvalidUserId(f"user id is {len(raw)} bytes long; at most {MAX_USER_BYTES}")
+    if _PLAIN_USER.fullmatch(user):
+        return user
+    if len(raw) <= _B32_MAX_BYTES:
+        return "_" + base64.b32encode(raw).decode().rstrip("=").lower()
+    return "__" + hashlib.sha256(raw).hexdigest()
+
+
+def user_from_dirname(name: str) -> str | None:
+    """Inverse of :func:`user_dirname`; ``None`` for hashed (long) ids: read a manifest."""
+    if name.startswith("__"):
+        return None
+    if name.startswith("_"):
+        b32 = name[1:].upper()
+        return base64.b32decode(b32 + "=" * (-len(b32) % 8)).decode("utf-8")
+    return name
+
+
+def check_model_fp(model_fp: str) -> str:
+    if not isinstance(model_fp, str) or not _MODEL_FP.fullmatch(model_fp):
+        raise InvalidArtifactInput(
+            f"model fingerprint {model_fp!r} cannot name a folder: expected 1-128 characters "
+            "of [A-Za-z0-9._-] starting with a letter or digit")
+    return model_fp
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
+        raise ArtifactNotFound(f"{version!r} is not a version id (32 lowercase hex digits)")
+    return version
+
+
+# ------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where artifacts live: ``root`` (local directory, ``s3://bucket/prefix`` or any
+    fsspec URL) and the fsspec ``storage_options`` for it (s3fs: ``key``, ``secret``,
+    ``client_kwargs={"endpoint_url": ..., "region_name": ...}``).
+
+    Built by callers from :class:`inferscale.settings.Settings` with :meth:`from_settings`
+    (``INFERSCALE_ARTIFACT_ROOT``, ``INFERSCALE_S3_*``), or directly in tests.
+    """
+
+    root: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str) or not self.root.strip():
+            raise InvalidStoreConfig(f"store root must be a non-empty string, got {self.root!r}")
+        protocol, path = fsspec.core.split_protocol(self.root.strip())
+        if protocol in (None, "file", "local"):
+            root = os.path.abspath(os.path.expanduser(path))
+        else:
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except (ValueError, ImportError) as exc:
+                raise InvalidStoreConfig(f"store root {self.root!r}: {exc}") from exc
+            path = path.strip("/")
+            if not path:
+                raise InvalidStoreConfig(f"store root {self.root!r} names no bucket or folder")
+            root = f"{protocol}://{path}"
+        object.__setattr__(self, "root", root)
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "StoreConfig":
+        """From an :class:`inferscale.settings.Settings` (duck-typed: no pydantic import)."""
+        return cls(settings.resolved_artifact_root(), settings.storage_options())
+
+    @property
+    def protocol(self) -> str:
+        return fsspec.core.split_protocol(self.root)[0] or "file"
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def filesystem(self) -> fsspec.AbstractFileSystem:
+        if self.is_local:
+            return fsspec.filesystem("file")
+        opts = dict(self.storage_options)
+        if self.protocol in ("s3", "s3a"):
+            opts.setdefault("use_listings_cache", False)  # other processes publish too
+        return fsspec.filesystem(self.protocol, **opts)
+
+    def lance_storage_options(self) -> dict[str, str]:
+        """LanceDB (object_store) options equivalent to the s3fs ``storage_options``."""
+        if self.protocol not in ("s3", "s3a"):
+            return {}
+        so = self.storage_options
+        ck = so.get("client_kwargs") or {}
+        out: dict[str, str] = {}
+        endpoint = ck.get("endpoint_url") or so.get("endpoint_url")
+        if endpoint:
+            out["endpoint"] = endpoint
+            if endpoint.startswith("http://"):
+                out["allow_http"] = "true"
+        region = ck.get("region_name") or so.get("region_name")
+        if region:
+            out["region"] = region
+        if so.get("key"):
+            out["aws_access_key_id"] = so["key"]
+        if so.get("secret"):
+            out["aws_secret_access_key"] = so["secret"]
+        if so.get("token"):
+            out["aws_session_token"] = so["token"]
+        return out

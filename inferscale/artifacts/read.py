@@ -1,0 +1,211 @@
+"""Reading published versions: LATEST, manifests, listings, verification, the facts.
+
+Every reader checks what it reads against the version's manifest (schema, its own
+checksum, owner, model fingerprint, file sizes; full xxh3-128 checksums where a whole
+file is read) and raises an :class:`~inferscale.artifacts.layout.ArtifactError` subclass
+naming the file and the user/model/version.
+
+Callers: the CLI and flows (listing, lineage), :mod:`inferscale.artifacts.staleness`,
+:mod:`inferscale.hydrate.slab` (``manifest_at``, ``check_size``, ``check_digest``) and
+the server's retrieval side (``read_facts``, ``open_fact_table``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+
+from inferscale.artifacts import fact_table
+from inferscale.artifacts.blobs import Location, open_blobs
+from inferscale.artifacts.layout import (
+    DATA_FILES, FACTS_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError, ArtifactNotFound,
+    ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch, MissingManifest,
+    StoreConfig, TruncatedArtifact, user_dirname, user_from_dirname,
+)
+from storage_schemas import facts as facts_schema
+from storage_schemas.common import SchemaVersionError, check_schema
+from storage_schemas.manifest import Manifest, ManifestChecksumError, ManifestError
+
+log = logging.getLogger(__name__)
+
+
+def latest_version(store: StoreConfig, user: str, model_fp: str) -> str | None:
+    """The version ``LATEST`` names, or ``None`` when nothing was published."""
+    loc = Location(store, user, model_fp)
+    try:
+        data = loc.blobs.read_bytes(loc.latest)
+    except FileNotFoundError:
+        return None
+    version = data.decode("ascii", "replace").strip()
+    if not VERSION_RE.fullmatch(version):
+        raise CorruptArtifact(f"{loc.latest} holds {data[:80]!r}, not a version id")
+    return version
+
+
+def resolve_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> str:
+    if version != "latest":
+        return version
+    found = latest_version(store, user, model_fp)
+    if found is None:
+        raise ArtifactNotFound(f"nothing published for user {user!r}, model {model_fp} "
+                               f"under {store.root} (no LATEST)")
+    return found
+
+
+def read_manifest(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Manifest:
+    """Read and check one version's manifest (schema, self-checksum, owner, files)."""
+    loc = Location(store, user, model_fp)
+    version = resolve_version(store, user, model_fp, version)
+    return manifest_at(loc, version)
+
+
+def manifest_at(loc: Location, version: str) -> Manifest:
+    """:func:`read_manifest` for a resolved version at a :class:`Location` (hydrate uses it)."""
+    path = loc.file(version, MANIFEST_FILE)
+    try:
+        data = loc.blobs.read_bytes(path)
+    except FileNotFoundError:
+        if version in loc.blobs.listdir(loc.dir):
+            raise MissingManifest(f"{loc.describe(version)}: {path} is missing (an unfinished "
+                                  "publish or a damaged store)") from None
+        raise ArtifactNotFound(f"{loc.describe(version)}: no such version under "
+                               f"{loc.config.root}") from None
+    try:
+        m = Manifest.from_json(data)
+    except SchemaVersionError as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except ManifestChecksumError as exc:
+        raise ChecksumError(f"{path}: {exc} (the manifest is damaged)") from exc
+    except ManifestError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    if m.model_fingerprint != loc.model_fp:
+        raise FingerprintMismatch(f"{path} was written for model {m.model_fingerprint}, "
+                                  f"found under model {loc.model_fp}")
+    if m.version != version or m.user != loc.user:
+        raise CorruptArtifact(f"{path} describes user {m.user!r} version {m.version}, "
+                              f"not {loc.describe(version)}")
+    missing = [f for f in DATA_FILES if f not in m.files]
+    if missing:
+        raise CorruptArtifact(f"{path} lists no {missing}")
+    return m
+
+
+def list_versions(store: StoreConfig, user: str, model_fp: str) -> list[Manifest]:
+    """Complete versions of (user, model), oldest first (by creation time)."""
+    loc = Location(store, user, model_fp)
+    found = []
+    for name in loc.blobs.listdir(loc.dir):
+        if not VERSION_RE.fullmatch(name):
+            continue
+        try:
+            found.append(manifest_at(loc, name))
+        except MissingManifest:
+            continue  # unfinished
+        except ArtifactError as exc:
+            log.warning("skipping damaged version: %s", exc)
+    return sorted(found, key=lambda m: (m.created, m.version))
+
+
+def list_users(store: StoreConfig) -> list[str]:
+    """User ids with a folder under the store (long hashed ids are read from a manifest)."""
+    blobs = open_blobs(store)
+    users = []
+    for name in blobs.listdir(blobs.join("users")):
+        try:
+            user = user_from_dirname(name)
+        except ValueError:  # not a name this store made
+            continue
+        if user is None:
+            user = _user_from_manifests(store, blobs, name)
+        if user is not None and user_dirname(user) == name:
+            users.append(user)
+    return sorted(users)
+
+
+def _user_from_manifests(store: StoreConfig, blobs: Any, name: str) -> str | None:
+    for fp in blobs.listdir(blobs.join("users", name)):
+        for v in blobs.listdir(blobs.join("users", name, fp)):
+            try:
+                return Manifest.from_json(blobs.read_bytes(
+                    blobs.join("users", name, fp, v, MANIFEST_FILE))).user
+            except (FileNotFoundError, ValueError):
+                continue
+    return None
+
+
+def list_models(store: StoreConfig, user: str) -> list[str]:
+    """Model fingerprints that have a folder for ``user``."""
+    blobs = open_blobs(store)
+    return blobs.listdir(blobs.join("users", user_dirname(user)))
+
+
+def verify_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Manifest:
+    """Check every file of a version against the manifest (sizes, then full checksums)."""
+    loc = Location(store, user, model_fp)
+    version = resolve_version(store, user, model_fp, version)
+    m = manifest_at(loc, version)
+    for name in m.files:
+        check_size(loc, m, name)
+    for name, entry in m.files.items():
+        check_digest(loc, m, name, loc.blobs.hash_file(loc.file(version, name), entry.bytes))
+    return m
+
+
+def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> pa.Table:
+    """The facts table of a version, checksum-verified."""
+    loc = Location(store, user, model_fp)
+    version = resolve_version(store, user, model_fp, version)
+    m = manifest_at(loc, version)
+    check_size(loc, m, FACTS_FILE)
+    path = loc.file(version, FACTS_FILE)
+    try:
+        data = loc.blobs.read_bytes(path)
+    except FileNotFoundError:
+        raise TruncatedArtifact(f"{path} is missing ({loc.describe(version)})") from None
+    import xxhash
+
+    check_digest(loc, m, FACTS_FILE, xxhash.xxh3_128_hexdigest(data))
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except pa.ArrowException as exc:
+        raise CorruptArtifact(f"{path}: not a readable Arrow file: {exc}") from exc
+    try:
+        check_schema(table.schema, facts_schema.NAME, facts_schema.VERSION)
+    except SchemaVersionError as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    return table
+
+
+def check_size(loc: Location, m: Manifest, name: str) -> None:
+    """:class:`TruncatedArtifact` unless file ``name`` exists with the manifest's size."""
+    path = loc.file(m.version, name)
+    size = loc.blobs.size(path)
+    want = m.files[name].bytes
+    if size is None:
+        raise TruncatedArtifact(f"{path} is missing ({loc.describe(m.version)})")
+    if size != want:
+        raise TruncatedArtifact(f"{path} is {size} bytes; the manifest says {want} "
+                                "(truncated or overwritten)")
+
+
+def check_digest(loc: Location, m: Manifest, name: str, digest: str) -> None:
+    """:class:`ChecksumError` unless ``digest`` is the manifest's xxh3-128 of ``name``."""
+    want = m.files[name].xxh3_128
+    if digest != want:
+        raise ChecksumError(f"{loc.file(m.version, name)}: xxh3-128 {digest} differs from the "
+                            f"manifest's {want} (the file is damaged)")
+
+
+def open_fact_table(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Any:
+    """The LanceDB fact table of a version (checked out at its tag: read-only)."""
+    loc = Location(store, user, model_fp)
+    version = resolve_version(store, user, model_fp, version)
+    try:
+        table = fact_table.connect(store, loc).open_table(fact_table.TABLE)
+        table.checkout(version)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise ArtifactNotFound(f"{loc.describe(version)}: no fact embeddings in "
+                               f"{loc.lance_uri} ({exc})") from exc
+    return table

@@ -1,0 +1,72 @@
+"""Which users need (re-)encoding for a model: their logs against their ``LATEST`` version.
+
+A user is up to date for a model when ``LATEST`` under that model's fingerprint names a
+version whose parent log hash is the content hash of the user's current turns and whose
+encoder config is the current one. Anything else needs encoding: no version yet
+(``new``), the conversation changed (``log-changed``), the encoder settings changed
+(``encoder-changed``), or ``LATEST``/its manifest cannot be read (``unreadable``; the
+encode then reports the store's error for that user).
+
+Only ``LATEST`` and one manifest per user are read, so an unchanged user costs two small
+reads. Facts are not looked at: they are a function of the turns (and are cached).
+
+Callers: the nightly re-encode flow (users whose logs changed) and the backfill flow
+(resume: users already published for the model with the same inputs are skipped), via
+``tasks/store.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from inferscale.artifacts.layout import ArtifactError, StoreConfig
+from inferscale.artifacts.read import latest_version, read_manifest
+
+log = logging.getLogger(__name__)
+
+Reason = Literal["new", "log-changed", "encoder-changed", "unreadable", "up-to-date"]
+
+
+@dataclass(frozen=True)
+class UserPlan:
+    """What to do for one user: the reason, and the version ``LATEST`` names (if any)."""
+
+    user: str
+    log_hash: str
+    reason: Reason
+    latest: str | None = None
+    detail: str = ""
+
+    @property
+    def needs_encoding(self) -> bool:
+        return self.reason != "up-to-date"
+
+
+def plan_user(store: StoreConfig, model_fp: str, encoder_config: Mapping, user: str,
+              log_hash: str) -> UserPlan:
+    """Compare one user's current log hash and encoder config with their ``LATEST``."""
+    try:
+        latest = latest_version(store, user, model_fp)
+        if latest is None:
+            return UserPlan(user, log_hash, "new")
+        manifest = read_manifest(store, user, model_fp, latest)
+    except (ArtifactError, OSError) as exc:  # a damaged store: that user only
+        log.warning("user %s: LATEST unreadable under model %s: %s", user, model_fp, exc)
+        return UserPlan(user, log_hash, "unreadable", detail=f"{type(exc).__name__}: {exc}")
+    if manifest.parents.get("log") != log_hash:
+        return UserPlan(user, log_hash, "log-changed", latest,
+                        f"log {manifest.parents.get('log', '')[:12]} -> {log_hash[:12]}")
+    if dict(manifest.encoder_config) != dict(encoder_config):
+        changed = sorted(k for k in set(manifest.encoder_config) | set(encoder_config)
+                         if manifest.encoder_config.get(k) != encoder_config.get(k))
+        return UserPlan(user, log_hash, "encoder-changed", latest, ", ".join(changed))
+    return UserPlan(user, log_hash, "up-to-date", latest)
+
+
+def plan_users(store: StoreConfig, model_fp: str, encoder_config: Mapping,
+               log_hashes: Mapping[str, str]) -> dict[str, UserPlan]:
+    """:func:`plan_user` for every user of ``log_hashes`` (user -> turns content hash)."""
+    return {user: plan_user(store, model_fp, encoder_config, user, h)
+            for user, h in sorted(log_hashes.items())}

@@ -1,0 +1,139 @@
+"""Prompt composition: ``[instruction prefix | fact_1 | ... | fact_k | query]``.
+
+The same token ids are used offline and online: each fact is tokenized once, on its own
+(:meth:`Composer.fact_ids`), stored with the artifact, and the serving path concatenates
+the stored ids; the concatenated text is never re-tokenized. Memory occupies virtual
+positions ``0 .. m-1``; the query starts at ``m``.
+
+The chat template of the model decides the wrapper: the prefix is everything the
+template emits before the system message content plus the instruction; the query
+segment closes the system message, opens the user turn, holds the question and opens
+the assistant turn. Models without a chat template get a plain-text layout.
+
+Callers: the encoder (prefix and fact token ids), the fact extractor (fact token ids),
+:mod:`inferscale.serve.server` (the request prompt), the connector's tests, benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+DEFAULT_INSTRUCTION = (
+    "You are a helpful assistant with a long-term memory of the user. "
+    "Answer the user's question using these remembered facts when they are relevant.\n"
+)
+_SYS, _USR = "\x00SYSTEM\x00", "\x00USER\x00"
+MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
+
+
+def memory_text(speaker: str, text: str, timestamp: str | None = None) -> str:
+    """A conversation turn as a memory line's text: ``"[2023-05-08] Caroline: text"``.
+
+    The one format shared by raw-turn facts (:mod:`inferscale.facts.extractor`) and
+    encoder windows written as memory lines (:mod:`inferscale.encode.encoder`).
+    """
+    line = f"{speaker}: {text}"
+    return f"[{timestamp[:10]}] {line}" if timestamp else line
+
+
+def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: int = 0,
+                  source_index: Mapping[str, int] | None = None
+                  ) -> tuple[list[str], list[str]]:
+    """Split retrieved facts (``ranked``: best first) into (injected, tail), both in the
+    order they are served.
+
+    ``tail``: the ``text_tail`` best facts, best last (right before the question), which
+    the request prefills as text; ``injected``: the others in ``order`` ("relevance":
+    best first, "relevance_last": best last, "chronological": by ``source_index``).
+    Callers: the server's request composition, benchmarks.
+    """
+    if order not in MEMORY_ORDERS:
+        raise ComposeError(f"memory order must be one of {MEMORY_ORDERS}, got {order!r}")
+    tail = list(reversed(ranked[:text_tail]))
+    injected = list(ranked[text_tail:])
+    if order == "relevance_last":
+        injected.reverse()
+    elif order == "chronological":
+        if source_index is None:
+            raise ComposeError("chronological order needs the facts' source turn indices")
+        injected.sort(key=lambda f: source_index[f])
+    return injected, tail
+
+
+class ComposeError(ValueError):
+    """Input that cannot be composed (empty fact, template without a system role...)."""
+
+
+@dataclass(frozen=True)
+class Composer:
+    """Turns instruction, facts and a question into token ids for one tokenizer.
+
+    ``instruction`` is part of the encoder config: artifacts store the prefix KV made
+    from it, so changing it makes a new artifact version.
+    """
+
+    tokenizer: Any
+    instruction: str = DEFAULT_INSTRUCTION
+    fact_template: str = "- {text}\n"
+    _pieces: tuple[str, str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pieces", self._template_pieces())
+
+    def _template_pieces(self) -> tuple[str, str, str]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(
+                [{"role": "system", "content": _SYS}, {"role": "user", "content": _USR}],
+                tokenize=False, add_generation_prompt=True,
+            )
+            if _SYS in text and _USR in text and text.index(_SYS) < text.index(_USR):
+                head, rest = text.split(_SYS, 1)
+                middle, tail = rest.split(_USR, 1)
+                return head, middle, tail
+        bos = tok.bos_token or ""
+        return bos, "\nQuestion: ", "\nAnswer:"
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prefix_ids(self) -> list[int]:
+        """Template head + instruction: the first memory segment, at positions 0..P-1."""
+        return self._encode(self._pieces[0] + self.instruction)
+
+    def fact_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """One fact's token ids, tokenized on its own (fixed once, stored, reused).
+
+        Empty facts are an error; facts longer than ``max_tokens`` are truncated to
+        their first ``max_tokens`` tokens (the closing newline is kept).
+        """
+        if not text or not text.strip():
+            raise ComposeError("empty fact text")
+        ids = self._encode(self.fact_template.format(text=text.strip()))
+        if max_tokens is not None and len(ids) > max_tokens:
+            tail = self._encode("\n")
+            ids = ids[: max(1, max_tokens - len(tail))] + tail
+        return ids
+
+    def query_ids(self, question: str) -> list[int]:
+        """The segment after memory: close the system turn, the question, open the answer."""
+        if not question or not question.strip():
+            raise ComposeError("empty question")
+        _, middle, tail = self._pieces
+        return self._encode(middle + question.strip() + tail)
+
+    def compose(self, memory: Sequence[Sequence[int]], question: str,
+                tail: Sequence[Sequence[int]] = ()) -> tuple[list[int], int]:
+        """``memory`` = [prefix ids, fact ids...] -> (prompt ids, memory length m).
+
+        ``tail``: facts written as text after the memory and before the question (the
+        request prefills them; they are not part of the ``m`` memory tokens)."""
+        ids: list[int] = [t for chunk in memory for t in chunk]
+        m = len(ids)
+        return ids + [t for chunk in tail for t in chunk] + self.query_ids(question), m
+
+    def fact_text_prompt(self, facts: Sequence[str], question: str) -> list[int]:
+        """The Mem0-style baseline prompt: same layout, facts as text, same tokens."""
+        memory = [self.prefix_ids()] + [self.fact_ids(f) for f in facts]
+        return self.compose(memory, question)[0]

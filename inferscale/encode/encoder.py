@@ -1,0 +1,415 @@
+"""Context-window encoder: facts -> relocatable pre-RoPE KV.
+
+A fact extracted from turn ``t`` is encoded in one forward pass over
+``[turns t-w .. t-1] + [fact tokens]``; only the fact's K and V are kept, for every layer.
+K is exactly the tensor that enters the model's ``apply_rotary_pos_emb`` (after ``k_norm``
+where the architecture has one, e.g. Qwen3); V is the tensor that enters the attention
+function, exactly what a KV cache would store.
+
+Batch invariance and reuse (``EncoderConfig.batch_invariant``, the default): every fact
+gets an unpadded forward pass of its own, ``[context | fact]``, so its K/V bits depend on
+nothing but its content key's inputs (:mod:`inferscale.encode.content_keys`; packed into
+padded batches, 24 of 32 facts changed bits: ``benchmarks/results/incremental-cpu.json``).
+:func:`encode_facts` given a previous version's rows by key (``reuse``) takes every fact
+whose key is there from it, encodes only the rest, and the result is byte-identical to
+encoding everything. With ``batch_invariant=False`` facts are packed into padded batches
+of ``batch_tokens`` and facts of one turn share a pass ``[window | fact_1 | fact_2 | ...]``
+with a block mask (each fact sees the window and itself, positions restarting at
+``len(window)``); such chunks get no content key and are never reused.
+
+The general form is :func:`encode_segments`: any context token ids followed by chunks
+(:class:`~inferscale.encode.batches.Segment`; batching and the block mask are
+:mod:`inferscale.encode.batches`).
+The window form (:func:`encode_facts`) builds contexts from turns; tests build the
+"limiting case" (each fact's context = the whole memory before it) with it directly.
+
+Callers: the encode flow (through ``tasks/``), the CLI, benchmarks and tests. The
+output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
+
+Edge cases (stated): ``w = 0`` encodes the fact alone at positions ``0..len-1``; windows
+stop at the start of the conversation; a window longer than ``max_window_tokens`` keeps
+its most recent tokens; a fact longer than ``max_fact_tokens`` is truncated to its first
+``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
+:class:`~inferscale.encode.compose.ComposeError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from inferscale.encode.batches import Segment, build_batch, plan_batches
+from inferscale.encode.compose import (
+    DEFAULT_INSTRUCTION, MEMORY_ORDERS, Composer, memory_text,
+)
+from inferscale.encode.content_keys import content_key, key_identity
+from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
+
+log = logging.getLogger(__name__)
+
+CONTEXTS = ("transcript", "memory", "prefix")
+_capture_lock = threading.Lock()
+
+
+class EncodeError(ValueError):
+    """Bad encoder input or a model the encoder cannot capture K/V from."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """How facts are encoded; part of an artifact's identity (its version hash)."""
+
+    window: int = 5
+    dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
+    max_fact_tokens: int = 256
+    max_window_tokens: int = 4096
+    batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
+    instruction: str = DEFAULT_INSTRUCTION
+    turn_template: str = "{speaker}: {text}\n"
+    # What each fact is encoded after (see the module docstring): ``"transcript"`` = the
+    # window's turns as raw transcript (``turn_template``), nothing before them;
+    # ``"memory"`` = the serving prefix (chat-template head + instruction) at positions
+    # 0..P-1, then the window's turns written as memory lines, exactly as the served
+    # memory list writes facts; ``"prefix"`` = the serving prefix, then the window as
+    # transcript (the shared attention sink alone, for ablations).
+    context: str = "transcript"
+    # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
+    key_temperature: float = 1.0
+    # How the server lays out a request's memory (composer settings kept with the artifact):
+    # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
+    # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
+    # facts are prefilled as text right before the question instead of injected.
+    memory_order: str = "relevance"
+    text_tail: int = 0
+    batch_invariant: bool = True  # one pass per fact: content keys, reuse (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.context not in CONTEXTS:
+            raise EncodeError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if not self.key_temperature > 0:
+            raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
+        if self.memory_order not in MEMORY_ORDERS:
+            raise EncodeError(f"memory_order must be one of {MEMORY_ORDERS}, "
+                              f"got {self.memory_order!r}")
+        if self.text_tail < 0:
+            raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
+        if self.window < 0:
+            raise EncodeError(f"window must be >= 0, got {self.window}")
+        if self.dtype not in KV_DTYPES:
+            raise EncodeError(f"dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
+        if self.max_fact_tokens < 1 or self.max_window_tokens < 0:
+            raise EncodeError("max_fact_tokens must be >= 1 and max_window_tokens >= 0")
+        if self.batch_tokens < self.max_fact_tokens:
+            raise EncodeError("batch_tokens must hold at least one fact")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TurnText:
+    """One conversation turn as the window sees it (``timestamp``: ISO, or None)."""
+
+    speaker: str
+    text: str
+    timestamp: str | None = None
+
+
+@dataclass(frozen=True)
+class FactSpec:
+    """A fact to encode: its id, text, the index of its source turn and, when the facts
+    table already fixed them, its token ids (used as is, never re-tokenized)."""
+
+    fact_id: str
+    text: str
+    source_index: int
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class EncodedChunk:
+    """One memory chunk's pre-RoPE KV: the prefix, or one fact."""
+
+    chunk_id: str
+    token_ids: list[int]
+    keys: torch.Tensor  # [L, T, H, D] pre-RoPE
+    values: torch.Tensor  # [L, T, H, D]
+    content_key: str | None = None  # set by encode_facts in batch-invariant mode
+
+
+@dataclass
+class EncodedMemory:
+    """Encoder output for one user: chunk 0 is the instruction prefix."""
+
+    chunks: list[EncodedChunk]
+    model_fingerprint: str
+    encoder_config: dict
+    stats: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ capturing K and V
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    return base if base is not None else model
+
+
+class _KVCapture:
+    """Capture pre-RoPE K and V of selected tokens during one forward pass.
+
+    K is taken where it enters the modeling module's ``apply_rotary_pos_emb`` (patched
+    for the pass); V where it enters the attention function (the registered attention
+    implementation, or the module's ``eager_attention_forward``), which is exactly what
+    a KV cache would store. Both patches hold a process-wide lock for the pass, and
+    capture only calls made by this model in this thread: any other model (another
+    thread's embedder, say) that runs meanwhile goes straight to the originals.
+    """
+
+    def __init__(self, model: torch.nn.Module, out_k: torch.Tensor, out_v: torch.Tensor,
+                 sel_b: torch.Tensor, sel_s: torch.Tensor):
+        self.out_k, self.out_v = out_k, out_v  # [L, N, H, D]
+        self.sel_b, self.sel_s = sel_b, sel_s
+        self.k_calls = 0
+        self.v_layers: set[int] = set()
+        self.module = sys.modules[type(model).__module__]
+        if not hasattr(self.module, "apply_rotary_pos_emb"):
+            raise EncodeError(f"{self.module.__name__} has no apply_rotary_pos_emb to capture")
+        self.impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.modules = {id(m) for m in model.modules()}
+        self.thread = threading.get_ident()
+
+    def _select(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, H, S, D] -> selected tokens [N, H, D]
+        return x.transpose(1, 2)[self.sel_b, self.sel_s]
+
+    def _rope(self, q, k, cos, sin, *args, **kwargs):
+        if threading.get_ident() != self.thread:
+            return self.original_rope(q, k, cos, sin, *args, **kwargs)
+        if self.k_calls >= self.out_k.shape[0]:
+            raise EncodeError("apply_rotary_pos_emb called more often than there are layers")
+        if k.shape[-1] != self.out_k.shape[-1]:
+            raise EncodeError(f"the model rotates {k.shape[-1]} of {self.out_k.shape[-1]} key "
+                              "channels outside apply_rotary_pos_emb: unsupported")
+        self.out_k[self.k_calls] = self._select(k).to(self.out_k.dtype)
+        self.k_calls += 1
+        return self.original_rope(q, k, cos, sin, *args, **kwargs)
+
+    def _attention(self, module, query, key, value, *args, **kwargs):
+        if threading.get_ident() != self.thread or id(module) not in self.modules:
+            return self.original_attn(module, query, key, value, *args, **kwargs)
+        layer = module.layer_idx
+        self.out_v[layer] = self._select(value).to(self.out_v.dtype)
+        self.v_layers.add(layer)
+        return self.original_attn(module, query, key, value, *args, **kwargs)
+
+    def __enter__(self) -> "_KVCapture":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        _capture_lock.acquire()
+        self.original_rope = self.module.apply_rotary_pos_emb
+        self.module.apply_rotary_pos_emb = self._rope
+        if self.impl == "eager":
+            self.original_attn = self.module.eager_attention_forward
+            self.module.eager_attention_forward = self._attention
+        else:
+            self.original_attn = ALL_ATTENTION_FUNCTIONS[self.impl]
+            ALL_ATTENTION_FUNCTIONS[self.impl] = self._attention
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.module.apply_rotary_pos_emb = self.original_rope
+        if self.impl == "eager":
+            self.module.eager_attention_forward = self.original_attn
+        else:
+            ALL_ATTENTION_FUNCTIONS[self.impl] = self.original_attn
+        _capture_lock.release()
+
+
+def _kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    cfg = getattr(model.config, "text_config", None) or model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_hidden_layers, heads, head_dim
+
+
+@torch.no_grad()
+def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
+                    out_dtype: torch.dtype, batch_tokens: int | None, pad_id: int = 0,
+                    progress: Any = None, keep_on_device: bool = False
+                    ) -> Iterator[EncodedChunk]:
+    """Run the passes and yield every chunk's K, V ``[L, T, H, D]``.
+
+    ``batch_tokens``: segments packed into padded batches of at most that many tokens
+    (:func:`plan_batches`), or ``None``: every segment alone in its pass, in the order
+    given, unpadded — its chunks' bits then depend on nothing but the segment (batch
+    invariance). Chunks come out batch by batch (not in input order when batched);
+    ``progress`` (a tqdm bar) is advanced by the number of chunks done. Results move to
+    CPU unless ``keep_on_device``.
+    """
+    device = next(model.parameters()).device
+    compute_dtype = next(model.parameters()).dtype
+    L, H, D = _kv_shape(model)
+    decoder = _decoder(model)
+    plan = ([[i] for i in range(len(segments))] if batch_tokens is None
+            else plan_batches(segments, batch_tokens))
+    for batch in plan:
+        inputs = build_batch([segments[i] for i in batch], pad_id, device, compute_dtype)
+        n = inputs["select_b"].numel()
+        out_k = torch.empty((L, n, H, D), dtype=out_dtype, device=device)
+        out_v = torch.empty((L, n, H, D), dtype=out_dtype, device=device)
+        with _KVCapture(model, out_k, out_v, inputs["select_b"], inputs["select_s"]) as cap:
+            decoder(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                    attention_mask=inputs["attention_mask"], use_cache=False)
+        if cap.k_calls != L or len(cap.v_layers) != L:
+            raise EncodeError(f"captured K of {cap.k_calls} and V of {len(cap.v_layers)} layers "
+                              f"for {L}: {type(model).__name__} is not supported by the encoder")
+        if not keep_on_device:
+            out_k, out_v = out_k.cpu(), out_v.cpu()
+        token_lists = {cid: ids for i in batch for cid, ids in segments[i].chunks}
+        for chunk_id, start, length in inputs["spans"]:
+            yield EncodedChunk(chunk_id, list(token_lists[chunk_id]),
+                               out_k[:, start:start + length], out_v[:, start:start + length])
+        if progress is not None:
+            progress.update(len(inputs["spans"]))
+
+
+# ------------------------------------------------------------------ the window form
+
+
+def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], composer: Composer,
+                    cfg: EncoderConfig) -> list[Segment]:
+    """Segments for ``facts``: each fact's context then the fact, one segment per fact in
+    the order given (``cfg.batch_invariant``), or one per source turn holding all its
+    facts, in turn order (otherwise).
+
+    The context is ``cfg.context``'s: the window's turns as transcript, or the serving
+    prefix followed by the window's turns as memory lines (or as transcript). A window
+    longer than ``max_window_tokens`` loses its oldest tokens; the prefix is always kept.
+    """
+    by_turn: dict[int, list[FactSpec]] = {}
+    seen: set[str] = set()
+    for fact in facts:
+        if not 0 <= fact.source_index < len(turns):
+            raise EncodeError(f"fact {fact.fact_id}: source turn {fact.source_index} is outside "
+                              f"the conversation (0..{len(turns) - 1})")
+        if fact.fact_id in seen or fact.fact_id == PREFIX_ID:
+            raise EncodeError(f"duplicate or reserved fact id {fact.fact_id!r}")
+        seen.add(fact.fact_id)
+        by_turn.setdefault(fact.source_index, []).append(fact)
+    turn_ids: dict[int, list[int]] = {}
+    as_memory = cfg.context == "memory"
+
+    def turn_tokens(i: int) -> list[int]:
+        if i not in turn_ids:
+            t = turns[i]
+            if as_memory:
+                turn_ids[i] = composer.fact_ids(memory_text(t.speaker, t.text, t.timestamp),
+                                                cfg.max_fact_tokens)
+            else:
+                turn_ids[i] = composer._encode(cfg.turn_template.format(speaker=t.speaker,
+                                                                        text=t.text))
+        return turn_ids[i]
+
+    head = composer.prefix_ids() if cfg.context in ("memory", "prefix") else []
+    contexts: dict[int, tuple[int, ...]] = {}
+    for t in by_turn:
+        window = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
+        if len(window) > cfg.max_window_tokens:
+            window = window[len(window) - cfg.max_window_tokens:]
+        contexts[t] = tuple(head + window)
+
+    def chunk(f: FactSpec) -> tuple[str, tuple[int, ...]]:
+        return (f.fact_id, tuple(f.token_ids) if f.token_ids
+                else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
+
+    if cfg.batch_invariant:
+        return [Segment(contexts[f.source_index], (chunk(f),)) for f in facts]
+    return [Segment(contexts[t], tuple(chunk(f) for f in group))
+            for t, group in sorted(by_turn.items())]
+
+
+def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnText],
+                 facts: Sequence[FactSpec], cfg: EncoderConfig, model_fingerprint: str,
+                 progress: bool = True,
+                 reuse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> EncodedMemory:
+    """Encode the instruction prefix and every fact with its window of preceding turns.
+
+    ``reuse``: K/V of a previous version by content key (``Resident.kv_by_content_key``);
+    a chunk whose key is there is taken from it (no forward pass), the others encoded;
+    ignored unless ``cfg.batch_invariant``. Returns chunks in order: the prefix first,
+    then facts in the order given; ``stats`` count facts ``reused`` and ``encoded`` and
+    the ``forward_tokens`` actually run.
+    """
+    from tqdm.auto import tqdm
+
+    composer = Composer(tokenizer, cfg.instruction)
+    prefix = Segment((), ((PREFIX_ID, tuple(composer.prefix_ids())),))
+    segments = [prefix] + window_segments(turns, facts, composer, cfg)
+    keys: dict[str, str] = {}
+    chunks: dict[str, EncodedChunk] = {}
+    todo = segments
+    if cfg.batch_invariant:
+        identity = key_identity(cfg.to_dict(), model_fingerprint, model)
+        todo = []
+        for seg in segments:
+            ((chunk_id, ids),) = seg.chunks
+            keys[chunk_id] = key = content_key(identity, seg.context, ids)
+            hit = _reusable(model, cfg, chunk_id, ids, (reuse or {}).get(key))
+            if hit is None:
+                todo.append(seg)
+            else:
+                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), *hit, content_key=key)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=sum(len(s.chunks) for s in todo), desc="encoding facts", unit="fact",
+               disable=not progress)
+    for c in encode_segments(model, todo, out_dtype=cfg.torch_dtype, pad_id=pad_id,
+                             batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
+                             progress=bar):
+        if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
+            c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
+        c.content_key = keys.get(c.chunk_id)
+        chunks[c.chunk_id] = c
+    bar.close()
+    ordered = [chunks[PREFIX_ID]] + [chunks[f.fact_id] for f in facts]
+    ran = {cid for s in todo for cid, _ in s.chunks}
+    n_encoded = len(ran - {PREFIX_ID})
+    stats = {
+        "facts": len(facts), "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
+        "forward_tokens": sum(s.length for s in todo), "encoded": n_encoded,
+        "reused": len(facts) - n_encoded, "prefix_reused": PREFIX_ID not in ran,
+    }
+    if reuse is not None and cfg.batch_invariant:
+        log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
+                 stats["encoded"], stats["reused"], len(reuse))
+    return EncodedMemory(ordered, model_fingerprint, cfg.to_dict(), stats)
+
+
+def _reusable(model: torch.nn.Module, cfg: EncoderConfig, chunk_id: str, ids: Sequence[int],
+              hit: tuple[torch.Tensor, torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``hit`` if it has this chunk's shape ``[L, len(ids), H, D]`` and the stored dtype
+    (a key match implies both; a mismatch means a damaged or foreign previous version,
+    so the chunk is encoded instead and a warning says so)."""
+    if hit is None:
+        return None
+    L, H, D = _kv_shape(model)
+    want = (L, len(ids), H, D)
+    if all(tuple(t.shape) == want and t.dtype == cfg.torch_dtype for t in hit):
+        return hit
+    log.warning("chunk %s: the previous version's rows under its content key are %s %s, not "
+                "%s %s; encoding it", chunk_id, tuple(hit[0].shape), hit[0].dtype, want,
+                cfg.torch_dtype)
+    return None

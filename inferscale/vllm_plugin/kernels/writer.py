@@ -1,0 +1,289 @@
+"""Fused memory injection: the one entry point of the kernels. One kernel per source slab
+writes rotated K and V of every layer straight into vLLM's paged cache.
+
+The generic path (:mod:`inferscale.vllm_plugin.inject`) gathers the needed rows into a
+staging buffer, rotates every key with the model's rotary op and then calls the backend's
+cache writer once per layer: three passes over the K/V bytes and 30-40 writer calls per
+step. Where the cache layout is known (:func:`inferscale.vllm_plugin.compat.cache_layout`)
+one kernel does it all in a single pass, reading each needed slab row once:
+
+- CUDA: a Triton kernel (:mod:`inferscale.vllm_plugin.kernels.cuda`), one program per
+  (token, layer); rotation in float32, rounded once to the cache dtype (as the compiled
+  model's fused rotary does).
+- CPU: a Numba kernel (:mod:`inferscale.vllm_plugin.kernels.cpu`, code in
+  :mod:`~inferscale.vllm_plugin.kernels.cpu_jit`) over (layer, block tile); rotation with
+  the same fused multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical
+  to the prefill path. CPU slabs are kept layer-major (:mod:`inferscale.hydrate.resident`)
+  so that each thread streams one layer's rows.
+
+Owned by the connector's worker half: :meth:`FusedWriter.build` runs once when the
+model is attached (``inferscale_attach``) and checks the kernel against the backend's own
+writer on scratch blocks; any disagreement, unknown layout or missing compiler leaves the
+connector on the generic path and says why (``FusedWriter.reason``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from inferscale.vllm_plugin.compat import (
+    CacheLayout, cache_layout, rotate_with_model, write_layer_kv,
+)
+
+log = logging.getLogger("vllm.inferscale.kernels")
+
+
+def slot_tiles(slots: np.ndarray, block_size: int) -> np.ndarray:
+    """``[M, 4]`` int64 tiles ``(first token, count, block, first offset)``: maximal runs
+    of tokens whose slots are consecutive inside one block."""
+    s = np.asarray(slots, dtype=np.int64)
+    if s.size == 0:
+        return np.zeros((0, 4), dtype=np.int64)
+    cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(s // block_size) != 0)) + 1
+    starts = np.concatenate([[0], cut])
+    counts = np.diff(np.concatenate([starts, [s.size]]))
+    return np.stack([starts, counts, s[starts] // block_size, s[starts] % block_size],
+                    axis=1).astype(np.int64)
+
+
+def flat_numpy(t: torch.Tensor) -> np.ndarray | None:
+    """A 1-D numpy view of ``t``'s elements (any dense stride order) starting at its
+    first element, or None if ``t`` does not cover one dense block of memory."""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    dense = t.permute(order)
+    if not dense.is_contiguous():
+        return None
+    return dense.reshape(-1).numpy()
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+@dataclass
+class Source:
+    """One kernel launch's input: a slab (logical ``[T, 2, L, H, D]``, any dense stride
+    order) and, per token, its slab row, virtual position and cache slot."""
+
+    slab: torch.Tensor
+    rows: np.ndarray  # [N] int64
+    positions: np.ndarray  # [N] int64
+    slots: np.ndarray  # [N] int64
+
+
+class FusedWriter:
+    """Writes rotated K/V of all layers for a list of :class:`Source` in one kernel each.
+
+    Build it with :meth:`build`; ``writer.ok`` says whether it may be used and
+    ``writer.reason`` why not.
+    """
+
+    def __init__(self, layers: list[tuple[int, Any]], rotary: torch.nn.Module,
+                 dtype: torch.dtype):
+        self.layers = layers
+        self.rotary = rotary
+        self.dtype = dtype
+        self.ok = False
+        self.reason = "not built"
+        self.kind = ""
+        self.layout: CacheLayout | None = None
+        self._kernel: Any = None
+
+    # -------------------------------------------------------------- construction
+
+    @classmethod
+    def build(cls, layers: list[tuple[int, Any]], rotary: torch.nn.Module, dtype: torch.dtype,
+              place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "FusedWriter":
+        """Pick the kernel for the layers' device and check it against the backend's
+        writer on a random slab passed through ``place`` (how the resident store places
+        real slabs: device, layout)."""
+        w = cls(layers, rotary, dtype)
+        try:
+            w._prepare()
+            w._self_check(place or (lambda slab: slab))
+            w.ok, w.reason = True, "checked against the backend's writer"
+        except Exception as exc:  # noqa: BLE001 - any failure means the generic path
+            w.ok, w.reason = False, f"{type(exc).__name__}: {exc}"
+        log.info("fused injection %s (%s)", "on, " + w.kind if w.ok else "off", w.reason)
+        return w
+
+    def _prepare(self) -> None:
+        if not self.layers:
+            raise RuntimeError("no attention layers")
+        first = self.layers[0][1]
+        layout = cache_layout(first)
+        if layout is None:
+            raise RuntimeError(f"cache layout of {type(first.impl).__name__} is not known")
+        for _, layer in self.layers:
+            kv = layer.kv_cache
+            if (kv.shape, kv.stride(), kv.dtype) != (first.kv_cache.shape,
+                                                     first.kv_cache.stride(),
+                                                     first.kv_cache.dtype):
+                raise RuntimeError("layers' caches differ in shape, stride or dtype")
+            if cache_layout(layer) != layout:
+                raise RuntimeError("layers' cache layouts differ")
+        rot = self.rotary
+        if getattr(rot, "rotary_dim", layout.head_size) != layout.head_size or \
+                not hasattr(rot, "cos_sin_cache"):
+            raise RuntimeError("only full-dimension rotary embeddings with a cos/sin cache")
+        if first.kv_cache.dtype != self.dtype:
+            raise RuntimeError(f"cache dtype {first.kv_cache.dtype} is not the model's")
+        self.layout = layout
+        self.neox = bool(getattr(rot, "is_neox_style", True))
+        device = first.kv_cache.device
+        self.cos_sin = rot.cos_sin_cache.to(device=device, dtype=(
+            torch.float32 if device.type == "cpu" else self.dtype))  # [P, D]
+        if device.type == "cuda":
+            self.kind = "triton"
+            from inferscale.vllm_plugin.kernels.cuda import inject_kernel
+
+            self._kernel = inject_kernel
+            base = first.kv_cache
+            size = base.element_size()
+            offs = [(idx, (layer.kv_cache.data_ptr() - base.data_ptr()) // size)
+                    for idx, layer in self.layers]
+            self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
+            self._idx_host = torch.empty(0, dtype=torch.int64).pin_memory()
+            self._idx_dev = torch.empty(0, dtype=torch.int64, device=device)
+            self._idx_event: torch.cuda.Event | None = None
+        else:
+            if self.dtype != torch.float32:
+                raise RuntimeError("the CPU kernel handles float32 models only")
+            self.kind = "numba"
+            arrays = [flat_numpy(layer.kv_cache) for _, layer in self.layers]
+            if any(a is None for a in arrays):
+                raise RuntimeError("a layer's cache is not dense")
+            self._layer_idx = np.asarray([i for i, _ in self.layers], dtype=np.int64)
+            self._cos_sin_np = self.cos_sin.numpy()
+            self._ks = np.asarray(layout.k_strides, dtype=np.int64)
+            self._vs = np.asarray(layout.v_strides, dtype=np.int64)
+            self._arrays = arrays
+
+    # -------------------------------------------------------------- writing
+
+    def write(self, sources: list[Source]) -> None:
+        """Write every source's tokens into every layer (enqueued on CUDA, not awaited)."""
+        if self.kind == "numba":
+            for src in sources:
+                self._write_cpu(src, self._caches, self._layer_idx)
+        else:
+            self._write_cuda(sources)
+
+    def _write_cpu(self, src: Source, caches: Any, layer_idx: np.ndarray) -> None:
+        lay = self.layout
+        flat = flat_numpy(src.slab)
+        if flat is None:
+            raise RuntimeError("slab is not dense")
+        s_tok, s_kv, s_layer = src.slab.stride(0), src.slab.stride(1), src.slab.stride(2)
+        _, _, _, heads, dim = src.slab.shape
+        self._kernel(flat, s_tok, s_kv, s_layer, src.rows, src.positions,
+                     slot_tiles(src.slots, lay.block_size), self._cos_sin_np, caches,
+                     layer_idx, self._ks, self._vs, lay.k_offset, lay.v_offset,
+                     heads, dim, self.neox)
+
+    def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
+                    layer_off: torch.Tensor | None = None) -> None:
+        import triton
+
+        lay = self.layout
+        cache0 = self.layers[0][1].kv_cache if cache0 is None else cache0
+        layer_off = self._layer_off if layer_off is None else layer_off
+        n_all = sum(len(s.rows) for s in sources)
+        idx = self._indices(sources, n_all)  # [3, n_all] int64 on the device
+        at = 0
+        for src in sources:
+            n = len(src.rows)
+            _, _, _, heads, dim = src.slab.shape
+            self._kernel[(n, layer_off.shape[0])](
+                src.slab, src.slab.stride(0), src.slab.stride(1), src.slab.stride(2),
+                idx[0, at:at + n], idx[1, at:at + n], idx[2, at:at + n],
+                self.cos_sin, self.cos_sin.stride(0), cache0, layer_off,
+                *lay.k_strides, *lay.v_strides, lay.k_offset, lay.v_offset, lay.block_size,
+                HEADS=heads, DIM=dim, BH=triton.next_power_of_2(heads),
+                BHALF=triton.next_power_of_2(dim // 2), BDIM=triton.next_power_of_2(dim),
+                NEOX=self.neox)
+            at += n
+
+    def _indices(self, sources: list[Source], n: int) -> torch.Tensor:
+        """Rows, positions and slots of all sources in one pinned host -> device copy."""
+        if self._idx_event is not None:
+            self._idx_event.synchronize()  # the previous step's copy has left the buffer
+        if self._idx_host.numel() < 3 * n:
+            self._idx_host = torch.empty(3 * n, dtype=torch.int64).pin_memory()
+            self._idx_dev = torch.empty(3 * n, dtype=torch.int64, device=self.cos_sin.device)
+        host = self._idx_host[:3 * n].view(3, n).numpy()
+        at = 0
+        for s in sources:
+            k = len(s.rows)
+            host[0, at:at + k], host[1, at:at + k], host[2, at:at + k] = \
+                s.rows, s.positions, s.slots
+            at += k
+        dev = self._idx_dev[:3 * n].view(3, n)
+        dev.copy_(self._idx_host[:3 * n].view(3, n), non_blocking=True)
+        self._idx_event = torch.cuda.Event()
+        self._idx_event.record()
+        return dev
+
+    # -------------------------------------------------------------- self-check
+
+    def _self_check(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Write one probe with the kernel and with the generic path (the model's rotary
+        op + the backend's writer) into scratch blocks of the first layer's cache shape;
+        they must agree (exactly on CPU; within one rounding of the cache dtype on CUDA)."""
+        idx, layer = self.layers[0]
+        lay = self.layout
+        kv = layer.kv_cache
+        device, bs = kv.device, lay.block_size
+        gen = torch.Generator().manual_seed(0)
+        n = 2 * bs + 3
+        shape = (n + 5, 2, idx + 1, lay.num_heads, lay.head_size)
+        slab = place(torch.randn(shape, generator=gen).to(self.dtype)).to(device)
+        rows = torch.randperm(slab.shape[0], generator=gen)[:n].sort().values.numpy()
+        positions = (np.arange(n) + 7).astype(np.int64)
+        blocks = 4
+        slots = np.concatenate([np.arange(bs - 3, bs), 2 * bs + np.arange(n - 3)]).astype(
+            np.int64)
+        want, got = _scratch_like(kv, blocks), _scratch_like(kv, blocks)
+        # generic: gather, rotate with the model's op, write with the backend's writer
+        pre = slab[torch.from_numpy(rows).to(slab.device)][:, :, idx].to(device, self.dtype)
+        k = pre[:, 0].contiguous()  # [n, H, D]
+        rotate_with_model(self.rotary, torch.from_numpy(positions).to(device), k)
+        write_layer_kv(layer, k, pre[:, 1].contiguous(),
+                       torch.from_numpy(slots).to(device), kv_cache=want)
+        src = Source(slab, rows, positions, slots)
+        if self.kind == "numba":
+            from inferscale.vllm_plugin.kernels.cpu import load
+
+            def first_call(kernel: Any) -> None:  # compiles, starts Numba's threads
+                from numba.typed import List
+
+                self._kernel = kernel
+                self._caches = List(self._arrays)
+                self._write_cpu(src, List([flat_numpy(got)]), np.asarray([idx], dtype=np.int64))
+
+            load(first_call)
+        else:
+            self._write_cuda([src], cache0=got, layer_off=torch.tensor(
+                [[idx, 0]], dtype=torch.int64, device=device))
+            torch.cuda.synchronize(device)
+        (wk, wv), (gk, gv) = lay.views(want), lay.views(got)
+        b, o = torch.from_numpy(slots // bs).to(device), torch.from_numpy(slots % bs).to(device)
+        if not torch.equal(wv[b, o], gv[b, o]):
+            raise RuntimeError("values differ from the backend writer's")
+        err = (wk[b, o].float() - gk[b, o].float()).abs().max().item()
+        tol = 0.0 if self.kind == "numba" else \
+            2 * torch.finfo(self.dtype).eps * wk[b, o].float().abs().max().item()
+        if err > tol:
+            raise RuntimeError(f"keys differ from the backend writer's by {err:g} (> {tol:g})")
+
+
+def _scratch_like(kv: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Zeros with ``kv``'s stride order and per-block shape, ``blocks`` blocks."""
+    order = sorted(range(kv.dim()), key=lambda i: -kv.stride(i))
+    shape = (blocks, *kv.shape[1:])
+    dense = torch.zeros([shape[i] for i in order], dtype=kv.dtype, device=kv.device)
+    return dense.permute([order.index(i) for i in range(kv.dim())])

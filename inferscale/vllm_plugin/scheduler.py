@@ -1,0 +1,261 @@
+"""The connector's scheduler half (engine-core process): which requests get memory KV.
+
+A request names its memory in ``kv_transfer_params["inferscale"]``: ``user``, ``version``
+and the ordered ``chunks`` (``"prefix"`` then fact ids). :class:`ConnectorScheduler`
+keeps a *residency view* — which (user, version) the workers hold, under which model
+fingerprint, and each chunk's token ids — built only from what the workers report
+(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`).
+:meth:`~ConnectorScheduler.get_num_new_matched_tokens` reports the memory tokens as
+externally available only when the user's version is resident, the fingerprint is the
+engine's, every chunk is known and the prompt begins with exactly the chunks' token ids;
+otherwise 0 and the request simply prefills (the reason is logged and returned with the
+request). A miss on a user the workers do not hold asks them to reload it in the
+background (unless an admin evicted it). :meth:`~ConnectorScheduler.build_connector_meta`
+turns each admitted request into a
+:class:`~inferscale.vllm_plugin.metadata.LoadSpec` with its slot mapping. An exception
+in any hook degrades to "0 external tokens" (the request prefills; a request already
+admitted has its blocks reported as load errors), is logged and counted
+(:class:`~inferscale.vllm_plugin.failures.Failures`).
+
+Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector`, which vLLM
+calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from inferscale.vllm_plugin.compat import block_ids_of
+from inferscale.vllm_plugin.config import PARAMS_KEY, ConnectorConfig
+from inferscale.vllm_plugin.failures import Failures
+from inferscale.vllm_plugin.metadata import (
+    InferScaleMetadata, LoadSpec, ReloadOrder, ResidencyReport, ResidentInfo,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# Under vLLM's logger namespace, so its handlers print these in every engine process.
+log = logging.getLogger("vllm.inferscale.connector")
+
+
+@dataclass
+class _Plan:
+    user: str
+    version: str
+    chunks: list[str]
+    start: int
+    end: int
+
+
+def _params(request: "Request") -> dict | None:
+    params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+    return params if isinstance(params, dict) else None
+
+
+class ConnectorScheduler:
+    """The scheduler half: residency view, admission, per-step load specs."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int):
+        self.config = config
+        self.block_size = block_size
+        self._view: dict[tuple[str, str], ResidentInfo] = {}
+        self._held: dict[str, str] = {}  # user -> version the workers hold
+        self._plans: dict[str, _Plan] = {}
+        self._to_load: dict[str, _Plan] = {}
+        self._reloads: dict[tuple[str, str], ReloadOrder] = {}
+        self._reload_pending: set[tuple[str, str]] = set()
+        self.injected_tokens: dict[str, int] = {}
+        self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
+        self._unloadable: set[str] = set()  # admitted, but no load could be planned
+        self._disabled: str | None = None  # set: no memory is admitted any more
+        self.failures = Failures()
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject (0 on
+        any error: the request prefills)."""
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("get_num_new_matched_tokens", request.request_id, exc)
+            return 0, False
+
+    def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = _params(request)
+        if params is None:
+            return 0, False
+        user, version = str(params.get("user")), str(params.get("version"))
+        chunks = [str(c) for c in params.get("chunks") or []]
+        why = self._refusal(user, version, chunks, request)
+        if why is not None:
+            if self._fallbacks.get(request.request_id) != why:
+                log.warning("request %s (user %s, version %s): prefilling memory, %s",
+                            request.request_id, user, version[:12], why)
+            self._fallbacks[request.request_id] = why
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._fallbacks.pop(request.request_id, None)
+        info = self._view[(user, version)]
+        memory = sum(len(info.token_ids[c]) for c in chunks)
+        end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
+        if end <= num_computed_tokens:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
+        """A hook raised for ``req_id``: count, log, and prefill its memory."""
+        self._plans.pop(req_id, None)
+        fallback = f"connector error in {hook}: {type(exc).__name__}: {exc}"
+        if self._fallbacks.get(req_id) != fallback:  # once per request, not per retry
+            self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
+            self._fallbacks[req_id] = fallback
+
+    def _refusal(self, user: str, version: str, chunks: list[str],
+                 request: "Request") -> str | None:
+        """Why this request's memory cannot be injected, or None when it can."""
+        if self._disabled:
+            return self._disabled
+        info = self._view.get((user, version))
+        if info is None:
+            held = self._held.get(user)
+            if held is None:
+                self._order_reload(user, version)
+                return "user not resident"
+            return f"stale version (workers hold {held[:12]})"
+        if info.fingerprint != self.config.model_fingerprint:
+            return "artifact model fingerprint differs from the engine's"
+        if not chunks:
+            return "no chunks named"
+        ids: list[int] = []
+        for c in chunks:
+            if c not in info.token_ids:
+                return f"unknown chunk {c!r}"
+            ids.extend(info.token_ids[c])
+        prompt = request.prompt_token_ids or []
+        if len(prompt) <= len(ids) or list(prompt[:len(ids)]) != ids:
+            return "prompt does not begin with the memory's token ids"
+        return None
+
+    def _order_reload(self, user: str, version: str) -> None:
+        key = (user, version)
+        if self.config.auto_reload and self.config.artifact_root and \
+                key not in self._reload_pending:
+            self._reloads[key] = ReloadOrder(user, version, self.config.reload_tier)
+            self._reload_pending.add(key)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        try:
+            plan = self._plans.pop(request.request_id, None)
+            if num_external_tokens > 0 and plan is not None:
+                plan.start = plan.end - num_external_tokens
+                self._to_load[request.request_id] = plan
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            self._failed("update_state_after_alloc", request.request_id, exc)
+            if num_external_tokens > 0:  # vLLM counts them computed: report them failed
+                self._unloadable.add(request.request_id)
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, list[int]]:
+        """Paged-cache slot of each token in ``[start, end)``, and the blocks they use."""
+        bs = self.block_size
+        pos = np.arange(start, end)
+        slots = np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
+        return slots, block_ids[start // bs:(end - 1) // bs + 1]
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InferScaleMetadata:
+        meta = InferScaleMetadata(reloads=list(self._reloads.values()))
+        self._reloads.clear()
+        try:
+            block_ids = self._scheduled_blocks(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's step
+            # the blocks of this step's admitted loads are unknown: they can be neither
+            # loaded nor reported, so no request is admitted from now on
+            cause = self.failures.record("build_connector_meta", exc,
+                                         "no memory is injected from now on")
+            self._disabled = f"connector disabled after an error ({cause})"
+            meta.scheduler_errors = self.failures.count
+            return meta
+        for req_id in self._unloadable & block_ids.keys():
+            self._unloadable.discard(req_id)
+            meta.failed_blocks.extend(block_ids[req_id])
+        for req_id, plan in list(self._to_load.items()):
+            if req_id not in block_ids:
+                continue  # not scheduled this step; stays pending
+            del self._to_load[req_id]
+            try:
+                slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
+                meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
+                                           plan.start, plan.end, slots, blocks))
+                self.injected_tokens[req_id] = plan.end - plan.start
+            except Exception as exc:  # noqa: BLE001 - its blocks are recomputed instead
+                self._failed("build_connector_meta", req_id, exc)
+                meta.failed_blocks.extend(block_ids[req_id])
+        meta.scheduler_errors = self.failures.count
+        return meta
+
+    def _scheduled_blocks(self, scheduler_output: "SchedulerOutput") -> dict[str, list[int]]:
+        """Block ids of the requests this step schedules that may need a load."""
+        block_ids: dict[str, list[int]] = {}
+        for new_req in scheduler_output.scheduled_new_reqs:
+            block_ids[new_req.req_id] = block_ids_of(new_req)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            # resumed after preemption: new_block_ids then lists all the request's blocks
+            if (req_id in self._to_load or req_id in self._unloadable) and req_id in resumed \
+                    and cached.new_block_ids[i]:
+                block_ids[req_id] = list(cached.new_block_ids[i][0])
+        return block_ids
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(report, ResidencyReport):
+            return
+        try:
+            self._apply(report)
+        except Exception as exc:  # noqa: BLE001 - the workers re-check every load anyway
+            self.failures.record("update_connector_output", exc,
+                                 "the residency view may lag (loads are checked by workers)")
+
+    def _apply(self, report: ResidencyReport) -> None:
+        for op, payload in report.changes:
+            if op == "remove":
+                user, version = payload
+                self._view.pop((user, version), None)
+                if self._held.get(user) == version:
+                    del self._held[user]
+                continue
+            info: ResidentInfo = payload
+            old = self._held.get(info.user)
+            if old is not None and old != info.version:
+                self._view.pop((info.user, old), None)
+            self._view[(info.user, info.version)] = info
+            self._held[info.user] = info.version
+            self._reload_pending.discard((info.user, info.version))
+        for user, version, reason in report.failed_reloads:
+            log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
+            self._reload_pending.discard((user, version))
+        for req_id, reason in report.failed_loads:  # the worker logged and counted it
+            if self.injected_tokens.pop(req_id, None) is not None:
+                self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._to_load.pop(req_id, None)
+        self._unloadable.discard(req_id)
+        result: dict[str, Any] = {"injected_tokens": self.injected_tokens.pop(req_id, 0)}
+        fallback = self._fallbacks.pop(req_id, None)
+        if fallback:
+            result["fallback"] = fallback
+        return False, {PARAMS_KEY: result}

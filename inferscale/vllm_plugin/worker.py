@@ -1,0 +1,263 @@
+"""The connector's worker half (worker process): memory KV into the paged cache.
+
+:class:`ConnectorWorker` owns the worker's
+:class:`~inferscale.hydrate.resident.ResidentStore` and its
+:class:`~inferscale.hydrate.loader.ResidentLoader`. Each step,
+:meth:`~ConnectorWorker.start_load_kv` starts the background reloads the scheduler
+ordered, checks every load against the worker's own store (never trusting the
+scheduler's view), gathers the needed tokens of all requests of the step and writes their
+rotated K and V into every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`:
+the fused kernel where it passed its check, else the model's rotary op and the backend's
+own writer). A load that cannot be served — not resident here, or any exception while
+loading — is reported through :meth:`~ConnectorWorker.get_block_ids_with_load_errors`
+and vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never wrong
+KV, and nothing escapes into vLLM's step. The failure is logged once with its cause,
+counted (``load_failures`` in :meth:`~ConnectorWorker.status`) and reported to the
+scheduler, whose answer for that request then says ``fallback: memory load failed``.
+Residency changes, failed reloads and failed loads go back to the scheduler in
+:meth:`~ConnectorWorker.build_connector_worker_meta`.
+
+Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector` (vLLM's hooks)
+and by the worker extension's collective-RPC endpoints
+(:mod:`inferscale.vllm_plugin.worker_ext`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from inferscale.hydrate.loader import ResidentLoader
+from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.types import TIERS
+from inferscale.vllm_plugin.compat import attention_layers, find_rotary
+from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.failures import Failures
+from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
+from inferscale.vllm_plugin.kernels.writer import FusedWriter
+from inferscale.vllm_plugin.metadata import (
+    InferScaleMetadata, LoadSpec, ResidencyReport, ResidentInfo,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+# Under vLLM's logger namespace, so its handlers print these in every engine process.
+log = logging.getLogger("vllm.inferscale.connector")
+
+
+def worker_device(vllm_config: "VllmConfig") -> torch.device:
+    """The device this worker computes on (its CUDA device, or the CPU)."""
+    device = getattr(vllm_config.device_config, "device", None)
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ConnectorWorker:
+    """The worker half: resident store, loads into the paged cache, residency reports."""
+
+    def __init__(self, config: ConnectorConfig, vllm_config: "VllmConfig"):
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        # the engine's model dtype: slabs are converted to it once, when hydrated
+        self.model_dtype = vllm_config.model_config.dtype
+        self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
+                                   config.host_budget_bytes, self.model_dtype)
+        self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
+                                     config.storage_options)
+        self.rotary: torch.nn.Module | None = None
+        self._invalid_blocks: set[int] = set()
+        self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
+        self.failures = Failures()
+        self.scheduler_errors = 0  # the scheduler half's count, as its last metadata said
+        self.loaded_tokens = 0
+        self.inject_seconds = 0.0
+        self.inject_calls = 0
+        self._step: StepLoad | None = None
+        self._staging = Staging()
+        self._fused: FusedWriter | None = None
+        self._layers: list[tuple[int, Any]] | None = None
+        self.verify_next = False  # keep the next step's load for verify_last_load()
+        self.last_step: StepLoad | None = None
+
+    # ------------------------------------------------------------------ the model
+
+    def attach_model(self, model: torch.nn.Module, layers: dict[str, Any] | None = None) -> None:
+        """Called once by the worker extension after the KV cache exists: take the model's
+        own rotary module and, given the engine's attention ``layers`` (its static
+        forward context), build and check the fused injection kernel."""
+        if self.rotary is None:
+            self.rotary = find_rotary(model)
+        if layers is not None and self._fused is None:
+            self._layers = attention_layers(layers)
+            self._build_fused()
+
+    def _build_fused(self) -> None:
+        if not self._layers or self.rotary is None:
+            return
+        self._fused = FusedWriter.build(self._layers, self.rotary, self.model_dtype,
+                                        place=lambda slab: self.store.place(slab, "gpu"))
+
+    @property
+    def inject_path(self) -> str:
+        """``numba`` / ``triton`` (fused kernel) or ``generic: why``."""
+        if self._fused is None:
+            return "generic: not built yet"
+        return self._fused.kind if self._fused.ok else f"generic: {self._fused.reason}"
+
+    # ------------------------------------------------------------------ admin
+
+    def load(self, user: str, version: str = "latest", tier: str = "gpu") -> Resident:
+        """Admin hydration of ``user``'s ``version`` into ``tier``."""
+        return self.loader.load(user, version, tier)
+
+    def evict(self, user: str) -> bool:
+        """Admin eviction: drop the user and do not reload it until hydrated again."""
+        return self.loader.evict(user)
+
+    def status(self) -> dict:
+        store = self.store
+        return {"residents": store.residents(), "loaded_tokens": self.loaded_tokens,
+                "reloads": self.loader.reloads,
+                "load_failures": self.failures.count,  # loads recomputed instead (logged)
+                "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
+                "inject_calls": self.inject_calls,
+                "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
+                "inject_path": self.inject_path,
+                "budgets": store.budget,
+                "used": {t: store.used(t) for t in TIERS}}
+
+    def verify_last_load(self, hf_config: Any) -> dict:
+        """Check the paged cache at the last kept load's slots (see
+        :func:`inferscale.vllm_plugin.inject.verify_step`)."""
+        if self.last_step is None:
+            return {"checked": False, "reason": "no load kept"}
+        return verify_step(self.last_step, hf_config, self.block_size)
+
+    # ------------------------------------------------------------------ each step
+
+    def start_load_kv(self, meta: InferScaleMetadata, forward_context: "ForwardContext") -> None:
+        """Start the step's background reloads and memory loads. Never raises: a load
+        that fails for any reason is reported through :meth:`get_block_ids_with_load_errors`."""
+        assert isinstance(meta, InferScaleMetadata)
+        self.scheduler_errors = meta.scheduler_errors
+        self._invalid_blocks.update(meta.failed_blocks)
+        for order in meta.reloads:
+            try:
+                self.loader.reload_in_background(order.user, order.version, order.tier)
+            except Exception as exc:  # noqa: BLE001 - reported to the scheduler
+                cause = self.failures.record(f"starting the reload of user {order.user}", exc,
+                                             "a later request orders it again")
+                self.loader.record_failure(order.user, order.version, cause)
+        if meta.loads:
+            t0 = time.perf_counter()
+            self._step = self._begin(meta.loads, forward_context)
+            self.inject_seconds += time.perf_counter() - t0
+            self.inject_calls += 1
+
+    def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
+        """Verify the step's loads against the store, then start them (see inject.py).
+        Every load that is refused or raises is reported as failed (:meth:`_load_failed`)."""
+        jobs, specs, at = [], [], 0
+        try:
+            layers = self._attention_layers(forward_context)
+        except Exception as exc:  # noqa: BLE001 - every load of the step is recomputed
+            for spec in loads:
+                self._load_failed(spec, exc)
+            return None
+        for spec in loads:
+            try:
+                resident = self.store.get(spec.user, spec.version)
+                problem = self._check(spec, resident)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+                continue
+            if problem:
+                self._load_failed(spec, problem)
+                continue
+            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
+            specs.append(spec)
+            at += spec.end - spec.start
+        if not jobs:
+            return None
+        try:
+            return self._run(jobs, specs, layers)
+        except Exception as exc:  # noqa: BLE001
+            if len(jobs) == 1:
+                self._load_failed(specs[0], exc)
+                return None
+        # the step's joint load failed: load each request alone, so that only the
+        # requests whose own load fails are recomputed
+        step = None
+        for job, spec in zip(jobs, specs):
+            job.at = 0
+            try:
+                step = self._run([job], [spec], layers)
+            except Exception as exc:  # noqa: BLE001
+                self._load_failed(spec, exc)
+        return step
+
+    def _attention_layers(self, forward_context: "ForwardContext") -> list[tuple[int, Any]]:
+        if self._layers is None:  # the attention layers never change: find them once
+            self._layers = attention_layers(forward_context.no_compile_layers)
+        if self._fused is None:
+            self._build_fused()
+        if not self._layers:
+            raise RuntimeError("the engine has no attention layer with a paged KV cache")
+        return self._layers
+
+    def _run(self, jobs: list[Job], specs: list[LoadSpec],
+             layers: list[tuple[int, Any]]) -> StepLoad:
+        step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary,
+                            [s.slot_mapping for s in specs], self._staging, self._fused)
+        self.loaded_tokens += sum(j.width for j in jobs)
+        if self.verify_next:
+            self.last_step, self.verify_next = step, False
+        return step
+
+    def _load_failed(self, spec: LoadSpec, why: str | BaseException) -> None:
+        """Report ``spec``'s blocks as load errors (vLLM recomputes them), count and log
+        it once, and tell the scheduler (the request's answer names the cause)."""
+        what = f"request {spec.req_id} (user {spec.user}): memory load"
+        if isinstance(why, BaseException):
+            why = self.failures.record(what, why, "recomputing its blocks")
+        else:
+            self.failures.count += 1
+            log.warning("%s refused (%s); recomputing its blocks", what, why)
+        self._invalid_blocks.update(spec.block_ids)
+        self._failed_loads.append((spec.req_id, why))
+
+    def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
+        if resident is None:
+            return f"user {spec.user} version {spec.version[:12]} is not resident"
+        if self.rotary is None:
+            return "no rotary module attached"
+        if any(c not in resident.index for c in spec.chunks):
+            return "unknown chunk"
+        total = sum(resident.index[c][1] for c in spec.chunks)
+        if spec.end > total or len(spec.slot_mapping) != spec.end - spec.start:
+            return "load range outside the memory"
+        return None
+
+    def wait_for_save(self) -> None:
+        """End of the step: release its staging buffer (the stream orders its reuse)."""
+        self._step = None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def build_connector_worker_meta(self) -> ResidencyReport | None:
+        events = self.store.take_events()
+        failed = self.loader.take_failures()
+        loads, self._failed_loads = self._failed_loads, []
+        if not events and not failed and not loads:
+            return None
+        changes = [("add", ResidentInfo.of(e.resident)) if e.op == "add"
+                   else ("remove", (e.user, e.version)) for e in events]
+        return ResidencyReport(changes, failed, loads)

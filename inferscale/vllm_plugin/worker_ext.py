@@ -1,0 +1,88 @@
+"""Worker extension: the collective-RPC endpoints the serving engine calls in the worker.
+
+vLLM mixes :class:`InferScaleWorkerExtension` into its worker class
+(``worker_extension_cls``, :data:`inferscale.vllm_plugin.config.WORKER_EXTENSION`), so
+``engine.collective_rpc("inferscale_hydrate", args=...)`` runs
+:meth:`InferScaleWorkerExtension.inferscale_hydrate` next to the KV cache. Only ids cross
+the process boundary: the worker reads the artifact itself. Each endpoint hands over to
+the connector's worker half (:class:`~inferscale.vllm_plugin.worker.ConnectorWorker`).
+
+Callers: :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin
+hydrate/evict/budgets/status, load verification).
+"""
+
+from __future__ import annotations
+
+import time
+
+from inferscale.vllm_plugin.compat import kv_transfer_group
+from inferscale.vllm_plugin.connector import InferScaleConnector
+from inferscale.vllm_plugin.worker import ConnectorWorker
+
+
+def _worker() -> ConnectorWorker:
+    conn = kv_transfer_group()
+    if not isinstance(conn, InferScaleConnector) or conn.connector_worker is None:
+        raise RuntimeError("the engine was started without the InferScale connector")
+    return conn.connector_worker
+
+
+class InferScaleWorkerExtension:
+    """Methods the engine's ``collective_rpc`` calls on each worker (``self`` is the worker)."""
+
+    def inferscale_attach(self) -> dict:
+        """Hand the model's own rotary module to the connector; called once at start-up."""
+        worker = _worker()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        worker.attach_model(runner.model,
+                            runner.vllm_config.compilation_config.static_forward_context)
+        return {"rotary": type(worker.rotary).__name__, "device": str(worker.store.device),
+                "inject_path": worker.inject_path}
+
+    def inferscale_hydrate(self, user: str, version: str, tier: str) -> dict:
+        """Load ``user``'s artifact ``version`` (or ``"latest"``) into ``tier``."""
+        worker = _worker()
+        worker.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        resident = worker.load(user, version, tier)
+        return {"user": user, "version": resident.version, "tier": resident.tier,
+                "bytes": resident.nbytes, "chunks": len(resident.index),
+                "dtype": str(resident.slab.dtype).removeprefix("torch."),
+                "seconds": round(time.perf_counter() - t0, 4)}
+
+    def inferscale_set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
+        """New byte budgets for the tiers; over-budget users are demoted/evicted now."""
+        return _worker().store.set_budgets(gpu_bytes, host_bytes)
+
+    def inferscale_verify_next(self) -> bool:
+        """Keep the next load's description so :meth:`inferscale_verify_last_load` can
+        check what it wrote."""
+        _worker().verify_next = True
+        return True
+
+    def inferscale_verify_last_load(self) -> dict:
+        """Compare the paged cache at the last kept load's slots with an independent
+        computation (:func:`inferscale.vllm_plugin.inject.verify_step`)."""
+        hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        return _worker().verify_last_load(hf_config)
+
+    def inferscale_evict(self, user: str) -> bool:
+        return _worker().evict(user)
+
+    def inferscale_fault_drop_slab(self, user: str) -> bool:
+        """Fault injection, for tests: the data of ``user``'s resident slab disappears
+        underneath the store (the slab becomes a tensor of its shape and dtype without
+        storage), so its next load fails inside the real load path. Hydrate the user
+        again to repair it. Returns whether the user was resident."""
+        import torch
+
+        resident = _worker().store.held(user)
+        if resident is None:
+            return False
+        slab = resident.slab
+        resident.slab = torch.empty_strided(slab.shape, slab.stride(), dtype=slab.dtype,
+                                            device="meta")
+        return True
+
+    def inferscale_status(self) -> dict:
+        return _worker().status()

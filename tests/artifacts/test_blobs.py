@@ -1,0 +1,114 @@
+"""File operations on a store root, on local disk and on S3 (moto): atomic replaces,
+exclusive creates, streamed writes with their checksum, reads fused with checksums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import xxhash
+
+from inferscale.artifacts.blobs import Location, open_blobs
+from inferscale.artifacts.layout import ArtifactNotFound, InvalidUserId, TruncatedArtifact
+
+DATA = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+
+
+def test_replace_read_size_and_listing(store):
+    blobs = open_blobs(store)
+    path = blobs.join("users", "u", "LATEST")
+    assert not blobs.exists(path) and blobs.size(path) is None
+    blobs.replace(path, b"one")
+    blobs.replace(path, b"second")  # replaced whole, never appended
+    assert blobs.read_bytes(path) == b"second" and blobs.size(path) == 6
+    blobs.replace(blobs.join("users", "v", "x"), b"")
+    assert blobs.listdir(blobs.join("users")) == ["u", "v"]  # folders only, sorted
+    assert blobs.listdir(blobs.join("nothing-here")) == []
+    assert blobs.mtime(blobs.join("users", "u")) is not None
+    blobs.remove_file(path)
+    blobs.remove_file(path)  # removing what is gone is not an error
+    assert not blobs.exists(path)
+    blobs.remove_tree(blobs.join("users"))
+    assert blobs.listdir(store.root) == []
+
+
+def test_create_exclusive_lets_one_writer_win(store):
+    blobs = open_blobs(store)
+    path = blobs.join("v", "manifest.json")
+    assert blobs.create_exclusive(path, b"first") is True
+    assert blobs.create_exclusive(path, b"second") is False
+    assert blobs.read_bytes(path) == b"first"
+
+
+def test_write_stream_hashes_what_it_stores_and_finds_the_watched_buffer(store):
+    blobs = open_blobs(store)
+    path = blobs.join("v", "kv.arrow")
+    watched = pa.py_buffer(DATA[:1000])
+
+    def fill(w):
+        w.write(b"head")
+        w.write(watched)
+        w.write(memoryview(DATA[1000:]))
+        return "filled"
+
+    out = blobs.write_stream(path, fill, watch=watched.address)
+    stored = blobs.read_bytes(path)
+    assert stored == b"head" + DATA
+    assert out.nbytes == len(stored) and out.result == "filled"
+    assert out.xxh3_128 == xxhash.xxh3_128_hexdigest(stored)
+    assert out.watched_at == 4  # the buffer's position in the file
+
+
+def test_a_failed_write_stream_leaves_nothing(store):
+    blobs = open_blobs(store)
+    path = blobs.join("v", "kv.arrow")
+
+    def fill(w):
+        w.write(DATA)
+        raise RuntimeError("the writer died")
+
+    with pytest.raises(RuntimeError, match="died"):
+        blobs.write_stream(path, fill)
+    assert not blobs.exists(path)
+    assert [p for p in store.filesystem().find(store.root) if ".tmp" in p] == []
+
+
+@pytest.mark.parametrize("part_bytes, workers", [(1 << 20, 4), (7_000, 3), (4096, 1)])
+def test_read_into_fuses_the_checksum(store, part_bytes, workers):
+    blobs = open_blobs(store)
+    path = blobs.join("v", "kv.arrow")
+    blobs.replace(path, DATA)
+    dest = np.zeros(len(DATA), dtype=np.uint8)
+    parts = []
+    digest = blobs.read_into(path, len(DATA), dest, part_bytes=part_bytes, workers=workers,
+                             on_part=lambda o, n: parts.append((o, n)))
+    assert digest == xxhash.xxh3_128_hexdigest(DATA)
+    assert dest.tobytes() == DATA
+    assert [o for o, _ in parts] == list(range(0, len(DATA), part_bytes))  # in order
+    assert sum(n for _, n in parts) == len(DATA)
+    # hash only (no destination), and a prefix of the file
+    assert blobs.read_into(path, 5000, None, part_bytes=part_bytes) == \
+        xxhash.xxh3_128_hexdigest(DATA[:5000])
+    assert blobs.hash_file(path, len(DATA)) == digest
+
+
+def test_a_short_file_is_truncated(store):
+    blobs = open_blobs(store)
+    path = blobs.join("v", "kv.arrow")
+    blobs.replace(path, DATA[:1000])
+    with pytest.raises(TruncatedArtifact):
+        blobs.read_into(path, 5000, np.zeros(5000, dtype=np.uint8), part_bytes=4096)
+
+
+def test_location_names_one_user_and_model(store):
+    loc = Location(store, "Ann/../x", "fp-1")
+    assert loc.user == "Ann/../x" and loc.user_dir.startswith("_")
+    assert loc.dir == f"{store.root}/users/{loc.user_dir}/fp-1"
+    v = "0" * 32
+    assert loc.file(v, "kv.arrow") == f"{loc.dir}/{v}/kv.arrow"
+    assert loc.latest == f"{loc.dir}/LATEST" and loc.lance_uri == f"{loc.dir}/lance"
+    assert loc.describe(v) == f"user 'Ann/../x', model fp-1, version {v}"
+    with pytest.raises(ArtifactNotFound):
+        loc.version_dir("../escape")
+    with pytest.raises(InvalidUserId):
+        Location(store, "", "fp-1")

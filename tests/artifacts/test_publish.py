@@ -1,0 +1,191 @@
+"""Publishing and reading artifacts back, on local disk and on S3 (moto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pyarrow as pa
+import pytest
+import torch
+
+from builders import expected_slab, make_inputs
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import ArtifactSchemaError, InvalidArtifactInput, StoreConfig
+from inferscale.artifacts.publish import Lineage, publish, version_id
+from inferscale.artifacts.read import (
+    latest_version, list_models, list_users, list_versions, open_fact_table, read_facts,
+    read_manifest, verify_version,
+)
+
+FP = "fp-test"
+
+
+def snapshot(store: StoreConfig) -> dict:
+    """Every stored object with its size and modification time."""
+    fs = store.filesystem()
+    root = store.root
+    if not fs.exists(root):
+        return {}
+    out = {}
+    for path, info in fs.find(root, detail=True).items():
+        out[path] = (info["size"], str(info.get("mtime") or info.get("LastModified")))
+    return out
+
+
+def test_publish_round_trip(store):
+    memory, facts, lineage = make_inputs("alice", 6)
+    r = publish(store, "alice", memory, facts, lineage)
+    assert r.created and len(r.version) == 32
+    assert r.version == version_id("alice", lineage, FP, memory.encoder_config)
+    assert latest_version(store, "alice", FP) == r.version
+    m = read_manifest(store, "alice", FP)
+    assert m == r.manifest
+    assert m.user == "alice" and m.model_fingerprint == FP
+    assert m.parents == {"log": lineage.log_hash, "facts": lineage.facts_hash}
+    assert m.encoder_config == memory.encoder_config
+    assert m.counts == {"facts": 6, "chunks": 7, "tokens": sum(len(c.token_ids) for c in memory.chunks)}
+    assert set(m.files) == {"facts.arrow", "kv.arrow"}
+    assert m.kv["slab_bytes"] == expected_slab(memory).numel() * 2
+    assert verify_version(store, "alice", FP) == m
+    assert read_facts(store, "alice", FP).equals(facts)
+    assert [v.version for v in list_versions(store, "alice", FP)] == [r.version]
+    assert list_users(store) == ["alice"]
+    assert list_models(store, "alice") == [FP]
+    table = open_fact_table(store, "alice", FP)
+    got = table.to_arrow().sort_by("fact_id")
+    assert got.column("fact_id").to_pylist() == facts.column("fact_id").to_pylist()
+    assert got.column("embedding").to_pylist() == facts.column("embedding").to_pylist()
+
+
+def test_unchanged_inputs_write_nothing(store):
+    memory, facts, lineage = make_inputs("bob", 3)
+    first = publish(store, "bob", memory, facts, lineage)
+    before = snapshot(store)
+    time.sleep(0.01)
+    again = publish(store, "bob", memory, facts, lineage)
+    assert (again.version, again.created) == (first.version, False)
+    assert again.manifest == first.manifest
+    assert snapshot(store) == before
+
+
+def test_new_inputs_new_version_and_back(store):
+    m1, f1, l1 = make_inputs("carol", 3, seed=1)
+    m2, f2, l2 = make_inputs("carol", 4, seed=2)
+    v1 = publish(store, "carol", m1, f1, l1).version
+    v2 = publish(store, "carol", m2, f2, l2).version
+    assert v1 != v2 and latest_version(store, "carol", FP) == v2
+    assert [m.version for m in list_versions(store, "carol", FP)] == [v1, v2]
+    assert open_fact_table(store, "carol", FP, v1).to_arrow().num_rows == 3
+    assert open_fact_table(store, "carol", FP).to_arrow().num_rows == 4
+    back = publish(store, "carol", m1, f1, l1)  # old inputs again: LATEST moves back
+    assert (back.version, back.created) == (v1, False)
+    assert latest_version(store, "carol", FP) == v1
+    # a different encoder config is a different version
+    m1.encoder_config = {**m1.encoder_config, "window": 7}
+    assert publish(store, "carol", m1, f1, l1).version not in (v1, v2)
+
+
+def test_version_depends_on_every_input():
+    memory, _, lineage = make_inputs("u", 1)
+    base = version_id("u", lineage, FP, memory.encoder_config)
+    others = {
+        version_id("v", lineage, FP, memory.encoder_config),
+        version_id("u", Lineage("other", lineage.facts_hash), FP, memory.encoder_config),
+        version_id("u", Lineage(lineage.log_hash, "other"), FP, memory.encoder_config),
+        version_id("u", lineage, "fp-other", memory.encoder_config),
+        version_id("u", lineage, FP, {**memory.encoder_config, "window": 0}),
+    }
+    assert base not in others and len(others) == 5
+    assert base == version_id("u", lineage, FP, dict(reversed(memory.encoder_config.items())))
+
+
+def test_hostile_user_ids_publish_inside_the_root(tmp_path):
+    store = StoreConfig(str(tmp_path / "root"))
+    for i, user in enumerate(["../../escape", "/etc/passwd", "..", "名前/../x"]):
+        memory, facts, lineage = make_inputs(user, 1, seed=i)
+        publish(store, user, memory, facts, lineage, embeddings=False)
+        assert read_manifest(store, user, FP).user == user
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and all(p.is_relative_to(tmp_path / "root" / "users") for p in files)
+    assert sorted(list_users(store)) == sorted(["../../escape", "/etc/passwd", "..", "名前/../x"])
+
+
+def test_bad_model_fingerprint_names(local_store):
+    memory, facts, lineage = make_inputs("u", 1, fp="../x")
+    with pytest.raises(InvalidArtifactInput, match="fingerprint"):
+        publish(local_store, "u", memory, facts, lineage)
+
+
+def test_inconsistent_inputs_are_refused(local_store):
+    store = local_store
+
+    def attempt(user="u", mutate=lambda m, f: (m, f)):
+        memory, facts, lineage = make_inputs("u", 3)
+        memory, facts = mutate(memory, facts)
+        publish(store, user, memory, facts, lineage, embeddings=False)
+
+    def swap_first(m, f):
+        m.chunks = m.chunks[1:] + m.chunks[:1]
+        return m, f
+
+    def drop_fact_chunk(m, f):
+        m.chunks = m.chunks[:-1]
+        return m, f
+
+    def bad_shape(m, f):
+        m.chunks[1].values = m.chunks[1].values[:, :, :1]
+        return m, f
+
+    def bad_dtype(m, f):
+        m.chunks[1].keys = m.chunks[1].keys.float()
+        m.chunks[1].values = m.chunks[1].values.float()
+        return m, f
+
+    def int_kv(m, f):
+        for c in m.chunks:
+            c.keys, c.values = c.keys.to(torch.int8), c.values.to(torch.int8)
+        return m, f
+
+    def bad_tokens(m, f):
+        m.chunks[1].token_ids = m.chunks[1].token_ids + [1]
+        return m, f
+
+    def dup_chunk(m, f):
+        m.chunks.append(m.chunks[1])
+        return m, f
+
+    def no_schema(m, f):
+        return m, pa.table({"fact_id": ["a"]})
+
+    def unjsonable(m, f):
+        m.encoder_config = {"x": object()}
+        return m, f
+
+    for mutate, match in [(swap_first, "first chunk"), (drop_fact_chunk, "disagree"),
+                          (bad_shape, "do not match"), (bad_dtype, "dtype"),
+                          (int_kv, "not supported"), (bad_tokens, "token ids"),
+                          (dup_chunk, "duplicate"), (unjsonable, "JSON")]:
+        with pytest.raises(InvalidArtifactInput, match=match):
+            attempt(mutate=mutate)
+    with pytest.raises(ArtifactSchemaError):
+        attempt(mutate=no_schema)
+    with pytest.raises(InvalidArtifactInput, match="other than"):
+        attempt(user="someone-else")
+    assert not os.path.exists(os.path.join(store.root, "users", "u"))  # nothing written
+
+
+def test_prefix_only_artifact(store):
+    memory, facts, lineage = make_inputs("f", 0)
+    r = publish(store, "f", memory, facts, lineage, embeddings=False)
+    assert r.manifest.counts == {"facts": 0, "chunks": 1, "tokens": 4}
+
+
+def test_manifest_is_json_for_people(local_store):
+    memory, facts, lineage = make_inputs("g", 1)
+    r = publish(local_store, "g", memory, facts, lineage, embeddings=False)
+    loc = Location(local_store, "g", FP)
+    body = json.loads(open(loc.file(r.version, "manifest.json")).read())
+    assert body["parents"] == {"log": "log-0", "facts": "facts-0"}
+    assert body["files"]["kv.arrow"]["bytes"] == os.path.getsize(loc.file(r.version, "kv.arrow"))

@@ -1,0 +1,361 @@
+"""The context-window encoder: relocation, the limiting case, batching, edge cases."""
+
+import pytest
+import torch
+
+from inferscale.encode.batches import Segment, build_batch, plan_batches
+from inferscale.encode.compose import ComposeError, Composer
+from inferscale.encode.encoder import (
+    EncodeError, EncoderConfig, FactSpec, TurnText, encode_facts, encode_segments,
+    window_segments,
+)
+from inferscale.encode.rope import RotaryTables, rotate_keys
+from inferscale.types import PREFIX_ID
+from tests.conftest import tiny_llama, tiny_qwen3
+from tests.encode.test_rope import ROPE_TYPES
+
+
+def joint_prefill_kv(model, ids: list[int]):
+    """Post-RoPE K and V ``[L, T, H, D]`` of one plain prefill of ``ids``."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
+    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
+    return keys, values
+
+
+def encode_one(model, context: list[int], chunk: list[int]):
+    seg = Segment(tuple(context), (("c", tuple(chunk)),))
+    (enc,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=4096)
+    return enc
+
+
+def _models():
+    return {
+        "llama3-scaling": lambda: tiny_llama(ROPE_TYPES["llama3"]),
+        "yarn": lambda: tiny_llama(ROPE_TYPES["yarn"]),
+        "qwen3-knorm": tiny_qwen3,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_models()))
+def test_relocation_tiny_models(name):
+    """Keys prefilled at p..p+c-1 == stored pre-RoPE keys rotated to p..p+c-1."""
+    model = _models()[name]()
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(0, 256, (37,), generator=g).tolist()
+    chunk = torch.randint(0, 256, (9,), generator=g).tolist()
+    keys, values = joint_prefill_kv(model, context + chunk)
+    enc = encode_one(model, context, chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    # and the stored keys really are pre-RoPE: unrotated they differ from the cache
+    assert (enc.keys - keys[:, p:]).abs().max().item() > 1e-2
+
+
+@pytest.mark.slow
+def test_relocation_smollm2_real_weights(smollm2):
+    tok, model = smollm2.tokenizer, smollm2.model
+    context = tok.encode("Caroline: I adopted a dog named Rex last spring.\n"
+                         "Melanie: That's lovely, how is he doing?\n", add_special_tokens=False)
+    chunk = tok.encode("- He loves long walks by the river.\n", add_special_tokens=False)
+    keys, values = joint_prefill_kv(model, context + chunk)
+    enc = encode_one(model, context, chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+
+
+def _limiting_case(model, prefix: list[int], facts: list[list[int]], tol: float):
+    """Each fact encoded with the whole memory before it == one joint prefill."""
+    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
+    before = list(prefix)
+    for i, f in enumerate(facts):
+        segments.append(Segment(tuple(before), ((f"f{i}", tuple(f)),)))
+        before += f
+    # several segments per batch: exercises padding and the block mask
+    chunks = {c.chunk_id: c for c in encode_segments(
+        model, segments, out_dtype=torch.float32, batch_tokens=4096)}
+    order = [PREFIX_ID] + [f"f{i}" for i in range(len(facts))]
+    k = torch.cat([chunks[c].keys for c in order], dim=1)
+    v = torch.cat([chunks[c].values for c in order], dim=1)
+    composed_k = rotate_keys(k, torch.arange(k.shape[1]), RotaryTables.from_model(model))
+    ref_k, ref_v = joint_prefill_kv(model, before)
+    assert (composed_k - ref_k).abs().max().item() <= tol
+    assert (v - ref_v).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("name", sorted(_models()))
+def test_limiting_case_tiny_models(name):
+    model = _models()[name]()
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 256, (11,), generator=g).tolist()
+    facts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 3, 14)]
+    _limiting_case(model, prefix, facts, 1e-4)
+
+
+@pytest.mark.slow
+def test_limiting_case_smollm2(smollm2):
+    composer = Composer(smollm2.tokenizer)
+    facts = ["Caroline adopted a dog named Rex.", "Rex is a golden retriever.",
+             "Caroline works as a nurse in Boston.", "She ran a marathon in May 2023."]
+    _limiting_case(smollm2.model, composer.prefix_ids(), [composer.fact_ids(f) for f in facts],
+                   1e-4)
+
+
+def test_block_mask_isolates_facts_of_one_turn():
+    """Two facts sharing one pass get exactly what each would get alone."""
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    window, f1, f2 = list(range(10, 30)), list(range(40, 47)), list(range(60, 65))
+    shared = Segment(tuple(window), (("a", tuple(f1)), ("b", tuple(f2))))
+    got = {c.chunk_id: c for c in encode_segments(model, [shared], out_dtype=torch.float32,
+                                                  batch_tokens=4096)}
+    alone_b = encode_one(model, window, f2)
+    torch.testing.assert_close(got["b"].keys, alone_b.keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["b"].values, alone_b.values, rtol=0, atol=1e-5)
+
+
+def test_build_batch_positions_and_mask():
+    segs = [Segment((1, 2, 3), (("a", (4, 5)), ("b", (6,)))), Segment((), (("c", (7, 8)),))]
+    batch = build_batch(segs, pad_id=0, device=torch.device("cpu"), mask_dtype=torch.float32)
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 3]
+    assert batch["position_ids"][1].tolist()[:2] == [0, 1]
+    allowed = batch["attention_mask"][0, 0] == 0
+    assert allowed[5].tolist() == [True, True, True, False, False, True]  # b sees window+self
+    assert allowed[4].tolist() == [True, True, True, True, True, False]
+    pad_row = batch["attention_mask"][1, 0, 4] == 0
+    assert pad_row.tolist() == [False, False, False, False, True, False]
+    assert batch["spans"] == [("a", 0, 2), ("b", 2, 1), ("c", 3, 2)]
+    # single-chunk segments only: no block mask, plain causal attention
+    single = build_batch(segs[1:], pad_id=0, device=torch.device("cpu"), mask_dtype=torch.float32)
+    assert single["attention_mask"] is None
+
+
+def test_plan_batches_respects_token_budget():
+    segs = [Segment(tuple(range(n)), (("x%d" % n, (1,)),)) for n in (3, 50, 7, 20, 90)]
+    batches = plan_batches(segs, batch_tokens=100)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    for b in batches:
+        longest = max(segs[i].length for i in b)
+        assert len(b) == 1 or longest * len(b) <= 100
+    mixed = segs + [Segment((1,), (("m", (2,)), ("n", (3,))))]
+    for b in plan_batches(mixed, batch_tokens=1000):
+        assert len({len(mixed[i].chunks) > 1 for i in b}) == 1  # never mixed
+
+
+
+def test_segments_alone_do_not_depend_on_their_neighbours():
+    """batch_tokens=None: every segment is its own unpadded pass, so a chunk's bits are
+    the same whatever else is encoded in the run (batched, they need not be)."""
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    g = torch.Generator().manual_seed(4)
+    segs = [Segment(tuple(torch.randint(0, 256, (n,), generator=g).tolist()),
+                    ((f"c{n}", tuple(torch.randint(0, 256, (5,), generator=g).tolist())),))
+            for n in (3, 40, 17, 0)]
+    together = {c.chunk_id: c for c in encode_segments(
+        model, segs, out_dtype=torch.float32, batch_tokens=None)}
+    assert list(together) == [s.chunks[0][0] for s in segs]  # input order
+    for seg in segs:
+        (alone,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=None)
+        assert torch.equal(alone.keys, together[alone.chunk_id].keys)
+        assert torch.equal(alone.values, together[alone.chunk_id].values)
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+TURNS = [TurnText("A", "I got a dog."), TurnText("B", "What is his name?"),
+         TurnText("A", "He is called Rex."), TurnText("B", "Nice!")]
+
+
+@pytest.mark.slow
+def test_window_edges(smol_tokenizer):
+    composer = Composer(smol_tokenizer)
+    cfg = EncoderConfig(window=2, batch_invariant=False)
+    facts = [FactSpec("f0", "A has a dog.", 0), FactSpec("f2", "The dog is Rex.", 2),
+             FactSpec("f2b", "A named the dog Rex.", 2)]
+    segs = window_segments(TURNS, facts, composer, cfg)
+    assert segs[0].context == ()  # turn 0: window stops at the conversation start
+    expected = "".join(f"{t.speaker}: {t.text}\n" for t in TURNS[0:2])
+    assert smol_tokenizer.decode(list(segs[1].context)) == expected
+    assert [cid for cid, _ in segs[1].chunks] == ["f2", "f2b"]  # one pass for one turn
+    # batch-invariant (the default): one segment per fact, in the order given
+    alone = window_segments(TURNS, facts[::-1], composer, EncoderConfig(window=2))
+    assert [s.chunks for s in alone] == [(c,) for c in segs[1].chunks[::-1] + segs[0].chunks]
+    assert [s.context for s in alone] == [segs[1].context, segs[1].context, ()]
+    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0))
+    assert all(s.context == () for s in w0)
+    long_window = window_segments(TURNS, facts, composer, EncoderConfig(window=50))
+    assert len(long_window[1].context) == len(segs[1].context)
+    truncated = window_segments(TURNS, facts, composer,
+                                EncoderConfig(window=2, max_window_tokens=4))
+    assert truncated[1].context == segs[1].context[-4:]  # keeps the most recent tokens
+
+
+@pytest.mark.slow
+def test_fact_edge_cases(smol_tokenizer):
+    composer = Composer(smol_tokenizer)
+    with pytest.raises(ComposeError, match="empty"):
+        window_segments(TURNS, [FactSpec("e", "   ", 0)], composer, EncoderConfig())
+    with pytest.raises(EncodeError, match="outside the conversation"):
+        window_segments(TURNS, [FactSpec("x", "fact", 9)], composer, EncoderConfig())
+    with pytest.raises(EncodeError, match="duplicate"):
+        window_segments(TURNS, [FactSpec("x", "a", 0), FactSpec("x", "b", 1)], composer,
+                        EncoderConfig())
+    long_fact = " ".join(["word"] * 2000)
+    (seg,) = window_segments(TURNS, [FactSpec("l", long_fact, 1)], composer,
+                             EncoderConfig(max_fact_tokens=32))
+    ids = seg.chunks[0][1]
+    assert len(ids) == 32 and smol_tokenizer.decode(list(ids)).endswith("\n")
+
+
+def test_config_validation():
+    with pytest.raises(EncodeError):
+        EncoderConfig(window=-1)
+    with pytest.raises(EncodeError):
+        EncoderConfig(dtype="int8")
+
+
+@pytest.mark.slow
+def test_encode_facts_end_to_end(smollm2):
+    cfg = EncoderConfig(window=2, dtype="bfloat16")
+    facts = [FactSpec("f1", "A has a dog named Rex.", 2), FactSpec("f0", "A got a dog.", 0)]
+    mem = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, cfg,
+                       smollm2.fingerprint, progress=False)
+    assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID, "f1", "f0"]
+    for c in mem.chunks:
+        assert c.keys.shape == (30, len(c.token_ids), 3, 64)
+        assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
+    assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
+    assert mem.stats["facts"] == 2 and (mem.stats["encoded"], mem.stats["reused"]) == (2, 0)
+    assert len({c.content_key for c in mem.chunks}) == 3 and None not in {
+        c.content_key for c in mem.chunks}
+    batched = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
+                           EncoderConfig(window=2, batch_invariant=False), smollm2.fingerprint,
+                           progress=False)
+    assert [c.content_key for c in batched.chunks] == [None] * 3  # never reused
+
+
+def test_capture_ignores_other_models_in_other_threads():
+    """A model running in another thread during a capture (a fact embedder, say) is not
+    intercepted: its output is unchanged and the capture stays exact."""
+    import threading
+
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    other = tiny_qwen3(seed=3)
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 256, (20,), generator=g).tolist()
+    chunk = torch.randint(0, 256, (7,), generator=g).tolist()
+    other_ids = torch.tensor([torch.randint(0, 256, (12,), generator=g).tolist()])
+    with torch.no_grad():
+        expected_other = other(other_ids).logits
+    seen = {}
+
+    def run_other():
+        with torch.no_grad():
+            seen["logits"] = other(other_ids).logits
+
+    def during_capture(module, args):  # runs inside the captured forward pass
+        t = threading.Thread(target=run_other)
+        t.start()
+        t.join()
+
+    handle = model.model.layers[0].register_forward_pre_hook(during_capture)
+    try:
+        enc = encode_one(model, context, chunk)
+    finally:
+        handle.remove()
+    assert torch.equal(seen["logits"], expected_other)
+    keys, values = joint_prefill_kv(model, context + chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+
+
+def test_layout_config_validation():
+    with pytest.raises(EncodeError, match="context"):
+        EncoderConfig(context="chat")
+    with pytest.raises(EncodeError, match="key_temperature"):
+        EncoderConfig(key_temperature=0)
+    with pytest.raises(EncodeError, match="memory_order"):
+        EncoderConfig(memory_order="random")
+    with pytest.raises(EncodeError, match="text_tail"):
+        EncoderConfig(text_tail=-1)
+
+
+DATED = [TurnText("A", "I got a dog.", "2023-05-08T10:00:00"),
+         TurnText("B", "What is his name?", "2023-05-08T10:01:00"),
+         TurnText("A", "He is called Rex.", None)]
+
+
+@pytest.mark.slow
+def test_window_contexts(smol_tokenizer):
+    """transcript: raw turns; prefix: serving prefix + raw turns; memory: serving prefix +
+    the window's turns written exactly as the served memory list writes facts."""
+    from inferscale.encode.compose import memory_text
+
+    composer = Composer(smol_tokenizer)
+    fact = [FactSpec("f", "A named the dog Rex.", 2)]
+    raw = "A: I got a dog.\nB: What is his name?\n"
+    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2))
+    assert smol_tokenizer.decode(list(t.context)) == raw
+    (p,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="prefix"))
+    assert list(p.context) == composer.prefix_ids() + list(t.context)
+    (m,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="memory"))
+    lines = [composer.fact_ids(memory_text(x.speaker, x.text, x.timestamp)) for x in DATED[:2]]
+    assert list(m.context) == composer.prefix_ids() + lines[0] + lines[1]
+    assert smol_tokenizer.decode(lines[0]) == "- [2023-05-08] A: I got a dog.\n"
+    (m0,) = window_segments(DATED, fact, composer, EncoderConfig(window=0, context="memory"))
+    assert list(m0.context) == composer.prefix_ids()  # w=0: the shared sink only
+    (cut,) = window_segments(DATED, fact, composer,
+                             EncoderConfig(window=2, context="memory", max_window_tokens=5))
+    assert list(cut.context) == composer.prefix_ids() + (lines[0] + lines[1])[-5:]
+
+
+@pytest.mark.slow
+def test_memory_context_with_a_full_window_is_the_joint_prefill(smollm2):
+    """Raw-turn facts encoded after the prefix and every earlier turn as memory lines
+    have exactly the K/V of one prefill of the whole memory list (the limiting case)."""
+    from inferscale.encode.compose import memory_text
+
+    model, tok = smollm2.model, smollm2.tokenizer
+    composer = Composer(tok)
+    texts = [memory_text(t.speaker, t.text, t.timestamp) for t in DATED]
+    facts = [FactSpec(f"f{i}", x, i) for i, x in enumerate(texts)]
+    mem = encode_facts(model, tok, DATED, facts,
+                       EncoderConfig(window=10, context="memory", dtype="float32"),
+                       smollm2.fingerprint, progress=False)
+    ids = composer.prefix_ids() + [t for x in texts for t in composer.fact_ids(x)]
+    keys, values = joint_prefill_kv(model, ids)
+    tables = RotaryTables.from_model(model)
+    pos = 0
+    for chunk in mem.chunks:
+        n = len(chunk.token_ids)
+        assert list(chunk.token_ids) == ids[pos:pos + n]
+        rotated = rotate_keys(chunk.keys, torch.arange(pos, pos + n), tables)
+        assert (rotated - keys[:, pos:pos + n]).abs().max().item() <= 1e-4
+        assert (chunk.values - values[:, pos:pos + n]).abs().max().item() <= 1e-4
+        pos += n
+    assert pos == len(ids)
+
+
+@pytest.mark.slow
+def test_key_temperature_scales_fact_keys_only(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    facts = [FactSpec("f1", "A has a dog named Rex.", 2)]
+    base = encode_facts(model, tok, TURNS, facts, EncoderConfig(window=1, dtype="float32"),
+                        smollm2.fingerprint, progress=False)
+    hot = encode_facts(model, tok, TURNS, facts,
+                       EncoderConfig(window=1, dtype="float32", key_temperature=0.5),
+                       smollm2.fingerprint, progress=False)
+    torch.testing.assert_close(hot.chunks[0].keys, base.chunks[0].keys)  # the prefix: never
+    torch.testing.assert_close(hot.chunks[1].keys, base.chunks[1].keys * 2)
+    torch.testing.assert_close(hot.chunks[1].values, base.chunks[1].values)
+    assert hot.encoder_config["key_temperature"] == 0.5

@@ -1,0 +1,85 @@
+"""Loading published artifacts into the worker's resident store (no engine): admin loads,
+background reloads and their failures, admin evictions, fingerprint checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from builders import expected_slab, make_inputs
+from inferscale.artifacts.publish import publish
+from inferscale.hydrate.loader import ResidentLoader
+from inferscale.hydrate.resident import ResidentStore
+
+FP = "fp-test"
+
+
+def _loader(store=None, fp=FP) -> ResidentLoader:
+    return ResidentLoader(ResidentStore("cpu", 1 << 30, 1 << 30), fp,
+                          store.root if store else "", store.storage_options if store else {})
+
+
+def _wait(condition, seconds: float = 60.0):
+    """Poll until ``condition()`` is truthy (a background thread's work), or fail."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("the background reload never finished")
+
+
+@pytest.fixture
+def published(store):
+    memory, facts, lineage = make_inputs("ann", 3)
+    return store, memory, publish(store, "ann", memory, facts, lineage, embeddings=False).version
+
+
+def test_load_puts_the_verified_latest_version_into_the_tier(published):
+    store, memory, version = published
+    loader = _loader(store)
+    resident = loader.load("ann", "latest", "host")
+    assert (resident.user, resident.version, resident.tier) == ("ann", version, "host")
+    assert resident.manifest.version == version and resident.fingerprint == FP
+    assert torch.equal(resident.slab, expected_slab(memory))
+    assert loader.store.get("ann", version) is resident
+    assert loader.reloads == 0
+
+
+def test_a_slab_of_another_model_is_refused(published):
+    store, _, _ = published
+    resident = _loader(store).read("ann", "latest")
+    with pytest.raises(ValueError, match="not the engine's"):
+        _loader(store, fp="fp-other").put(resident, "gpu")
+
+
+def test_background_reload_and_its_failures(published):
+    store, _, version = published
+    loader = _loader(store)
+    loader.reload_in_background("ann", version, "gpu")
+    _wait(lambda: loader.store.get("ann", version))
+    assert loader.reloads == 1 and loader.store.get("ann", version).tier == "gpu"
+    loader.reload_in_background("ann", "0" * 32, "gpu")  # no such version
+    (failed,) = _wait(loader.take_failures)
+    assert failed[:2] == ("ann", "0" * 32) and "no such version" in failed[2]
+    assert loader.take_failures() == []  # taken once
+    nowhere = _loader()
+    with pytest.raises(RuntimeError, match="no artifact_root"):
+        nowhere.load("ann")
+    nowhere.reload_in_background("ann", version, "gpu")
+    assert "no artifact_root" in _wait(nowhere.take_failures)[0][2]
+
+
+def test_an_admin_eviction_stops_reloads_until_the_next_load(published):
+    store, _, version = published
+    loader = _loader(store)
+    loader.load("ann", version, "gpu")
+    assert loader.evict("ann") and loader.store.get("ann", version) is None
+    loader.reload_in_background("ann", version, "gpu")
+    assert loader.take_failures() == [("ann", version, "evicted by an admin")]
+    assert loader.store.get("ann", version) is None
+    loader.load("ann", version, "gpu")  # an admin hydration lifts the eviction
+    assert "ann" not in loader.admin_evicted and loader.store.get("ann", version) is not None

@@ -1,0 +1,116 @@
+"""The worker-resident store: tiers, byte budgets, LRU, events, gathering."""
+
+import pytest
+import torch
+
+from inferscale.hydrate.resident import ResidencyError, Resident, ResidentStore
+
+
+def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),
+                  L=2, H=2, D=4, seed=0) -> Resident:
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n for _, n in chunks)
+    slab = torch.randn((total, 2, L, H, D), generator=g)  # [T, 2, L, H, D]
+    index, tokens, off = {}, {}, 0
+    for cid, n in chunks:
+        index[cid] = (off, n)
+        tokens[cid] = tuple(range(100 + off, 100 + off + n))
+        off += n
+    return Resident(user, version, "fp", slab, index, tokens)
+
+
+def nbytes(r: Resident) -> int:
+    return r.slab.numel() * 4
+
+
+def test_gpu_overflow_demotes_lru_to_host_and_host_overflow_evicts():
+    size = nbytes(make_resident("x"))
+    store = ResidentStore("cpu", gpu_budget_bytes=2 * size, host_budget_bytes=2 * size)
+    for u in "abc":
+        store.put(make_resident(u), "gpu")
+    tiers = {r["user"]: r["tier"] for r in store.residents()}
+    assert tiers == {"a": "host", "b": "gpu", "c": "gpu"}  # a was least recently used
+    assert store.get("b", "v1") is not None  # touch b: now c is the LRU gpu user
+    store.put(make_resident("d"), "gpu")
+    tiers = {r["user"]: r["tier"] for r in store.residents()}
+    assert tiers == {"a": "host", "c": "host", "b": "gpu", "d": "gpu"}
+    store.put(make_resident("e"), "gpu")  # demotes b; host now holds a, c, b > budget
+    assert store.get("a", "v1") is None  # a, the LRU host user, was dropped
+    ops = [(e.op, e.user) for e in store.take_events()]
+    assert ("remove", "a") in ops and ops[0] == ("add", "a")
+    assert store.take_events() == []
+    assert store.used("gpu") <= 2 * size and store.used("host") <= 2 * size
+
+
+def test_new_version_replaces_old_and_is_reported_in_order():
+    store = ResidentStore("cpu", 1 << 20, 1 << 20)
+    store.put(make_resident("u", "v1"))
+    store.put(make_resident("u", "v2"))
+    assert store.get("u", "v1") is None and store.get("u", "v2") is not None
+    assert [(e.op, e.version) for e in store.take_events()] == [
+        ("add", "v1"), ("remove", "v1"), ("add", "v2")]
+    assert store.evict("u") and not store.evict("u")
+    assert [(e.op, e.version) for e in store.take_events()] == [("remove", "v2")]
+
+
+def test_too_large_for_every_budget_is_refused():
+    r = make_resident("big")
+    store = ResidentStore("cpu", gpu_budget_bytes=10, host_budget_bytes=10)
+    with pytest.raises(ResidencyError, match="exceed"):
+        store.put(r, "gpu")
+    with pytest.raises(ResidencyError, match="tier"):
+        store.put(r, "disk")
+    # fits host only: lands on host
+    store = ResidentStore("cpu", gpu_budget_bytes=10, host_budget_bytes=1 << 20)
+    assert store.put(r, "gpu").tier == "host"
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+def test_gather_any_range_of_the_chunk_concatenation(tier):
+    store = ResidentStore("cpu", 1 << 20, 1 << 20)
+    r = store.put(make_resident("u"), tier)
+    # request order differs from slab order: b then prefix then a
+    chunks = ["b", "prefix", "a"]
+    full = torch.cat([r.slab[o:o + n] for o, n in r.rows(chunks)])
+    for start, end in [(0, 9), (2, 7), (5, 9), (0, 1)]:
+        out = torch.empty((end - start, *r.slab.shape[1:]))
+        store.gather(r, chunks, start, end, out)
+        assert torch.equal(out, full[start:end])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_is_pinned_and_gathers_to_device():
+    store = ResidentStore("cuda", 1 << 20, 1 << 20)
+    r = store.put(make_resident("u"), "host")
+    assert r.slab.is_pinned()
+    out = torch.empty((9, *r.slab.shape[1:]), device="cuda")
+    store.gather(r, ["a", "prefix", "b"], 0, 9, out)
+    ref = torch.cat([r.slab[o:o + n] for o, n in r.rows(["a", "prefix", "b"])])
+    assert torch.equal(out.cpu(), ref)
+
+
+
+def test_slabs_are_converted_once_to_the_store_dtype():
+    """A bfloat16 artifact on a float32 engine: converted when placed (layer-major, one
+    copy), budgets count the converted bytes, demotion keeps it as is."""
+    r = make_resident("u")
+    r.slab = r.slab.to(torch.bfloat16)
+    want = r.slab.float()
+    fp32 = r.slab.numel() * 4
+    store = ResidentStore("cpu", gpu_budget_bytes=fp32, host_budget_bytes=fp32,
+                          dtype=torch.float32)
+    placed = store.put(r, "gpu")
+    assert placed.slab.dtype == torch.float32 and torch.equal(placed.slab, want)
+    assert placed.slab.permute(1, 2, 0, 3, 4).is_contiguous()  # layer-major memory
+    assert store.residents()[0]["dtype"] == "float32" and store.used("gpu") == fp32
+    # the bf16 slab (half the bytes) fits a budget its float32 copy does not
+    small = ResidentStore("cpu", gpu_budget_bytes=fp32 // 2, host_budget_bytes=fp32 // 2,
+                          dtype=torch.float32)
+    bf16 = make_resident("v")
+    bf16.slab = bf16.slab.to(torch.bfloat16)
+    with pytest.raises(ResidencyError, match=f"{fp32} bytes exceed"):
+        small.put(bf16, "gpu")
+    store.put(make_resident("w", seed=1), "gpu")  # demotes u to host, unchanged
+    assert store.held("u").tier == "host" and torch.equal(store.held("u").slab, want)
+    # no dtype: slabs keep the artifact's
+    assert ResidentStore("cpu", 1 << 20, 1 << 20).put(bf16, "gpu").slab.dtype == torch.bfloat16

@@ -1,0 +1,374 @@
+"""Hydration round trips and bad artifacts: every damage is a typed, clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+import torch
+import xxhash
+
+from builders import expected_slab, make_inputs
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import (
+    ArtifactError, ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact,
+    FingerprintMismatch, MissingManifest, TruncatedArtifact,
+)
+from inferscale.artifacts.publish import publish
+from inferscale.artifacts.read import list_versions, read_facts, read_manifest, verify_version
+from inferscale.hydrate.slab import hydrate
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import FileEntry, Manifest
+
+FP = "fp-test"
+
+
+def check(h, memory):
+    assert torch.equal(h.slab, expected_slab(memory))
+    offset = 0
+    for c in memory.chunks:
+        assert h.index[c.chunk_id] == (offset, len(c.token_ids))
+        assert h.token_ids[c.chunk_id] == tuple(c.token_ids)
+        assert torch.equal(h.chunk(c.chunk_id)[:, 0], c.keys.permute(1, 0, 2, 3))
+        assert torch.equal(h.chunk(c.chunk_id)[:, 1], c.values.permute(1, 0, 2, 3))
+        offset += len(c.token_ids)
+    assert list(h.index) == [c.chunk_id for c in memory.chunks]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip(store, dtype):
+    memory, facts, lineage = make_inputs("alice", 9, dtype=dtype, layers=3, heads=2, head_dim=4)
+    r = publish(store, "alice", memory, facts, lineage, embeddings=False)
+    h = hydrate(store, "alice", FP)
+    assert h.slab.dtype == dtype and h.slab.device.type == "cpu"
+    assert h.version == r.version and h.manifest == r.manifest and h.user == "alice"
+    assert h.nbytes == r.manifest.kv["slab_bytes"]
+    check(h, memory)
+    # gpu tier on a CPU-only machine means CPU memory; small parts exercise ordering
+    g = hydrate(store, "alice", FP, r.version, tier="gpu", expected_fingerprint=FP,
+                use_mmap=False, part_bytes=1000, workers=3)
+    assert g.slab.device.type == "cpu"
+    check(g, memory)
+
+
+def test_local_mmap_and_copy_agree(local_store):
+    memory, facts, lineage = make_inputs("bob", 30, dtype=torch.bfloat16)
+    publish(local_store, "bob", memory, facts, lineage, embeddings=False)
+    mapped = hydrate(local_store, "bob", FP, use_mmap=True, part_bytes=4096)
+    copied = hydrate(local_store, "bob", FP, use_mmap=False, part_bytes=4096)
+    check(mapped, memory)
+    check(copied, memory)
+    mapped.slab[0].zero_()  # copy-on-write: the file is untouched
+    check(hydrate(local_store, "bob", FP), memory)
+
+
+def test_local_mmap_without_populate(local_store, monkeypatch):
+    import inferscale.hydrate.slab as H
+
+    monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
+    memory, facts, lineage = make_inputs("e", 20)
+    publish(local_store, "e", memory, facts, lineage, embeddings=False)
+    check(hydrate(local_store, "e", FP, part_bytes=5000), memory)
+
+
+def test_prefix_only(local_store):
+    memory, facts, lineage = make_inputs("c", 0)
+    publish(local_store, "c", memory, facts, lineage, embeddings=False)
+    check(hydrate(local_store, "c", FP), memory)
+
+
+def test_argument_errors(local_store):
+    with pytest.raises(ValueError, match="tier"):
+        hydrate(local_store, "a", FP, tier="disk")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            hydrate(local_store, "a", FP, device="cuda")
+
+
+# ------------------------------------------------------------------------- bad artifacts
+
+
+@pytest.fixture
+def published(store):
+    memory, facts, lineage = make_inputs("dana", 12)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    return store, Location(store, "dana", FP), r
+
+
+def read(store, path) -> bytes:
+    return store.filesystem().cat_file(path)
+
+
+def write(store, path, data: bytes) -> None:
+    fs = store.filesystem()
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def rewrite_manifest(store, loc, version, **changes) -> None:
+    m = read_manifest(store, "dana", FP, version)
+    body = {**m.__dict__, **changes}
+    write(store, loc.file(version, "manifest.json"), Manifest(**body).to_json())
+
+
+def test_truncated_kv(published):
+    store, loc, r = published
+    path = loc.file(r.version, "kv.arrow")
+    write(store, path, read(store, path)[:-100])
+    with pytest.raises(TruncatedArtifact, match="kv.arrow is .* bytes; the manifest says"):
+        hydrate(store, "dana", FP)
+    with pytest.raises(TruncatedArtifact):
+        verify_version(store, "dana", FP)
+
+
+def test_missing_kv(published):
+    store, loc, r = published
+    store.filesystem().rm(loc.file(r.version, "kv.arrow"))
+    with pytest.raises(TruncatedArtifact, match="kv.arrow is missing"):
+        hydrate(store, "dana", FP)
+
+
+@pytest.mark.parametrize("where", [0.5, 0.01, 0.999])
+def test_flipped_byte_in_kv(published, where):
+    store, loc, r = published
+    path = loc.file(r.version, "kv.arrow")
+    data = bytearray(read(store, path))
+    data[int(len(data) * where)] ^= 0x10
+    write(store, path, bytes(data))
+    with pytest.raises(ChecksumError, match="kv.arrow: xxh3-128 .* differs"):
+        hydrate(store, "dana", FP)
+    if store.is_local:
+        with pytest.raises(ChecksumError):
+            hydrate(store, "dana", FP, use_mmap=False)
+
+
+def test_flipped_byte_in_facts(published):
+    store, loc, r = published
+    path = loc.file(r.version, "facts.arrow")
+    data = bytearray(read(store, path))
+    data[len(data) // 2] ^= 0x01
+    write(store, path, bytes(data))
+    with pytest.raises(ChecksumError, match="facts.arrow"):
+        read_facts(store, "dana", FP)
+    with pytest.raises(ChecksumError, match="facts.arrow"):
+        verify_version(store, "dana", FP)
+    hydrate(store, "dana", FP)  # the KV is intact and still usable
+
+
+def test_damaged_manifest(published):
+    store, loc, r = published
+    path = loc.file(r.version, "manifest.json")
+    text = read(store, path).decode()
+    digest = r.manifest.files["kv.arrow"].xxh3_128
+    flipped = digest[:5] + ("0" if digest[5] != "0" else "1") + digest[6:]
+    write(store, path, text.replace(digest, flipped).encode())  # still valid JSON
+    with pytest.raises(ChecksumError, match="manifest.json: manifest checksum"):
+        hydrate(store, "dana", FP)
+    write(store, path, text[: len(text) // 2].encode())
+    with pytest.raises(CorruptArtifact, match="manifest.json: not valid JSON"):
+        hydrate(store, "dana", FP)
+
+
+def test_missing_manifest(published):
+    store, loc, r = published
+    store.filesystem().rm(loc.file(r.version, "manifest.json"))
+    with pytest.raises(MissingManifest, match="manifest.json is missing"):
+        hydrate(store, "dana", FP)  # LATEST names it
+    with pytest.raises(MissingManifest):
+        hydrate(store, "dana", FP, r.version)
+    assert list_versions(store, "dana", FP) == []
+
+
+def test_newer_manifest_schema(published):
+    store, loc, r = published
+    rewrite_manifest(store, loc, r.version, schema_version=2)
+    with pytest.raises(ArtifactSchemaError, match="manifest.json: manifest schema version 2 is newer"):
+        hydrate(store, "dana", FP)
+
+
+def rewrite_kv(store, loc, r, table: pa.Table, metadata: dict) -> None:
+    """Replace a version's kv.arrow with ``table`` under ``metadata``; fix the manifest."""
+    path = loc.file(r.version, "kv.arrow")
+    sink = pa.BufferOutputStream()
+    schema = table.schema.with_metadata(metadata)
+    with pa.ipc.new_file(sink, schema) as w:
+        w.write_table(table.replace_schema_metadata(metadata).combine_chunks())
+    data = sink.getvalue().to_pybytes()
+    write(store, path, data)
+    buf = pa.py_buffer(data)
+    values = pa.ipc.open_file(buf).get_batch(0).column("kv").values
+    slab_offset = values.buffers()[1].address - buf.address
+    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
+    rewrite_manifest(store, loc, r.version, files=files,
+                     kv={**r.manifest.kv, "slab_offset": slab_offset})
+
+
+def test_newer_kv_schema(published):
+    store, loc, r = published
+    table = pa.ipc.open_file(pa.py_buffer(read(store, loc.file(r.version, "kv.arrow")))).read_all()
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"3"})
+    with pytest.raises(ArtifactSchemaError, match="kv.arrow: kv schema version 3 is newer") as err:
+        hydrate(store, "dana", FP)
+    assert isinstance(err.value, SchemaVersionError)
+
+
+def test_kv_schema_version_1_still_hydrates(published):
+    """A kv.arrow written before content keys (schema 1) reads as before, with no keys."""
+    store, loc, r = published
+    memory, *_ = make_inputs("dana", 12)
+    table = pa.ipc.open_file(pa.py_buffer(read(store, loc.file(r.version, "kv.arrow")))).read_all()
+    assert table.column("content_key").null_count == table.num_rows  # builders set none
+    v1 = table.drop_columns(["content_key"])
+    rewrite_kv(store, loc, r, v1, {**table.schema.metadata, b"inferscale.schema_version": b"1"})
+    h = hydrate(store, "dana", FP)
+    check(h, memory)
+    assert h.content_keys == {} and h.kv_by_content_key() == {}
+
+
+def test_content_keys_hydrate_as_views_of_the_slab(local_store):
+    memory, facts, lineage = make_inputs("erin", 4, dtype=torch.float32)
+    for i, c in enumerate(memory.chunks[1:]):
+        c.content_key = f"key-{i}"
+    publish(local_store, "erin", memory, facts, lineage, embeddings=False)
+    h = hydrate(local_store, "erin", FP)
+    assert h.content_keys == {c.chunk_id: f"key-{i}" for i, c in enumerate(memory.chunks[1:])}
+    rows = h.kv_by_content_key()
+    assert set(rows) == {f"key-{i}" for i in range(4)}
+    for i, c in enumerate(memory.chunks[1:]):
+        k, v = rows[f"key-{i}"]
+        assert torch.equal(k, c.keys) and torch.equal(v, c.values)  # [L, T, H, D]
+        assert k.data_ptr() == h.chunk(c.chunk_id)[:, 0].data_ptr()  # no copy
+
+
+def test_manifest_layout_disagrees_with_kv(published):
+    store, loc, r = published
+    rewrite_manifest(store, loc, r.version, kv={**r.manifest.kv, "layers": 5})
+    with pytest.raises(CorruptArtifact, match="disagrees with the manifest"):
+        hydrate(store, "dana", FP)
+
+
+def test_wrong_model_fingerprint(published):
+    store, loc, r = published
+    with pytest.raises(FingerprintMismatch, match="serving model is fp-other"):
+        hydrate(store, "dana", FP, expected_fingerprint="fp-other")
+    # the artifact copied under another model's folder is refused as well
+    other = Location(store, "dana", "fp-other")
+    for name in ("kv.arrow", "facts.arrow", "manifest.json"):
+        write(store, other.file(r.version, name), read(store, loc.file(r.version, name)))
+    write(store, other.latest, r.version.encode())
+    with pytest.raises(FingerprintMismatch, match="written for model fp-test"):
+        hydrate(store, "dana", "fp-other")
+
+
+def test_kv_of_another_model_behind_a_matching_manifest(published):
+    store, loc, r = published
+    memory, facts, lineage = make_inputs("dana", 12, fp="fp-evil")
+    evil = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    evil_loc = Location(store, "dana", "fp-evil")
+    data = read(store, evil_loc.file(evil.version, "kv.arrow"))
+    write(store, loc.file(r.version, "kv.arrow"), data)
+    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
+    rewrite_manifest(store, loc, r.version, files=files)
+    with pytest.raises(FingerprintMismatch, match="holds KV of model fp-evil"):
+        hydrate(store, "dana", FP)
+
+
+def test_not_found_and_bad_latest(published):
+    store, loc, r = published
+    with pytest.raises(ArtifactNotFound, match="no LATEST"):
+        hydrate(store, "nobody", FP)
+    with pytest.raises(ArtifactNotFound, match="no such version"):
+        hydrate(store, "dana", FP, "f" * 32)
+    with pytest.raises(ArtifactNotFound, match="not a version id"):
+        hydrate(store, "dana", FP, "../../x")
+    write(store, loc.latest, b"garbage\n")
+    with pytest.raises(CorruptArtifact, match="LATEST holds"):
+        hydrate(store, "dana", FP)
+
+
+def test_errors_share_one_base():
+    for cls in (ArtifactNotFound, MissingManifest, TruncatedArtifact, ChecksumError,
+                FingerprintMismatch, CorruptArtifact, ArtifactSchemaError):
+        assert issubclass(cls, ArtifactError)
+    assert issubclass(ArtifactSchemaError, SchemaVersionError)
+    assert issubclass(MissingManifest, ArtifactNotFound)
+    assert issubclass(ArtifactNotFound, FileNotFoundError)
+
+
+def test_manifest_on_disk_names_sizes(published):
+    store, loc, r = published
+    body = json.loads(read(store, loc.file(r.version, "manifest.json")))
+    size = store.filesystem().size(loc.file(r.version, "kv.arrow"))
+    assert body["files"]["kv.arrow"]["bytes"] == size
+    assert 0 < body["kv"]["slab_offset"] < size
+    assert os.path.basename(loc.file(r.version, "kv.arrow")) == "kv.arrow"
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tier", ["host", "gpu"])
+def test_cuda_tiers(local_store, tier):
+    memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
+    publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    h = hydrate(local_store, "gpu", FP, tier=tier, device="cuda", part_bytes=4096)
+    if tier == "host":
+        assert h.slab.device.type == "cpu" and h.slab.is_pinned()
+    else:
+        assert h.slab.device.type == "cuda"
+    assert torch.equal(h.slab.cpu(), expected_slab(memory))
+    assert torch.equal(h.chunk("prefix").cpu(), expected_slab(memory)[:4])
+
+
+@needs_cuda
+def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
+    memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
+    r = publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
+    path = Location(local_store, "gpu", FP).file(r.version, "kv.arrow")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ChecksumError):
+        hydrate(local_store, "gpu", FP, tier="gpu", device="cuda", part_bytes=4096)
+
+
+def test_hydration_needs_only_the_gpu_machine_packages(tmp_path, child_env):
+    """The GPU machine has torch, numpy, pyarrow, fsspec, xxhash: nothing else is imported."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib.abc, sys
+BLOCKED = ("lancedb", "s3fs", "moto", "pydantic", "pydantic_settings", "prefect", "vllm",
+           "pandas", "transformers", "boto3", "botocore", "aiobotocore")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is not on the GPU machine")
+sys.meta_path.insert(0, Block())
+from builders import make_inputs
+from inferscale.artifacts.publish import publish
+from inferscale.hydrate.slab import hydrate
+from inferscale.artifacts.layout import StoreConfig
+store = StoreConfig({str(tmp_path)!r})
+memory, facts, lineage = make_inputs("gpu-box", 3)
+publish(store, "gpu-box", memory, facts, lineage, embeddings=False)
+print(tuple(hydrate(store, "gpu-box", "fp-test").slab.shape))
+from inferscale.artifacts.layout import ArtifactError
+try:
+    publish(store, "gpu-box", *make_inputs("gpu-box", 3, seed=5))
+except ArtifactError as exc:
+    assert "need lancedb" in str(exc), exc
+    assert len(list(__import__("pathlib").Path({str(tmp_path)!r}).rglob("*.arrow"))) == 2
+else:
+    raise AssertionError("publishing embeddings without lancedb must fail clearly")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().startswith("(")

@@ -1,0 +1,193 @@
+"""The package's architecture, checked statically on every module's source (``ast``; the
+imports inside functions and under ``TYPE_CHECKING`` count too):
+
+- stages import one way: a module imports only from its own stage or an earlier one in
+  :data:`STAGES` (serve -> vllm_plugin -> hydrate -> artifacts -> facts -> encode ->
+  ingest -> settings/types), and no import cycle exists between modules;
+- Prefect only in ``flows/`` and ``tasks/``: no ``inferscale`` module imports it, and only
+  the CLI (its demo) reaches into ``flows``;
+- vLLM only in the plugin and the server, its KV-connector API only in the plugin's
+  compat module;
+- every ``inferscale`` import names a module that exists and a name it defines;
+- package ``__init__`` files import nothing (importing a stage runs nothing else), and no
+  module is much over 400 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "inferscale"
+
+# Earliest first; a module may import from its own stage and the stages before it.
+STAGES: list[tuple[str, ...]] = [
+    ("inferscale", "inferscale.types", "inferscale.settings"),
+    ("inferscale.ingest",),
+    ("inferscale.encode",),
+    ("inferscale.facts",),
+    ("inferscale.artifacts",),
+    ("inferscale.hydrate",),
+    ("inferscale.vllm_plugin",),
+    ("inferscale.serve",),
+    ("inferscale.pipeline", "inferscale.run_report"),
+    ("inferscale.cli",),
+]
+MAX_LINES = 420
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def stage_of(module: str) -> int:
+    best, rank = -1, None
+    for i, names in enumerate(STAGES):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, rank = len(name), i
+    assert rank is not None, f"{module} belongs to no stage: add it to STAGES"
+    return rank
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """Every import in the file, at any depth: (line, module, imported names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package
+                package = module_name(path).split(".")[:-1 if path.name != "__init__.py" else None]
+                anchor = package[:len(package) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((node.lineno, base, [a.name for a in node.names]))
+    return found
+
+
+def internal_targets(module: str, names: list[str]) -> list[str]:
+    """The inferscale modules an import runs: the module itself, or its submodules named
+    in ``from module import name``."""
+    subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+    return subs or [module]
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, path in MODULES.items():
+        for _, target, names in imports(path):
+            if target.split(".")[0] == "inferscale":
+                edges[mod].update(t for t in internal_targets(target, names) if t != mod)
+    return edges
+
+
+def test_every_inferscale_import_resolves():
+    def defined(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        return names
+
+    problems = []
+    for mod, path in MODULES.items():
+        for line, target, names in imports(path):
+            if target.split(".")[0] != "inferscale":
+                continue
+            if target not in MODULES:
+                problems.append(f"{mod}:{line}: no module {target}")
+                continue
+            have = defined(MODULES[target])
+            problems += [f"{mod}:{line}: {target} defines no {n}" for n in names
+                         if n not in have and f"{target}.{n}" not in MODULES]
+    assert not problems, "\n".join(problems)
+
+
+def test_stages_import_one_way():
+    backwards = [f"{m} (stage {stage_of(m)}) imports {t} (stage {stage_of(t)})"
+                 for m, targets in graph().items() for t in sorted(targets)
+                 if stage_of(t) > stage_of(m)]
+    assert not backwards, "\n".join(backwards)
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[str]:
+    """One line per back edge found by a depth-first search: the cycle it closes."""
+    done: set[str] = set()
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in stack:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in done:
+                visit(nxt)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(edges):
+        if node not in done:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(graph())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_sees_function_level_imports(tmp_path):
+    """The parser reads imports inside functions (a cycle hides there most often)."""
+    path = tmp_path / "mod.py"
+    path.write_text("def f():\n    from inferscale.serve import engine\n")
+    assert imports(path) == [(2, "inferscale.serve", ["engine"])]
+    assert internal_targets("inferscale.serve", ["engine"]) == ["inferscale.serve.engine"]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    assert find_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_prefect_only_in_flows_and_tasks():
+    offenders = []
+    for mod, path in MODULES.items():
+        for line, target, _ in imports(path):
+            top = target.split(".")[0]
+            if top == "prefect" or (top in ("flows", "tasks") and mod != "inferscale.cli"):
+                offenders.append(f"{mod}:{line}: imports {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("api, allowed", [
+    ("vllm", ("inferscale.vllm_plugin", "inferscale.serve")),
+    ("vllm.distributed.kv_transfer", ("inferscale.vllm_plugin.compat",)),
+])
+def test_vllm_only_in_the_plugin_and_the_server(api, allowed):
+    offenders = [f"{mod}:{line}: imports {target}"
+                 for mod, path in MODULES.items() for line, target, _ in imports(path)
+                 if (target == api or target.startswith(api + "."))
+                 and not any(mod == a or mod.startswith(a + ".") for a in allowed)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_package_inits_import_nothing_and_modules_stay_small():
+    for mod, path in MODULES.items():
+        if path.name == "__init__.py":
+            assert imports(path) == [], f"{path} imports: a stage's package must stay empty"
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines"

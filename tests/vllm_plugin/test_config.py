@@ -1,0 +1,49 @@
+"""How vLLM finds and configures the plugin: the module paths resolve, the settings survive
+the trip through ``kv_connector_extra_config`` and bad settings are refused."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
+from inferscale.vllm_plugin.config import (
+    CONNECTOR_CLASS, CONNECTOR_MODULE, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
+)
+
+
+def test_the_names_vllm_loads_exist():
+    from inferscale.vllm_plugin.compat import KVConnectorBase_V1
+
+    connector = getattr(importlib.import_module(CONNECTOR_MODULE), CONNECTOR_CLASS)
+    assert issubclass(connector, KVConnectorBase_V1)
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    extension = getattr(importlib.import_module(module), name)
+    assert all(callable(getattr(extension, m)) for m in (
+        "inferscale_attach", "inferscale_hydrate", "inferscale_evict", "inferscale_status",
+        "inferscale_set_budgets", "inferscale_verify_next", "inferscale_verify_last_load"))
+
+
+def test_settings_round_trip_through_the_extra_config():
+    cfg = ConnectorConfig("fp", "s3://b/p", {"key": "k"}, 1, 2, "gpu", False)
+    transfer = kv_transfer_config(cfg)
+    assert transfer["kv_connector"] == CONNECTOR_CLASS
+    assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE
+    assert (transfer["kv_role"], transfer["kv_load_failure_policy"]) == ("kv_consumer",
+                                                                        "recompute")
+    assert ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"]) == cfg
+    default = ConnectorConfig("fp")
+    assert (default.gpu_budget_bytes, default.host_budget_bytes) == (GPU_BUDGET_BYTES,
+                                                                     HOST_BUDGET_BYTES)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({}, "model_fingerprint"),
+    ({"model_fingerprint": "fp", "reload_tier": "disk"}, "reload_tier"),
+    ({"model_fingerprint": "fp", "gpu_budget_bytes": -1}, "budgets"),
+    ({"model_fingerprint": "fp", "budget": 1}, "unknown"),
+])
+def test_bad_settings_are_refused(extra, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ConnectorConfig.from_extra_config(extra)

