@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
     encode_batch_tokens: int = Field(default=16384, ge=64)
+    encode_batch_invariant: bool = Field(
+        default=True, description="one forward pass per fact, so a new version reuses the "
+        "K/V of unchanged facts (false: padded batches, faster on GPUs, no reuse)")
 
     # -- facts, embeddings
     fact_mode: Literal["mem0", "raw"] = "mem0"

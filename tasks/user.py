@@ -7,7 +7,9 @@ or retries. The compute steps hold one slot of the Prefect global concurrency li
 and encoded at once across every run and worker sharing the Prefect server.
 
 When ``LATEST`` already names the version these inputs make (the facts come from the
-cache when the turns did not change), nothing is encoded or written.
+cache when the turns did not change), nothing is encoded or written. Otherwise the K/V of
+every fact unchanged since ``LATEST``'s version is reused from it and only the rest is
+encoded (:func:`inferscale.pipeline.encode_user_kv`).
 """
 
 from __future__ import annotations
@@ -59,13 +61,21 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         current = read_latest(cfg, user, model_fp)
         encoded = None
         if current != version:
-            encoded = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,
-                                model_fp)
-    kv_bytes = None
+            state = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,
+                              model_fp, previous=current, return_state=True)
+            encoded = state.result()
+            cached = state.name == "Cached"
+    kv_bytes = reused = encoded_facts = None
     if encoded is None:
         status = "unchanged"
         logger.info("user %s: LATEST already names version %s", user, version)
     else:
+        # facts whose K/V came from the previous version / a forward pass in this run (a
+        # cached KV cost neither)
+        reused, encoded_facts = (0, 0) if cached else (encoded.stats["reused"],
+                                                       encoded.stats["encoded"])
+        logger.info("user %s: %s", user, "KV from the task cache" if cached else
+                    f"{reused} facts reused from version {current}, {encoded_facts} encoded")
         published = publish_version(cfg, user, encoded, facts.table, log_hash,
                                     facts.facts_hash, inputs_at)
         if published["version"] != version:
@@ -75,7 +85,8 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         kv_bytes = published["kv_bytes"]
     record_lineage(cfg, model_fp, {user: version}, list(sources))
     return UserOutcome(user, status, version, reason, facts=facts.table.num_rows,
-                       turns=turns.num_rows, kv_bytes=kv_bytes,
+                       turns=turns.num_rows, reused=reused, encoded=encoded_facts,
+                       kv_bytes=kv_bytes,
                        seconds=time.perf_counter() - t0,
                        artifact_key=artifact_key(user, model_fp),
                        worker=f"{socket.gethostname()}:{os.getpid()}").to_dict()

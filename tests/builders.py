@@ -22,6 +22,7 @@ class Chunk:
     token_ids: list[int]
     keys: torch.Tensor  # [L, T, H, D]
     values: torch.Tensor  # [L, T, H, D]
+    content_key: str | None = None
 
 
 @dataclass

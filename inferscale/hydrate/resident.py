@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +67,7 @@ class Resident:
     token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
     tier: str = "gpu"  # where the slab is (the store sets it when it places the slab)
     manifest: Manifest | None = None  # the version's manifest, when read by hydration
+    content_keys: dict[str, str] = field(default_factory=dict)  # chunk_id -> key (kv v2+)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +77,16 @@ class Resident:
         """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
+
+    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
+        encoder's chunk layout), for every chunk stored with a key. Called by the pipeline
+        to reuse a previous version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
+        out = {}
+        for chunk_id, key in self.content_keys.items():
+            rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
+            out[key] = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
+        return out
 
     def rows(self, chunk_ids: list[str]) -> list[tuple[int, int]]:
         """(offset, length) of each chunk, in request order; KeyError if unknown."""

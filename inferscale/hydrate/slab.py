@@ -127,7 +127,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                 f"({loc.describe(version)})") from exc
     check_digest(loc, manifest, KV_FILE, digest)
 
-    layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
+    layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest, expected)
     source = dev_buf if dev_buf is not None else host
     dtype = torch_dtype(layout.dtype)
     if layout.slab_bytes:
@@ -135,7 +135,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
     return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
-                    token_ids, tier, manifest)
+                    token_ids, tier, manifest, keys)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
@@ -248,7 +248,8 @@ def _advise(mm: mmap.mmap, name: str) -> None:
 
 
 def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
-    """Verified kv.arrow bytes -> (layout, index, token ids, slab byte offset in ``buf``)."""
+    """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
+    in ``buf``)."""
     base = pa.py_buffer(buf)
     try:
         reader = pa.ipc.open_file(base)
@@ -260,6 +261,8 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
         offsets = batch.column("offset").to_pylist()
         lengths = batch.column("length").to_pylist()
         tokens = batch.column("token_ids").to_pylist()
+        keys = (batch.column("content_key").to_pylist()
+                if "content_key" in batch.schema.names else [None] * len(ids))
         kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
         kv = batch.column("kv")
         want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
@@ -290,4 +293,6 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
             raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
                                   f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
     index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
-    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, slab_offset
+    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
+    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys, \
+        slab_offset

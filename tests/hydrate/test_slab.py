@@ -151,7 +151,7 @@ def test_admission_refuses_before_reading_the_kv(published):
         seen.append(manifest.version)
         budgets.fit_tier(manifest.user, slab_nbytes(manifest), "gpu")
 
-    store.filesystem().rm(loc.file(r.version, "kv.arrow"))
+    store.filesystem().rm(kv_path(loc, r))
     before = dict(READS)
     with pytest.raises(ResidencyError, match="exceed the gpu budget"):
         hydrate(store, "dana", FP, admit=admit)
@@ -217,22 +217,60 @@ def test_newer_manifest_schema(published):
         hydrate(store, "dana", FP)
 
 
-def test_newer_kv_schema(published):
-    store, loc, r = published
+def rewrite_kv(store, loc, r, table: pa.Table, metadata: dict) -> None:
+    """Replace a version's kv file with ``table`` under ``metadata``; fix the manifest."""
     path = kv_path(loc, r)
-    table = pa.ipc.open_file(pa.py_buffer(read(store, path))).read_all()
-    meta = {**table.schema.metadata, b"inferscale.schema_version": b"2"}
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w:
-        w.write_table(table.replace_schema_metadata(meta))
+    schema = table.schema.with_metadata(metadata)
+    with pa.ipc.new_file(sink, schema) as w:
+        w.write_table(table.replace_schema_metadata(metadata).combine_chunks())
     data = sink.getvalue().to_pybytes()
     write(store, path, data)
+    buf = pa.py_buffer(data)
+    values = pa.ipc.open_file(buf).get_batch(0).column("kv").values
+    slab_offset = values.buffers()[1].address - buf.address
     files = {**r.manifest.files, "kv.arrow": FileEntry(
         len(data), xxhash.xxh3_128_hexdigest(data), r.manifest.files["kv.arrow"].stored_as)}
-    rewrite_manifest(store, loc, r.version, files=files)
-    with pytest.raises(ArtifactSchemaError, match=r"kv\.\w+\.arrow: kv schema version 2 is newer") as err:
+    rewrite_manifest(store, loc, r.version, files=files,
+                     kv={**r.manifest.kv, "slab_offset": slab_offset})
+
+
+def test_newer_kv_schema(published):
+    store, loc, r = published
+    table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"3"})
+    with pytest.raises(ArtifactSchemaError,
+                       match=r"kv\.\w+\.arrow: kv schema version 3 is newer") as err:
         hydrate(store, "dana", FP)
     assert isinstance(err.value, SchemaVersionError)
+
+
+def test_kv_schema_version_1_still_hydrates(published):
+    """A kv.arrow written before content keys (schema 1) reads as before, with no keys."""
+    store, loc, r = published
+    memory, *_ = make_inputs("dana", 12)
+    table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
+    assert table.column("content_key").null_count == table.num_rows  # builders set none
+    v1 = table.drop_columns(["content_key"])
+    rewrite_kv(store, loc, r, v1, {**table.schema.metadata, b"inferscale.schema_version": b"1"})
+    h = hydrate(store, "dana", FP)
+    check(h, memory)
+    assert h.content_keys == {} and h.kv_by_content_key() == {}
+
+
+def test_content_keys_hydrate_as_views_of_the_slab(local_store):
+    memory, facts, lineage = make_inputs("erin", 4, dtype=torch.float32)
+    for i, c in enumerate(memory.chunks[1:]):
+        c.content_key = f"key-{i}"
+    publish(local_store, "erin", memory, facts, lineage, embeddings=False)
+    h = hydrate(local_store, "erin", FP)
+    assert h.content_keys == {c.chunk_id: f"key-{i}" for i, c in enumerate(memory.chunks[1:])}
+    rows = h.kv_by_content_key()
+    assert set(rows) == {f"key-{i}" for i in range(4)}
+    for i, c in enumerate(memory.chunks[1:]):
+        k, v = rows[f"key-{i}"]
+        assert torch.equal(k, c.keys) and torch.equal(v, c.values)  # [L, T, H, D]
+        assert k.data_ptr() == h.chunk(c.chunk_id)[:, 0].data_ptr()  # no copy
 
 
 def test_manifest_layout_disagrees_with_kv(published):
