@@ -10,10 +10,10 @@ artifacts, built from LoCoMo turns, their questions and how often each one asks.
   (version, manifest, facts table). Users of one group hold the same facts, so their KV
   slabs are the same bytes: the group's first user is published by
   :func:`~inferscale.artifacts.publish.publish`, the others by :func:`publish_linked`,
-  whose ``kv.arrow`` is a hard link to the first user's. A machine thus stores
-  ``groups`` slabs on disk, not ``users``, and reads them back through its page cache;
-  in the serving worker every user is hydrated into a slab of its own (residency, tiers
-  and budgets count every user).
+  whose KV file (``kv.<nonce>.arrow``) is a hard link to the first user's. A machine
+  thus stores ``groups`` slabs on disk, not ``users``, and reads them back through its
+  page cache; in the serving worker every user is hydrated into a slab of its own
+  (residency, tiers and budgets count every user).
 - **KV.** A real model: every pooled turn some group holds is encoded once with ``w = 0``
   (the fact right after the serving prefix, the default context without a window: it
   depends on nothing else, so one encoding serves every group), then assembled per group.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +45,7 @@ import torch
 from benchmarks.memory_setup import load_turns
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import FACTS_FILE, KV_FILE, MANIFEST_FILE, StoreConfig
+from inferscale.artifacts.latest import inputs_time, point_latest
 from inferscale.artifacts.publish import Lineage, publish, version_id
 from inferscale.encode.compose import Composer, memory_text
 from inferscale.encode.encoder import (
@@ -160,32 +162,36 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
 def publish_linked(store: StoreConfig, user: str, source: Manifest, facts: pa.Table,
                    lineage: Lineage) -> str:
     """Publish ``user``'s version holding the same KV as the published version
-    ``source``: its own facts table and manifest, its ``kv.arrow`` a hard link to the
-    source's (a local store only). Hydration verifies it like any artifact (sizes,
-    checksums, fingerprint)."""
+    ``source``: its own facts table and manifest, its KV file a hard link to the
+    source's (a local store only), then ``LATEST``. The files are not re-read here (the
+    source's KV file verified when it was published); hydration verifies them like any
+    artifact's (sizes, checksums, fingerprint)."""
     if not os.path.isdir(store.root):
         raise ValueError("publish_linked needs a local artifact store (hard links)")
     fp = source.model_fingerprint
     src_loc, loc = Location(store, source.user, fp), Location(store, user, fp)
     version = version_id(user, lineage, fp, source.encoder_config)
+    nonce = uuid.uuid4().hex[:16]
 
     def write_facts(w) -> None:
         with pa.ipc.new_file(w, facts.schema) as writer:
             writer.write_table(facts)
 
-    out = loc.blobs.write_stream(loc.file(version, FACTS_FILE), write_facts)
-    kv_path = loc.file(version, KV_FILE)
-    if not os.path.exists(kv_path):
-        os.link(src_loc.file(source.version, KV_FILE), kv_path)
+    facts_name = f"facts.{nonce}.arrow"
+    out = loc.blobs.write_stream(loc.file(version, facts_name), write_facts)
+    kv = source.files[KV_FILE]
+    kv_name = kv.stored_name(KV_FILE)
+    os.link(src_loc.file(source.version, kv_name), loc.file(version, kv_name))
     manifest = Manifest(
         user=user, model_fingerprint=fp, version=version, encoder_config=source.encoder_config,
         parents={"log": lineage.log_hash, "facts": lineage.facts_hash},
-        files={FACTS_FILE: FileEntry(out.nbytes, out.xxh3_128), KV_FILE: source.files[KV_FILE]},
+        files={FACTS_FILE: FileEntry(out.nbytes, out.xxh3_128, facts_name), KV_FILE: kv},
         counts=dict(source.counts, facts=facts.num_rows), kv=dict(source.kv),
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        producer=f"{source.producer} (kv.arrow linked from {source.user})")
-    loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json())
-    loc.blobs.replace(loc.latest, (version + "\n").encode())
+        producer=f"{source.producer} (KV file linked from {source.user})")
+    if not loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json()):
+        raise FileExistsError(f"{loc.describe(version)} exists: use a fresh --workdir")
+    point_latest(loc, version, inputs_time(None))
     return version
 
 

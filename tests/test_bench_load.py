@@ -51,6 +51,11 @@ def users(tmp_path):
     return convs, lu.pool_turns(convs, tok), tok
 
 
+def _kv_path(store, resident) -> str:
+    name = resident.manifest.files[KV_FILE].stored_name(KV_FILE)
+    return Location(store, resident.user, FP).file(resident.version, name)
+
+
 def test_groups_windows_and_users():
     groups = lu.make_groups(pool_size=10, groups=3, facts=4, users=7)
     assert [g.turns for g in groups] == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
@@ -79,12 +84,12 @@ def test_linked_users_hydrate_verified_and_share_one_file(tmp_path, users):
         first, *others = group.users
         a = hydrate(store, first, FP, device="cpu")  # checksums, sizes, fingerprint verified
         assert a.nbytes == versions[first]["slab_bytes"]
-        inode = os.stat(Location(store, first, FP).file(a.version, KV_FILE)).st_ino
+        inode = os.stat(_kv_path(store, a)).st_ino
         for user in others:
             b = hydrate(store, user, FP, device="cpu")
             assert b.user == user and b.version == versions[user]["version"] != a.version
             assert torch.equal(a.slab, b.slab) and a.index == b.index
-            assert os.stat(Location(store, user, FP).file(b.version, KV_FILE)).st_ino == inode
+            assert os.stat(_kv_path(store, b)).st_ino == inode
         # the group's facts, in its pooled order; every user's table names that user
         assert len(a.index) == 1 + len(group.turns)
     # two groups hold different memories

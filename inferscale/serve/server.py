@@ -1,13 +1,18 @@
 """The memory server: retrieval, composition and the engine, per request.
 
-Per request: the user's facts (loaded once per user from their artifact version) ->
-embed the query -> exact top-k of that user's facts (on the GPU when there is one) ->
+Per request: the user's facts (:mod:`inferscale.serve.memory_cache`: loaded off the event
+loop, refreshed from LATEST every ``INFERSCALE_SERVE_REFRESH_S``, bounded by a byte
+budget) -> embed the query -> exact top-k of that user's facts (on the GPU when there is
+one) ->
 compose ``[instruction prefix | facts | query]`` from stored token ids -> generate on the
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
 and the same retrieval); a request without a user or whose user has no memory is
-answered from the question alone (mode ``none``). Every finished request is counted in
-the server's metrics (:mod:`inferscale.serve.metrics`).
+answered from the question alone (mode ``none``). Every request carries a ``cache_salt``
+derived from its user, its memory's version and the mode
+(:func:`inferscale.serve.engine.request_salt`), so no two users share prefix-cache
+blocks. Every finished request is counted in the server's metrics
+(:mod:`inferscale.serve.metrics`).
 
 Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 """
@@ -20,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.encode.compose import Composer, memory_layout
-from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, MemoryRef
+from inferscale.serve.engine import (
+    EngineConfig, Generation, MemoryEngine, MemoryRef, request_salt,
+)
+from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
 from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 
@@ -28,32 +36,37 @@ log = logging.getLogger("inferscale.serve")
 Mode = Literal["kv", "prompt"]
 
 
-@dataclass
-class UserMemory:
-    """What the server holds per user: the version, facts and their retrieval index."""
+class PromptTooLong(ValueError):
+    """A composed prompt plus ``max_tokens`` beyond the engine's ``max_model_len``."""
 
-    user: str
-    version: str
-    fact_ids: list[str]
-    texts: list[str]
-    token_ids: dict[str, list[int]]  # chunk id -> token ids ("prefix" included)
-    index: Any  # retrieval.FactIndex
-    source_index: dict[str, int]  # fact id -> source turn index (chronological order)
-    memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
-    text_tail: int = 0
+
+@dataclass
+class Prepared:
+    """One request ready for the engine: prompt ids, memory to inject, salt, info."""
+
+    ids: list[int]
+    ref: MemoryRef | None
+    salt: str
+    info: dict
 
 
 class MemoryServer:
     """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`."""
 
     def __init__(self, engine: MemoryEngine, tokenizer: Any, embedder: Any, store: Any,
-                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128):
+                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
+                 cache: MemoryCacheConfig | None = None):
         self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
         self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
         self.fp = engine.config.model_fingerprint
-        self.users: dict[str, UserMemory] = {}
+        self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
         self.metrics = ServingMetrics()  # what it answered; the app's /metrics renders it
+
+    @property
+    def users(self) -> dict[str, str | None]:
+        """user -> version held (None: no usable memory)."""
+        return self.memories.held()
 
     def _composer(self, instruction: str | None) -> Composer:
         key = instruction or ""
@@ -62,8 +75,9 @@ class MemoryServer:
                                     else Composer(self.tokenizer))
         return self._composers[key]
 
-    def load_user(self, user: str, version: str = "latest") -> UserMemory:
-        """Read a user's facts (texts, token ids, embeddings) for retrieval and composition."""
+    def read_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read a user's facts (texts, token ids, embeddings) for retrieval and
+        composition. Blocking: the cache runs it on its thread pool."""
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
@@ -74,40 +88,37 @@ class MemoryServer:
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
         enc = manifest.encoder_config
-        mem = UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                         token_ids, FactIndex.from_table(facts, device=self.embedder.device),
-                         dict(zip(fact_ids, facts.column("source_index").to_pylist())),
-                         enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
-        self.users[user] = mem
-        return mem
+        return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
+                          token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                          dict(zip(fact_ids, facts.column("source_index").to_pylist())),
+                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
 
-    def memory_of(self, user: str | None) -> UserMemory | None:
-        if user is None:
-            return None
-        mem = self.users.get(user)
-        if mem is None:
-            try:
-                mem = self.load_user(user)
-            except Exception as exc:  # noqa: BLE001 - no memory: answer without it
-                log.info("user %s has no usable memory (%s); answering without it", user, exc)
-                return None
-        return mem
+    def latest_version(self, user: str) -> str | None:
+        from inferscale.artifacts.read import latest_version
 
-    def prepare(self, user: str | None, question: str, k: int | None = None,
-                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
-        """Embed, retrieve and compose: prompt ids, the memory to inject, timings.
+        return latest_version(self.store, user, self.fp)
+
+    def load_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read and hold ``version`` now, in this thread (benchmarks); an explicit
+        version is pinned."""
+        memory = self.read_user(user, version)
+        self.memories.put(memory, pinned=version != "latest")
+        return memory
+
+    def compose(self, mem: UserMemory | None, user: str | None, question: str,
+                k: int | None = None, mode: Mode | None = None) -> Prepared:
+        """Embed, retrieve and compose for ``user`` whose memory is ``mem``.
 
         ``mode`` overrides the server's mode for this request (A/B on one engine)."""
         mode = mode or self.mode
         t0 = time.perf_counter()
-        mem = self.memory_of(user)
         composer = self._composer(None)
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:  # no memory to use: the question alone
             info["mode"] = "none"
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
-            return ids, None, info
+            return Prepared(ids, None, request_salt(user, None, mode), info)
         q = self.embedder.embed([question])
         t1 = time.perf_counter()
         facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
@@ -120,27 +131,58 @@ class MemoryServer:
         chunks = (PREFIX_ID, *injected)
         ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
                                   [mem.token_ids[c] for c in tail])
-        ref = MemoryRef(mem.user, mem.version, chunks) if mode == "kv" else None
+        # the version this server serves the user from: the workers replace an older one
+        ref = MemoryRef(mem.user, mem.version, chunks, supersedes=True) if mode == "kv" else None
+        salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
         info.update(facts=list(facts), version=mem.version, memory_tokens=m,
                     text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
                         "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
                         "compose": (t3 - t2) * 1e3})
-        return ids, ref, info
+        return Prepared(ids, ref, salt, info)
 
-    async def answer_stream(self, user: str | None, question: str, *, k: int | None = None,
-                            max_tokens: int | None = None, temperature: float = 0.0,
-                            mode: Mode | None = None, ignore_eos: bool = False
-                            ) -> AsyncIterator[str | dict]:
-        """Answer as tokens arrive: yield the text of each new output (``""`` for tokens
-        without text of their own yet), then ``{"generation", "info"}`` as
-        :meth:`answer` returns it. The finished request is counted in :attr:`metrics`."""
+    def prepare(self, user: str | None, question: str, k: int | None = None,
+                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
+        """:meth:`compose` with the memory held now, read in this thread if it is not
+        (benchmarks); serving uses :meth:`request`."""
+        mem = None
+        if user is not None:
+            mem = self.memories.peek(user)
+            if mem is None:
+                try:
+                    mem = self.load_user(user)
+                except Exception as exc:  # noqa: BLE001 - no memory: answer without it
+                    log.info("user %s has no usable memory (%s)", user, exc)
+        p = self.compose(mem, user, question, k, mode)
+        return p.ids, p.ref, p.info
+
+    async def request(self, user: str | None, question: str, k: int | None = None,
+                      mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
+        """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
+        when the prompt and ``max_tokens`` exceed the engine's context."""
         t0 = time.perf_counter()
-        ids, ref, info = self.prepare(user, question, k, mode)
+        mem = await self.memories.get(user) if user is not None else None
+        p = self.compose(mem, user, question, k, mode)
+        p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
+        limit = self.engine.config.max_model_len
+        if len(p.ids) + (max_tokens or self.max_tokens) > limit:
+            raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "
+                                f"{max_tokens or self.max_tokens} it exceeds the model's "
+                                f"{limit}")
+        return p
+
+    async def answer_stream(self, p: Prepared, started: float, *, max_tokens: int | None = None,
+                            temperature: float = 0.0, ignore_eos: bool = False
+                            ) -> AsyncIterator[str | dict]:
+        """Generate the prepared request (:meth:`request`, begun at ``started``,
+        ``time.perf_counter()``) as tokens arrive: yield the text of each new output
+        (``""`` for tokens without text of their own yet), then ``{"generation",
+        "info"}`` as :meth:`answer` returns it. The finished request is counted in
+        :attr:`metrics`. The app's streaming responses call this."""
         first = gen = None
         async for item in self.engine.generate_stream(
-                ids, ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
-                ignore_eos=ignore_eos):
+                p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
+                ignore_eos=ignore_eos, cache_salt=p.salt):
             if isinstance(item, Generation):
                 gen = item
                 continue
@@ -148,8 +190,9 @@ class MemoryServer:
                 first = time.perf_counter()
             yield item
         assert gen is not None
+        info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
-                                  query_to_first_token=((first or t0) - t0) * 1e3)
+                                  query_to_first_token=((first or started) - started) * 1e3)
         info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
                     completion_tokens=len(gen.token_ids))
         if gen.fallback:
@@ -160,25 +203,28 @@ class MemoryServer:
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
                      mode: Mode | None = None, ignore_eos: bool = False) -> dict:
-        """Retrieve, compose, generate: ``{"generation": Generation, "info": dict}``
-        (``info``: mode, facts, version, memory/tail/injected tokens, the fallback if
-        any, and timings in ms: embed, retrieve, compose, engine_ttft,
-        query_to_first_token)."""
-        async for item in self.answer_stream(user, question, k=k, max_tokens=max_tokens,
-                                             temperature=temperature, mode=mode,
-                                             ignore_eos=ignore_eos):
+        """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
+        dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
+        fallback if any, and timings in ms: memory, embed, retrieve, compose,
+        engine_ttft, query_to_first_token)."""
+        started = time.perf_counter()
+        max_tokens = max_tokens or self.max_tokens
+        p = await self.request(user, question, k, mode, max_tokens)
+        async for item in self.answer_stream(p, started, max_tokens=max_tokens,
+                                             temperature=temperature, ignore_eos=ignore_eos):
             if isinstance(item, dict):
                 return item
         raise RuntimeError("the answer finished without a result")
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
-        """Load ``user``'s facts (for retrieval) and KV (into the engine's ``tier``)."""
-        mem = self.load_user(user, version)
+        """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
+        and KV (into the engine's ``tier``)."""
+        mem = await self.memories.load(user, version)
         result = await self.engine.hydrate(user, version=mem.version, tier=tier)
         return {**result, "facts": len(mem.fact_ids)}
 
     async def evict(self, user: str) -> bool:
-        self.users.pop(user, None)
+        self.memories.drop(user)
         return await self.engine.evict(user)
 
 
@@ -207,5 +253,7 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k)
+    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
+                          cache=MemoryCacheConfig(settings.serve_refresh_s,
+                                                  settings.serve_memory_budget_bytes))
     return server, settings.model

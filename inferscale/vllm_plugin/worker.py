@@ -32,6 +32,7 @@ import torch
 
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.hydrate.slab import READS
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.compat import attention_layers, find_rotary
 from inferscale.vllm_plugin.config import ConnectorConfig
@@ -69,7 +70,7 @@ class ConnectorWorker:
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
                                    config.host_budget_bytes, self.model_dtype)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
-                                     config.storage_options)
+                                     config.storage_options, config.reload_workers)
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
         self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
@@ -123,7 +124,8 @@ class ConnectorWorker:
     def status(self) -> dict:
         store = self.store
         return {"residents": store.residents(), "loaded_tokens": self.loaded_tokens,
-                "reloads": self.loader.reloads,
+                "reloads": self.loader.reloads, "reload_failures": self.loader.reload_failures,
+                "kv_reads": dict(READS),  # kv.arrow reads started (hydrations, reloads)
                 "load_failures": self.failures.count,  # loads recomputed instead (logged)
                 "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
                 "inject_calls": self.inject_calls,

@@ -83,3 +83,30 @@ def test_an_admin_eviction_stops_reloads_until_the_next_load(published):
     assert loader.store.get("ann", version) is None
     loader.load("ann", version, "gpu")  # an admin hydration lifts the eviction
     assert "ann" not in loader.admin_evicted and loader.store.get("ann", version) is not None
+
+
+def test_a_slab_over_every_budget_is_refused_before_it_is_read(published):
+    """Admin loads and background reloads check the manifest's size against the budgets
+    first: nothing of kv.arrow is read, the refusal is counted once per reload."""
+    from inferscale.hydrate.resident import ResidencyError
+    from inferscale.hydrate.slab import READS
+
+    store, _, version = published
+    loader = ResidentLoader(ResidentStore("cpu", 0, 64), FP, store.root, store.storage_options)
+    before = dict(READS)
+    with pytest.raises(ResidencyError, match="exceed the gpu budget"):
+        loader.load("ann", version, "gpu")
+    loader.reload_in_background("ann", version, "host")
+    (failed,) = _wait(loader.take_failures)
+    assert "exceed the host budget" in failed[2] and loader.reload_failures == 1
+    assert READS == before and loader.store.get("ann", version) is None
+
+
+def test_background_reloads_of_one_version_run_once_at_a_time(published):
+    store, _, version = published
+    loader = _loader(store)
+    for _ in range(20):  # a burst of orders for the same user and version
+        loader.reload_in_background("ann", version, "host")
+    _wait(lambda: loader.store.get("ann", version))
+    time.sleep(0.5)  # orders that were queued behind the first one find it resident
+    assert loader.reloads == 1 and loader.take_failures() == []
