@@ -160,13 +160,21 @@ class ServerProcess:
             time.sleep(1)
 
     def stop(self) -> None:
+        """SIGTERM (uvicorn stops, the engine shuts down), then whatever of the server's
+        process group is left (vLLM's engine core and workers) is killed."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # uvicorn stops, the engine shuts down
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+                pass
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(self.proc.pid, sig)  # its own session: nothing else is in it
+            except ProcessLookupError:
+                break
+            time.sleep(wait)
+        self.proc.wait(30)
         self.log.close()
 
 

@@ -213,9 +213,20 @@ async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                     port: int, limits: RequestLimits | None = None,
                     log_level: str = "info") -> None:
     """Serve :func:`create_app` on ``host:port`` until stopped, then shut the engine down
-    (``inferscale serve``; the load benchmark's server process)."""
+    (``inferscale serve``; the load benchmark's server process).
+
+    uvicorn re-raises SIGTERM once it has stopped serving; the default action would end
+    the process before the engine shuts down, leaving vLLM's engine-core process and its
+    workers behind. So a SIGTERM ends this coroutine with ``SystemExit`` instead, through
+    the shutdown below (main thread only: a thread cannot set signal handlers)."""
+    import signal
+    import sys
+    import threading
+
     import uvicorn
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         app = create_app(server, policy, model_name, limits)
         await uvicorn.Server(uvicorn.Config(app, host=host, port=port,
