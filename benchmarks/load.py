@@ -24,11 +24,12 @@ Per step: TTFT p50/p99 (client), query-to-first-token p50/p99 (server, in the re
 extras), engine TTFT, end-to-end latency, output tokens/s, dispatch lag, fallbacks by
 reason, and what ``/metrics`` says changed (reloads, failed loads, residents per tier).
 Goodput of a mode: the highest rate whose p99 TTFT met the objective (a request that
-failed or did not finish counts as missing it). Summary: both goodputs and
-``goodput_vs_prompt``. The result file is rewritten after every step.
+failed or did not finish counts as missing it; :mod:`benchmarks.load_stats`). Summary:
+both goodputs and ``goodput_vs_prompt``. The result file is rewritten after every step.
 
-    python benchmarks/load.py --model embedded --users 20 --facts 400 \\
-        --out benchmarks/results/load-cpu-smollm2.json
+    python benchmarks/load.py --users 20 --groups 2 --facts 200 --objective-ms 6000 \\
+        --rates 0.06 0.1 0.15 0.25 0.4 0.6 0.9 1.35 --requests 10 --gpu-budget-gib 1 \\
+        --host-budget-gib 1.5 --kv-cache-gib 2 --out benchmarks/results/load-cpu-smollm2.json
     bash benchmarks/gpu/h200.sh load  # the H200 run: 200 users, Llama-3.1-8B shape
 
 Starts an engine (in the server process): run as a script.
@@ -39,13 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,192 +58,11 @@ offline_environment()
 import torch  # noqa: E402
 
 from benchmarks.common import command_line  # noqa: E402
+from benchmarks.load_server import (  # noqa: E402
+    Http, ServerProcess, free_port, metrics_delta, scrape, wait_idle,
+)
+from benchmarks.load_stats import GIB, MODES, machine, step_summary, summarize  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-MODES = ("prompt", "kv")
-GIB = 1 << 30
-
-
-# ------------------------------------------------------------------------ statistics
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile; ``inf`` entries (failed requests) count as the
-    largest values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    rank = p / 100 * (len(xs) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    if math.isinf(xs[hi]) and rank > lo or math.isinf(xs[lo]):
-        return math.inf
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
-
-def finite(x: float) -> float | None:
-    return None if x is None or not math.isfinite(x) else round(x, 2)
-
-
-def step_summary(records: list[dict], mode: str, rate: float, objective_ms: float) -> dict:
-    ok = [r for r in records if "error" not in r]
-    inf = math.inf
-    ttft = [r.get("ttft_ms", inf) if "error" not in r else inf for r in records]
-    e2e = [r.get("e2e_ms", inf) if "error" not in r else inf for r in records]
-    q2ft = [r["q2ft_ms"] for r in ok]
-    engine = [r["engine_ttft_ms"] for r in ok]
-    span = (max(r["end"] for r in ok) - min(r["sent"] for r in records)) if ok else math.nan
-    tokens = sum(r["tokens"] for r in ok)
-    reasons: dict[str, int] = {}
-    for r in ok:
-        if r.get("fallback_reason"):
-            reasons[r["fallback_reason"]] = reasons.get(r["fallback_reason"], 0) + 1
-    p99 = percentile(ttft, 99)
-    return {
-        "mode": mode, "rate": rate, "requests": len(records), "completed": len(ok),
-        "errors": sorted({r["error"] for r in records if "error" in r})[:5],
-        "ttft_p50_ms": finite(percentile(ttft, 50)), "ttft_p99_ms": finite(p99),
-        "q2ft_p50_ms": finite(percentile(q2ft, 50)), "q2ft_p99_ms": finite(percentile(q2ft, 99)),
-        "engine_ttft_p50_ms": finite(percentile(engine, 50)),
-        "engine_ttft_p99_ms": finite(percentile(engine, 99)),
-        "e2e_p50_ms": finite(percentile(e2e, 50)), "e2e_p99_ms": finite(percentile(e2e, 99)),
-        "output_tokens_per_s": finite(tokens / span) if span and span > 0 else None,
-        "achieved_rate": finite(len(records) / max(1e-9, max(r["scheduled"] for r in records))),
-        "dispatch_lag_p99_ms": finite(percentile([r["lag_ms"] for r in records], 99)),
-        "memory_tokens_p50": finite(percentile([r.get("memory_tokens", 0) for r in ok], 50)),
-        "injected_share": finite(sum(r.get("injected", 0) > 0 for r in ok) / len(ok))
-        if ok and mode == "kv" else None,
-        "fallbacks": reasons,
-        "meets_objective": bool(p99 <= objective_ms),
-    }
-
-
-# ------------------------------------------------------------------------ the server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """``benchmarks/load_server.py`` in a subprocess; its output goes to ``log``."""
-
-    def __init__(self, config: dict, work: Path, log: Path):
-        self.port = config["port"]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg_path = work / "server.json"
-        cfg_path.write_text(json.dumps(config))
-        self.log = open(log, "ab")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "load_server.py"),
-                                      str(cfg_path)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; "
-                                   f"see {self.log.name}")
-            try:
-                if Http(self.url, timeout=2).get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not answer within {timeout:.0f} s")
-            time.sleep(1)
-
-    def stop(self) -> None:
-        """SIGTERM (uvicorn stops, the engine shuts down), then whatever of the server's
-        process group is left (vLLM's engine core and workers) is killed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
-            try:
-                os.killpg(self.proc.pid, sig)  # its own session: nothing else is in it
-            except ProcessLookupError:
-                break
-            time.sleep(wait)
-        self.proc.wait(30)
-        self.log.close()
-
-
-class Http:
-    """A blocking client of the server's own endpoints (health, admin, metrics), from the
-    standard library: no proxy, nothing the GPU machine might lack."""
-
-    def __init__(self, base: str, timeout: float = 600):
-        import urllib.request
-
-        self.base, self.timeout = base, timeout
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def _call(self, req) -> tuple[int, str]:
-        import urllib.error
-
-        try:
-            with self.opener.open(req, timeout=self.timeout) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
-
-    def get(self, path: str) -> tuple[int, str]:
-        return self._call(self.base + path)
-
-    def post(self, path: str, body: dict) -> tuple[int, str]:
-        import urllib.request
-
-        return self._call(urllib.request.Request(
-            self.base + path, data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json"}))
-
-
-def scrape(http: Http) -> dict:
-    """``/metrics`` -> {(sample name, sorted labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, text = http.get("/metrics")
-    if status != 200:
-        raise RuntimeError(f"/metrics answered {status}: {text[:200]}")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def metric(m: dict, name: str, **labels) -> float:
-    return sum(v for (n, lab), v in m.items()
-               if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items()))
-
-
-def metrics_delta(before: dict, after: dict) -> dict:
-    def moved(name: str) -> float:
-        return metric(after, name) - metric(before, name)
-
-    d = {name: moved(f"inferscale_{name}_total")
-         for name in ("reloads", "reload_failures", "worker_load_failures")}
-    d["fallbacks"] = {lab[0][1]: v - before.get((n, lab), 0.0) for (n, lab), v in after.items()
-                      if n == "inferscale_fallbacks_total" and v - before.get((n, lab), 0.0)}
-    d["resident_users"] = {t: metric(after, "inferscale_resident_users", tier=t)
-                           for t in ("gpu", "host")}
-    d["preemptions"] = moved("vllm:num_preemptions_total")
-    return d
-
-
-async def wait_idle(http, timeout: float) -> None:
-    """Until vLLM runs and queues no request (the previous step drained)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = await asyncio.to_thread(scrape, http)
-        if metric(m, "vllm:num_requests_running") + metric(m, "vllm:num_requests_waiting") == 0:
-            return
-        await asyncio.sleep(0.5)
 
 
 # ------------------------------------------------------------------------ load
@@ -413,43 +230,6 @@ async def warm_tiers(http, plan: dict[str, list[str]]) -> float:
 
 
 # ------------------------------------------------------------------------ the run
-
-
-def machine() -> dict:
-    load1, load5, _ = os.getloadavg()
-    out = {"loadavg_1m": round(load1, 2), "loadavg_5m": round(load5, 2),
-           "cpus": os.cpu_count()}
-    try:
-        import psutil
-
-        out["cpu_busy_percent"] = psutil.cpu_percent(interval=1.0)
-        out["mem_available_gib"] = round(psutil.virtual_memory().available / GIB, 1)
-    except ImportError:
-        pass
-    return out
-
-
-def goodput(rows: list[dict], mode: str, rates: list[float]) -> dict:
-    """The highest rate whose p99 TTFT met the objective, before the first that did not."""
-    mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["rate"])
-    best, failed_at = 0.0, None
-    for r in mine:
-        if not r["meets_objective"]:
-            failed_at = r["rate"]
-            break
-        best = r["rate"]
-    return {"goodput_rps": best, "first_miss_rps": failed_at,
-            "lower_bound": failed_at is None,  # never missed within the rates run
-            "below_lowest_rate": bool(mine) and best == 0.0}
-
-
-def summarize(rows: list[dict], args) -> dict:
-    good = {m: goodput(rows, m, args.rates) for m in MODES}
-    kv, prompt = good["kv"]["goodput_rps"], good["prompt"]["goodput_rps"]
-    return {"objective": f"p99 TTFT <= {args.objective_ms:g} ms",
-            "goodput_kv_rps": kv, "goodput_prompt_rps": prompt,
-            "goodput_vs_prompt": round(kv / prompt, 2) if prompt else None,
-            "kv": good["kv"], "prompt": good["prompt"]}
 
 
 async def measure(args, result: dict, out: Path | None) -> dict:

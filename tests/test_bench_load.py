@@ -1,6 +1,6 @@
 """The load benchmark's pieces without an engine: users in memory groups whose linked
 artifacts hydrate and verify like any other, their questions and popularity, the tier
-plan, and the statistics that decide goodput (benchmarks/load.py, load_users.py)."""
+plan, and the statistics that decide goodput (benchmarks/load.py, load_users.py, load_stats.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import load
+from benchmarks import load, load_stats
 from benchmarks import load_users as lu
 from inferscale.artifacts.layout import KV_FILE, StoreConfig
 from inferscale.artifacts.blobs import Location
@@ -123,16 +123,16 @@ def test_popularity_is_zipf():
 def test_tier_plan_fills_gpu_then_host():
     args = SimpleNamespace(gpu_budget_gib=2.0, host_budget_gib=1.5)
     users = ["u0", "u1", "u2", "u3", "u4"]
-    plan = load.tier_plan(users, dict.fromkeys(users, 3 * load.GIB // 4), args)
+    plan = load.tier_plan(users, dict.fromkeys(users, 3 * load_stats.GIB // 4), args)
     assert plan == {"gpu": ["u0", "u1"], "host": ["u2", "u3"], "storage": ["u4"]}
 
 
 def test_percentile_counts_failures_as_largest():
-    assert load.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert load.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
-    assert load.percentile([1.0] * 99 + [math.inf], 50) == 1.0
-    assert load.percentile([1.0] * 99 + [math.inf], 99) == math.inf
-    assert math.isnan(load.percentile([], 50))
+    assert load_stats.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert load_stats.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert load_stats.percentile([1.0] * 99 + [math.inf], 50) == 1.0
+    assert load_stats.percentile([1.0] * 99 + [math.inf], 99) == math.inf
+    assert math.isnan(load_stats.percentile([], 50))
 
 
 def _records(ttfts, error_at=None):
@@ -150,19 +150,21 @@ def _records(ttfts, error_at=None):
 
 
 def test_step_summary_and_goodput():
-    ok = load.step_summary(_records([50.0, 60.0, 70.0, 80.0]), "kv", 2.0, objective_ms=100)
+    ok = load_stats.step_summary(_records([50.0, 60.0, 70.0, 80.0]), "kv", 2.0,
+                                 objective_ms=100)
     assert ok["completed"] == 4 and ok["meets_objective"] and ok["ttft_p50_ms"] == 65.0
     assert ok["fallbacks"] == {"not_resident": 1} and ok["injected_share"] == 1.0
     assert ok["output_tokens_per_s"] == pytest.approx(32 / (1.5 + 0.18), rel=1e-3)
-    failed = load.step_summary(_records([50.0] * 4, error_at=2), "prompt", 4.0, objective_ms=100)
+    failed = load_stats.step_summary(_records([50.0] * 4, error_at=2), "prompt", 4.0,
+                                     objective_ms=100)
     assert failed["ttft_p99_ms"] is None and not failed["meets_objective"]
     assert failed["errors"] == ["APIConnectionError: refused"]
     rows = [dict(mode="kv", rate=r, meets_objective=r <= 8) for r in (2, 4, 8, 16)]
     rows += [dict(mode="prompt", rate=r, meets_objective=r <= 2) for r in (2, 4)]
-    s = load.summarize(rows, SimpleNamespace(objective_ms=250.0, rates=[2, 4, 8, 16]))
+    s = load_stats.summarize(rows, SimpleNamespace(objective_ms=250.0, rates=[2, 4, 8, 16]))
     assert (s["goodput_kv_rps"], s["goodput_prompt_rps"], s["goodput_vs_prompt"]) == (8, 2, 4.0)
     assert s["kv"]["first_miss_rps"] == 16 and not s["kv"]["lower_bound"]
-    never = load.goodput([dict(mode="kv", rate=1, meets_objective=True)], "kv", [1])
+    never = load_stats.goodput([dict(mode="kv", rate=1, meets_objective=True)], "kv", [1])
     assert never["lower_bound"] and never["goodput_rps"] == 1
-    below = load.goodput([dict(mode="kv", rate=1, meets_objective=False)], "kv", [1])
+    below = load_stats.goodput([dict(mode="kv", rate=1, meets_objective=False)], "kv", [1])
     assert below["below_lowest_rate"] and below["goodput_rps"] == 0.0
