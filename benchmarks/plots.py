@@ -180,7 +180,7 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     if objective:
         ax.axhline(objective, color="grey", ls="--", lw=1, label=f"objective {objective:g} ms")
     summary = data.get("summary") or {}
-    ratio = summary.get("goodput_vs_prompt")
+    ratio, above = summary.get("goodput_vs_prompt"), summary.get("goodput_vs_prompt_above")
     rates = sorted({r["rate"] for r in data["rows"]})
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -192,7 +192,11 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     ax.legend(fontsize=7)
     title = f"{path.stem}: {data.get('users')} users, k={data.get('top_k')}"
     if ratio is not None:
-        title += f", goodput vs prompt {ratio:g}"
+        bound = {"a lower bound": ">= ", "an upper bound": "<= "}.get(
+            summary.get("goodput_vs_prompt_is"), "")
+        title += f", goodput vs prompt {bound}{ratio:g}"
+    elif above is not None:
+        title += f", goodput vs prompt > {above:g}"
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     out = figures / f"{path.stem}.png"

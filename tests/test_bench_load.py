@@ -163,6 +163,16 @@ def test_step_summary_and_goodput():
     rows += [dict(mode="prompt", rate=r, meets_objective=r <= 2) for r in (2, 4)]
     s = load_stats.summarize(rows, SimpleNamespace(objective_ms=250.0, rates=[2, 4, 8, 16]))
     assert (s["goodput_kv_rps"], s["goodput_prompt_rps"], s["goodput_vs_prompt"]) == (8, 2, 4.0)
+    assert s["goodput_vs_prompt_is"] == "measured"
+    rows_kv_never_missed = [r for r in rows if r["rate"] != 16]
+    s = load_stats.summarize(rows_kv_never_missed, SimpleNamespace(objective_ms=250.0,
+                                                                   rates=[2, 4, 8, 16]))
+    assert s["goodput_vs_prompt"] == 4.0 and s["goodput_vs_prompt_is"] == "a lower bound"
+    rows_prompt_never_met = [r for r in rows if r["mode"] == "kv"] + [
+        dict(mode="prompt", rate=2, meets_objective=False)]
+    s = load_stats.summarize(rows_prompt_never_met, SimpleNamespace(objective_ms=250.0,
+                                                                    rates=[2, 4, 8, 16]))
+    assert s["goodput_vs_prompt"] is None and s["goodput_vs_prompt_above"] == 4.0
     assert s["kv"]["first_miss_rps"] == 16 and not s["kv"]["lower_bound"]
     never = load_stats.goodput([dict(mode="kv", rate=1, meets_objective=True)], "kv", [1])
     assert never["lower_bound"] and never["goodput_rps"] == 1

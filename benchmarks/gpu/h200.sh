@@ -148,8 +148,8 @@ case "${1:-}" in
     ;;
   load)  # issue 15: goodput under open-loop Poisson load, KV injection vs the prompt
     # baseline, through the OpenAI-compatible server. 200 users of 400 facts in 8 memory
-    # groups (kv.arrow hard-linked: 8 files on disk), ~2.8 GB of KV per user: the 64 GiB
-    # gpu tier and 64 GiB host tier hold the ~46 most active, the other ~150 are read from
+    # groups (KV files hard-linked: 8 on disk), ~2.7 GB of KV per user: the 64 GiB gpu
+    # tier and 64 GiB host tier hold the ~50 most active, the other ~150 are read from
     # storage by a reload when first asked for. vLLM's own KV cache: 24 GiB.
     rm -rf /tmp/load-work
     run load-h200-llama31-8b 550 python benchmarks/load.py --model llama-3.1-8b-shape \
