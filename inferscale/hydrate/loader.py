@@ -73,9 +73,15 @@ class ResidentLoader:
 
     def reload_in_background(self, user: str, version: str, tier: str) -> None:
         """Start a thread that loads ``user``'s ``version`` into ``tier`` (unless an admin
-        evicted the user); its failure is kept for :meth:`take_failures`."""
+        evicted the user, or the store already holds that version: under tensor
+        parallelism the scheduler orders a reload when any rank lacks the user, and the
+        ranks that hold it have nothing to do); its failure is kept for
+        :meth:`take_failures`."""
         if user in self.admin_evicted:
             self.record_failure(user, version, "evicted by an admin")
+            return
+        held = self.store.held(user)
+        if held is not None and held.version == version:
             return
         threading.Thread(target=self._reload, args=(user, version, tier), daemon=True,
                          name=f"inferscale-reload-{user}").start()

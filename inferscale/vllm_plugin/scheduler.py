@@ -4,7 +4,9 @@ A request names its memory in ``kv_transfer_params["inferscale"]``: ``user``, ``
 and the ordered ``chunks`` (``"prefix"`` then fact ids). :class:`ConnectorScheduler`
 keeps a *residency view* — which (user, version) the workers hold, under which model
 fingerprint, and each chunk's token ids — built only from what the workers report
-(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`).
+(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`). Under tensor parallelism
+each rank holds its own KV heads of a user and reports on its own: the view is kept per
+rank, and a user is resident only when every rank holds that version.
 :meth:`~ConnectorScheduler.get_num_new_matched_tokens` reports the memory tokens as
 externally available only when the user's version is resident, the fingerprint is the
 engine's, every chunk is known and the prompt begins with exactly the chunks' token ids;
@@ -62,11 +64,12 @@ def _params(request: "Request") -> dict | None:
 class ConnectorScheduler:
     """The scheduler half: residency view, admission, per-step load specs."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int):
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1):
         self.config = config
         self.block_size = block_size
-        self._view: dict[tuple[str, str], ResidentInfo] = {}
-        self._held: dict[str, str] = {}  # user -> version the workers hold
+        self.tp_size = tp_size
+        # per tensor-parallel rank: user -> the version that rank holds
+        self._ranks: list[dict[str, ResidentInfo]] = [{} for _ in range(tp_size)]
         self._plans: dict[str, _Plan] = {}
         self._to_load: dict[str, _Plan] = {}
         self._reloads: dict[tuple[str, str], ReloadOrder] = {}
@@ -102,7 +105,8 @@ class ConnectorScheduler:
             self._plans.pop(request.request_id, None)
             return 0, False
         self._fallbacks.pop(request.request_id, None)
-        info = self._view[(user, version)]
+        info = self._resident(user, version)
+        assert info is not None
         memory = sum(len(info.token_ids[c]) for c in chunks)
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
         if end <= num_computed_tokens:
@@ -124,13 +128,16 @@ class ConnectorScheduler:
         """Why this request's memory cannot be injected, or None when it can."""
         if self._disabled:
             return self._disabled
-        info = self._view.get((user, version))
+        info = self._resident(user, version)
         if info is None:
-            held = self._held.get(user)
-            if held is None:
-                self._order_reload(user, version)
-                return "user not resident"
-            return f"stale version (workers hold {held[:12]})"
+            held = [r[user].version for r in self._ranks if user in r]
+            if held and version not in held:
+                return f"stale version (workers hold {held[0][:12]})"
+            self._order_reload(user, version)  # ranks that hold it already skip it
+            if held:
+                return (f"user not resident on every rank ({held.count(version)} of "
+                        f"{self.tp_size} hold it)")
+            return "user not resident"
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
         if not chunks:
@@ -144,6 +151,13 @@ class ConnectorScheduler:
         if len(prompt) <= len(ids) or list(prompt[:len(ids)]) != ids:
             return "prompt does not begin with the memory's token ids"
         return None
+
+    def _resident(self, user: str, version: str) -> ResidentInfo | None:
+        """Rank 0's info on ``user``'s ``version`` when every rank holds it, else None."""
+        infos = [r.get(user) for r in self._ranks]
+        if any(i is None or i.version != version for i in infos):
+            return None
+        return infos[0]
 
     def _order_reload(self, user: str, version: str) -> None:
         key = (user, version)
@@ -227,20 +241,17 @@ class ConnectorScheduler:
                                  "the residency view may lag (loads are checked by workers)")
 
     def _apply(self, report: ResidencyReport) -> None:
-        for op, payload in report.changes:
+        for rank, op, payload in report.changes:
+            held = self._ranks[rank]
             if op == "remove":
                 user, version = payload
-                self._view.pop((user, version), None)
-                if self._held.get(user) == version:
-                    del self._held[user]
+                if user in held and held[user].version == version:
+                    del held[user]
                 continue
             info: ResidentInfo = payload
-            old = self._held.get(info.user)
-            if old is not None and old != info.version:
-                self._view.pop((info.user, old), None)
-            self._view[(info.user, info.version)] = info
-            self._held[info.user] = info.version
-            self._reload_pending.discard((info.user, info.version))
+            held[info.user] = info  # a rank holds one version per user
+            if self._resident(info.user, info.version) is not None:
+                self._reload_pending.discard((info.user, info.version))
         for user, version, reason in report.failed_reloads:
             log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
             self._reload_pending.discard((user, version))
