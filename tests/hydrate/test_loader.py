@@ -3,6 +3,7 @@ background reloads and their failures, admin evictions, fingerprint checks."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -83,3 +84,22 @@ def test_an_admin_eviction_stops_reloads_until_the_next_load(published):
     assert loader.store.get("ann", version) is None
     loader.load("ann", version, "gpu")  # an admin hydration lifts the eviction
     assert "ann" not in loader.admin_evicted and loader.store.get("ann", version) is not None
+
+
+def test_a_rank_loads_its_heads_and_skips_a_reload_of_what_it_holds(published):
+    """Under tensor parallelism (rank 0 of 2: head 0 of 2) the verified artifact is cut to
+    the rank's heads; a reload the scheduler orders for a version the rank already holds
+    reads nothing."""
+    from inferscale.hydrate.resident import HeadShard
+
+    store, memory, version = published
+    loader = ResidentLoader(ResidentStore("cpu", 1 << 30, 1 << 30, heads=HeadShard(0, 1, 2)),
+                            FP, store.root, store.storage_options)
+    resident = loader.load("ann", version, "gpu")
+    want = expected_slab(memory)[:, :, :, 0:1].to(resident.slab.dtype)
+    assert torch.equal(resident.slab, want) and resident.slab.shape[3] == 1
+    loader.reload_in_background("ann", version, "gpu")
+    assert not any(t.name == "inferscale-reload-ann" for t in threading.enumerate())
+    time.sleep(0.5)  # a reload of this tiny artifact would have finished by now
+    assert loader.take_failures() == [] and loader.reloads == 0
+    assert loader.store.get("ann", version) is resident

