@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from inferscale.artifacts.blobs import Location  # noqa: E402
 from inferscale.artifacts.layout import KV_FILE, StoreConfig  # noqa: E402
 from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
+from inferscale.artifacts.read import data_path  # noqa: E402
 from inferscale.hydrate.slab import hydrate  # noqa: E402
 from inferscale.types import PREFIX_ID  # noqa: E402
 from storage_schemas import facts as facts_schema  # noqa: E402
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = publish(store, USER, memory, facts, lineage, embeddings=False)
     publish_s = time.perf_counter() - t
     del memory, facts
-    path = Location(store, USER, FP).file(result.version, KV_FILE)
+    path = data_path(Location(store, USER, FP), result.manifest, KV_FILE)
     size = os.path.getsize(path)
     slab_bytes = result.manifest.kv["slab_bytes"]
 

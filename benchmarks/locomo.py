@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -254,9 +253,10 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
         if hydrated is not None:
             vuser, version, cfg, phase["encode"] = hydrated
 
-            def ref_of(ranked):
+            def layout(ranked):
                 injected, tail = memory_layout(ranked, cfg.memory_order, cfg.text_tail, source)
                 return injected, tail, MemoryRef(vuser, version, (PREFIX_ID, *injected))
+            ref_of = layout
         t0 = time.perf_counter()
         answers = await answer_all(args, engine, composer, token_ids, conv, mode, ref_of)
         phase.update(answer_seconds=round(time.perf_counter() - t0, 1), requests=len(answers))

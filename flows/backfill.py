@@ -40,7 +40,8 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
         window: turns of context before each fact; none = INFERSCALE_WINDOW.
         task_runner: "threads" or "ray".
         max_workers: threads of the "threads" runner.
-        ray_address: Ray cluster address for "ray"; none = a local instance.
+        ray_address: Ray cluster address for "ray"; none = a local instance (a cluster must be
+            listed in INFERSCALE_RAY_ADDRESSES).
         concurrency_limit: size of the global concurrency limit "inferscale-compute".
     """
     started = time.perf_counter()

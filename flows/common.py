@@ -3,9 +3,10 @@
 :func:`prepare` reads the settings (``INFERSCALE_*`` in the worker's environment) with a
 run's overrides, ingests the logs and fingerprints the model. :func:`fan_out` runs
 ``tasks.user.encode_user`` for each user on the chosen task runner — threads in this
-process, or Ray (a local instance, or a cluster at ``ray_address``) with one GPU per task
-when the cluster has GPUs — bounded by the Prefect global concurrency limit
-``inferscale-compute``; a user's failure is recorded and the others go on.
+process, or Ray (a local instance, or a cluster at ``ray_address`` listed in
+``INFERSCALE_RAY_ADDRESSES``) with one GPU per task when the cluster has GPUs — bounded
+by the Prefect global concurrency limit ``inferscale-compute``; a user's failure is
+recorded and the others go on.
 :func:`finish` turns the outcomes into the run's markdown summary (an artifact per
 flow key) and the flow's return value, or a Failed state carrying it when users failed
 (the run then ends Failed, after every other user finished).
@@ -71,23 +72,35 @@ def _runner(kind: RunnerKind, max_workers: int, ray_address: str | None):
     if kind == "ray":
         from prefect_ray.task_runners import RayTaskRunner
 
+        check_ray_address(ray_address, Settings().ray_addresses)
         return RayTaskRunner(address=ray_address, init_kwargs=_ray_init_kwargs(ray_address))
     raise ValueError(f"task_runner must be 'threads' or 'ray', not {kind!r}")
 
 
+def check_ray_address(address: str | None, allowed: list[str]) -> None:
+    """A run may name a local Ray instance (``None``/``"local"``) or a cluster listed in
+    ``INFERSCALE_RAY_ADDRESSES``: the tasks' parameters (store options included) go there."""
+    if address not in (None, "local") and address not in allowed:
+        raise ValueError(f"ray_address {address!r} is not in INFERSCALE_RAY_ADDRESSES: "
+                         "refusing to send the run's tasks (and their store credentials) there")
+
+
 def _ray_init_kwargs(address: str | None) -> dict[str, Any]:
-    """Ship this code to the Ray workers (py_modules) and keep them offline."""
+    """Ship this code to the Ray workers (py_modules) and keep them offline. Their
+    environment gets the offline switches and the non-secret settings of
+    ``inferscale.settings.WORKER_ENV_SETTINGS`` only (no keys, no credentials)."""
     import os
 
     import flows
     import inferscale
     import storage_schemas
     import tasks
+    from inferscale.settings import worker_env
 
     env = {k: os.environ[k] for k in (
         "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "MEM0_TELEMETRY",
         "DO_NOT_TRACK", "VLLM_NO_USAGE_STATS", "TOKENIZERS_PARALLELISM") if k in os.environ}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("INFERSCALE_")})
+    env.update(worker_env())
     kwargs: dict[str, Any] = {"runtime_env": {
         "py_modules": [os.path.dirname(m.__file__) for m in (inferscale, storage_schemas,
                                                               tasks, flows)],
@@ -139,7 +152,7 @@ def fan_out(prep: Prepared, users: dict[str, str], *, task_runner: RunnerKind = 
                 fut = runner.submit(encode_user, parameters=dict(
                     cfg=cfg, facts_cfg=prep.facts_cfg, user=user,
                     turns=prep.ingest.turns[user], model_fp=prep.model_fp, reason=reason,
-                    sources=list(prep.ingest.sources)))
+                    sources=list(prep.ingest.sources), inputs_at=prep.ingest.read_at))
                 futures[fut] = user
         for fut in as_completed(list(futures)):
             user = futures[fut]

@@ -39,7 +39,8 @@ def encode_users(users: list[str] | None = None, logs: list[str] | None = None,
         task_runner: "threads" (in the flow's process) or "ray" (a Ray cluster; one GPU
             per user task when the cluster has GPUs).
         max_workers: threads of the "threads" runner.
-        ray_address: Ray cluster address for "ray"; none = start a local instance.
+        ray_address: Ray cluster address for "ray"; none = start a local instance (a
+            cluster must be listed in INFERSCALE_RAY_ADDRESSES).
         concurrency_limit: size of the global concurrency limit "inferscale-compute"
             shared by every encode run (users extracted/encoded at once).
     """

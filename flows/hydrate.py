@@ -19,13 +19,15 @@ def hydrate_serving(users: list[str], server_url: str = "http://127.0.0.1:8000",
 
     One ``POST /admin/hydrate`` per user (retried when the server is unreachable or
     busy); the admin key is INFERSCALE_ADMIN_KEY in the worker's environment (not needed
-    on loopback). Ends with a table (artifact key ``inferscale-hydrate``) of each user's
+    on loopback), sent only to a server named in INFERSCALE_SERVER_URLS (default: this
+    host's configured server). Ends with a table (artifact key ``inferscale-hydrate``) of each user's
     result; the run is Failed when some user could not be hydrated. Called by the
     ``hydrate`` deployment, e.g. after a backfill or before traffic moves to a new server.
 
     Args:
         users: user ids to hydrate.
-        server_url: root URL of the running ``inferscale serve``.
+        server_url: root URL of the running ``inferscale serve`` (one of
+            INFERSCALE_SERVER_URLS when an admin key is configured).
         version: artifact version to load; "latest" = what LATEST names.
         tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
     """

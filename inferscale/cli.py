@@ -19,9 +19,10 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 from inferscale.settings import Settings, offline_environment
-from inferscale.types import TIERS
+from inferscale.types import ENCODER_CONTEXTS, TIERS
 
 DEMO_QUESTIONS = [
     ("maya", "What is my dog's name?"),
@@ -37,6 +38,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "artifact_root": getattr(args, "artifact_root", None),
         "model": getattr(args, "model", None),
         "window": getattr(args, "window", None),
+        "encoder_context": getattr(args, "context", None),
+        "text_tail": getattr(args, "text_tail", None),
         "fact_mode": getattr(args, "fact_mode", None),
     }.items() if v is not None}
     return Settings(**overrides)
@@ -70,11 +73,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace):
-    from inferscale.serve.admin_client import AdminClient
+    """The admin client: the key from ``--admin-key-file`` or INFERSCALE_ADMIN_KEY (never
+    from the command line, where ``ps`` shows it), sent only to a configured server."""
+    from inferscale.serve.admin_client import admin_client_for
 
     settings = Settings()
-    key = args.admin_key or (settings.admin_key.get_secret_value() if settings.admin_key else None)
-    return AdminClient(args.url, admin_key=key)
+    if args.admin_key_file:
+        key = Path(args.admin_key_file).read_text().strip() or None
+    else:
+        key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    return admin_client_for(args.url, key, settings.admin_urls())
 
 
 def cmd_hydrate(args: argparse.Namespace) -> int:
@@ -236,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_help = "serving model: 'embedded' (SmolLM2), a checkpoint directory or a hub id " \
         "(default: INFERSCALE_MODEL)"
     url_help = "root URL of the running server (inferscale serve)"
-    key_help = "admin key the server wants off loopback (default: INFERSCALE_ADMIN_KEY)"
+    key_help = ("file holding the admin key the server wants off loopback (default: "
+                "INFERSCALE_ADMIN_KEY); sent only to INFERSCALE_SERVER_URLS")
 
     p = sub.add_parser("demo", help="encode the sample conversation, serve it, compare answers")
     p.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw",
@@ -258,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: INFERSCALE_FACT_MODE)")
     p.add_argument("--window", type=int, default=None,
                    help="turns of context encoded before each fact (default: INFERSCALE_WINDOW)")
+    p.add_argument("--context", choices=list(ENCODER_CONTEXTS), default=None,
+                   help="what each fact is encoded after: memory = the serving prefix and the "
+                   "window as memory lines; transcript = the raw window (the original "
+                   "encoder) (default: INFERSCALE_ENCODER_CONTEXT)")
+    p.add_argument("--text-tail", type=int, default=None,
+                   help="best facts a request prefills as text right before the question "
+                   "instead of injecting them (default: INFERSCALE_TEXT_TAIL)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--artifact-root", default=None, help=root_help)
     p.add_argument("--quarantine", default=None, help="where rejected records go (JSONL)")
@@ -276,19 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, help_ in (("hydrate", cmd_hydrate, "load users into a running server"),
                               ("evict", cmd_evict, "drop users from a running server")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, allow_abbrev=False)  # --admin-key is no option
         p.add_argument("users", nargs="+", help=f"ids of the users to {name}")
         p.add_argument("--url", default="http://127.0.0.1:8000", help=url_help)
-        p.add_argument("--admin-key", default=None, help=key_help)
+        p.add_argument("--admin-key-file", default=None, help=key_help)
         if name == "hydrate":
             p.add_argument("--tier", choices=list(TIERS), default="gpu",
                            help="gpu: device memory; host: pinned host memory")
             p.add_argument("--version", default="latest",
                            help="version id to load, or 'latest' (the LATEST pointer)")
         p.set_defaults(func=func)
-    p = sub.add_parser("status", help="what a running server holds")
+    p = sub.add_parser("status", help="what a running server holds", allow_abbrev=False)
     p.add_argument("--url", default="http://127.0.0.1:8000", help=url_help)
-    p.add_argument("--admin-key", default=None, help=key_help)
+    p.add_argument("--admin-key-file", default=None, help=key_help)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("versions", help="a user's published versions (* = LATEST); "
@@ -312,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             return args.func(args)
-        except (AdminError, ValueError) as exc:
+        except (AdminError, ValueError, OSError) as exc:  # OSError: an unreadable key file
             return _admin_failure(args, exc)
     return args.func(args)
 

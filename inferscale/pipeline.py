@@ -51,7 +51,11 @@ class PipelineConfig:
             encoder=EncoderConfig(window=settings.window, dtype=settings.kv_dtype,
                                   max_fact_tokens=settings.max_fact_tokens,
                                   max_window_tokens=settings.max_window_tokens,
-                                  batch_tokens=settings.encode_batch_tokens),
+                                  batch_tokens=settings.encode_batch_tokens,
+                                  context=settings.encoder_context,
+                                  memory_order=settings.memory_order,
+                                  text_tail=settings.text_tail,
+                                  batch_invariant=settings.encode_batch_invariant),
             artifact_root=settings.resolved_artifact_root(),
             storage_options=settings.storage_options(),
         )
@@ -136,7 +140,7 @@ def extract_user_facts(cfg: PipelineConfig, facts_cfg: Any, turns: pa.Table):
 
 def compact(encoded: Any) -> Any:
     """The encoder's output with every chunk's K/V copied out of the batch tensors it
-    views, so that pickling it (a cached task result) stores the chunks, not the batches."""
+    views, so that a cached task result holds the chunks, not the batches."""
     chunks = [replace(c, keys=c.keys.clone(), values=c.values.clone()) for c in encoded.chunks]
     return replace(encoded, chunks=chunks)
 
@@ -146,7 +150,8 @@ def expected_version(cfg: PipelineConfig, user: str, log_hash: str, facts_hash: 
     """The version id that publishing these inputs yields (without encoding them)."""
     from inferscale.artifacts.publish import Lineage, version_id
 
-    return version_id(user, Lineage(log_hash, facts_hash), model_fp, cfg.encoder.to_dict())
+    return version_id(user, Lineage(log_hash, facts_hash), model_fp,
+                      cfg.encoder.identity(cfg.model_dtype, cfg.device))
 
 
 def facts_identity(facts_cfg: Any) -> dict:
@@ -189,23 +194,57 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def encode_user_kv(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True):
+def encode_user_kv(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, progress: bool = True,
+                   *, user: str | None = None, previous: str | None = None):
     """One user's facts -> their pre-RoPE KV (:class:`~inferscale.encode.encoder.EncodedMemory`)
     with the serving model: the encode step only (``tasks.user.encode_user`` runs the
-    whole chain: facts -> KV -> publish -> lineage)."""
+    whole chain: facts -> KV -> publish -> lineage).
+
+    ``previous``: a published version of ``user`` (or ``"latest"``: the one ``LATEST``
+    names, if any) whose K/V rows are reused for every fact with the same content key;
+    only the other facts are encoded (the result is byte-identical to encoding them all)."""
     model = serving_model(cfg)
     turn_texts, specs = turns_and_facts(turns, facts)
+    reuse = None
+    if previous is not None and cfg.encoder.batch_invariant:
+        if user is None:
+            raise ValueError("encode_user_kv: previous needs the user it belongs to")
+        reuse = previous_kv(cfg, user, model.fingerprint, previous)
     return encode_facts(model.model, model.tokenizer, turn_texts, specs, cfg.encoder,
-                        model.fingerprint, progress=progress)
+                        model.fingerprint, progress=progress, reuse=reuse)
+
+
+def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> dict | None:
+    """``content key -> (K, V)`` of a published version (``"latest"``: ``LATEST``'s), read
+    and checksum-verified (a memory map of a local file; S3 is read into memory), or None
+    when there is none or it cannot be read: then every fact is encoded (a warning says
+    why when a version was there)."""
+    from inferscale.artifacts.layout import ArtifactError
+    from inferscale.artifacts.read import latest_version
+    from inferscale.hydrate.slab import hydrate
+
+    try:
+        if version == "latest":
+            version = latest_version(cfg.store(), user, model_fp)
+            if version is None:
+                return None
+        hydrated = hydrate(cfg.store(), user, model_fp, version, tier="host", device="cpu")
+    except ArtifactError as exc:
+        log.warning("user %s: previous version %s unreadable, encoding every fact: %s",
+                    user, version, exc)
+        return None
+    return hydrated.kv_by_content_key()
 
 
 def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
-                 facts_hash: str):
-    """Publish a version (a no-op returning the existing one when inputs are unchanged)."""
+                 facts_hash: str, inputs_at: Any = None):
+    """Publish a version (a no-op returning the existing one when inputs are unchanged).
+    ``inputs_at``: when the logs were read (``IngestResult.read_at``): LATEST names the
+    publish of the newest inputs when runs race (:mod:`inferscale.artifacts.latest`)."""
     from inferscale.artifacts.publish import Lineage, publish
 
     return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
-                   keep=cfg.keep_versions)
+                   keep=cfg.keep_versions, inputs_at=inputs_at)
 
 
 def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
@@ -225,10 +264,13 @@ def run(cfg: PipelineConfig, facts_cfg: Any, logs: str | list[str],
     published = {}
     for user, turns in selected.items():
         fr = facts[user]
-        encoded = encode_user_kv(cfg, turns, fr.table, progress)
-        res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash)
+        encoded = encode_user_kv(cfg, turns, fr.table, progress, user=user, previous="latest")
+        res = publish_user(cfg, user, encoded, fr.table, turns_hash(turns), fr.facts_hash,
+                           ingest.read_at)
         published[user] = {"version": res.version, "created": res.created,
                            "facts": fr.table.num_rows, "turns": turns.num_rows,
+                           "reused": encoded.stats.get("reused"),
+                           "encoded": encoded.stats.get("encoded"),
                            "kv_bytes": res.manifest.files["kv.arrow"].bytes}
         log.info("user %s: version %s (%s)", user, res.version,
                  "new" if res.created else "unchanged")

@@ -16,10 +16,23 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, KVDtype
+from inferscale.types import (
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, MEMORY_ORDERS, KVDtype, check_user_id)
+
+# The settings a Ray worker of the encode flows may receive in its environment
+# (``runtime_env``): an explicit allow-list of non-secret knobs. Keys, the admin key, the
+# gateway secret and credentials never go there (the tasks get their store options in
+# their parameters).
+WORKER_ENV_SETTINGS = (
+    "home", "artifact_root", "s3_endpoint_url", "s3_region", "log_uris", "model", "device",
+    "kv_dtype", "window", "encoder_context", "memory_order", "text_tail", "max_fact_tokens",
+    "max_window_tokens", "encode_batch_tokens", "fact_mode", "embedder", "llm_base_url",
+    "llm_model", "openai_embedding_model",
+)
 
 
 def default_home() -> Path:
@@ -51,10 +64,22 @@ class Settings(BaseSettings):
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     kv_dtype: KVDtype = "bfloat16"
-    window: int = Field(default=5, ge=0, description="turns of context before each fact")
+    window: int = Field(default=DEFAULT_WINDOW, ge=0,
+                        description="turns of context before each fact")
+    encoder_context: Literal[ENCODER_CONTEXTS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_CONTEXT, description="what each fact is encoded after: 'memory' = "
+        "the serving prefix and the window as memory lines; 'transcript' = the window as raw "
+        "transcript (the original encoder); 'prefix' = the prefix and the raw window")
+    memory_order: Literal[MEMORY_ORDERS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_MEMORY_ORDER, description="order of a request's injected facts")
+    text_tail: int = Field(default=DEFAULT_TEXT_TAIL, ge=0, description="the best facts "
+                           "prefilled as text right before the question instead of injected")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
     encode_batch_tokens: int = Field(default=16384, ge=64)
+    encode_batch_invariant: bool = Field(
+        default=True, description="one forward pass per fact, so a new version reuses the "
+        "K/V of unchanged facts (false: padded batches, faster on GPUs, no reuse)")
 
     # -- facts, embeddings
     fact_mode: Literal["mem0", "raw"] = "mem0"
@@ -66,6 +91,17 @@ class Settings(BaseSettings):
     openai_api_key: SecretStr | None = None
     openai_embedding_model: str = "text-embedding-3-small"
 
+    # -- orchestration: where flow runs may send things
+    server_urls: list[str] = Field(
+        default_factory=list, description="servers the hydrate flow and CLI may send "
+        "INFERSCALE_ADMIN_KEY to (JSON list of http(s)://host:port); empty = this host's "
+        "configured server (http://127.0.0.1:{port}, http://localhost:{port}, "
+        "http://{host}:{port})")
+    ray_addresses: list[str] = Field(
+        default_factory=list, description="Ray clusters the encode flows may run tasks on "
+        "(JSON list; the tasks' parameters carry the store credentials); a local Ray "
+        "instance is always allowed")
+
     # -- serving
     host: str = "127.0.0.1"
     port: int = 8000
@@ -74,6 +110,19 @@ class Settings(BaseSettings):
     admin_key: SecretStr | None = None
     trusted_user_header: str | None = Field(
         default=None, description="header a trusted gateway sets to the user id")
+    gateway_secret: SecretStr | None = Field(
+        default=None, description="shared secret the gateway sends in "
+        "X-InferScale-Gateway-Secret; needed for the trusted user header beyond loopback")
+    serve_refresh_s: float = Field(
+        default=60.0, ge=0, description="how often the server re-reads a user's LATEST "
+        "(on that user's next request, in the background)")
+    serve_memory_budget_bytes: int = Field(
+        default=2 << 30, ge=0, description="facts and retrieval indexes the server keeps; "
+        "least recently used users are dropped beyond it")
+    max_request_bytes: int = Field(default=1 << 20, ge=1024, description="chat body limit")
+    max_question_chars: int = Field(default=8192, ge=1)
+    max_output_tokens: int = Field(default=4096, ge=1, description="largest max_tokens")
+    max_top_k: int = Field(default=100, ge=1)
     gpu_budget_bytes: int = Field(default=GPU_BUDGET_BYTES, ge=0)
     host_budget_bytes: int = Field(default=HOST_BUDGET_BYTES, ge=0)
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
@@ -85,6 +134,23 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallelism of the serving engine; must "
         "divide the model's KV heads (each worker holds and injects its share)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _valid_key_users(cls, keys: dict[str, str]) -> dict[str, str]:
+        for key, user in keys.items():
+            if not key:
+                raise ValueError("an API key must not be empty")
+            check_user_id(user)
+        return keys
+
+    def admin_urls(self) -> list[str]:
+        """The servers INFERSCALE_ADMIN_KEY may be sent to (``server_urls``, or this host's
+        configured server)."""
+        if self.server_urls:
+            return list(self.server_urls)
+        return [f"http://127.0.0.1:{self.port}", f"http://localhost:{self.port}",
+                f"http://{self.host}:{self.port}"]
 
     def resolved_artifact_root(self) -> str:
         return self.artifact_root or str(self.home / "artifacts")
@@ -101,6 +167,14 @@ class Settings(BaseSettings):
         if self.s3_secret_access_key:
             opts["secret"] = self.s3_secret_access_key.get_secret_value()
         return opts
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``INFERSCALE_*`` variables of ``environ`` (default ``os.environ``) that a Ray
+    worker may receive: :data:`WORKER_ENV_SETTINGS` only, nothing secret."""
+    environ = os.environ if environ is None else environ
+    allowed = {f"INFERSCALE_{name.upper()}" for name in WORKER_ENV_SETTINGS}
+    return {k: v for k, v in environ.items() if k.upper() in allowed}
 
 
 def offline_environment() -> None:

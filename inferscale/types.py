@@ -10,6 +10,22 @@
   where CUDA exists).
 - :data:`GPU_BUDGET_BYTES` / :data:`HOST_BUDGET_BYTES`: the default byte budgets of those
   tiers (``INFERSCALE_GPU_BUDGET_BYTES``, ``INFERSCALE_HOST_BUDGET_BYTES``).
+- :data:`ENCODER_CONTEXTS`, :data:`MEMORY_ORDERS` and the encoder's defaults
+  (:data:`DEFAULT_WINDOW`, :data:`DEFAULT_CONTEXT`, :data:`DEFAULT_MEMORY_ORDER`,
+  :data:`DEFAULT_TEXT_TAIL`): what each fact is encoded after and how a request lays out
+  its memory; the encoder config and the settings both default to these. They are the
+  variant that answered as well as the prompt baseline on LoCoMo
+  (``benchmarks/README.md``, "Answer quality").
+- :func:`check_user_id` / :func:`user_id_problem`: what a valid user id is, checked
+  wherever an id enters the system (log ingestion quarantines a record with a bad one;
+  the settings' ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin
+  requests): 1..128 characters with no control, format or line/paragraph separator
+  characters (Unicode categories Cc, Cf, Zl, Zp: newlines, NUL, bidi overrides,
+  zero-width characters), no surrogates, private-use or unassigned code points (Cs, Co,
+  Cn), no ``/`` or ``\\``, no leading or trailing whitespace, not ``.`` or ``..``; the
+  whole string is checked (no regular expression whose ``$`` accepts a trailing
+  newline). The artifact store's folder encoding (``artifacts.layout.user_dirname``) is a
+  wider contract: it stores any id safely, including ones written before this check.
 
 Imports only the standard library and ``storage_schemas`` (torch when a dtype is
 translated), so every module, the settings and the CLI can use it.
@@ -17,6 +33,7 @@ translated), so every module, the settings and the CLI can use it.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import TYPE_CHECKING, Literal
 
 from storage_schemas import kv as kv_schema
@@ -35,6 +52,17 @@ TIERS: tuple[Tier, ...] = ("gpu", "host")
 
 GPU_BUDGET_BYTES = 8 << 30
 HOST_BUDGET_BYTES = 32 << 30
+
+# "transcript": the window's turns as raw transcript, nothing before them; "memory": the
+# serving prefix, then the window's turns as memory lines; "prefix": the serving prefix,
+# then the window as transcript.
+ENCODER_CONTEXTS = ("transcript", "memory", "prefix")
+# The order of a request's injected facts: best first, best last, or by source turn.
+MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
+DEFAULT_WINDOW = 20
+DEFAULT_CONTEXT = "memory"
+DEFAULT_MEMORY_ORDER = "relevance"
+DEFAULT_TEXT_TAIL = 5  # the best facts prefilled as text right before the question
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -57,3 +85,39 @@ def check_tier(tier: str) -> Tier:
     if tier not in TIERS:
         raise ValueError(f"tier must be 'gpu' or 'host', got {tier!r}")
     return tier  # type: ignore[return-value]
+
+
+MAX_USER_CHARS = 128
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+class InvalidUserIdError(ValueError):
+    """A user id that breaks the rules of :func:`check_user_id`."""
+
+
+def user_id_problem(user: object) -> str | None:
+    """Why ``user`` is not a valid user id, or None when it is."""
+    if not isinstance(user, str):
+        return f"must be a string, not {type(user).__name__}"
+    if not user:
+        return "must not be empty"
+    if len(user) > MAX_USER_CHARS:
+        return f"is {len(user)} characters long; at most {MAX_USER_CHARS}"
+    if user in (".", "..") or user != user.strip():
+        return "must not be '.', '..' or begin or end with whitespace"
+    for ch in user:
+        if ch in "/\\":
+            return "must not contain '/' or '\\'"
+        category = unicodedata.category(ch)
+        if category in _REFUSED_CATEGORIES:
+            return f"contains U+{ord(ch):04X} (category {category}: control or invisible)"
+    return None
+
+
+def check_user_id(user: object) -> str:
+    """``user`` itself, or :class:`InvalidUserIdError` saying which rule it breaks."""
+    problem = user_id_problem(user)
+    if problem is not None:
+        shown = repr(user[:40]) if isinstance(user, str) else type(user).__name__
+        raise InvalidUserIdError(f"user id {shown} {problem}")
+    return user  # type: ignore[return-value]

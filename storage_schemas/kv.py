@@ -11,10 +11,18 @@ The file holds one record batch, one row per chunk:
 
 - ``chunk_id`` string, ``offset`` int64 (rows), ``length`` int32 (rows): the offsets table;
 - ``token_ids`` list<int32>: the chunk's token ids (``length`` of them);
+- ``content_key`` string (nullable; since version 2): what the chunk's K/V is a function
+  of — a hash of its token ids, the token ids of the context it was encoded after, the
+  encoder config, the model fingerprint and the numerics of the computation
+  (``inferscale.encode.content_keys``). A later version of the same user reuses the rows
+  of a chunk whose key it needs instead of encoding it again. Null: never reused;
 - ``kv`` large_list<storage>: the chunk's rows flattened. Its child values buffer is
   the whole slab, one contiguous buffer, so a memory-mapped or in-memory file yields
   the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32;
   the true dtype, the layout and L/H/D are in the schema metadata.
+
+Versions: 1 had no ``content_key`` column; readers accept 1 and 2 (a version-1 file
+has no keys, so nothing is reused from it).
 
 Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
 """
@@ -28,7 +36,7 @@ import pyarrow as pa
 from storage_schemas.common import check_schema, schema_meta
 
 NAME = "kv"
-VERSION = 1
+VERSION = 2
 PREFIX = "prefix"
 LAYOUT = "token-major [T, 2, L, H, D]"
 
@@ -83,17 +91,22 @@ class KVLayout:
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.tokens, 2, self.layers, self.kv_heads, self.head_dim)
 
-    def schema(self) -> pa.Schema:
+    def schema(self, version: int = VERSION) -> pa.Schema:
+        """The kv file's schema as written by schema ``version`` (1 or 2)."""
+        if version not in (1, 2):
+            raise KVFormatError(f"no kv schema version {version}")
+        keyed = [pa.field("content_key", pa.string(), nullable=True)] if version >= 2 else []
         return pa.schema(
             [
                 pa.field("chunk_id", pa.string(), nullable=False),
                 pa.field("offset", pa.int64(), nullable=False),
                 pa.field("length", pa.int32(), nullable=False),
                 pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+                *keyed,
                 pa.field("kv", pa.large_list(pa.field("item", self.storage_type, nullable=False)),
                          nullable=False),
             ],
-            metadata=schema_meta(NAME, VERSION, {
+            metadata=schema_meta(NAME, version, {
                 _M + "layout": LAYOUT,
                 _M + "dtype": self.dtype,
                 _M + "layers": str(self.layers),
@@ -106,12 +119,12 @@ class KVLayout:
 
     @classmethod
     def from_schema(cls, schema: pa.Schema) -> "KVLayout":
-        """Parse and check a kv file's schema.
+        """Parse and check a kv file's schema (any version up to :data:`VERSION`).
 
         Raises :class:`SchemaVersionError` for another table or a newer version and
         :class:`KVFormatError` for a known version whose metadata or columns are wrong.
         """
-        check_schema(schema, NAME, VERSION)
+        version = check_schema(schema, NAME, VERSION)
         meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
         if meta.get(_M + "layout") != LAYOUT:
             raise KVFormatError(f"unknown KV layout {meta.get(_M + 'layout')!r}; expected {LAYOUT!r}")
@@ -128,7 +141,7 @@ class KVLayout:
             if isinstance(exc, KVFormatError):
                 raise
             raise KVFormatError(f"kv schema metadata incomplete or unreadable: {exc!r}") from exc
-        expected = layout.schema()
+        expected = layout.schema(version)
         if schema.remove_metadata() != expected.remove_metadata():
             raise KVFormatError(f"kv columns {schema.remove_metadata()} differ from the layout's "
                                 f"{expected.remove_metadata()}")

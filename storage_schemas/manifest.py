@@ -4,9 +4,10 @@ One ``manifest.json`` per version, written last (after every data file is writte
 verified), so its presence means the version is complete. It records the schema
 version, the user, the model fingerprint, the encoder config, the version hash and its
 parents (log and facts content hashes), byte sizes and xxh3-128 checksums of every file,
-the KV layout, counts and the creation time. The manifest checksums itself: the
-``checksum`` field is the xxh3-128 of the canonical JSON of every other field, so a
-damaged manifest is reported as damaged instead of misleading a reader.
+the name each file is stored under, the KV layout, counts and the creation time. The
+manifest checksums itself: the ``checksum`` field is the xxh3-128 of the canonical JSON
+of every other field, so a damaged manifest is reported as damaged instead of
+misleading a reader.
 
 Written by ``inferscale.artifacts.publish.publish``; read by every reader (listing, hydration,
 the Prefect artifact that shows lineage).
@@ -15,6 +16,7 @@ the Prefect artifact that shows lineage).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,7 +25,9 @@ import xxhash
 from storage_schemas.common import SchemaVersionError
 
 NAME = "manifest"
-VERSION = 1
+VERSION = 2  # 2: files carry ``stored_as`` (publish-unique data file names)
+
+_STORED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ManifestError(ValueError):
@@ -36,10 +40,19 @@ class ManifestChecksumError(ManifestError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """Size and checksum of one file of a version."""
+    """Size, checksum and stored name of one file of a version.
+
+    ``stored_as`` is the object's name inside the version folder (``kv.<nonce>.arrow``:
+    every publish attempt writes its own names, so racing publishers never overwrite
+    each other's files); ``None`` in schema-1 manifests, whose files are stored under
+    their logical names (``kv.arrow``)."""
 
     bytes: int
     xxh3_128: str  # hex digest
+    stored_as: str | None = None
+
+    def stored_name(self, logical: str) -> str:
+        return self.stored_as or logical
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,9 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
+        for entry in body["files"].values():
+            if entry["stored_as"] is None:
+                del entry["stored_as"]
         body["schema"] = NAME
         body["checksum"] = _checksum(body)
         return body
@@ -99,6 +115,11 @@ class Manifest:
         for name, entry in manifest.files.items():
             if not isinstance(entry.bytes, int) or entry.bytes < 0 or not isinstance(entry.xxh3_128, str):
                 raise ManifestError(f"bad file entry for {name!r}: {entry}")
+            stored = entry.stored_as
+            if stored is not None and (not isinstance(stored, str) or ".." in stored
+                                       or not _STORED_NAME.fullmatch(stored)):
+                raise ManifestError(f"file {name!r} is stored as {stored!r}, not a plain file "
+                                    "name inside the version folder")
         return manifest
 
 

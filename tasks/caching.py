@@ -8,7 +8,8 @@ the next run. These keys hash what decides a step's output instead:
   carry token ids of the model's tokenizer);
 - KV: the turns' and the facts' content hashes, the encoder config with the dtype and
   device kind of the computation (:func:`inferscale.pipeline.encode_identity`) and the
-  model fingerprint.
+  model fingerprint. Not the previous version whose K/V rows the encoding reuses: reuse
+  yields the same bytes as encoding every fact.
 
 The package version is part of both, so a release that changes a step's output does not
 reuse older results, and so is the import path of the cached result's class: results are

@@ -7,7 +7,9 @@ or retries. The compute steps hold one slot of the Prefect global concurrency li
 and encoded at once across every run and worker sharing the Prefect server.
 
 When ``LATEST`` already names the version these inputs make (the facts come from the
-cache when the turns did not change), nothing is encoded or written.
+cache when the turns did not change), nothing is encoded or written. Otherwise the K/V of
+every fact unchanged since ``LATEST``'s version is reused from it and only the rest is
+encoded (:func:`inferscale.pipeline.encode_user_kv`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import datetime
 from typing import Any, Sequence
 
 import pyarrow as pa
@@ -39,13 +42,14 @@ LEASE_S = 60  # the server's minimum; a killed worker's slots come back after it
 @task(name="encode-user", task_run_name="encode-user-{user}", persist_result=False)
 def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: pa.Table,
                 model_fp: str, reason: str = "requested",
-                sources: Sequence[str] = ()) -> dict[str, Any]:
+                sources: Sequence[str] = (), inputs_at: datetime | None = None) -> dict[str, Any]:
     """Encode and publish ``user`` for ``model_fp``; returns a
     :class:`~inferscale.run_report.UserOutcome` as a dict. Raises on failure (the flow
     records the user as failed and goes on with the others).
 
     ``reason`` says why the user is encoded (``requested``, ``new``, ``log-changed``...);
-    ``sources`` are the log URIs (the lineage's upstream assets). Submitted once per user
+    ``sources`` are the log URIs (the lineage's upstream assets); ``inputs_at`` when they
+    were read (LATEST names the newest inputs when runs race). Submitted once per user
     by the encode, nightly and backfill flows.
     """
     t0 = time.perf_counter()
@@ -57,15 +61,23 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         current = read_latest(cfg, user, model_fp)
         encoded = None
         if current != version:
-            encoded = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,
-                                model_fp)
-    kv_bytes = None
+            state = encode_kv(cfg, user, turns, facts.table, log_hash, facts.facts_hash,
+                              model_fp, previous=current, return_state=True)
+            encoded = state.result()
+            cached = state.name == "Cached"
+    kv_bytes = reused = encoded_facts = None
     if encoded is None:
         status = "unchanged"
         logger.info("user %s: LATEST already names version %s", user, version)
     else:
+        # facts whose K/V came from the previous version / a forward pass in this run (a
+        # cached KV cost neither)
+        reused, encoded_facts = (0, 0) if cached else (encoded.stats["reused"],
+                                                       encoded.stats["encoded"])
+        logger.info("user %s: %s", user, "KV from the task cache" if cached else
+                    f"{reused} facts reused from version {current}, {encoded_facts} encoded")
         published = publish_version(cfg, user, encoded, facts.table, log_hash,
-                                    facts.facts_hash)
+                                    facts.facts_hash, inputs_at)
         if published["version"] != version:
             raise RuntimeError(f"published version {published['version']} differs from the "
                                f"expected {version}: version ids and the encoder disagree")
@@ -73,7 +85,8 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         kv_bytes = published["kv_bytes"]
     record_lineage(cfg, model_fp, {user: version}, list(sources))
     return UserOutcome(user, status, version, reason, facts=facts.table.num_rows,
-                       turns=turns.num_rows, kv_bytes=kv_bytes,
+                       turns=turns.num_rows, reused=reused, encoded=encoded_facts,
+                       kv_bytes=kv_bytes,
                        seconds=time.perf_counter() - t0,
                        artifact_key=artifact_key(user, model_fp),
                        worker=f"{socket.gethostname()}:{os.getpid()}").to_dict()

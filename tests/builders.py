@@ -22,6 +22,7 @@ class Chunk:
     token_ids: list[int]
     keys: torch.Tensor  # [L, T, H, D]
     values: torch.Tensor  # [L, T, H, D]
+    content_key: str | None = None
 
 
 @dataclass
@@ -34,15 +35,22 @@ class Memory:
 def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads: int = 2,
                 head_dim: int = 8, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                 fp: str = "fp-test", max_tokens: int = 7, prefix_tokens: int = 4,
-                window: int = 2) -> tuple[Memory, pa.Table, Lineage]:
-    """Random encoder output (prefix + one chunk per fact), its facts table, lineage."""
+                window: int = 2, kv_noise: int | None = None) -> tuple[Memory, pa.Table, Lineage]:
+    """Random encoder output (prefix + one chunk per fact), its facts table, lineage.
+
+    ``kv_noise``: perturb K/V with noise of this seed: other bytes for the same inputs
+    (the same version id), as another device or compute dtype would produce."""
     g = torch.Generator().manual_seed(seed)
+    noise = torch.Generator().manual_seed(kv_noise) if kv_noise is not None else None
     fact_ids = [f"f{seed}-{i:04d}" for i in range(n_facts)]
     chunks = []
     for cid in ["prefix", *fact_ids]:
         t = prefix_tokens if cid == "prefix" else int(torch.randint(1, max_tokens + 1, (1,), generator=g))
         keys = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
         values = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
+        if noise is not None:
+            keys = keys + (0.01 * torch.randn(keys.shape, generator=noise)).to(dtype)
+            values = values + (0.01 * torch.randn(values.shape, generator=noise)).to(dtype)
         tokens = torch.randint(0, 50000, (t,), generator=g).tolist()
         chunks.append(Chunk(cid, tokens, keys, values))
     memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),

@@ -221,3 +221,13 @@ def table_rows(artifact) -> list[dict]:
 
     data = artifact.data
     return json.loads(data) if isinstance(data, str) else data
+
+
+def result_records() -> dict[str, dict]:
+    """Every result record in this session's result storage by storage key (a cached
+    task's cache key), as parsed JSON (``metadata.serializer.type`` names how
+    ``result`` is encoded)."""
+    import json
+
+    root = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])
+    return {p.name: json.loads(p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}

@@ -122,7 +122,9 @@ case "${1:-}" in
     ;;
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests -k "cuda or CUDA or gpu"
+    run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
+      tests/hydrate/test_resident.py tests/hydrate/test_slab.py tests/vllm_plugin/test_kernels.py \
+      tests/serve/test_retrieval.py -k "cuda or CUDA or gpu"
     ;;
   encode-hydrate)
     run encode-h200 300 python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \

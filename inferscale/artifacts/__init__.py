@@ -4,11 +4,17 @@ a local directory or an object store.
 - :mod:`inferscale.artifacts.layout`: where files live (the store root, user-id folder
   names, file names), :class:`~inferscale.artifacts.layout.StoreConfig` and every error;
 - :mod:`inferscale.artifacts.blobs`: file operations (atomic writes, exclusive creates,
-  reads fused with checksums) and :class:`~inferscale.artifacts.blobs.Location`;
+  compare-and-swap, reads fused with checksums) on local disk and
+  :class:`~inferscale.artifacts.blobs.Location`; the same on object stores in
+  :mod:`~inferscale.artifacts.object_store`, over the interface in
+  :mod:`~inferscale.artifacts.blob_base`;
 - :mod:`inferscale.artifacts.kv_slab`: the encoder's output -> the kv.arrow slab;
 - :mod:`inferscale.artifacts.fact_table`: the LanceDB table of fact embeddings;
-- :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.read`,
-  :mod:`~inferscale.artifacts.gc`: publishing, reading and removing versions;
+- :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.latest`,
+  :mod:`~inferscale.artifacts.read`, :mod:`~inferscale.artifacts.gc`: publishing, moving
+  LATEST (newest inputs win), reading and removing versions;
 - :mod:`inferscale.artifacts.staleness`: which users need re-encoding for a model;
-- :mod:`inferscale.artifacts.lineage_view`: how a version's lineage is shown to people.
+- :mod:`inferscale.artifacts.lineage_view`: how a version's lineage is shown to people;
+- :mod:`inferscale.artifacts.result_codec`: the cached task results (facts, encoded KV)
+  as Arrow IPC, never pickles.
 """

@@ -66,7 +66,7 @@ def _overwrite_table(db: Any, facts: pa.Table, loc: Location) -> Any:
     """Replace the fact table's content; returns the table at the version it committed.
 
     Races between publishers are expected: the first creation is ``mode="create"`` (the
-    loser gets "already exists" and overwrites instead; lancedb 0.40 can panic when two
+    loser gets "already exists" or a commit conflict and overwrites instead; lancedb 0.40 can panic when two
     ``create_table(mode="overwrite")`` calls race on a new table), later writes are
     ``add(mode="overwrite")`` retried on commit conflicts.
     """
@@ -80,7 +80,9 @@ def _overwrite_table(db: Any, facts: pa.Table, loc: Location) -> Any:
                 try:
                     return db.create_table(TABLE, facts, mode="create")
                 except (ValueError, RuntimeError, OSError) as exc:
-                    if "already exists" not in str(exc):
+                    # lost the creation: "already exists", or a commit conflict when the
+                    # racers' first commits collide (then open it and overwrite)
+                    if "already exists" not in str(exc) and "conflict" not in str(exc).lower():
                         raise
                     last = exc
                     continue

@@ -22,12 +22,19 @@ log = logging.getLogger(__name__)
 def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
        stale_after_s: float = 3600.0) -> list[str]:
     """Keep the newest ``keep`` complete versions (by creation time) and the one LATEST
-    names; remove the rest, and unfinished versions untouched for ``stale_after_s``
-    (an unfinished version younger than that may be a publish in progress). Damaged
-    versions are left for a person to look at. Returns the removed version ids.
+    names; remove the rest. Returns the removed version ids.
 
-    Run it from one place per (user, model) (the publish flow): a gc racing with a
-    publish that moves LATEST back to an old version could remove that version.
+    Unfinished uploads are removed only once untouched for ``stale_after_s``: a version
+    folder without a manifest whose newest file (temporary names included) and, on S3,
+    newest multipart upload in progress (started or last given a part) are older than
+    that; and, inside kept versions, files the manifest does not reference (a racing
+    publisher's or a repaired version's files, temporary names) older than that. Younger
+    ones may be a publish in progress. Damaged versions are left for a person to look at.
+
+    Publishing runs it too (``keep``), so gc races publishes: a publish that moves LATEST
+    back to an old version that a gc removes meanwhile notices it and writes the version
+    again; a publish whose files a gc removed (stalled over ``stale_after_s``) fails
+    before moving LATEST.
     """
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
@@ -52,6 +59,9 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
         touched = loc.blobs.mtime(loc.version_dir(name))
         if touched is not None and now - touched > stale_after_s and name != latest:
             doomed.append(name)
+    for m in complete:
+        if m.version in keep_set:
+            _remove_stray_files(loc, m, now - stale_after_s)
     for name in doomed:
         # the manifest goes first: a half-removed version then reads as unfinished
         loc.blobs.remove_file(loc.file(name, MANIFEST_FILE))
@@ -59,3 +69,14 @@ def gc(store: StoreConfig, user: str, model_fp: str, keep: int, *,
     if doomed and LANCE_DIR in loc.blobs.listdir(loc.dir):
         fact_table.drop_tags(store, loc, doomed)
     return doomed
+
+
+def _remove_stray_files(loc: Location, m: Manifest, before: float) -> None:
+    """Remove files of a complete version that its manifest does not reference and that
+    were last modified before ``before`` (a time.time())."""
+    wanted = {MANIFEST_FILE} | {e.stored_name(n) for n, e in m.files.items()}
+    for name, mtime in loc.blobs.files(loc.version_dir(m.version)).items():
+        if name not in wanted and mtime < before:
+            log.info("gc removes %s of %s (referenced by no manifest)", name,
+                     loc.describe(m.version))
+            loc.blobs.remove_file(loc.file(m.version, name))

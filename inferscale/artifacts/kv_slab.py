@@ -26,6 +26,8 @@ class EncodedChunkLike(Protocol):
     token_ids: Sequence[int]
     keys: torch.Tensor  # [L, T, H, D] pre-RoPE, CPU
     values: torch.Tensor  # [L, T, H, D]
+    # optional: ``content_key`` (str | None), what the K/V is a function of (stored; a
+    # chunk without one is never reused by a later version)
 
 
 class EncodedMemoryLike(Protocol):
@@ -54,7 +56,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     if dtype is None:
         raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(KV_DTYPES)}")
     n_layers, _, n_heads, head_dim = k0.shape
-    ids, lengths = [], []
+    ids, lengths, content_keys = [], [], []
     for c in chunks:
         k, v = c.keys, c.values
         if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -71,8 +73,13 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
                                        f"{k.shape[1]} KV rows")
         if not isinstance(c.chunk_id, str) or not c.chunk_id:
             raise InvalidArtifactInput(f"chunk id must be a non-empty string, got {c.chunk_id!r}")
+        key = getattr(c, "content_key", None)
+        if key is not None and (not isinstance(key, str) or not key):
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: content key must be a non-empty "
+                                       f"string or None, got {key!r}")
         ids.append(c.chunk_id)
         lengths.append(int(k.shape[1]))
+        content_keys.append(key)
     if len(set(ids)) != len(ids):
         raise InvalidArtifactInput("duplicate chunk ids")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -102,6 +109,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         pa.array(offsets[:-1], type=pa.int64()),
         pa.array(lengths, type=pa.int32()),
         token_ids,
+        pa.array(content_keys, type=pa.string()),
         kv_arr,
     ], schema=schema)
     return layout, batch, slab_buffer

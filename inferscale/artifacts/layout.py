@@ -3,9 +3,15 @@
 Layout under one root (a local directory, or ``s3://bucket/prefix`` through s3fs, or
 any fsspec URL whose filesystem is installed)::
 
-    {root}/users/{user}/{model_fp}/{version}/facts.arrow  kv.arrow  manifest.json
-    {root}/users/{user}/{model_fp}/LATEST     the published version's id, atomically replaced
+    {root}/users/{user}/{model_fp}/{version}/facts.<nonce>.arrow  kv.<nonce>.arrow  manifest.json
+    {root}/users/{user}/{model_fp}/LATEST     the published version's id (+ its inputs' time)
     {root}/users/{user}/{model_fp}/lance/     LanceDB database of fact embeddings
+
+``facts.arrow`` and ``kv.arrow`` (``FACTS_FILE``, ``KV_FILE``) are the logical names of a
+version's data files; each publish stores them under names of its own, which the manifest
+records (:func:`inferscale.artifacts.read.data_path`). ``LATEST`` holds the version id on
+its first line and ``{"inputs_at": ISO-8601}`` on the second (:func:`parse_latest`,
+:func:`latest_bytes`; the rule that moves it is :mod:`inferscale.artifacts.latest`).
 
 User ids become one safe path component each (:func:`user_dirname`): ids made of
 ``[a-z0-9._-]`` (starting with a letter or digit, at most 100 characters) are used as
@@ -28,9 +34,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import fsspec
@@ -142,6 +150,29 @@ def check_version(version: str) -> str:
     if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
         raise ArtifactNotFound(f"{version!r} is not a version id (32 lowercase hex digits)")
     return version
+
+
+def parse_latest(path: str, data: bytes) -> tuple[str, datetime | None]:
+    """The content of ``LATEST`` (read from ``path``) -> (version id, ``inputs_at``):
+    when the inputs of the publish that set it were taken; ``None`` for a LATEST written
+    without a time (by an older InferScale, or a person). :class:`CorruptArtifact` when
+    the first line is not a version id."""
+    first, _, rest = data.decode("ascii", "replace").partition("\n")
+    version = first.strip()
+    if not VERSION_RE.fullmatch(version):
+        raise CorruptArtifact(f"{path} holds {data[:80]!r}, not a version id")
+    try:
+        at = datetime.fromisoformat(json.loads(rest)["inputs_at"])
+    except (ValueError, KeyError, TypeError):
+        return version, None
+    return version, at if at.tzinfo is not None else None
+
+
+def latest_bytes(version: str, inputs_at: datetime) -> bytes:
+    """What ``LATEST`` holds when it names ``version`` published from inputs taken at
+    ``inputs_at`` (inverse of :func:`parse_latest`)."""
+    return (version + "\n" + json.dumps({"inputs_at": inputs_at.isoformat(
+        timespec="microseconds")}) + "\n").encode()
 
 
 # ------------------------------------------------------------------------------- config

@@ -1,17 +1,22 @@
 """Publishing versioned, content-addressed memory artifacts per (user, model).
 
-A version holds ``facts.arrow`` (the facts table), ``kv.arrow`` (the KV slab and its
-offsets table, layout in :mod:`storage_schemas.kv`) and ``manifest.json`` (lineage,
-sizes, checksums; :mod:`storage_schemas.manifest`). Its id is a content hash of the
-inputs (user, log hash, facts hash, model fingerprint, encoder config, storage format
-versions): publishing unchanged inputs writes nothing and returns the existing version.
+A version holds a facts table and a KV file (the KV slab and its offsets table, layout
+in :mod:`storage_schemas.kv`) and ``manifest.json`` (lineage, sizes, checksums, stored
+names; :mod:`storage_schemas.manifest`). Its id is a content hash of everything that
+decides its bytes: user, log hash, facts hash, model fingerprint, encoder config (which
+the encoder extends with the dtype and device kind it computed in) and the storage
+format versions. Publishing unchanged inputs writes nothing and returns the existing
+version, once its files verified.
 
-Publish order, so that a crash at any point leaves ``LATEST`` on a complete, verified
-version: data files (each atomic) -> re-read and verify sizes and checksums -> fact
-embeddings into LanceDB (tagged with the version id) -> manifest (created exclusively:
-when publishers race on one version exactly one creates it) -> ``LATEST`` (atomically
-replaced) -> optional gc. A version without a manifest is unfinished and invisible;
-re-running the publish completes it under the same id.
+Publish order, so that a crash or a race at any point leaves ``LATEST`` on a complete,
+verified version: data files under names no other publish uses (``kv.<nonce>.arrow``,
+each atomic) -> re-read and verify sizes and checksums -> fact embeddings into LanceDB
+(tagged with the version id) -> manifest (created exclusively: when publishers race on
+one version exactly one manifest wins, and the others adopt it only after verifying its
+files; a manifest whose files do not verify is replaced by the next publish: a repair)
+-> ``LATEST`` (compare-and-swap: it names the publish of the newest inputs,
+:mod:`inferscale.artifacts.latest`) -> optional gc. A version without a manifest is
+unfinished and invisible; re-running the publish completes it under the same id.
 
 Fact embeddings also go into a LanceDB table per (user, model) beside the versions
 (:mod:`inferscale.artifacts.fact_table`), tagged with each version id, so
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping
@@ -41,17 +48,21 @@ from inferscale.artifacts import fact_table
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.gc import gc
 from inferscale.artifacts.kv_slab import EncodedMemoryLike, build_kv_batch
+from inferscale.artifacts.latest import inputs_time, point_latest, readable
 from inferscale.artifacts.layout import (
     FACTS_FILE, KV_FILE, MANIFEST_FILE, ArtifactError, ArtifactNotFound, ArtifactSchemaError,
-    CorruptArtifact, InvalidArtifactInput, MissingManifest, StoreConfig,
+    ChecksumError, CorruptArtifact, InvalidArtifactInput, MissingManifest, StoreConfig,
+    TruncatedArtifact,
 )
-from inferscale.artifacts.read import check_digest, check_size, latest_version, manifest_at
+from inferscale.artifacts.read import check_size, manifest_at, verify_files
 from inferscale.types import PREFIX_ID
 from storage_schemas import facts as facts_schema
 from storage_schemas import kv as kv_schema
 from storage_schemas import manifest as manifest_schema
 from storage_schemas.common import SchemaVersionError, check_schema
 from storage_schemas.manifest import FileEntry, Manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,9 +82,10 @@ class Lineage:
 @dataclass(frozen=True)
 class PublishResult:
     version: str
-    created: bool  # False: the version existed (nothing written but, maybe, LATEST)
+    created: bool  # False: the version existed and verified (nothing written but LATEST)
     manifest: Manifest
     removed: tuple[str, ...] = ()  # versions garbage-collected afterwards
+    latest: str = ""  # what LATEST names afterwards (another version when newer inputs won)
 
 
 def version_id(user: str, lineage: Lineage, model_fp: str, encoder_config: Mapping[str, Any]) -> str:
@@ -88,38 +100,66 @@ def version_id(user: str, lineage: Lineage, model_fp: str, encoder_config: Mappi
 
 
 def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa.Table,
-            lineage: Lineage, *, keep: int | None = None, embeddings: bool = True) -> PublishResult:
+            lineage: Lineage, *, keep: int | None = None, embeddings: bool = True,
+            inputs_at: datetime | None = None) -> PublishResult:
     """Publish one (user, model) version from the encoder's output and the facts table.
 
     ``facts`` has :func:`storage_schemas.facts.schema` for its embedding size, rows of
     ``user`` only; ``encoded.chunks`` are ``"prefix"`` then exactly one chunk per fact.
     ``keep``: afterwards keep only the newest ``keep`` versions (plus LATEST's).
     ``embeddings``: also write the LanceDB fact table (needs lancedb).
+    ``inputs_at``: when the inputs were taken (the flows pass the time the logs were
+    read; default: now). ``LATEST`` names the publish with the newest ``inputs_at``
+    (ties: the larger version id): a publish of older inputs that finishes after a
+    newer one still creates its version but leaves ``LATEST`` alone (``result.latest``
+    says what it names). Publishing old inputs again with a newer ``inputs_at`` (a
+    log reverted, a rollback) moves ``LATEST`` back to their version.
     Raises :class:`InvalidArtifactInput` (and :class:`InvalidUserId`) for bad inputs.
 
-    The version id hashes the inputs, not the KV: when the version exists, the chunks
-    are not even laid out again. An encoder change must therefore show in the model
-    fingerprint or the encoder config (it does: dtype, window, instruction... live there).
+    The version id hashes the inputs, not the KV: when the version exists and its files
+    verify, the chunks are not even laid out again. An encoder change must therefore
+    show in the model fingerprint or the encoder config (it does: dtype, window,
+    instruction, compute dtype and device live there).
     """
     model_fp = encoded.model_fingerprint
     loc = Location(store, user, model_fp)
     encoder_config = _jsonable(encoded.encoder_config)
+    inputs_at = inputs_time(inputs_at)
     facts = _check_facts(facts, user)
     _check_chunks_match_facts([c.chunk_id for c in encoded.chunks], facts)
     if embeddings:
         fact_table.require_lancedb()  # fail before writing anything
     version = version_id(user, lineage, model_fp, encoder_config)
 
-    existing = _existing(loc, version)
-    if existing is not None:  # same inputs: the KV is not even laid out again
+    existing, damage = _existing(loc, version)
+    if existing is not None:  # same inputs, verified: the KV is not even laid out again
         if embeddings:
             fact_table.ensure_tag(store, loc, version, facts)
-        _point_latest(loc, version)
-        return PublishResult(version, False, existing, _maybe_gc(store, user, model_fp, keep))
+        latest = point_latest(loc, version, inputs_at)
+        if latest != version or readable(loc, version):
+            return PublishResult(version, False, existing,
+                                 _maybe_gc(store, user, model_fp, keep), latest)
+        # a concurrent gc removed it (an old version) while LATEST moved back to it
+        log.warning("%s was removed while LATEST moved to it; writing it again",
+                    loc.describe(version))
+    if damage is not None:
+        log.warning("%s does not verify; publishing it again: %s", loc.describe(version), damage)
 
-    layout, batch, slab_buffer = build_kv_batch(encoded, model_fp)
+    manifest = _write_files(loc, version, encoded, facts, lineage, encoder_config)
+    if embeddings:
+        fact_table.index_embeddings(store, user, model_fp, version, facts)
+    manifest, created = _commit_manifest(loc, manifest, replace=damage is not None)
+    latest = point_latest(loc, version, inputs_at)
+    return PublishResult(version, created, manifest, _maybe_gc(store, user, model_fp, keep),
+                         latest)
 
-    files: dict[str, FileEntry] = {}
+
+def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts: pa.Table,
+                 lineage: Lineage, encoder_config: dict[str, Any]) -> Manifest:
+    """Write the data files under names of this attempt only, re-read and verify them;
+    returns the manifest that describes them (not yet stored)."""
+    layout, batch, slab_buffer = build_kv_batch(encoded, loc.model_fp)
+    nonce = uuid.uuid4().hex[:16]  # racing publishers never write each other's files
 
     def write_facts(w: Any) -> None:
         with pa.ipc.new_file(w, facts.schema) as writer:
@@ -129,11 +169,16 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         with pa.ipc.new_file(w, batch.schema) as writer:
             writer.write_batch(batch)
 
-    out = loc.blobs.write_stream(loc.file(version, FACTS_FILE), write_facts)
-    files[FACTS_FILE] = FileEntry(out.nbytes, out.xxh3_128)
-    out = loc.blobs.write_stream(loc.file(version, KV_FILE), write_kv, watch=slab_buffer.address)
-    files[KV_FILE] = FileEntry(out.nbytes, out.xxh3_128)
-    slab_offset = out.watched_at
+    files: dict[str, FileEntry] = {}
+    slab_offset = None
+    for name, fill, watch in ((FACTS_FILE, write_facts, None),
+                              (KV_FILE, write_kv, slab_buffer.address)):
+        stem, _, ext = name.partition(".")
+        stored = f"{stem}.{nonce}.{ext}"
+        out = loc.blobs.write_stream(loc.file(version, stored), fill, watch=watch)
+        files[name] = FileEntry(out.nbytes, out.xxh3_128, stored)
+        if watch is not None:
+            slab_offset = out.watched_at
     if slab_offset is None:
         if layout.slab_bytes:
             raise ArtifactError("could not locate the slab inside kv.arrow while writing it "
@@ -141,7 +186,8 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         slab_offset = 0
 
     manifest = Manifest(
-        user=user, model_fingerprint=model_fp, version=version, encoder_config=encoder_config,
+        user=loc.user, model_fingerprint=loc.model_fp, version=version,
+        encoder_config=encoder_config,
         parents={"log": lineage.log_hash, "facts": lineage.facts_hash}, files=files,
         counts={"facts": facts.num_rows, "chunks": batch.num_rows, "tokens": layout.tokens},
         kv={"layout": kv_schema.LAYOUT, "dtype": layout.dtype, "layers": layout.layers,
@@ -150,37 +196,55 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         producer=f"inferscale {__version__}",
     )
-    for name in files:  # verify what is stored, not what we meant to store
-        check_size(loc, manifest, name)
-        digest = loc.blobs.hash_file(loc.file(version, name), files[name].bytes)
-        check_digest(loc, manifest, name, digest)
-    if embeddings:
-        fact_table.index_embeddings(store, user, model_fp, version, facts)
-    created = loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json())
-    if not created:  # a concurrent publisher of the same inputs won: use its manifest
-        manifest = manifest_at(loc, version)
-    _point_latest(loc, version)
-    return PublishResult(version, created, manifest, _maybe_gc(store, user, model_fp, keep))
+    verify_files(loc, manifest)  # what is stored, not what we meant to store
+    return manifest
 
 
-def _existing(loc: Location, version: str) -> Manifest | None:
-    """The complete version's manifest (sizes checked), or None if not (fully) there."""
+def _commit_manifest(loc: Location, manifest: Manifest, replace: bool) -> tuple[Manifest, bool]:
+    """Store ``manifest`` (files written and verified) unless a racing publisher's
+    verified manifest got there first; returns (the version's manifest, whether ours).
+
+    ``replace``: the stored manifest or its files failed verification: ours replaces it.
+    A lost race adopts the winner's manifest only when its files verify (then our files,
+    which nothing references, are removed); otherwise ours replaces it.
+    """
+    path = loc.file(manifest.version, MANIFEST_FILE)
+    for _ in range(3):
+        if replace:
+            loc.blobs.replace(path, manifest.to_json())
+        elif not loc.blobs.create_exclusive(path, manifest.to_json()):
+            winner, damage = _existing(loc, manifest.version)
+            if winner is not None:
+                for entry in manifest.files.values():
+                    loc.blobs.remove_file(loc.file(manifest.version, entry.stored_as))
+                return winner, False
+            replace = damage is not None
+            if damage is not None:
+                log.warning("the racing publisher's %s does not verify: %s",
+                            loc.describe(manifest.version), damage)
+            continue  # repair it, or (removed meanwhile) create it again
+        # our files are still there (a gc of files it took for stale can race a publish
+        # that stalled for an hour): else fail before LATEST, the next publish repairs
+        for name in manifest.files:
+            check_size(loc, manifest, name)
+        return manifest, True
+    raise ArtifactError(f"{loc.describe(manifest.version)}: could not store the manifest "
+                        "(concurrent publishers and removals)")
+
+
+def _existing(loc: Location, version: str) -> tuple[Manifest | None, ArtifactError | None]:
+    """(manifest, None) for a complete version whose files verify (sizes and checksums);
+    (None, None) when it is not there or unfinished; (None, the error) when its manifest
+    or files are damaged: the publish then writes it again (a repair). A manifest of a
+    newer schema or another model is left alone (raised)."""
     try:
         m = manifest_at(loc, version)
+        verify_files(loc, m)
     except (ArtifactNotFound, MissingManifest):
-        return None
-    for name in m.files:
-        check_size(loc, m, name)  # damaged complete versions are errors, not republished
-    return m
-
-
-def _point_latest(loc: Location, version: str) -> None:
-    try:
-        current = latest_version(loc.config, loc.user, loc.model_fp)
-    except CorruptArtifact:
-        current = None
-    if current != version:
-        loc.blobs.replace(loc.latest, (version + "\n").encode())
+        return None, None
+    except (TruncatedArtifact, ChecksumError, CorruptArtifact) as exc:
+        return None, exc
+    return m, None
 
 
 def _maybe_gc(store: StoreConfig, user: str, model_fp: str, keep: int | None) -> tuple[str, ...]:

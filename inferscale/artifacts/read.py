@@ -5,9 +5,15 @@ checksum, owner, model fingerprint, file sizes; full xxh3-128 checksums where a 
 file is read) and raises an :class:`~inferscale.artifacts.layout.ArtifactError` subclass
 naming the file and the user/model/version.
 
+A version's data files are stored under names of the publish that wrote them
+(``kv.<nonce>.arrow``); :func:`data_path` maps a logical name (``kv.arrow``) to the stored
+one through the manifest (schema-1 manifests: the logical name itself).
+
 Callers: the CLI and flows (listing, lineage), :mod:`inferscale.artifacts.staleness`,
-:mod:`inferscale.hydrate.slab` (``manifest_at``, ``check_size``, ``check_digest``) and
-the server's retrieval side (``read_facts``, ``open_fact_table``).
+:mod:`inferscale.artifacts.publish` and :mod:`~inferscale.artifacts.latest`
+(``manifest_at``, ``verify_files``), :mod:`inferscale.hydrate.slab` (``manifest_at``,
+``data_path``, ``check_size``, ``check_digest``) and the server's retrieval side
+(``read_facts``, ``open_fact_table``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from inferscale.artifacts.blobs import Location, open_blobs
 from inferscale.artifacts.layout import (
     DATA_FILES, FACTS_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError, ArtifactNotFound,
     ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch, MissingManifest,
-    StoreConfig, TruncatedArtifact, user_dirname, user_from_dirname,
+    StoreConfig, TruncatedArtifact, parse_latest, user_dirname, user_from_dirname,
 )
 from storage_schemas import facts as facts_schema
 from storage_schemas.common import SchemaVersionError, check_schema
@@ -38,10 +44,7 @@ def latest_version(store: StoreConfig, user: str, model_fp: str) -> str | None:
         data = loc.blobs.read_bytes(loc.latest)
     except FileNotFoundError:
         return None
-    version = data.decode("ascii", "replace").strip()
-    if not VERSION_RE.fullmatch(version):
-        raise CorruptArtifact(f"{loc.latest} holds {data[:80]!r}, not a version id")
-    return version
+    return parse_latest(loc.latest, data)[0]
 
 
 def resolve_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> str:
@@ -144,13 +147,17 @@ def list_models(store: StoreConfig, user: str) -> list[str]:
 def verify_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Manifest:
     """Check every file of a version against the manifest (sizes, then full checksums)."""
     loc = Location(store, user, model_fp)
-    version = resolve_version(store, user, model_fp, version)
-    m = manifest_at(loc, version)
+    m = manifest_at(loc, resolve_version(store, user, model_fp, version))
+    verify_files(loc, m)
+    return m
+
+
+def verify_files(loc: Location, m: Manifest) -> None:
+    """Sizes, then full xxh3-128 checksums of every data file of ``m``."""
     for name in m.files:
         check_size(loc, m, name)
     for name, entry in m.files.items():
-        check_digest(loc, m, name, loc.blobs.hash_file(loc.file(version, name), entry.bytes))
-    return m
+        check_digest(loc, m, name, loc.blobs.hash_file(data_path(loc, m, name), entry.bytes))
 
 
 def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> pa.Table:
@@ -159,7 +166,7 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     version = resolve_version(store, user, model_fp, version)
     m = manifest_at(loc, version)
     check_size(loc, m, FACTS_FILE)
-    path = loc.file(version, FACTS_FILE)
+    path = data_path(loc, m, FACTS_FILE)
     try:
         data = loc.blobs.read_bytes(path)
     except FileNotFoundError:
@@ -178,9 +185,14 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     return table
 
 
+def data_path(loc: Location, m: Manifest, name: str) -> str:
+    """Where file ``name`` (``kv.arrow``, ``facts.arrow``) of version ``m`` is stored."""
+    return loc.file(m.version, m.files[name].stored_name(name))
+
+
 def check_size(loc: Location, m: Manifest, name: str) -> None:
     """:class:`TruncatedArtifact` unless file ``name`` exists with the manifest's size."""
-    path = loc.file(m.version, name)
+    path = data_path(loc, m, name)
     size = loc.blobs.size(path)
     want = m.files[name].bytes
     if size is None:
@@ -194,7 +206,7 @@ def check_digest(loc: Location, m: Manifest, name: str, digest: str) -> None:
     """:class:`ChecksumError` unless ``digest`` is the manifest's xxh3-128 of ``name``."""
     want = m.files[name].xxh3_128
     if digest != want:
-        raise ChecksumError(f"{loc.file(m.version, name)}: xxh3-128 {digest} differs from the "
+        raise ChecksumError(f"{data_path(loc, m, name)}: xxh3-128 {digest} differs from the "
                             f"manifest's {want} (the file is damaged)")
 
 

@@ -2,10 +2,12 @@
 
 A user is up to date for a model when ``LATEST`` under that model's fingerprint names a
 version whose parent log hash is the content hash of the user's current turns and whose
-encoder config is the current one. Anything else needs encoding: no version yet
-(``new``), the conversation changed (``log-changed``), the encoder settings changed
-(``encoder-changed``), or ``LATEST``/its manifest cannot be read (``unreadable``; the
-encode then reports the store's error for that user).
+encoder config has the current settings (what the encoder adds beside them, the compute
+dtype and device it ran on, is not compared: KV encoded on another device is as
+current). Anything else needs encoding: no version yet (``new``), the conversation
+changed (``log-changed``), the encoder settings changed (``encoder-changed``), or
+``LATEST``/its manifest cannot be read (``unreadable``; the encode then reports the
+store's error for that user).
 
 Only ``LATEST`` and one manifest per user are read, so an unchanged user costs two small
 reads. Facts are not looked at: they are a function of the turns (and are cached).
@@ -58,9 +60,9 @@ def plan_user(store: StoreConfig, model_fp: str, encoder_config: Mapping, user: 
     if manifest.parents.get("log") != log_hash:
         return UserPlan(user, log_hash, "log-changed", latest,
                         f"log {manifest.parents.get('log', '')[:12]} -> {log_hash[:12]}")
-    if dict(manifest.encoder_config) != dict(encoder_config):
-        changed = sorted(k for k in set(manifest.encoder_config) | set(encoder_config)
-                         if manifest.encoder_config.get(k) != encoder_config.get(k))
+    changed = sorted(k for k in encoder_config
+                     if manifest.encoder_config.get(k) != encoder_config.get(k))
+    if changed:
         return UserPlan(user, log_hash, "encoder-changed", latest, ", ".join(changed))
     return UserPlan(user, log_hash, "up-to-date", latest)
 

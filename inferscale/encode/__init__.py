@@ -6,5 +6,7 @@
 - :mod:`inferscale.encode.rope`: rotating stored pre-RoPE keys to any positions;
 - :mod:`inferscale.encode.encoder`: the context-window encoder (each fact after its
   window of preceding turns, K captured before rotary embedding);
-- :mod:`inferscale.encode.batches`: its forward passes' batches and block masks.
+- :mod:`inferscale.encode.batches`: its forward passes' batches and block masks;
+- :mod:`inferscale.encode.content_keys`: what a fact's K/V is a function of, hashed (a
+  later version reuses the K/V of every fact whose key it needs).
 """

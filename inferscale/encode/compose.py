@@ -19,12 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from inferscale.types import MEMORY_ORDERS
+
 DEFAULT_INSTRUCTION = (
     "You are a helpful assistant with a long-term memory of the user. "
     "Answer the user's question using these remembered facts when they are relevant.\n"
 )
 _SYS, _USR = "\x00SYSTEM\x00", "\x00USER\x00"
-MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
 
 
 def memory_text(speaker: str, text: str, timestamp: str | None = None) -> str:

@@ -1,13 +1,31 @@
 """Context-window encoder: facts -> relocatable pre-RoPE KV.
 
-A fact extracted from turn ``t`` is encoded in one forward pass over
-``[turns t-w .. t-1] + [fact tokens]``; only the fact's K and V are kept, for every layer.
+A fact extracted from turn ``t`` is encoded in one forward pass over a context and then
+the fact's tokens; only the fact's K and V are kept, for every layer. The context
+(``EncoderConfig.context``) is, by default (``"memory"``), the serving prefix
+(chat-template head + instruction, at positions 0..P-1, so every fact shares the serving
+attention sink) followed by the ``w`` turns before ``t`` written as memory lines
+(``- [date] Speaker: text``), exactly as the served memory list writes facts: the encoding
+context looks like the serving context. ``"transcript"`` (the original encoder) writes
+the window as raw transcript with nothing before it; ``"prefix"`` puts the serving prefix
+before a raw window. With raw-turn facts and a window reaching back to the first turn,
+``"memory"`` is exactly the joint prefill of the chronological memory list.
+
 K is exactly the tensor that enters the model's ``apply_rotary_pos_emb`` (after ``k_norm``
 where the architecture has one, e.g. Qwen3); V is the tensor that enters the attention
-function, exactly what a KV cache would store. Facts sharing a source turn share one pass: the sequence is
-``[window | fact_1 | fact_2 | ...]`` with a block mask (each fact sees the window and
-itself, never another fact) and position ids that restart at ``len(window)`` for every
-fact, so each fact is encoded exactly as if it followed its window alone.
+function, exactly what a KV cache would store. ``key_temperature`` != 1 divides the
+stored keys of facts (an experiment; it breaks the limiting case's exactness).
+``memory_order`` and ``text_tail`` do not change the encoding: they are the composer
+settings the artifact carries for the server (:func:`inferscale.encode.compose.memory_layout`).
+
+Batch invariance and reuse (``EncoderConfig.batch_invariant``, the default): every fact
+gets an unpadded forward pass of its own, ``[context | fact]``, so its K/V bits depend
+only on its content key's inputs (:mod:`inferscale.encode.content_keys`); given a previous
+version's rows by key (``reuse``), :func:`encode_facts` takes every fact whose key is
+there and encodes only the rest, byte-identical to encoding everything. With
+``batch_invariant=False`` facts are packed into padded batches and facts of one turn
+share a pass ``[window | fact_1 | fact_2 | ...]`` with a block mask (positions restarting
+at ``len(window)``); such chunks get no content key and are never reused.
 
 The general form is :func:`encode_segments`: any context token ids followed by chunks
 (:class:`~inferscale.encode.batches.Segment`; batching and the block mask are
@@ -18,29 +36,33 @@ The window form (:func:`encode_facts`) builds contexts from turns; tests build t
 Callers: the encode flow (through ``tasks/``), the CLI, benchmarks and tests. The
 output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
 
-Edge cases (stated): ``w = 0`` encodes the fact alone at positions ``0..len-1``; windows
-stop at the start of the conversation; a window longer than ``max_window_tokens`` keeps
-its most recent tokens; a fact longer than ``max_fact_tokens`` is truncated to its first
-``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
+Edge cases (stated): ``w = 0`` encodes the fact after the serving prefix (``"memory"``,
+``"prefix"``) or alone at positions ``0..len-1`` (``"transcript"``); windows stop at the
+start of the conversation; a window longer than ``max_window_tokens`` keeps its most
+recent tokens (the prefix is always kept); a longer fact than ``max_fact_tokens`` is
+truncated to its first ``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
 :class:`~inferscale.encode.compose.ComposeError`.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches
-from inferscale.encode.compose import (
-    DEFAULT_INSTRUCTION, MEMORY_ORDERS, Composer, memory_text,
-)
-from inferscale.types import KV_DTYPES, PREFIX_ID, torch_dtype
+from inferscale.encode.compose import DEFAULT_INSTRUCTION, Composer, memory_text
+from inferscale.encode.content_keys import content_key, key_identity, matching_rows
+from inferscale.types import (
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    KV_DTYPES, MEMORY_ORDERS, PREFIX_ID, torch_dtype)
 
-CONTEXTS = ("transcript", "memory", "prefix")
+log = logging.getLogger(__name__)
+
 _capture_lock = threading.Lock()
 
 
@@ -52,32 +74,31 @@ class EncodeError(ValueError):
 class EncoderConfig:
     """How facts are encoded; part of an artifact's identity (its version hash)."""
 
-    window: int = 5
+    window: int = DEFAULT_WINDOW
     dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
     max_fact_tokens: int = 256
     max_window_tokens: int = 4096
-    batch_tokens: int = 16384  # padded tokens per forward pass
+    batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
     instruction: str = DEFAULT_INSTRUCTION
     turn_template: str = "{speaker}: {text}\n"
-    # What each fact is encoded after (see the module docstring): ``"transcript"`` = the
-    # window's turns as raw transcript (``turn_template``), nothing before them;
-    # ``"memory"`` = the serving prefix (chat-template head + instruction) at positions
-    # 0..P-1, then the window's turns written as memory lines, exactly as the served
-    # memory list writes facts; ``"prefix"`` = the serving prefix, then the window as
-    # transcript (the shared attention sink alone, for ablations).
-    context: str = "transcript"
+    # What each fact is encoded after (module docstring): "memory" (serving prefix, then
+    # the window as memory lines), "transcript" (the raw window, ``turn_template``, alone),
+    # "prefix" (serving prefix, then the raw window: the shared sink alone, for ablations).
+    context: str = DEFAULT_CONTEXT
     # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
     key_temperature: float = 1.0
     # How the server lays out a request's memory (composer settings kept with the artifact):
     # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
     # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
     # facts are prefilled as text right before the question instead of injected.
-    memory_order: str = "relevance"
-    text_tail: int = 0
+    memory_order: str = DEFAULT_MEMORY_ORDER
+    text_tail: int = DEFAULT_TEXT_TAIL
+    batch_invariant: bool = True  # one pass per fact: content keys, reuse (module docstring)
 
     def __post_init__(self) -> None:
-        if self.context not in CONTEXTS:
-            raise EncodeError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if self.context not in ENCODER_CONTEXTS:
+            raise EncodeError(f"context must be one of {ENCODER_CONTEXTS}, "
+                              f"got {self.context!r}")
         if not self.key_temperature > 0:
             raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
         if self.memory_order not in MEMORY_ORDERS:
@@ -100,6 +121,15 @@ class EncoderConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def identity(self, compute_dtype: str, device: str) -> dict:
+        """The config plus what else decides the stored KV bits: the dtype the model
+        computes in and the device kind (bf16 on CUDA rounds differently from float32 on
+        CPU). The encoder records it in ``EncodedMemory.encoder_config``, so an
+        artifact's version id covers it. Called by :func:`encode_facts` and by
+        ``inferscale.pipeline.expected_version`` (with the planned device and dtype)."""
+        return {**self.to_dict(), "compute_dtype": str(compute_dtype).removeprefix("torch."),
+                "compute_device": str(device).split(":")[0]}
 
 
 @dataclass(frozen=True)
@@ -130,6 +160,7 @@ class EncodedChunk:
     token_ids: list[int]
     keys: torch.Tensor  # [L, T, H, D] pre-RoPE
     values: torch.Tensor  # [L, T, H, D]
+    content_key: str | None = None  # set by encode_facts in batch-invariant mode
 
 
 @dataclass
@@ -232,19 +263,25 @@ def _kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
-                    out_dtype: torch.dtype, batch_tokens: int, pad_id: int = 0,
+                    out_dtype: torch.dtype, batch_tokens: int | None, pad_id: int = 0,
                     progress: Any = None, keep_on_device: bool = False
                     ) -> Iterator[EncodedChunk]:
-    """Run the batched passes and yield every chunk's K, V ``[L, T, H, D]``.
+    """Run the passes and yield every chunk's K, V ``[L, T, H, D]``.
 
-    Chunks come out batch by batch (not in input order); ``progress`` (a tqdm bar) is
-    advanced by the number of chunks done. Results move to CPU unless ``keep_on_device``.
+    ``batch_tokens``: segments packed into padded batches of at most that many tokens
+    (:func:`plan_batches`), or ``None``: every segment alone in its pass, in the order
+    given, unpadded — its chunks' bits then depend on nothing but the segment (batch
+    invariance). Chunks come out batch by batch (not in input order when batched);
+    ``progress`` (a tqdm bar) is advanced by the number of chunks done. Results move to
+    CPU unless ``keep_on_device``.
     """
     device = next(model.parameters()).device
     compute_dtype = next(model.parameters()).dtype
     L, H, D = _kv_shape(model)
     decoder = _decoder(model)
-    for batch in plan_batches(segments, batch_tokens):
+    plan = ([[i] for i in range(len(segments))] if batch_tokens is None
+            else plan_batches(segments, batch_tokens))
+    for batch in plan:
         inputs = build_batch([segments[i] for i in batch], pad_id, device, compute_dtype)
         n = inputs["select_b"].numel()
         out_k = torch.empty((L, n, H, D), dtype=out_dtype, device=device)
@@ -270,7 +307,9 @@ def encode_segments(model: torch.nn.Module, segments: Sequence[Segment], *,
 
 def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], composer: Composer,
                     cfg: EncoderConfig) -> list[Segment]:
-    """Segments for ``facts``: one per source turn, its context then all its facts.
+    """Segments for ``facts``: each fact's context then the fact, one segment per fact in
+    the order given (``cfg.batch_invariant``), or one per source turn holding all its
+    facts, in turn order (otherwise).
 
     The context is ``cfg.context``'s: the window's turns as transcript, or the serving
     prefix followed by the window's turns as memory lines (or as transcript). A window
@@ -301,43 +340,80 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
         return turn_ids[i]
 
     head = composer.prefix_ids() if cfg.context in ("memory", "prefix") else []
-    segments = []
-    for t, group in sorted(by_turn.items()):
+    contexts: dict[int, tuple[int, ...]] = {}
+    for t in by_turn:
         window = [tok for i in range(max(0, t - cfg.window), t) for tok in turn_tokens(i)]
         if len(window) > cfg.max_window_tokens:
             window = window[len(window) - cfg.max_window_tokens:]
-        chunks = tuple((f.fact_id, tuple(f.token_ids) if f.token_ids
-                        else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
-                       for f in group)
-        segments.append(Segment(tuple(head + window), chunks))
-    return segments
+        contexts[t] = tuple(head + window)
+
+    def chunk(f: FactSpec) -> tuple[str, tuple[int, ...]]:
+        return (f.fact_id, tuple(f.token_ids) if f.token_ids
+                else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)))
+
+    if cfg.batch_invariant:
+        return [Segment(contexts[f.source_index], (chunk(f),)) for f in facts]
+    return [Segment(contexts[t], tuple(chunk(f) for f in group))
+            for t, group in sorted(by_turn.items())]
 
 
 def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnText],
                  facts: Sequence[FactSpec], cfg: EncoderConfig, model_fingerprint: str,
-                 progress: bool = True) -> EncodedMemory:
+                 progress: bool = True,
+                 reuse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> EncodedMemory:
     """Encode the instruction prefix and every fact with its window of preceding turns.
 
-    Returns chunks in order: the prefix first, then facts in the order given.
+    ``reuse``: K/V of a previous version by content key (``Resident.kv_by_content_key``);
+    a chunk whose key is there is taken from it (no forward pass), the others encoded;
+    ignored unless ``cfg.batch_invariant``. Returns chunks in order: the prefix first,
+    then facts in the order given; ``stats`` count facts ``reused`` and ``encoded`` and
+    the ``forward_tokens`` actually run.
     """
     from tqdm.auto import tqdm
 
     composer = Composer(tokenizer, cfg.instruction)
     prefix = Segment((), ((PREFIX_ID, tuple(composer.prefix_ids())),))
     segments = [prefix] + window_segments(turns, facts, composer, cfg)
+    keys: dict[str, str] = {}
+    chunks: dict[str, EncodedChunk] = {}
+    todo = segments
+    if cfg.batch_invariant:
+        identity = key_identity(cfg.to_dict(), model_fingerprint, model)
+        L, H, D = _kv_shape(model)
+        todo = []
+        for seg in segments:
+            ((chunk_id, ids),) = seg.chunks
+            keys[chunk_id] = key = content_key(identity, seg.context, ids)
+            hit = matching_rows(chunk_id, (reuse or {}).get(key),
+                                (L, len(ids), H, D), cfg.torch_dtype)
+            if hit is None:
+                todo.append(seg)
+            else:
+                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), *hit, content_key=key)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bar = tqdm(total=len(facts) + 1, desc="encoding facts", unit="fact", disable=not progress)
-    chunks = {c.chunk_id: c for c in encode_segments(
-        model, segments, out_dtype=cfg.torch_dtype, batch_tokens=cfg.batch_tokens,
-        pad_id=pad_id, progress=bar)}
+    bar = tqdm(total=sum(len(s.chunks) for s in todo), desc="encoding facts", unit="fact",
+               disable=not progress)
+    for c in encode_segments(model, todo, out_dtype=cfg.torch_dtype, pad_id=pad_id,
+                             batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
+                             progress=bar):
+        if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
+            c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
+        c.content_key = keys.get(c.chunk_id)
+        chunks[c.chunk_id] = c
     bar.close()
     ordered = [chunks[PREFIX_ID]] + [chunks[f.fact_id] for f in facts]
-    if cfg.key_temperature != 1.0:
-        for chunk in ordered[1:]:
-            chunk.keys = (chunk.keys.float() / cfg.key_temperature).to(chunk.keys.dtype)
+    ran = {cid for s in todo for cid, _ in s.chunks}
+    n_encoded = len(ran - {PREFIX_ID})
     stats = {
-        "facts": len(facts),
-        "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
-        "forward_tokens": sum(s.length for s in segments),
+        "facts": len(facts), "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
+        "forward_tokens": sum(s.length for s in todo), "encoded": n_encoded,
+        "reused": len(facts) - n_encoded, "prefix_reused": PREFIX_ID not in ran,
     }
-    return EncodedMemory(ordered, model_fingerprint, cfg.to_dict(), stats)
+    if reuse is not None and cfg.batch_invariant:
+        log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
+                 stats["encoded"], stats["reused"], len(reuse))
+    param = next(model.parameters())
+    return EncodedMemory(ordered, model_fingerprint, cfg.identity(param.dtype, param.device.type),
+                         stats)
+

@@ -8,11 +8,16 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
 
 - :meth:`ResidentLoader.load`: an admin hydration (``POST /admin/hydrate`` -> the engine's
   collective RPC), synchronous; errors go back to the caller;
-- :meth:`ResidentLoader.reload_in_background`: a reload the scheduler ordered for a user
-  the workers do not hold; it runs in a thread, and a failure is kept for
-  :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler).
+- :meth:`ResidentLoader.reload_in_background`: a reload the scheduler ordered (a user the
+  workers do not hold, or a newer version of one they do); it runs on a small thread
+  pool (``reload_workers``), one per (user, version) at a time, and a failure is kept
+  for :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler, which
+  backs off before ordering it again).
 
-A user an admin evicted is not reloaded until an admin hydrates them again.
+Both check the slab's size, from the manifest alone, against the store's budgets before
+any byte of ``kv.arrow`` is read (:meth:`ResidentLoader.admission`): a user larger than
+every budget costs one small manifest read. A user an admin evicted is not reloaded
+until an admin hydrates them again.
 Nothing here imports vLLM.
 """
 
@@ -20,10 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.hydrate.resident import Resident, ResidentStore
-from inferscale.hydrate.slab import hydrate
+from inferscale.hydrate.slab import hydrate, slab_nbytes
+from storage_schemas.manifest import Manifest
 
 # Under vLLM's logger namespace, so its handlers print these in the worker process.
 log = logging.getLogger("vllm.inferscale.loader")
@@ -35,23 +43,38 @@ class ResidentLoader:
     slabs handed to :meth:`put` can be loaded)."""
 
     def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, reload_workers: int = 2):
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.artifact_root = artifact_root
         self.storage_options = dict(storage_options or {})
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
+        self.reload_failures = 0  # background reloads that failed (refusals included)
         self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(reload_workers, thread_name_prefix="inferscale-reload")
+        self._reloading: set[tuple[str, str]] = set()
 
-    def read(self, user: str, version: str) -> Resident:
+    def admission(self, tier: str) -> Callable[[Manifest], None]:
+        """``admit(manifest)`` for hydration: refuses, before any KV byte is read, a slab
+        larger (in the store's dtype) than every budget ``tier`` may use
+        (:meth:`~inferscale.hydrate.resident.ResidentStore.fit_tier`; under tensor
+        parallelism the rank's share of its heads)."""
+        def admit(manifest: Manifest) -> None:
+            nbytes = self.store.share_of(slab_nbytes(manifest, self.store.dtype))
+            self.store.fit_tier(manifest.user, nbytes, tier)
+        return admit
+
+    def read(self, user: str, version: str, tier: str = "host") -> Resident:
         """``user``'s artifact ``version`` (or ``"latest"``) from the artifact store, in
-        host memory; the store moves it to the tier asked for."""
+        host memory, refused before reading when it fits no budget ``tier`` may use; the
+        store moves it to the tier asked for."""
         if not self.artifact_root:
             raise RuntimeError("the connector has no artifact_root to hydrate from")
         store = StoreConfig(self.artifact_root, dict(self.storage_options))
-        return hydrate(store, user, self.model_fingerprint, version, tier="host")
+        return hydrate(store, user, self.model_fingerprint, version, tier="host",
+                       admit=self.admission(tier))
 
     def put(self, resident: Resident, tier: str) -> Resident:
         """Put a hydrated artifact into ``tier`` of the store (its fingerprint must be the
@@ -64,17 +87,18 @@ class ResidentLoader:
 
     def load(self, user: str, version: str = "latest", tier: str = "gpu") -> Resident:
         """Admin hydration: read ``user``'s ``version`` and put it into ``tier``."""
-        return self.put(self.read(user, version), tier)
+        return self.put(self.read(user, version, tier), tier)
 
     def evict(self, user: str) -> bool:
         """Admin eviction: drop the user and do not reload it until hydrated again."""
         self.admin_evicted.add(user)
         return self.store.evict(user)
 
-    def reload_in_background(self, user: str, version: str, tier: str) -> None:
-        """Start a thread that loads ``user``'s ``version`` into ``tier`` (unless an admin
-        evicted the user, or the store already holds that version: under tensor
-        parallelism the scheduler orders a reload when any rank lacks the user, and the
+    def reload_in_background(self, user: str, version: str, tier: str | None) -> None:
+        """Queue a load of ``user``'s ``version`` into ``tier`` (None: the tier the user's
+        current version is on, else ``host``) on the pool, unless an admin evicted the
+        user, that reload is already queued or the store already holds that version (under
+        tensor parallelism the scheduler orders a reload when any rank lacks the user; the
         ranks that hold it have nothing to do); its failure is kept for
         :meth:`take_failures`."""
         if user in self.admin_evicted:
@@ -83,19 +107,29 @@ class ResidentLoader:
         held = self.store.held(user)
         if held is not None and held.version == version:
             return
-        threading.Thread(target=self._reload, args=(user, version, tier), daemon=True,
-                         name=f"inferscale-reload-{user}").start()
+        with self._lock:
+            if (user, version) in self._reloading:
+                return
+            self._reloading.add((user, version))
+        tier = tier or (held.tier if held is not None else "host")
+        self._pool.submit(self._reload, user, version, tier)
 
     def _reload(self, user: str, version: str, tier: str) -> None:
         try:
-            resident = self.read(user, version)
-            if user in self.admin_evicted:
-                raise RuntimeError("evicted by an admin since the reload was ordered")
-            self.put(resident, tier)
-            self.reloads += 1
-            log.info("reloaded user %s version %s into %s", user, version[:12], tier)
+            if self.store.get(user, version) is None:
+                resident = self.read(user, version, tier)
+                if user in self.admin_evicted:
+                    raise RuntimeError("evicted by an admin since the reload was ordered")
+                self.put(resident, tier)
+                self.reloads += 1
+                log.info("reloaded user %s version %s into %s", user, version[:12], tier)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
-            self.record_failure(user, version, str(exc))
+            self.record_failure(user, version, f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self.reload_failures += 1
+        finally:
+            with self._lock:
+                self._reloading.discard((user, version))
 
     def record_failure(self, user: str, version: str, reason: str) -> None:
         """Keep a failed reload of ``user``'s ``version`` for :meth:`take_failures`."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +96,7 @@ class Resident:
     token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
     tier: str = "gpu"  # where the slab is (the store sets it when it places the slab)
     manifest: Manifest | None = None  # the version's manifest, when read by hydration
+    content_keys: dict[str, str] = field(default_factory=dict)  # chunk_id -> key (kv v2+)
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +106,16 @@ class Resident:
         """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
+
+    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
+        encoder's chunk layout), for every chunk stored with a key. Called by the pipeline
+        to reuse a previous version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
+        out = {}
+        for chunk_id, key in self.content_keys.items():
+            rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
+            out[key] = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
+        return out
 
     def rows(self, chunk_ids: list[str]) -> list[tuple[int, int]]:
         """(offset, length) of each chunk, in request order; KeyError if unknown."""
@@ -181,10 +192,27 @@ class ResidentStore:
 
     def placed_bytes(self, slab: torch.Tensor) -> int:
         """Bytes ``slab`` takes once placed (in the store's dtype, the store's heads)."""
-        numel = slab.numel()
-        if self.heads is not None:
-            numel = numel // self.heads.total * self.heads.count
-        return numel * (self.dtype or slab.dtype).itemsize
+        return self.share_of(slab.numel() * (self.dtype or slab.dtype).itemsize)
+
+    def share_of(self, nbytes: int) -> int:
+        """The bytes of the store's heads in a whole slab of ``nbytes`` (all of them
+        without a :class:`HeadShard`)."""
+        if self.heads is None:
+            return nbytes
+        return nbytes // self.heads.total * self.heads.count
+
+    def fit_tier(self, user: str, nbytes: int, tier: str) -> str:
+        """The tier a slab of ``nbytes`` asked for on ``tier`` lands on (``gpu`` falls
+        back to ``host``), or :class:`ResidencyError` when it exceeds every budget it may
+        use. Hydration calls it with the manifest's size before reading anything."""
+        if tier not in TIERS:
+            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
+        if nbytes <= self.budget[tier]:
+            return tier
+        if tier == "gpu" and nbytes <= self.budget["host"]:
+            return "host"
+        raise ResidencyError(f"user {user!r}: {nbytes} bytes exceed the {tier} budget "
+                             f"({self.budget[tier]} bytes)")
 
     def used(self, tier: str) -> int:
         with self._lock:
@@ -193,18 +221,9 @@ class ResidentStore:
     def put(self, resident: Resident, tier: str = "gpu") -> Resident:
         """Make ``resident`` available on ``tier`` (replacing the user's older version)
         and enforce budgets. Raises :class:`ResidencyError` if it fits no budget."""
-        if tier not in TIERS:
-            raise ResidencyError(f"unknown tier {tier!r}; choose one of {TIERS}")
         if resident.slab.dim() != 5 or resident.slab.shape[1] != 2:
             raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(resident.slab.shape)}")
-        nbytes = self.placed_bytes(resident.slab)
-        if nbytes > self.budget[tier]:
-            if tier == "gpu" and nbytes <= self.budget["host"]:
-                tier = "host"
-            else:
-                raise ResidencyError(
-                    f"user {resident.user!r}: {nbytes} bytes exceed the {tier} budget "
-                    f"({self.budget[tier]} bytes)")
+        tier = self.fit_tier(resident.user, self.placed_bytes(resident.slab), tier)
         resident.slab = self.place(resident.slab, tier)
         resident.tier = tier
         with self._lock:

@@ -4,7 +4,7 @@
 chunk index and token ids, the manifest), ready for the worker's resident store.
 
 ``hydrate`` checks the manifest (schema, self-checksum, owner), the model fingerprint
-and the file size first, then reads ``kv.arrow`` in ONE sequential pass with the
+and the file size first, then reads the KV file in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
 second pass), refuses anything whose checksum differs, and only then parses the Arrow
 file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
@@ -33,6 +33,7 @@ import mmap
 import os
 import sys
 import threading
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +45,9 @@ from inferscale.artifacts.layout import (
     KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
     TruncatedArtifact,
 )
-from inferscale.artifacts.read import check_digest, check_size, manifest_at, resolve_version
+from inferscale.artifacts.read import (
+    check_digest, check_size, data_path, manifest_at, resolve_version,
+)
 from inferscale.hydrate.resident import Resident
 from inferscale.types import Tier, check_tier, torch_dtype
 from storage_schemas import kv as kv_schema
@@ -52,10 +55,28 @@ from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
 
 
+def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored, or once converted to
+    ``dtype``, from its manifest alone (nothing of ``kv.arrow`` is read)."""
+    kv, tokens = manifest.kv, int(manifest.counts.get("tokens") or 0)
+    itemsize = kv_schema.ITEMSIZE.get(str(kv.get("dtype")))
+    if itemsize is None:
+        raise CorruptArtifact(f"manifest of version {manifest.version}: unknown KV dtype "
+                              f"{kv.get('dtype')!r}")
+    if dtype is not None:
+        itemsize = dtype.itemsize
+    return tokens * 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * itemsize
+
+
+# kv.arrow reads started in this process (the worker's status reports them)
+READS = {"kv_files": 0, "kv_bytes": 0}
+
+
 def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
             tier: Tier = "host", device: str | torch.device | None = None,
             expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
-            part_bytes: int = 32 << 20, workers: int | None = None) -> Resident:
+            part_bytes: int = 32 << 20, workers: int | None = None,
+            admit: Callable[[Manifest], None] | None = None) -> Resident:
     """Load and verify one version's KV slab.
 
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
@@ -63,8 +84,12 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
     the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
     True for a local store into plain memory (see module docstring), False forces a
-    copy. Errors: ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``,
-    ``ChecksumError``, ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``.
+    copy. ``admit(manifest)``: called with the verified manifest before any byte of
+    ``kv.arrow`` is read; it raises to refuse the version (the serving worker checks the
+    slab's size, :func:`slab_nbytes`, against its memory budget there). Errors:
+    ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``, ``ChecksumError``,
+    ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``, and what
+    ``admit`` raises.
     """
     check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
@@ -80,9 +105,11 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                   f"holds artifacts of model {model_fp}")
     version = resolve_version(store, user, model_fp, version)
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
+    if admit is not None:
+        admit(manifest)
     check_size(loc, manifest, KV_FILE)
     size = manifest.files[KV_FILE].bytes
-    path = loc.file(version, KV_FILE)
+    path = data_path(loc, manifest, KV_FILE)
 
     cuda = dev.type == "cuda"
     plain_local = store.is_local and not cuda
@@ -100,7 +127,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                 f"({loc.describe(version)})") from exc
     check_digest(loc, manifest, KV_FILE, digest)
 
-    layout, index, token_ids, slab_offset = _parse(host.numpy(), path, manifest, expected)
+    layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest, expected)
     source = dev_buf if dev_buf is not None else host
     dtype = torch_dtype(layout.dtype)
     if layout.slab_bytes:
@@ -108,12 +135,14 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
     return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
-                    token_ids, tier, manifest)
+                    token_ids, tier, manifest, keys)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
           part_bytes: int, workers: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """The file's bytes in host memory (and on the device for the CUDA gpu tier), hashed."""
+    READS["kv_files"] += 1
+    READS["kv_bytes"] += size
     if use_mmap:
         host, digest = _map_and_hash(path, size, part_bytes)
         return host, None, digest
@@ -219,7 +248,8 @@ def _advise(mm: mmap.mmap, name: str) -> None:
 
 
 def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
-    """Verified kv.arrow bytes -> (layout, index, token ids, slab byte offset in ``buf``)."""
+    """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
+    in ``buf``)."""
     base = pa.py_buffer(buf)
     try:
         reader = pa.ipc.open_file(base)
@@ -231,6 +261,8 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
         offsets = batch.column("offset").to_pylist()
         lengths = batch.column("length").to_pylist()
         tokens = batch.column("token_ids").to_pylist()
+        keys = (batch.column("content_key").to_pylist()
+                if "content_key" in batch.schema.names else [None] * len(ids))
         kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
         kv = batch.column("kv")
         want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
@@ -261,4 +293,6 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
             raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
                                   f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
     index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
-    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, slab_offset
+    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
+    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys, \
+        slab_offset

@@ -14,10 +14,15 @@ expand):
   The user is ``sample_id``, else the ``user`` argument, else the file's stem. A shared
   photo's ``blip_caption`` is appended to the turn's text.
 
-Every record is validated; a bad one (undecodable bytes, invalid JSON, missing field,
-wrong type, empty or oversized text, bad timestamp, duplicate turn id) goes to the
-quarantine JSONL file as ``{"source", "location", "reason", "detail", "raw"}`` and
-reading goes on. :func:`read_logs` returns one Arrow table per user
+Every record is validated; a bad one (undecodable bytes, invalid JSON, JSON nested too
+deep or with integers past Python's digit limit, missing field, wrong type, empty or
+oversized text, bad timestamp, duplicate turn id, a LoCoMo file whose parts have the
+wrong shape, anything else a record can get wrong) goes to the quarantine JSONL file as
+``{"source", "location", "reason", "detail", "raw"}`` and reading goes on: one bad
+record never stops the others. JSONL is read in bounded chunks: a line over
+``max_line_bytes`` is skipped to its newline without being held in memory (its first
+200 bytes are kept for the quarantine record); a LoCoMo file over ``max_document_bytes``
+is refused the same way. :func:`read_logs` returns one Arrow table per user
 (``storage_schemas.turns.SCHEMA``), the quarantined records and the counts.
 
 :func:`turns_hash` is the content hash of one user's validated turns (canonical JSON of
@@ -34,6 +39,7 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Sequence
@@ -61,6 +67,8 @@ class IngestResult:
     sources: list[str]
     quarantine_uri: str | None = None
     reasons: Counter = field(default_factory=Counter)
+    # when reading began: the inputs' time, which publish compares (``inputs_at``)
+    read_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
     def turns_kept(self) -> int:
@@ -109,6 +117,7 @@ def read_logs(
     """
     import fsspec
 
+    read_at = datetime.now(timezone.utc)  # before the first byte: the inputs' time
     opts = storage_options or {}
     files = []
     for uri in [uris] if isinstance(uris, str) else list(uris):
@@ -125,7 +134,7 @@ def read_logs(
         try:
             with of as f:
                 if kind == "locomo":
-                    read_locomo(f.read(), source, user, acc)
+                    read_locomo(f, source, user, acc)
                 else:
                     read_jsonl(f, source, acc)
         except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
@@ -138,6 +147,7 @@ def read_logs(
         sources=sources,
         quarantine_uri=quarantine_uri,
         reasons=Counter(q.reason for q in acc.quarantined),
+        read_at=read_at,
     )
     if quarantine_uri is not None:
         write_quarantine(acc.quarantined, quarantine_uri, storage_options=opts)

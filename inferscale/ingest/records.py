@@ -11,12 +11,11 @@ Callers: :mod:`inferscale.ingest.formats` and :mod:`inferscale.ingest.logs`.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-USER_RE = re.compile(r"^[^\x00-\x1f/\\]{1,128}$")
+from inferscale.types import user_id_problem
 
 
 @dataclass(frozen=True)
@@ -24,11 +23,13 @@ class LogLimits:
     """Validation limits; frozen, checked at construction."""
 
     max_text_chars: int = 8000
-    max_line_bytes: int = 1 << 20
+    max_line_bytes: int = 1 << 20  # a JSONL line
     max_id_chars: int = 128
+    max_document_bytes: int = 256 << 20  # a LoCoMo file (one JSON document)
 
     def __post_init__(self) -> None:
-        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars) < 1:
+        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars,
+               self.max_document_bytes) < 1:
             raise ValueError(f"LogLimits must be positive: {self}")
 
 
@@ -43,11 +44,23 @@ class Quarantined:
     raw: Any  # the parsed record, or the raw line as text when it did not parse
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"source": self.source, "location": self.location, "reason": self.reason,
-             "detail": self.detail, "raw": self.raw},
-            ensure_ascii=False, default=str,
-        )
+        body = {"source": self.source, "location": self.location, "reason": self.reason,
+                "detail": self.detail, "raw": self.raw}
+        try:
+            return json.dumps(body, ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):  # a raw record JSON cannot hold
+            body["raw"] = _preview(self.raw)
+            return json.dumps(body, ensure_ascii=False)
+
+
+def _preview(raw: Any, limit: int = 2000) -> str:
+    """A record that JSON cannot hold again (nested too deeply...), as bounded text."""
+    if not isinstance(raw, str):
+        try:
+            raw = repr(raw)
+        except (RecursionError, ValueError):
+            raw = f"<a {type(raw).__name__} too deep or too large to show>"
+    return raw if len(raw) <= limit else raw[:limit] + "..."
 
 
 class Reject(Exception):
@@ -84,7 +97,8 @@ class Accumulator:
         self.quarantined.append(Quarantined(source, location, reason, detail, raw))
 
     def add(self, source: str, location: str, raw: Any, build) -> None:
-        """Validate one record with ``build(raw) -> Turn``; keep it or quarantine it."""
+        """Validate one record with ``build(raw) -> Turn``; keep it or quarantine it
+        (whatever ``build`` raises: a malformed record never stops the others)."""
         self.records_read += 1
         try:
             turn = build(raw)
@@ -93,6 +107,10 @@ class Accumulator:
                               f"turn id {turn.turn_id!r} already seen for user {turn.user!r}")
         except Reject as rej:
             self.reject(source, location, rej.reason, rej.detail, raw)
+            return
+        except Exception as exc:  # noqa: BLE001 - any malformed shape, RecursionError too
+            self.reject(source, location, "malformed_record", f"{type(exc).__name__}: {exc}",
+                        raw)
             return
         self.seen[turn.user].add(turn.turn_id)
         self.turns.setdefault(turn.user, []).append(turn)
@@ -109,9 +127,9 @@ def make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
         if not value.strip() or len(value) > limits.max_id_chars:
             raise Reject("bad_id", f"field {name!r} must be 1..{limits.max_id_chars} "
                                     f"characters, not blank")
-    if not USER_RE.match(user) or user in (".", "..") or not user.strip():
-        raise Reject("bad_user", f"user {user[:40]!r}: 1..128 characters, no '/', '\\' "
-                                  "or control characters")
+    problem = user_id_problem(user)
+    if problem is not None:
+        raise Reject("bad_user", f"user {user[:40]!r} {problem}")
     if not text.strip():
         raise Reject("empty_text", "text is empty or blank")
     if len(text) > limits.max_text_chars:

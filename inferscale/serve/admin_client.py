@@ -5,6 +5,10 @@ engine (``tier``: ``gpu`` = device memory, ``host`` = pinned host memory);
 ``POST /admin/evict {"user"}`` drops it; ``GET /admin/status`` lists what is resident.
 Off loopback the server wants ``Authorization: Bearer <INFERSCALE_ADMIN_KEY>``.
 
+The admin key is a secret: :func:`admin_client_for` attaches it only for a server on the
+configured allow-list (``INFERSCALE_SERVER_URLS``, by default this host's own server), and
+refuses any other URL a run or a command line names while a key is configured.
+
 Errors are :class:`AdminError` with ``transient`` set when retrying may help (the server
 could not be reached, timed out, or answered 429/502/503/504) and unset when it will not
 (unknown user, bad request, refused key, a damaged artifact: 4xx and other 5xx).
@@ -15,7 +19,8 @@ Callers: the hydrate flow's task (``tasks/serving.py``), operators' scripts, the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -76,3 +81,31 @@ class AdminClient:
 
     def status(self) -> dict:
         return self._call("GET", "/admin/status")
+
+
+class AdminKeyRefused(ValueError):
+    """A server URL that is not allowed to receive the admin key."""
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of an http(s) URL, lowercased, with the default port."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"server URL must be http(s)://host[:port], got {url!r}")
+    return scheme, parts.hostname.lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+def admin_client_for(server_url: str, admin_key: str | None, allowed: Iterable[str],
+                     **kwargs: Any) -> AdminClient:
+    """An :class:`AdminClient` for ``server_url`` carrying ``admin_key`` only when the URL's
+    origin is one of ``allowed`` (``Settings.admin_urls()``). With a key configured, any
+    other URL raises :class:`AdminKeyRefused` before anything is sent; without a key
+    there is no secret to protect and any URL is fine (loopback servers need none).
+
+    Callers: the hydrate flow's task, the CLI's admin commands."""
+    if admin_key and origin(server_url) not in {origin(u) for u in allowed}:
+        raise AdminKeyRefused(
+            f"{server_url} is not a configured server (INFERSCALE_SERVER_URLS): refusing to "
+            "send INFERSCALE_ADMIN_KEY there")
+    return AdminClient(server_url, admin_key, **kwargs)

@@ -1,120 +1,73 @@
 """``inferscale serve``: an OpenAI-compatible server that answers from user memory.
 
-Per request: authenticate -> the user whose memory it may use -> the memory server
+Per request: authenticate (headers only: :mod:`inferscale.serve.access` decides who may
+use whose memory) -> read and validate the body (:mod:`inferscale.serve.api_models`:
+``INFERSCALE_MAX_REQUEST_BYTES``, ``..._MAX_QUESTION_CHARS``, ``..._MAX_OUTPUT_TOKENS``,
+``..._MAX_TOP_K``; a malformed or out-of-bounds field is a 400 naming it, an oversized
+body a 413, never a 500) -> the user whose memory it may use -> the memory server
 (:class:`~inferscale.serve.server.MemoryServer`: retrieve, compose, generate with the
 memory KV injected, ``--mode kv``, or the Mem0-style prompt baseline, ``--mode prompt``).
-
-Who may use whose memory: with ``INFERSCALE_API_KEYS`` (JSON ``{"key": "user"}``) a bearer
-key decides the user (a ``user`` field naming someone else is refused); with
-``INFERSCALE_TRUSTED_USER_HEADER`` a gateway's header decides; with neither, the body's
-``user`` field decides, which is allowed only on a loopback address. Admin endpoints
-(``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) need ``INFERSCALE_ADMIN_KEY``
-off loopback. Binding beyond loopback without keys refuses to start.
+Admin endpoints (``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) check the admin
+key first, then validate their bodies the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.serve.server import MemoryServer, Mode, start_server
-from inferscale.types import TIERS
-
-
-class ServeError(RuntimeError):
-    """A configuration the server refuses to start with."""
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class AccessPolicy:
-    """Maps a request to the user whose memory it may use; checks admin access."""
-
-    api_keys: dict[str, str]
-    admin_key: str | None
-    trusted_user_header: str | None
-    loopback: bool
-
-    def __post_init__(self) -> None:
-        if not self.loopback and not (self.api_keys or self.trusted_user_header):
-            raise ServeError("binding beyond loopback needs INFERSCALE_API_KEYS or "
-                             "INFERSCALE_TRUSTED_USER_HEADER: refusing to start")
-        if not self.loopback and not self.admin_key:
-            raise ServeError("binding beyond loopback needs INFERSCALE_ADMIN_KEY: "
-                             "refusing to start")
-
-    def user_for(self, headers: dict[str, str], body_user: str | None) -> str | None:
-        """The user, or raise PermissionError. ``None``: no user (answers without memory)."""
-        if self.trusted_user_header:
-            user = headers.get(self.trusted_user_header.lower())
-            if not user:
-                raise PermissionError(f"missing {self.trusted_user_header} header")
-            return user
-        if self.api_keys:
-            key = _bearer(headers)
-            user = self.api_keys.get(key or "")
-            if user is None:
-                raise PermissionError("unknown API key")
-            if body_user and body_user != user:
-                raise PermissionError("this API key may not use another user's memory")
-            return user
-        return body_user
-
-    def check_admin(self, headers: dict[str, str]) -> None:
-        if self.admin_key is None:
-            if not self.loopback:
-                raise PermissionError("admin endpoints are closed")
-            return
-        if _bearer(headers) != self.admin_key:
-            raise PermissionError("admin key required")
-
-
-def _bearer(headers: dict[str, str]) -> str | None:
-    auth = headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+from inferscale.serve.access import AccessPolicy, ServeError, is_loopback  # noqa: F401
+from inferscale.serve.api_models import (
+    EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
+)
+from inferscale.serve.server import MemoryServer, Mode, Prepared, PromptTooLong, start_server
 
 
 # ---------------------------------------------------------------------------- HTTP
 
 
-def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
-    """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints."""
+def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
+               limits: RequestLimits | None = None):
+    """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints.
+
+    Each endpoint checks the credentials first (headers only), then reads the body
+    within ``limits`` and validates it; every refusal is a 4xx with its reason."""
     from fastapi import FastAPI, HTTPException
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    from inferscale.types import InvalidUserIdError
+
+    limits = limits or RequestLimits()
+    ChatRequest = chat_model(limits)
     app = FastAPI(title="InferScale", version="0.1.0")
+
+    @app.exception_handler(RequestError)
+    async def refused(req: Request, exc: RequestError):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
     def headers_of(req: Request) -> dict[str, str]:
         return {k.lower(): v for k, v in req.headers.items()}
 
-    def user_of(req: Request, body: dict) -> str | None:
+    def checked(fn, *args):
+        """``fn(*args)`` with PermissionError -> 401 and a malformed user id -> 400."""
         try:
-            return policy.user_for(headers_of(req), body.get("user"))
+            return fn(*args)
         except PermissionError as exc:
             raise HTTPException(status_code=401, detail=str(exc)) from exc
+        except InvalidUserIdError as exc:
+            raise RequestError(400, str(exc)) from exc
 
-    def admin(req: Request) -> None:
-        try:
-            policy.check_admin(headers_of(req))
-        except PermissionError as exc:
-            raise HTTPException(status_code=401, detail=str(exc)) from exc
+    async def body_of(req: Request, model: Any) -> Any:
+        body = await read_body(req.stream(), req.headers.get("content-length"),
+                               limits.max_body_bytes)
+        return validate(model, body)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -127,30 +80,24 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
 
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
-        body = await req.json()
-        user = user_of(req, body)
-        messages = body.get("messages") or []
-        question = next((m.get("content") for m in reversed(messages)
-                         if m.get("role") == "user" and isinstance(m.get("content"), str)), None)
-        if not question or not question.strip():
-            raise HTTPException(status_code=400, detail="messages need a non-empty user message")
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens")
-                         or server.max_tokens)
-        temperature = float(body.get("temperature") or 0.0)
-        options = body.get("inferscale") or {}
-        k = options.get("top_k") or body.get("top_k")
-        mode = options.get("mode")
-        if mode not in (None, "kv", "prompt"):
-            raise HTTPException(status_code=400, detail="inferscale.mode must be 'kv' or 'prompt'")
+        identity = checked(policy.identify, headers_of(req))
+        body = await body_of(req, ChatRequest)
+        user = checked(identity.resolve, body.user)
+        question = body.question()
+        k, mode, max_tokens, temperature = body.options()
+        max_tokens = max_tokens or server.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        if body.get("stream"):
-            return StreamingResponse(
-                _sse(server, user, question, k, mode, max_tokens, temperature, rid, created,
-                     model_name),
-                media_type="text/event-stream")
-        out = await server.answer(user, question, k=k, max_tokens=max_tokens,
-                                  temperature=temperature, mode=mode)
+        try:
+            if body.stream:
+                prepared = await server.request(user, question, k, mode, max_tokens)
+                return StreamingResponse(
+                    _sse(server, prepared, max_tokens, temperature, rid, created, model_name),
+                    media_type="text/event-stream")
+            out = await server.answer(user, question, k=k, max_tokens=max_tokens,
+                                      temperature=temperature, mode=mode)
+        except PromptTooLong as exc:
+            raise RequestError(400, str(exc)) from exc
         gen, info = out["generation"], out["info"]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -165,16 +112,10 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
 
     @app.post("/admin/hydrate")
     async def hydrate(req: Request) -> dict:
-        admin(req)
-        body = await req.json()
-        if not body.get("user"):
-            raise HTTPException(status_code=400, detail="'user' is required")
-        tier = body.get("tier", "gpu")
-        if tier not in TIERS:
-            raise HTTPException(status_code=400, detail="tier must be 'gpu' or 'host'")
+        checked(policy.check_admin, headers_of(req))
+        body = await body_of(req, HydrateRequest)
         try:
-            return await server.hydrate(body["user"], version=body.get("version", "latest"),
-                                        tier=tier)
+            return await server.hydrate(body.user, version=body.version, tier=body.tier)
         except FileNotFoundError as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - surfaced to the admin with its reason
@@ -182,21 +123,22 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str):
 
     @app.post("/admin/evict")
     async def evict(req: Request) -> dict:
-        admin(req)
-        body = await req.json()
-        return {"user": body.get("user"), "evicted": await server.evict(str(body.get("user")))}
+        checked(policy.check_admin, headers_of(req))
+        body = await body_of(req, EvictRequest)
+        return {"user": body.user, "evicted": await server.evict(body.user)}
 
     @app.get("/admin/status")
     async def status(req: Request) -> dict:
-        admin(req)
+        checked(policy.check_admin, headers_of(req))
         return {"mode": server.mode, "users": sorted(server.users),
+                "versions": server.users, "memory_bytes": server.memories.nbytes,
                 "engine": await server.engine.status()}
 
     return app
 
 
-async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temperature, rid,
-               created, model_name):
+async def _sse(server: MemoryServer, prepared: Prepared, max_tokens: int, temperature: float,
+               rid: str, created: int, model_name: str):
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": model_name,
@@ -205,17 +147,16 @@ async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temper
             payload["inferscale"] = extra
         return f"data: {json.dumps(payload)}\n\n"
 
-    ids, ref, info = server.prepare(user, question, k, mode)
     yield chunk({"role": "assistant", "content": ""})
     finish = None
-    async for out in server.engine.stream(ids, ref, max_tokens=max_tokens,
-                                          temperature=temperature):
+    async for out in server.engine.stream(prepared.ids, prepared.ref, max_tokens=max_tokens,
+                                          temperature=temperature, cache_salt=prepared.salt):
         comp = out.outputs[0]
         finish = comp.finish_reason or finish
         if comp.text:
             yield chunk({"content": comp.text})
         await asyncio.sleep(0)
-    yield chunk({}, finish or "stop", info)
+    yield chunk({}, finish or "stop", prepared.info)
     yield "data: [DONE]\n\n"
 
 
@@ -223,10 +164,13 @@ async def _sse(server: MemoryServer, user, question, k, mode, max_tokens, temper
 
 
 def policy_from(settings: Any, host: str) -> AccessPolicy:
+    def secret(value: Any) -> str | None:
+        return value.get_secret_value() if value else None
+
     return AccessPolicy(
-        api_keys=dict(settings.api_keys),
-        admin_key=settings.admin_key.get_secret_value() if settings.admin_key else None,
-        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host))
+        api_keys=dict(settings.api_keys), admin_key=secret(settings.admin_key),
+        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host),
+        gateway_secret=secret(settings.gateway_secret))
 
 
 async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
@@ -236,7 +180,8 @@ async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None
     policy = policy_from(settings, host)
     server, name = await start_server(settings, mode)
     try:
-        app = create_app(server, policy, name)
+        app = create_app(server, policy, name, RequestLimits.from_settings(settings))
         await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).serve()
     finally:
+        server.memories.close()
         server.engine.shutdown()

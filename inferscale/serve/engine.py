@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -49,6 +50,8 @@ class EngineConfig:
     host_budget_bytes: int = ConnectorConfig.host_budget_bytes
     auto_reload: bool = ConnectorConfig.auto_reload
     reload_tier: str = ConnectorConfig.reload_tier
+    reload_workers: int = ConnectorConfig.reload_workers
+    reload_backoff_s: float = ConnectorConfig.reload_backoff_s
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -66,7 +69,8 @@ class EngineConfig:
             model_fingerprint=self.model_fingerprint, artifact_root=self.artifact_root,
             storage_options=dict(self.storage_options), gpu_budget_bytes=self.gpu_budget_bytes,
             host_budget_bytes=self.host_budget_bytes, auto_reload=self.auto_reload,
-            reload_tier=self.reload_tier)
+            reload_tier=self.reload_tier, reload_workers=self.reload_workers,
+            reload_backoff_s=self.reload_backoff_s)
 
     def kv_transfer_config(self) -> dict:
         """The ``kv_transfer_config`` that loads the connector; settings go in extra config."""
@@ -104,6 +108,16 @@ def _combined(results: list[dict], overrides: dict | None = None,
     return out
 
 
+def request_salt(user: str | None, version: str | None, kind: str) -> str:
+    """The ``cache_salt`` of a request of ``user`` (None: anonymous) answered from memory
+    ``version`` (None: none) in ``kind`` (``"kv"``: injected memory; ``"prompt"``: memory
+    as text; ...). vLLM mixes it into the hash of the first block, so requests share
+    prefix-cache blocks only when all three agree: never across users, never between
+    injected and prefilled memory. The server salts every request with it."""
+    key = json.dumps(["inferscale", kind, user, version])
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class MemoryRef:
     """Which memory a request uses: a user's artifact version and its ordered chunks."""
@@ -111,16 +125,21 @@ class MemoryRef:
     user: str
     version: str
     chunks: tuple[str, ...]  # "prefix" then fact ids
+    # the version the caller serves the user from (the server's LATEST or pin): when the
+    # workers hold another version of the user, they reload this one in the background
+    supersedes: bool = False
 
     def cache_salt(self) -> str:
         """Unique to (user, version): prefix-cache blocks of injected memory are reused
         by this user's requests on this version only, never by another user or a plain
         prefill."""
-        return hashlib.sha256(f"inferscale\0{self.user}\0{self.version}".encode()).hexdigest()
+        return request_salt(self.user, self.version, "kv")
 
     def transfer_params(self) -> dict:
-        return {PARAMS_KEY: {"user": self.user, "version": self.version,
-                             "chunks": list(self.chunks)}}
+        params = {"user": self.user, "version": self.version, "chunks": list(self.chunks)}
+        if self.supersedes:
+            params["supersedes"] = True
+        return {PARAMS_KEY: params}
 
 
 @dataclass

@@ -1,11 +1,15 @@
 """The memory server: retrieval, composition and the engine, per request.
 
-Per request: the user's facts (loaded once per user from their artifact version) ->
-embed the query -> exact top-k of that user's facts (on the GPU when there is one) ->
+Per request: the user's facts (:mod:`inferscale.serve.memory_cache`: loaded off the event
+loop, refreshed from LATEST every ``INFERSCALE_SERVE_REFRESH_S``, bounded by a byte
+budget) -> embed the query -> exact top-k of that user's facts (on the GPU when there is
+one) ->
 compose ``[instruction prefix | facts | query]`` from stored token ids -> generate on the
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
-and the same retrieval).
+and the same retrieval). Every request carries a ``cache_salt`` derived from its user, its
+memory's version and the mode (:func:`inferscale.serve.engine.request_salt`), so no two
+users share prefix-cache blocks.
 
 Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 """
@@ -18,38 +22,44 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from inferscale.encode.compose import Composer, memory_layout
-from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef, request_salt
+from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
 from inferscale.types import PREFIX_ID, Tier
 
 log = logging.getLogger("inferscale.serve")
 Mode = Literal["kv", "prompt"]
 
 
-@dataclass
-class UserMemory:
-    """What the server holds per user: the version, facts and their retrieval index."""
+class PromptTooLong(ValueError):
+    """A composed prompt plus ``max_tokens`` beyond the engine's ``max_model_len``."""
 
-    user: str
-    version: str
-    fact_ids: list[str]
-    texts: list[str]
-    token_ids: dict[str, list[int]]  # chunk id -> token ids ("prefix" included)
-    index: Any  # retrieval.FactIndex
-    source_index: dict[str, int]  # fact id -> source turn index (chronological order)
-    memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
-    text_tail: int = 0
+
+@dataclass
+class Prepared:
+    """One request ready for the engine: prompt ids, memory to inject, salt, info."""
+
+    ids: list[int]
+    ref: MemoryRef | None
+    salt: str
+    info: dict
 
 
 class MemoryServer:
     """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`."""
 
     def __init__(self, engine: MemoryEngine, tokenizer: Any, embedder: Any, store: Any,
-                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128):
+                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
+                 cache: MemoryCacheConfig | None = None):
         self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
         self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
         self.fp = engine.config.model_fingerprint
-        self.users: dict[str, UserMemory] = {}
+        self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
+
+    @property
+    def users(self) -> dict[str, str | None]:
+        """user -> version held (None: no usable memory)."""
+        return self.memories.held()
 
     def _composer(self, instruction: str | None) -> Composer:
         key = instruction or ""
@@ -58,8 +68,9 @@ class MemoryServer:
                                     else Composer(self.tokenizer))
         return self._composers[key]
 
-    def load_user(self, user: str, version: str = "latest") -> UserMemory:
-        """Read a user's facts (texts, token ids, embeddings) for retrieval and composition."""
+    def read_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read a user's facts (texts, token ids, embeddings) for retrieval and
+        composition. Blocking: the cache runs it on its thread pool."""
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
@@ -70,39 +81,36 @@ class MemoryServer:
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
         enc = manifest.encoder_config
-        mem = UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                         token_ids, FactIndex.from_table(facts, device=self.embedder.device),
-                         dict(zip(fact_ids, facts.column("source_index").to_pylist())),
-                         enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
-        self.users[user] = mem
-        return mem
+        return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
+                          token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                          dict(zip(fact_ids, facts.column("source_index").to_pylist())),
+                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
 
-    def memory_of(self, user: str | None) -> UserMemory | None:
-        if user is None:
-            return None
-        mem = self.users.get(user)
-        if mem is None:
-            try:
-                mem = self.load_user(user)
-            except Exception as exc:  # noqa: BLE001 - no memory: answer without it
-                log.info("user %s has no usable memory (%s); answering without it", user, exc)
-                return None
-        return mem
+    def latest_version(self, user: str) -> str | None:
+        from inferscale.artifacts.read import latest_version
 
-    def prepare(self, user: str | None, question: str, k: int | None = None,
-                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
-        """Embed, retrieve and compose: prompt ids, the memory to inject, timings.
+        return latest_version(self.store, user, self.fp)
+
+    def load_user(self, user: str, version: str = "latest") -> UserMemory:
+        """Read and hold ``version`` now, in this thread (benchmarks); an explicit
+        version is pinned."""
+        memory = self.read_user(user, version)
+        self.memories.put(memory, pinned=version != "latest")
+        return memory
+
+    def compose(self, mem: UserMemory | None, user: str | None, question: str,
+                k: int | None = None, mode: Mode | None = None) -> Prepared:
+        """Embed, retrieve and compose for ``user`` whose memory is ``mem``.
 
         ``mode`` overrides the server's mode for this request (A/B on one engine)."""
         mode = mode or self.mode
         t0 = time.perf_counter()
-        mem = self.memory_of(user)
         composer = self._composer(None)
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
-            return ids, None, info
+            return Prepared(ids, None, request_salt(user, None, mode), info)
         q = self.embedder.embed([question])
         t1 = time.perf_counter()
         facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
@@ -115,21 +123,55 @@ class MemoryServer:
         chunks = (PREFIX_ID, *injected)
         ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
                                   [mem.token_ids[c] for c in tail])
-        ref = MemoryRef(mem.user, mem.version, chunks) if mode == "kv" else None
+        # the version this server serves the user from: the workers replace an older one
+        ref = MemoryRef(mem.user, mem.version, chunks, supersedes=True) if mode == "kv" else None
+        salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
         info.update(facts=list(facts), version=mem.version, memory_tokens=m,
                     text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
                         "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
                         "compose": (t3 - t2) * 1e3})
-        return ids, ref, info
+        return Prepared(ids, ref, salt, info)
+
+    def prepare(self, user: str | None, question: str, k: int | None = None,
+                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
+        """:meth:`compose` with the memory held now, read in this thread if it is not
+        (benchmarks); serving uses :meth:`request`."""
+        mem = None
+        if user is not None:
+            mem = self.memories.peek(user)
+            if mem is None:
+                try:
+                    mem = self.load_user(user)
+                except Exception as exc:  # noqa: BLE001 - no memory: answer without it
+                    log.info("user %s has no usable memory (%s)", user, exc)
+        p = self.compose(mem, user, question, k, mode)
+        return p.ids, p.ref, p.info
+
+    async def request(self, user: str | None, question: str, k: int | None = None,
+                      mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
+        """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
+        when the prompt and ``max_tokens`` exceed the engine's context."""
+        t0 = time.perf_counter()
+        mem = await self.memories.get(user) if user is not None else None
+        p = self.compose(mem, user, question, k, mode)
+        p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
+        limit = self.engine.config.max_model_len
+        if len(p.ids) + (max_tokens or self.max_tokens) > limit:
+            raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "
+                                f"{max_tokens or self.max_tokens} it exceeds the model's "
+                                f"{limit}")
+        return p
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
                      mode: Mode | None = None) -> dict:
         t0 = time.perf_counter()
-        ids, ref, info = self.prepare(user, question, k, mode)
-        gen = await self.engine.generate(ids, ref, max_tokens=max_tokens or self.max_tokens,
-                                         temperature=temperature)
+        max_tokens = max_tokens or self.max_tokens
+        p = await self.request(user, question, k, mode, max_tokens)
+        gen = await self.engine.generate(p.ids, p.ref, max_tokens=max_tokens,
+                                         temperature=temperature, cache_salt=p.salt)
+        info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
                                   query_to_first_token=(time.perf_counter() - t0 - gen.total_s
                                                         + gen.ttft_s) * 1e3)
@@ -137,13 +179,14 @@ class MemoryServer:
         return {"generation": gen, "info": info}
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
-        """Load ``user``'s facts (for retrieval) and KV (into the engine's ``tier``)."""
-        mem = self.load_user(user, version)
+        """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
+        and KV (into the engine's ``tier``)."""
+        mem = await self.memories.load(user, version)
         result = await self.engine.hydrate(user, version=mem.version, tier=tier)
         return {**result, "facts": len(mem.fact_ids)}
 
     async def evict(self, user: str) -> bool:
-        self.users.pop(user, None)
+        self.memories.drop(user)
         return await self.engine.evict(user)
 
 
@@ -173,5 +216,7 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k)
+    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
+                          cache=MemoryCacheConfig(settings.serve_refresh_s,
+                                                  settings.serve_memory_budget_bytes))
     return server, settings.model

@@ -32,8 +32,11 @@ class ConnectorConfig:
     storage_options: dict = field(default_factory=dict)
     gpu_budget_bytes: int = GPU_BUDGET_BYTES
     host_budget_bytes: int = HOST_BUDGET_BYTES
-    reload_tier: str = "host"  # where background reloads land
+    reload_tier: str = "host"  # where background reloads of a user not resident land
     auto_reload: bool = True
+    reload_workers: int = 2  # background reloads running at once (a pool, not a thread each)
+    reload_backoff_s: float = 30.0  # first wait after a failed reload; doubles per failure
+    reload_backoff_max_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -42,6 +45,14 @@ class ConnectorConfig:
             raise ValueError(f"reload_tier must be 'gpu' or 'host', got {self.reload_tier!r}")
         if self.gpu_budget_bytes < 0 or self.host_budget_bytes < 0:
             raise ValueError("byte budgets must be >= 0")
+        if self.reload_workers < 1:
+            raise ValueError(f"reload_workers must be >= 1, got {self.reload_workers}")
+        if not 0 <= self.reload_backoff_s <= self.reload_backoff_max_s:
+            raise ValueError("need 0 <= reload_backoff_s <= reload_backoff_max_s")
+
+    def backoff_s(self, failures: int) -> float:
+        """Seconds to wait before reloading again after ``failures`` failures in a row."""
+        return min(self.reload_backoff_max_s, self.reload_backoff_s * 2 ** max(0, failures - 1))
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> "ConnectorConfig":

@@ -40,11 +40,12 @@ class LoadSpec:
 
 @dataclass
 class ReloadOrder:
-    """Ask workers to hydrate a user's version in the background."""
+    """Ask workers to hydrate a user's version in the background (``tier`` None: the tier
+    the user's current version is on, else the connector's ``reload_tier``)."""
 
     user: str
     version: str
-    tier: str
+    tier: str | None
 
 
 @dataclass

@@ -11,8 +11,11 @@ rank, and a user is resident only when every rank holds that version.
 externally available only when the user's version is resident, the fingerprint is the
 engine's, every chunk is known and the prompt begins with exactly the chunks' token ids;
 otherwise 0 and the request simply prefills (the reason is logged and returned with the
-request). A miss on a user the workers do not hold asks them to reload it in the
-background (unless an admin evicted it). :meth:`~ConnectorScheduler.build_connector_meta`
+request). A miss on a user the workers do not hold, or on a version that ``supersedes``
+the one they hold (the server moved the user to a new LATEST), asks them to reload it in
+the background (unless an admin evicted it); after a failed reload the same (user,
+version) is not ordered again before a back-off (``reload_backoff_s``, doubling per
+failure up to ``reload_backoff_max_s``). :meth:`~ConnectorScheduler.build_connector_meta`
 turns each admitted request into a
 :class:`~inferscale.vllm_plugin.metadata.LoadSpec` with its slot mapping. An exception
 in any hook degrades to "0 external tokens" (the request prefills; a request already
@@ -26,6 +29,7 @@ calls.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +78,7 @@ class ConnectorScheduler:
         self._to_load: dict[str, _Plan] = {}
         self._reloads: dict[tuple[str, str], ReloadOrder] = {}
         self._reload_pending: set[tuple[str, str]] = set()
+        self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
         self.injected_tokens: dict[str, int] = {}
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
@@ -96,7 +101,7 @@ class ConnectorScheduler:
             return 0, False
         user, version = str(params.get("user")), str(params.get("version"))
         chunks = [str(c) for c in params.get("chunks") or []]
-        why = self._refusal(user, version, chunks, request)
+        why = self._refusal(user, version, chunks, request, bool(params.get("supersedes")))
         if why is not None:
             if self._fallbacks.get(request.request_id) != why:
                 log.warning("request %s (user %s, version %s): prefilling memory, %s",
@@ -123,21 +128,28 @@ class ConnectorScheduler:
             self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
             self._fallbacks[req_id] = fallback
 
-    def _refusal(self, user: str, version: str, chunks: list[str],
-                 request: "Request") -> str | None:
-        """Why this request's memory cannot be injected, or None when it can."""
+    def _refusal(self, user: str, version: str, chunks: list[str], request: "Request",
+                 supersedes: bool = False) -> str | None:
+        """Why this request's memory cannot be injected, or None when it can. A miss
+        orders a background reload when the workers (some ranks, under tensor
+        parallelism) hold nothing of the user, or hold
+        another version and the request's version ``supersedes`` it (the server moved
+        the user to a new LATEST)."""
         if self._disabled:
             return self._disabled
         info = self._resident(user, version)
         if info is None:
             held = [r[user].version for r in self._ranks if user in r]
-            if held and version not in held:
-                return f"stale version (workers hold {held[0][:12]})"
-            self._order_reload(user, version)  # ranks that hold it already skip it
-            if held:
+            if not held:
+                self._order_reload(user, version, self.config.reload_tier)
+                return "user not resident"
+            if version in held:  # the other ranks lost it (their own budgets) or load it
+                self._order_reload(user, version, self.config.reload_tier)  # holders skip it
                 return (f"user not resident on every rank ({held.count(version)} of "
                         f"{self.tp_size} hold it)")
-            return "user not resident"
+            if supersedes:
+                self._order_reload(user, version, None)  # into the old version's tier
+            return f"stale version (workers hold {held[0][:12]})"
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
         if not chunks:
@@ -159,12 +171,16 @@ class ConnectorScheduler:
             return None
         return infos[0]
 
-    def _order_reload(self, user: str, version: str) -> None:
+    def _order_reload(self, user: str, version: str, tier: str | None) -> None:
         key = (user, version)
-        if self.config.auto_reload and self.config.artifact_root and \
-                key not in self._reload_pending:
-            self._reloads[key] = ReloadOrder(user, version, self.config.reload_tier)
-            self._reload_pending.add(key)
+        if not (self.config.auto_reload and self.config.artifact_root) or \
+                key in self._reload_pending:
+            return
+        failed = self._reload_failed.get(key)
+        if failed is not None and time.monotonic() < failed[1]:
+            return  # backing off after a failure
+        self._reloads[key] = ReloadOrder(user, version, tier)
+        self._reload_pending.add(key)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -247,14 +263,25 @@ class ConnectorScheduler:
                 user, version = payload
                 if user in held and held[user].version == version:
                     del held[user]
+                self._reload_pending.discard((user, version))
                 continue
             info: ResidentInfo = payload
             held[info.user] = info  # a rank holds one version per user
-            if self._resident(info.user, info.version) is not None:
+            if self._resident(info.user, info.version) is not None:  # every rank holds it
                 self._reload_pending.discard((info.user, info.version))
+                self._reload_failed.pop((info.user, info.version), None)
+        failed: dict[tuple[str, str], str] = {}  # one failure however many ranks report it
         for user, version, reason in report.failed_reloads:
-            log.warning("reload of user %s version %s failed: %s", user, version[:12], reason)
-            self._reload_pending.discard((user, version))
+            failed.setdefault((user, version), reason)
+        for key, reason in failed.items():
+            user, version = key
+            failures = self._reload_failed.get(key, (0, 0.0))[0] + 1
+            wait = self.config.backoff_s(failures)
+            self._reload_failed[key] = (failures, time.monotonic() + wait)
+            self._reload_pending.discard(key)
+            log.warning("reload of user %s version %s failed (%d in a row; next try in "
+                        "%.0f s at the earliest): %s", user, version[:12], failures, wait,
+                        reason)
         for req_id, reason in report.failed_loads:  # the worker logged and counted it
             if self.injected_tokens.pop(req_id, None) is not None:
                 self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"

@@ -37,6 +37,7 @@ import torch
 
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import HeadShard, Resident, ResidentStore
+from inferscale.hydrate.slab import READS
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.compat import (
     attention_layers, find_rotary, kv_head_shard, layer_kv_heads, tensor_parallel_rank,
@@ -82,7 +83,7 @@ class ConnectorWorker:
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
                                    config.host_budget_bytes, self.model_dtype, self.heads)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
-                                     config.storage_options)
+                                     config.storage_options, config.reload_workers)
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
         self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
@@ -153,7 +154,8 @@ class ConnectorWorker:
         return {"tp_rank": self.tp_rank,
                 "kv_heads": [heads.start, heads.count] if heads is not None else None,
                 "residents": store.residents(), "loaded_tokens": self.loaded_tokens,
-                "reloads": self.loader.reloads,
+                "reloads": self.loader.reloads, "reload_failures": self.loader.reload_failures,
+                "kv_reads": dict(READS),  # kv.arrow reads started (hydrations, reloads)
                 "load_failures": self.failures.count,  # loads recomputed instead (logged)
                 "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
                 "inject_calls": self.inject_calls,

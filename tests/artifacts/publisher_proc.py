@@ -2,8 +2,11 @@
 
 ``crash``: publish A for each user, then fork a child that publishes B and SIGKILL it
 after a random delay (uniform over twice a measured publish); prints a JSON report.
-``race``: for each round, build inputs, print ``ready``, wait for ``{go_dir}/go{i}``,
-publish, print the result; two such processes race on one user.
+``race``: for each round of ``--rounds`` (a JSON list of ``{"seed", "noise", "inputs_at",
+"go"}``, all optional but ``seed``), build the inputs (``noise``: other KV bytes for the
+same version id), print ``ready``, wait for ``{go_dir}/{go}`` (default ``go{i}``),
+publish (with ``inputs_at`` when given) and print the result; several such processes
+race on one user.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import time
 import traceback
 import warnings
+from datetime import datetime
 
 import torch
 
@@ -67,14 +71,17 @@ def crash(store: StoreConfig, runs: int, seed: int) -> None:
     print(json.dumps(report), flush=True)
 
 
-def race(store: StoreConfig, seeds: list[int], go_dir: str) -> None:
-    for i, seed in enumerate(seeds):
-        inputs = make_inputs("racer", 200, seed=seed, layers=4, heads=4, head_dim=32)
+def race(store: StoreConfig, rounds: list[dict], go_dir: str) -> None:
+    for i, job in enumerate(rounds):
+        inputs = make_inputs("racer", 200, seed=job["seed"], layers=4, heads=4, head_dim=32,
+                             kv_noise=job.get("noise"))
+        kw = {"inputs_at": datetime.fromisoformat(job["inputs_at"])} if "inputs_at" in job else {}
         print(json.dumps({"ready": i}), flush=True)
-        while not os.path.exists(os.path.join(go_dir, f"go{i}")):
+        while not os.path.exists(os.path.join(go_dir, job.get("go", f"go{i}"))):
             time.sleep(0.0005)
-        r = publish(store, "racer", *inputs)
-        print(json.dumps({"round": i, "version": r.version, "created": r.created}), flush=True)
+        r = publish(store, "racer", *inputs, **kw)
+        print(json.dumps({"round": i, "version": r.version, "created": r.created,
+                          "digest": r.manifest.files["kv.arrow"].xxh3_128}), flush=True)
 
 
 def main() -> None:
@@ -84,7 +91,7 @@ def main() -> None:
     p.add_argument("--options", default="{}")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--rounds", default="[]")
     p.add_argument("--go-dir")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -95,7 +102,7 @@ def main() -> None:
     if args.mode == "crash":
         crash(store, args.runs, args.seed)
     else:
-        race(store, [int(s) for s in args.seeds.split(",")], args.go_dir)
+        race(store, json.loads(args.rounds), args.go_dir)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,15 @@ import torch
 
 from builders import expected_slab, make_inputs
 from inferscale.artifacts.blobs import Location
-from inferscale.artifacts.layout import ArtifactSchemaError, InvalidArtifactInput, StoreConfig
+from inferscale.artifacts.layout import (
+    ArtifactSchemaError, ChecksumError, InvalidArtifactInput, StoreConfig, TruncatedArtifact,
+)
 from inferscale.artifacts.publish import Lineage, publish, version_id
 from inferscale.artifacts.read import (
-    latest_version, list_models, list_users, list_versions, open_fact_table, read_facts,
-    read_manifest, verify_version,
+    data_path, latest_version, list_models, list_users, list_versions, open_fact_table,
+    read_facts, read_manifest, verify_version,
 )
+from inferscale.hydrate.slab import hydrate
 
 FP = "fp-test"
 
@@ -188,4 +191,37 @@ def test_manifest_is_json_for_people(local_store):
     loc = Location(local_store, "g", FP)
     body = json.loads(open(loc.file(r.version, "manifest.json")).read())
     assert body["parents"] == {"log": "log-0", "facts": "facts-0"}
-    assert body["files"]["kv.arrow"]["bytes"] == os.path.getsize(loc.file(r.version, "kv.arrow"))
+    stored = body["files"]["kv.arrow"]["stored_as"]
+    assert stored.startswith("kv.") and stored.endswith(".arrow") and stored != "kv.arrow"
+    assert body["files"]["kv.arrow"]["bytes"] == os.path.getsize(loc.file(r.version, stored))
+    assert data_path(loc, r.manifest, "kv.arrow") == loc.file(r.version, stored)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "removed", "manifest"])
+def test_republish_repairs_a_version_that_does_not_verify(store, damage):
+    """A complete version whose files no longer verify is written again by the next
+    publish of its inputs, instead of ``created False`` while hydrate keeps failing."""
+    memory, facts, lineage = make_inputs("rita", 5)
+    first = publish(store, "rita", memory, facts, lineage)
+    loc = Location(store, "rita", FP)
+    fs = store.filesystem()
+    path = data_path(loc, first.manifest, "kv.arrow")
+    data = fs.cat_file(path)
+    if damage == "flipped":  # same size: only the checksum tells
+        fs.pipe_file(path, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "truncated":
+        fs.pipe_file(path, data[:-10])
+    elif damage == "removed":
+        fs.rm_file(path)
+    else:
+        mpath = loc.file(first.version, "manifest.json")
+        fs.pipe_file(mpath, fs.cat_file(mpath).replace(b'"producer"', b'"producex"'))
+    with pytest.raises((ChecksumError, TruncatedArtifact)):
+        hydrate(store, "rita", FP)
+
+    again = publish(store, "rita", memory, facts, lineage)
+    assert (again.version, again.created, again.latest) == (first.version, True, first.version)
+    assert verify_version(store, "rita", FP) == again.manifest
+    assert torch.equal(hydrate(store, "rita", FP).slab, expected_slab(memory))
+    assert read_facts(store, "rita", FP).equals(facts)
+    assert publish(store, "rita", memory, facts, lineage).created is False  # verifies now

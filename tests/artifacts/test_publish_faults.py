@@ -3,7 +3,9 @@
 - A publisher SIGKILLed at random moments (24 runs on local disk, 10 on S3): afterwards
   LATEST names a complete version whose checksums verify (the old one or the new one),
   and re-running the publish completes the same version id.
-- Two processes publishing for one user at once: one wins, both end with a valid LATEST.
+- Processes publishing for one user at once: one wins, all end with a valid LATEST;
+  with different bytes for one version id, the version verifies and hydrates; with
+  inputs of different times, LATEST names the newest.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import queue
 import subprocess
 import sys
 import threading
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -84,54 +87,85 @@ def version_dirs(store, user):
     return loc.blobs.listdir(loc.dir)
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_concurrent_publishers(request, child_env, tmp_path, backend):
-    store = request.getfixturevalue(f"{backend}_store")
-    go = tmp_path / "go"
-    go.mkdir()
-    seeds = {"p1": "1,2", "p2": "1,3"}  # round 0: same inputs; round 1: different inputs
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", HELPER, "race", "--root", store.root, "--options",
-             json.dumps(store.storage_options), "--seeds", s, "--go-dir", str(go)],
-            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, s in seeds.items()
-    }
-    lines = {name: queue.Queue() for name in procs}
-    for name, p in procs.items():
-        threading.Thread(target=lambda p=p, q=lines[name]: [*map(q.put, p.stdout), q.put(None)],
-                         daemon=True).start()
+class Racers:
+    """Publisher processes (``publisher_proc.py race``) started together, each with its
+    rounds; the test releases them through go files and reads their results."""
 
-    def next_line(name: str) -> dict:
+    def __init__(self, store, env, go_dir: Path, rounds: dict[str, list[dict]]):
+        self.go_dir = go_dir
+        go_dir.mkdir(exist_ok=True)
+        self.procs = {
+            name: subprocess.Popen(
+                [sys.executable, "-X", "faulthandler", HELPER, "race", "--root", store.root,
+                 "--options", json.dumps(store.storage_options), "--rounds", json.dumps(r),
+                 "--go-dir", str(go_dir)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, r in rounds.items()
+        }
+        self.lines = {name: queue.Queue() for name in self.procs}
+        for name, p in self.procs.items():
+            threading.Thread(target=lambda p=p, q=self.lines[name]: [*map(q.put, p.stdout),
+                                                                     q.put(None)],
+                             daemon=True).start()
+
+    def next(self, name: str) -> dict:
         try:
-            line = lines[name].get(timeout=120)
+            line = self.lines[name].get(timeout=180)
         except queue.Empty:
             line = None
         if line is None:
-            procs[name].kill()
-            pytest.fail(f"{name} died or hung: {procs[name].stderr.read()[-3000:]}")
+            self.procs[name].kill()
+            pytest.fail(f"{name} died or hung: {self.procs[name].stderr.read()[-3000:]}")
         return json.loads(line)
 
-    results: dict[int, list[dict]] = {0: [], 1: []}
-    try:
-        for round_ in (0, 1):
-            for name in procs:
-                assert next_line(name) == {"ready": round_}
-            (go / f"go{round_}").touch()
-            for name in procs:
-                results[round_].append(next_line(name))
-    finally:
-        for p in procs.values():
+    def ready(self, round_: int, names=None) -> None:
+        for name in names or self.procs:
+            assert self.next(name) == {"ready": round_}
+
+    def go(self, go: str, names=None) -> list[dict]:
+        """Release the publishers waiting for ``go``; their results, in ``names`` order."""
+        (self.go_dir / go).touch()
+        return [self.next(name) for name in names or self.procs]
+
+    def __enter__(self) -> "Racers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Wait for the publishers to finish (all rounds done) and check they exited 0;
+        on a failed test, kill them at once (they may wait for a go file forever)."""
+        for p in self.procs.values():
+            if exc_type is not None:
+                p.kill()
             try:
-                p.wait(timeout=120)
+                p.wait(timeout=180)
             except subprocess.TimeoutExpired:
                 p.kill()
-    for p in procs.values():
-        assert p.returncode == 0, p.stderr.read()[-3000:]
+        if exc_type is None:
+            for p in self.procs.values():
+                assert p.returncode == 0, p.stderr.read()[-3000:]
 
+
+def racer_inputs(seed: int, noise: int | None = None):
+    return make_inputs("racer", 200, seed=seed, layers=4, heads=4, head_dim=32, kv_noise=noise)
+
+
+def racer_version(seed: int) -> str:
+    memory, _, lineage = racer_inputs(seed)
+    return version_id("racer", lineage, FP, memory.encoder_config)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_concurrent_publishers(request, child_env, tmp_path, backend):
+    store = request.getfixturevalue(f"{backend}_store")
+    # round 0: same inputs; round 1: different inputs
+    with Racers(store, child_env, tmp_path / "go",
+                {"p1": [{"seed": 1}, {"seed": 2}], "p2": [{"seed": 1}, {"seed": 3}]}) as racers:
+        results = {}
+        for round_ in (0, 1):
+            racers.ready(round_)
+            results[round_] = racers.go(f"go{round_}")
     same, different = results[0], results[1]
-    v1 = version_id("racer", make_inputs("racer", 0, seed=1)[2], FP,
-                      make_inputs("racer", 0, seed=1)[0].encoder_config)
+    v1 = racer_version(1)
     assert [r["version"] for r in same] == [v1, v1]
     assert sorted(r["created"] for r in same) == [False, True]  # exactly one created it
     v2, v3 = (r["version"] for r in different)
@@ -139,5 +173,60 @@ def test_concurrent_publishers(request, child_env, tmp_path, backend):
     latest = latest_version(store, "racer", FP)
     assert latest in (v2, v3)
     for seed, version in ((1, v1), (2, v2), (3, v3)):
-        inputs = make_inputs("racer", 200, seed=seed, layers=4, heads=4, head_dim=32)
-        check_complete(store, "racer", version, inputs)
+        check_complete(store, "racer", version, racer_inputs(seed))
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_racing_publishers_with_different_bytes_for_one_version(request, child_env, tmp_path,
+                                                                 backend):
+    """Three processes publish the same inputs (one version id) with different KV bytes,
+    as a CUDA/bf16 and a CPU/fp32 encoder would: whoever wins, the version verifies and
+    hydrates to the winner's bytes, and every publisher reports the winner's manifest."""
+    store = request.getfixturevalue(f"{backend}_store")
+    seeds, names = (11, 12, 13), ("a", "b", "c")
+    with Racers(store, child_env, tmp_path / "go", {
+            name: [{"seed": seed, "noise": 100 * k + i} for i, seed in enumerate(seeds)]
+            for k, name in enumerate(names)}) as racers:
+        results = []
+        for round_ in range(len(seeds)):
+            racers.ready(round_)
+            results.append(racers.go(f"go{round_}"))
+    for i, (seed, rs) in enumerate(zip(seeds, results)):
+        version = racer_version(seed)
+        assert {r["version"] for r in rs} == {version}
+        assert sorted(r["created"] for r in rs) == [False, False, True]
+        m = verify_version(store, "racer", FP, version)
+        assert {r["digest"] for r in rs} == {m.files["kv.arrow"].xxh3_128}
+        h = hydrate(store, "racer", FP, version)
+        candidates = [racer_inputs(seed, 100 * k + i)[0] for k in range(len(names))]
+        assert sum(torch.equal(h.slab, expected_slab(c)) for c in candidates) == 1
+    assert latest_version(store, "racer", FP) == racer_version(seeds[-1])
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_latest_names_the_newest_inputs_whatever_finishes_last(request, child_env, tmp_path,
+                                                               backend):
+    """Publishers of different inputs race; LATEST must name the newest inputs (the
+    latest ``inputs_at``), never move back to older ones that finish later.
+    Round 0: the newest publisher finishes first, the two older ones race after it.
+    Round 1: all three at once, the newest in the middle of the list."""
+    store = request.getfixturevalue(f"{backend}_store")
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    at = {name: [(t0 + timedelta(hours=h)).isoformat() for h in hours]
+          for name, hours in {"new": (2, 11), "mid": (1, 12), "old": (0, 10)}.items()}
+    seeds = {"new": (21, 31), "mid": (22, 32), "old": (23, 33)}
+    with Racers(store, child_env, tmp_path / "go", {
+            name: [{"seed": seeds[name][0], "inputs_at": at[name][0],
+                    "go": "first" if name == "new" else "rest"},
+                   {"seed": seeds[name][1], "inputs_at": at[name][1]}]
+            for name in ("new", "mid", "old")}) as racers:
+        racers.ready(0)
+        racers.go("first", ["new"])
+        racers.go("rest", ["mid", "old"])
+        assert latest_version(store, "racer", FP) == racer_version(seeds["new"][0])
+        racers.ready(1)
+        racers.go("go1")
+    assert latest_version(store, "racer", FP) == racer_version(seeds["mid"][1])
+    for name in seeds:  # the versions that did not become LATEST are complete all the same
+        for seed in seeds[name]:
+            check_complete(store, "racer", racer_version(seed), racer_inputs(seed))

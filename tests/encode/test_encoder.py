@@ -1,5 +1,7 @@
 """The context-window encoder: relocation, the limiting case, batching, edge cases."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -148,6 +150,23 @@ def test_plan_batches_respects_token_budget():
 
 
 
+def test_segments_alone_do_not_depend_on_their_neighbours():
+    """batch_tokens=None: every segment is its own unpadded pass, so a chunk's bits are
+    the same whatever else is encoded in the run (batched, they need not be)."""
+    model = tiny_llama(ROPE_TYPES["llama3"])
+    g = torch.Generator().manual_seed(4)
+    segs = [Segment(tuple(torch.randint(0, 256, (n,), generator=g).tolist()),
+                    ((f"c{n}", tuple(torch.randint(0, 256, (5,), generator=g).tolist())),))
+            for n in (3, 40, 17, 0)]
+    together = {c.chunk_id: c for c in encode_segments(
+        model, segs, out_dtype=torch.float32, batch_tokens=None)}
+    assert list(together) == [s.chunks[0][0] for s in segs]  # input order
+    for seg in segs:
+        (alone,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=None)
+        assert torch.equal(alone.keys, together[alone.chunk_id].keys)
+        assert torch.equal(alone.values, together[alone.chunk_id].values)
+
+
 @pytest.fixture(scope="module")
 def smol_tokenizer(smollm2):
     return smollm2.tokenizer
@@ -160,7 +179,7 @@ TURNS = [TurnText("A", "I got a dog."), TurnText("B", "What is his name?"),
 @pytest.mark.slow
 def test_window_edges(smol_tokenizer):
     composer = Composer(smol_tokenizer)
-    cfg = EncoderConfig(window=2)
+    cfg = EncoderConfig(window=2, context="transcript", batch_invariant=False)
     facts = [FactSpec("f0", "A has a dog.", 0), FactSpec("f2", "The dog is Rex.", 2),
              FactSpec("f2b", "A named the dog Rex.", 2)]
     segs = window_segments(TURNS, facts, composer, cfg)
@@ -168,12 +187,19 @@ def test_window_edges(smol_tokenizer):
     expected = "".join(f"{t.speaker}: {t.text}\n" for t in TURNS[0:2])
     assert smol_tokenizer.decode(list(segs[1].context)) == expected
     assert [cid for cid, _ in segs[1].chunks] == ["f2", "f2b"]  # one pass for one turn
-    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0))
+    # batch-invariant (the default): one segment per fact, in the order given
+    alone = window_segments(TURNS, facts[::-1], composer,
+                            EncoderConfig(window=2, context="transcript"))
+    assert [s.chunks for s in alone] == [(c,) for c in segs[1].chunks[::-1] + segs[0].chunks]
+    assert [s.context for s in alone] == [segs[1].context, segs[1].context, ()]
+    w0 = window_segments(TURNS, facts, composer, EncoderConfig(window=0, context="transcript"))
     assert all(s.context == () for s in w0)
-    long_window = window_segments(TURNS, facts, composer, EncoderConfig(window=50))
+    long_window = window_segments(TURNS, facts, composer,
+                                  EncoderConfig(window=50, context="transcript"))
     assert len(long_window[1].context) == len(segs[1].context)
     truncated = window_segments(TURNS, facts, composer,
-                                EncoderConfig(window=2, max_window_tokens=4))
+                                EncoderConfig(window=2, context="transcript",
+                                              max_window_tokens=4))
     assert truncated[1].context == segs[1].context[-4:]  # keeps the most recent tokens
 
 
@@ -212,7 +238,33 @@ def test_encode_facts_end_to_end(smollm2):
         assert c.keys.shape == (30, len(c.token_ids), 3, 64)
         assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
-    assert mem.stats["facts"] == 2
+    assert mem.encoder_config == cfg.identity("float32", "cpu")  # what version ids hash
+    assert mem.stats["facts"] == 2 and (mem.stats["encoded"], mem.stats["reused"]) == (2, 0)
+    assert len({c.content_key for c in mem.chunks}) == 3 and None not in {
+        c.content_key for c in mem.chunks}
+    batched = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
+                           replace(cfg, batch_invariant=False), smollm2.fingerprint,
+                           progress=False)
+    assert [c.content_key for c in batched.chunks] == [None] * 3  # never reused
+
+
+def test_version_ids_cover_the_compute_dtype_and_device():
+    """The Ray path encodes with CUDA/bf16, the CPU path with float32: other bytes for
+    the same inputs, so other version ids (never one id for two contents)."""
+    from pathlib import Path
+
+    from inferscale.pipeline import PipelineConfig, expected_version
+
+    cpu = PipelineConfig(home=Path("/h"), model="embedded", device="cpu", model_dtype="float32",
+                         encoder=EncoderConfig(), artifact_root="/a", storage_options={})
+    gpu = replace(cpu, device="cuda", model_dtype="bfloat16")
+    ids = {name: expected_version(c, "maya", "log-h", "facts-h", "fp1") for name, c in {
+        "cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
+        "gpu-fp32": replace(gpu, model_dtype="float32")}.items()}
+    assert ids["cpu"] != ids["gpu"] and ids["gpu"] != ids["gpu-fp32"] != ids["cpu"]
+    assert ids["gpu"] == ids["gpu1"]  # the device kind counts, not which one
+    assert EncoderConfig().identity(torch.bfloat16, "cuda:0") == {
+        **EncoderConfig().to_dict(), "compute_dtype": "bfloat16", "compute_device": "cuda"}
 
 
 def test_capture_ignores_other_models_in_other_threads():
@@ -277,7 +329,7 @@ def test_window_contexts(smol_tokenizer):
     composer = Composer(smol_tokenizer)
     fact = [FactSpec("f", "A named the dog Rex.", 2)]
     raw = "A: I got a dog.\nB: What is his name?\n"
-    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2))
+    (t,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="transcript"))
     assert smol_tokenizer.decode(list(t.context)) == raw
     (p,) = window_segments(DATED, fact, composer, EncoderConfig(window=2, context="prefix"))
     assert list(p.context) == composer.prefix_ids() + list(t.context)

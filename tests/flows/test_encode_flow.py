@@ -4,9 +4,14 @@ API, reruns served from the content-hash caches."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
-from prefect_env import artifacts_of_run, artifacts_with_key, table_rows, task_runs_of
+from inferscale.types import DEFAULT_CONTEXT, DEFAULT_WINDOW
+from prefect_env import (
+    artifacts_of_run, artifacts_with_key, result_records, table_rows, task_runs_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +59,8 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
         assert str(m.files["kv.arrow"].bytes) in rows["kv.arrow"]
         assert m.files["kv.arrow"].xxh3_128 in rows["kv.arrow"]
         assert rows["files"].endswith(f"/{m.version}") and rows["files"].startswith("file://")
-        assert '"window": 5' in rows["encoder config"]
+        assert f'"window": {DEFAULT_WINDOW}' in rows["encoder config"]
+        assert f'"context": "{DEFAULT_CONTEXT}"' in rows["encoder config"]
         assert read_manifest(store, user, fp).version == m.version
     # the run's markdown summary links each user's lineage key
     run_arts = artifacts_of_run(state.state_details.flow_run_id)
@@ -89,7 +95,21 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     assert states["encode-kv-maya"] == ["Cached"] and states["encode-kv-tomas"] == ["Cached"]
     for user in users:
         a, b = verify_version(store, user, fp), verify_version(other, user, fp)
-        assert a.version == b.version and a.files == b.files
+        assert a.version == b.version
+        assert {n: (e.bytes, e.xxh3_128) for n, e in a.files.items()} == \
+            {n: (e.bytes, e.xxh3_128) for n, e in b.files.items()}
+
+    # result storage (this session's: earlier runs may have cached the same facts) holds
+    # the cached facts and KV as Arrow; no pickle there holds either
+    records = result_records()
+    cached = {k: r["metadata"]["serializer"]["type"] for k, r in records.items()
+              if k.startswith(("inferscale-kv-", "inferscale-facts-"))}  # tasks/caching.py
+    assert set(cached.values()) == {"inferscale-encoded-kv-arrow", "inferscale-facts-arrow"}
+    for r in records.values():
+        raw = base64.b64decode(r["result"])
+        if raw.startswith(b"\x80"):  # a pickle (Prefect pickles a failed task's exception)
+            assert not any(m in raw for m in (b"inferscale.encode", b"inferscale.facts",
+                                              b"torch", b"pyarrow")), raw[:200]
 
 
 def test_unknown_user_is_refused(flow_env, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from prefect_env import artifacts_with_key, table_rows, task_runs_of
+from prefect_env import artifacts_of_run, artifacts_with_key, table_rows, task_runs_of
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,8 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     store = StoreConfig(str(root))
     first = encode_users(artifact_root=str(root), fact_mode="raw")
     fp = first["model_fingerprint"]
+    assert first["facts"] == {"reused": 0, "encoded": sum(o["facts"] for o in
+                                                          first["users"].values())}
     before = {u: o["version"] for u, o in first["users"].items()}
 
     # tomas says one more thing; maya's turns stay exactly the same
@@ -45,8 +47,18 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     assert not any(n.endswith("-maya") for n in names), names  # maya cost no task at all
     assert {"encode-user-tomas", "extract-facts-tomas", "encode-kv-tomas"} <= names
 
+    # tomas's earlier facts (one per turn in raw mode) keep their windows: only the new
+    # turn's fact is encoded, the others' K/V are read from his previous version
+    assert (users["tomas"]["reused"], users["tomas"]["encoded"]) == (
+        first["users"]["tomas"]["facts"], 1)
+    assert report["facts"] == {"reused": first["users"]["tomas"]["facts"], "encoded": 1}
+    (summary,) = [a for a in artifacts_of_run(state.state_details.flow_run_id)
+                  if a.key == "inferscale-nightly-summary"]
+    assert f"facts: {first['users']['tomas']['facts']} reused, 1 encoded" in summary.data
+
     new = users["tomas"]["version"]
     assert new != before["tomas"] and latest_version(store, "tomas", fp) == new
+    assert_same_as_full_encode(root, tmp_path / "scratch", logs, new, fp)
     m = verify_version(store, "tomas", fp)
     assert m.parents["log"] == read_logs(str(logs)).turns_hashes()["tomas"]
     assert [v.version for v in list_versions(store, "tomas", fp)] == [before["tomas"], new]
@@ -63,3 +75,26 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
         {"maya": "up-to-date", "tomas": "up-to-date"}
     names = {r.name for r in task_runs_of(again.state_details.flow_run_id)}
     assert not any(n.startswith(("encode-user", "extract-facts", "encode-kv")) for n in names)
+
+
+def assert_same_as_full_encode(root, scratch, logs, version, fp):
+    """The flow's incremental version of tomas == encoding all his facts from scratch."""
+    from inferscale.artifacts.blobs import Location
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import read_facts, read_manifest
+    from inferscale.ingest.logs import read_logs
+    from inferscale.pipeline import configs_from_settings, encode_user_kv, publish_user
+    from inferscale.settings import Settings
+
+    cfg, _ = configs_from_settings(Settings(), fact_mode="raw", artifact_root=str(scratch))
+    store = StoreConfig(str(root))
+    facts = read_facts(store, "tomas", fp, version)
+    m = read_manifest(store, "tomas", fp, version)
+    turns = read_logs(str(logs)).turns["tomas"]
+    full = encode_user_kv(cfg, turns, facts, progress=False)
+    assert full.stats["reused"] == 0
+    ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"])
+    assert ref.version == version and ref.manifest.files == m.files
+    a, b = Location(store, "tomas", fp), Location(cfg.store(), "tomas", fp)
+    assert a.blobs.read_bytes(a.file(version, "kv.arrow")) == \
+        b.blobs.read_bytes(b.file(version, "kv.arrow"))

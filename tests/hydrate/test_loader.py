@@ -3,7 +3,6 @@ background reloads and their failures, admin evictions, fingerprint checks."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -88,18 +87,50 @@ def test_an_admin_eviction_stops_reloads_until_the_next_load(published):
 
 def test_a_rank_loads_its_heads_and_skips_a_reload_of_what_it_holds(published):
     """Under tensor parallelism (rank 0 of 2: head 0 of 2) the verified artifact is cut to
-    the rank's heads; a reload the scheduler orders for a version the rank already holds
-    reads nothing."""
+    the rank's heads and admitted by the size of its share (the budget holds half the
+    slab); a reload the scheduler orders for a version the rank already holds reads
+    nothing."""
     from inferscale.hydrate.resident import HeadShard
+    from inferscale.hydrate.slab import READS
 
     store, memory, version = published
-    loader = ResidentLoader(ResidentStore("cpu", 1 << 30, 1 << 30, heads=HeadShard(0, 1, 2)),
+    slab = expected_slab(memory)
+    whole = slab.numel() * slab.element_size()  # bytes of every head
+    loader = ResidentLoader(ResidentStore("cpu", whole // 2, 0, heads=HeadShard(0, 1, 2)),
                             FP, store.root, store.storage_options)
     resident = loader.load("ann", version, "gpu")
-    want = expected_slab(memory)[:, :, :, 0:1].to(resident.slab.dtype)
+    want = slab[:, :, :, 0:1]
     assert torch.equal(resident.slab, want) and resident.slab.shape[3] == 1
+    assert resident.tier == "gpu" and resident.nbytes == whole // 2
+    before = dict(READS)
     loader.reload_in_background("ann", version, "gpu")
-    assert not any(t.name == "inferscale-reload-ann" for t in threading.enumerate())
     time.sleep(0.5)  # a reload of this tiny artifact would have finished by now
-    assert loader.take_failures() == [] and loader.reloads == 0
+    assert READS == before and loader.take_failures() == [] and loader.reloads == 0
     assert loader.store.get("ann", version) is resident
+
+
+def test_a_slab_over_every_budget_is_refused_before_it_is_read(published):
+    """Admin loads and background reloads check the manifest's size against the budgets
+    first: nothing of kv.arrow is read, the refusal is counted once per reload."""
+    from inferscale.hydrate.resident import ResidencyError
+    from inferscale.hydrate.slab import READS
+
+    store, _, version = published
+    loader = ResidentLoader(ResidentStore("cpu", 0, 64), FP, store.root, store.storage_options)
+    before = dict(READS)
+    with pytest.raises(ResidencyError, match="exceed the gpu budget"):
+        loader.load("ann", version, "gpu")
+    loader.reload_in_background("ann", version, "host")
+    (failed,) = _wait(loader.take_failures)
+    assert "exceed the host budget" in failed[2] and loader.reload_failures == 1
+    assert READS == before and loader.store.get("ann", version) is None
+
+
+def test_background_reloads_of_one_version_run_once_at_a_time(published):
+    store, _, version = published
+    loader = _loader(store)
+    for _ in range(20):  # a burst of orders for the same user and version
+        loader.reload_in_background("ann", version, "host")
+    _wait(lambda: loader.store.get("ann", version))
+    time.sleep(0.5)  # orders that were queued behind the first one find it resident
+    assert loader.reloads == 1 and loader.take_failures() == []

@@ -65,6 +65,20 @@ def test_too_large_for_every_budget_is_refused():
     assert store.put(r, "gpu").tier == "host"
 
 
+def test_fit_tier_decides_from_a_size_alone():
+    """What hydration asks with the manifest's size before reading anything."""
+    store = ResidentStore("cpu", gpu_budget_bytes=100, host_budget_bytes=1000)
+    assert store.fit_tier("u", 100, "gpu") == "gpu"
+    assert store.fit_tier("u", 101, "gpu") == "host"  # gpu falls back to host
+    assert store.fit_tier("u", 1000, "host") == "host"
+    with pytest.raises(ResidencyError, match="1001 bytes exceed the host budget"):
+        store.fit_tier("u", 1001, "host")
+    with pytest.raises(ResidencyError, match="exceed the gpu budget"):
+        store.fit_tier("u", 1001, "gpu")
+    with pytest.raises(ResidencyError, match="tier"):
+        store.fit_tier("u", 1, "disk")
+
+
 @pytest.mark.parametrize("tier", ["gpu", "host"])
 def test_gather_any_range_of_the_chunk_concatenation(tier):
     store = ResidentStore("cpu", 1 << 20, 1 << 20)

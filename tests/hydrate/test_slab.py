@@ -17,10 +17,12 @@ from inferscale.artifacts.layout import (
     FingerprintMismatch, MissingManifest, TruncatedArtifact,
 )
 from inferscale.artifacts.publish import publish
-from inferscale.artifacts.read import list_versions, read_facts, read_manifest, verify_version
+from inferscale.artifacts.read import (
+    data_path, list_versions, read_facts, read_manifest, verify_version,
+)
 from inferscale.hydrate.slab import hydrate
 from storage_schemas.common import SchemaVersionError
-from storage_schemas.manifest import FileEntry, Manifest
+from storage_schemas.manifest import VERSION, FileEntry, Manifest
 
 FP = "fp-test"
 
@@ -113,11 +115,15 @@ def rewrite_manifest(store, loc, version, **changes) -> None:
     write(store, loc.file(version, "manifest.json"), Manifest(**body).to_json())
 
 
+def kv_path(loc, r) -> str:
+    return data_path(loc, r.manifest, "kv.arrow")  # kv.<nonce>.arrow
+
+
 def test_truncated_kv(published):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
+    path = kv_path(loc, r)
     write(store, path, read(store, path)[:-100])
-    with pytest.raises(TruncatedArtifact, match="kv.arrow is .* bytes; the manifest says"):
+    with pytest.raises(TruncatedArtifact, match=r"kv\.\w+\.arrow is .* bytes; the manifest says"):
         hydrate(store, "dana", FP)
     with pytest.raises(TruncatedArtifact):
         verify_version(store, "dana", FP)
@@ -125,19 +131,41 @@ def test_truncated_kv(published):
 
 def test_missing_kv(published):
     store, loc, r = published
-    store.filesystem().rm(loc.file(r.version, "kv.arrow"))
-    with pytest.raises(TruncatedArtifact, match="kv.arrow is missing"):
+    store.filesystem().rm(kv_path(loc, r))
+    with pytest.raises(TruncatedArtifact, match=r"kv\.\w+\.arrow is missing"):
         hydrate(store, "dana", FP)
+
+
+def test_admission_refuses_before_reading_the_kv(published):
+    """``admit`` sees the verified manifest first: a refusal reads nothing of kv.arrow
+    (here the file is even gone, which any read or size check would report)."""
+    from inferscale.hydrate.slab import READS, slab_nbytes
+    from inferscale.hydrate.resident import ResidencyError, ResidentStore
+
+    store, loc, r = published
+    assert slab_nbytes(r.manifest) == r.manifest.kv["slab_bytes"] > 0
+    budgets = ResidentStore("cpu", gpu_budget_bytes=0, host_budget_bytes=100)
+    seen = []
+
+    def admit(manifest):
+        seen.append(manifest.version)
+        budgets.fit_tier(manifest.user, slab_nbytes(manifest), "gpu")
+
+    store.filesystem().rm(kv_path(loc, r))
+    before = dict(READS)
+    with pytest.raises(ResidencyError, match="exceed the gpu budget"):
+        hydrate(store, "dana", FP, admit=admit)
+    assert seen == [r.version] and READS == before
 
 
 @pytest.mark.parametrize("where", [0.5, 0.01, 0.999])
 def test_flipped_byte_in_kv(published, where):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
+    path = kv_path(loc, r)
     data = bytearray(read(store, path))
     data[int(len(data) * where)] ^= 0x10
     write(store, path, bytes(data))
-    with pytest.raises(ChecksumError, match="kv.arrow: xxh3-128 .* differs"):
+    with pytest.raises(ChecksumError, match=r"kv\.\w+\.arrow: xxh3-128 .* differs"):
         hydrate(store, "dana", FP)
     if store.is_local:
         with pytest.raises(ChecksumError):
@@ -146,13 +174,13 @@ def test_flipped_byte_in_kv(published, where):
 
 def test_flipped_byte_in_facts(published):
     store, loc, r = published
-    path = loc.file(r.version, "facts.arrow")
+    path = data_path(loc, r.manifest, "facts.arrow")
     data = bytearray(read(store, path))
     data[len(data) // 2] ^= 0x01
     write(store, path, bytes(data))
-    with pytest.raises(ChecksumError, match="facts.arrow"):
+    with pytest.raises(ChecksumError, match=r"facts\.\w+\.arrow"):
         read_facts(store, "dana", FP)
-    with pytest.raises(ChecksumError, match="facts.arrow"):
+    with pytest.raises(ChecksumError, match=r"facts\.\w+\.arrow"):
         verify_version(store, "dana", FP)
     hydrate(store, "dana", FP)  # the KV is intact and still usable
 
@@ -183,26 +211,66 @@ def test_missing_manifest(published):
 
 def test_newer_manifest_schema(published):
     store, loc, r = published
-    rewrite_manifest(store, loc, r.version, schema_version=2)
-    with pytest.raises(ArtifactSchemaError, match="manifest.json: manifest schema version 2 is newer"):
+    rewrite_manifest(store, loc, r.version, schema_version=VERSION + 1)
+    with pytest.raises(ArtifactSchemaError,
+                       match=f"manifest.json: manifest schema version {VERSION + 1} is newer"):
         hydrate(store, "dana", FP)
+
+
+def rewrite_kv(store, loc, r, table: pa.Table, metadata: dict) -> None:
+    """Replace a version's kv file with ``table`` under ``metadata``; fix the manifest."""
+    path = kv_path(loc, r)
+    sink = pa.BufferOutputStream()
+    schema = table.schema.with_metadata(metadata)
+    with pa.ipc.new_file(sink, schema) as w:
+        w.write_table(table.replace_schema_metadata(metadata).combine_chunks())
+    data = sink.getvalue().to_pybytes()
+    write(store, path, data)
+    buf = pa.py_buffer(data)
+    values = pa.ipc.open_file(buf).get_batch(0).column("kv").values
+    slab_offset = values.buffers()[1].address - buf.address
+    files = {**r.manifest.files, "kv.arrow": FileEntry(
+        len(data), xxhash.xxh3_128_hexdigest(data), r.manifest.files["kv.arrow"].stored_as)}
+    rewrite_manifest(store, loc, r.version, files=files,
+                     kv={**r.manifest.kv, "slab_offset": slab_offset})
 
 
 def test_newer_kv_schema(published):
     store, loc, r = published
-    path = loc.file(r.version, "kv.arrow")
-    table = pa.ipc.open_file(pa.py_buffer(read(store, path))).read_all()
-    meta = {**table.schema.metadata, b"inferscale.schema_version": b"2"}
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w:
-        w.write_table(table.replace_schema_metadata(meta))
-    data = sink.getvalue().to_pybytes()
-    write(store, path, data)
-    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
-    rewrite_manifest(store, loc, r.version, files=files)
-    with pytest.raises(ArtifactSchemaError, match="kv.arrow: kv schema version 2 is newer") as err:
+    table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"3"})
+    with pytest.raises(ArtifactSchemaError,
+                       match=r"kv\.\w+\.arrow: kv schema version 3 is newer") as err:
         hydrate(store, "dana", FP)
     assert isinstance(err.value, SchemaVersionError)
+
+
+def test_kv_schema_version_1_still_hydrates(published):
+    """A kv.arrow written before content keys (schema 1) reads as before, with no keys."""
+    store, loc, r = published
+    memory, *_ = make_inputs("dana", 12)
+    table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
+    assert table.column("content_key").null_count == table.num_rows  # builders set none
+    v1 = table.drop_columns(["content_key"])
+    rewrite_kv(store, loc, r, v1, {**table.schema.metadata, b"inferscale.schema_version": b"1"})
+    h = hydrate(store, "dana", FP)
+    check(h, memory)
+    assert h.content_keys == {} and h.kv_by_content_key() == {}
+
+
+def test_content_keys_hydrate_as_views_of_the_slab(local_store):
+    memory, facts, lineage = make_inputs("erin", 4, dtype=torch.float32)
+    for i, c in enumerate(memory.chunks[1:]):
+        c.content_key = f"key-{i}"
+    publish(local_store, "erin", memory, facts, lineage, embeddings=False)
+    h = hydrate(local_store, "erin", FP)
+    assert h.content_keys == {c.chunk_id: f"key-{i}" for i, c in enumerate(memory.chunks[1:])}
+    rows = h.kv_by_content_key()
+    assert set(rows) == {f"key-{i}" for i in range(4)}
+    for i, c in enumerate(memory.chunks[1:]):
+        k, v = rows[f"key-{i}"]
+        assert torch.equal(k, c.keys) and torch.equal(v, c.values)  # [L, T, H, D]
+        assert k.data_ptr() == h.chunk(c.chunk_id)[:, 0].data_ptr()  # no copy
 
 
 def test_manifest_layout_disagrees_with_kv(published):
@@ -218,7 +286,7 @@ def test_wrong_model_fingerprint(published):
         hydrate(store, "dana", FP, expected_fingerprint="fp-other")
     # the artifact copied under another model's folder is refused as well
     other = Location(store, "dana", "fp-other")
-    for name in ("kv.arrow", "facts.arrow", "manifest.json"):
+    for name in [e.stored_as for e in r.manifest.files.values()] + ["manifest.json"]:
         write(store, other.file(r.version, name), read(store, loc.file(r.version, name)))
     write(store, other.latest, r.version.encode())
     with pytest.raises(FingerprintMismatch, match="written for model fp-test"):
@@ -230,9 +298,10 @@ def test_kv_of_another_model_behind_a_matching_manifest(published):
     memory, facts, lineage = make_inputs("dana", 12, fp="fp-evil")
     evil = publish(store, "dana", memory, facts, lineage, embeddings=False)
     evil_loc = Location(store, "dana", "fp-evil")
-    data = read(store, evil_loc.file(evil.version, "kv.arrow"))
-    write(store, loc.file(r.version, "kv.arrow"), data)
-    files = {**r.manifest.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(data))}
+    data = read(store, kv_path(evil_loc, evil))
+    write(store, kv_path(loc, r), data)
+    files = {**r.manifest.files, "kv.arrow": FileEntry(
+        len(data), xxhash.xxh3_128_hexdigest(data), r.manifest.files["kv.arrow"].stored_as)}
     rewrite_manifest(store, loc, r.version, files=files)
     with pytest.raises(FingerprintMismatch, match="holds KV of model fp-evil"):
         hydrate(store, "dana", FP)
@@ -263,10 +332,10 @@ def test_errors_share_one_base():
 def test_manifest_on_disk_names_sizes(published):
     store, loc, r = published
     body = json.loads(read(store, loc.file(r.version, "manifest.json")))
-    size = store.filesystem().size(loc.file(r.version, "kv.arrow"))
+    size = store.filesystem().size(kv_path(loc, r))
     assert body["files"]["kv.arrow"]["bytes"] == size
     assert 0 < body["kv"]["slab_offset"] < size
-    assert os.path.basename(loc.file(r.version, "kv.arrow")) == "kv.arrow"
+    assert os.path.basename(kv_path(loc, r)) == body["files"]["kv.arrow"]["stored_as"]
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -292,7 +361,7 @@ def test_cuda_tiers(local_store, tier):
 def test_cuda_gpu_tier_refuses_a_damaged_slab(local_store):
     memory, facts, lineage = make_inputs("gpu", 40, layers=4, heads=2, head_dim=64)
     r = publish(local_store, "gpu", memory, facts, lineage, embeddings=False)
-    path = Location(local_store, "gpu", FP).file(r.version, "kv.arrow")
+    path = kv_path(Location(local_store, "gpu", FP), r)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))

@@ -159,3 +159,112 @@ def test_turns_hash_is_canonical(tmp_path):
     doc["session_2"][0]["text"] = "We went hiking two weeks ago."
     path.write_text(json.dumps(doc))
     assert turns_hash(read_logs(str(path), user="u").turns["u"]) != turns_hash(from_locomo)
+
+
+def _hostile_lines() -> list[tuple[bytes, str, str]]:
+    """(line, reason, words of the detail) for lines that crashed ingestion before."""
+    good = _good("ana", "t1")
+    big_int = json.dumps(good).replace('"t1"', "9" * 5000).encode() + b"\n"
+    return [
+        (b"[" * 200_000 + b"]" * 200_000 + b"\n", "invalid_json", "nested too deeply"),
+        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"\n", "invalid_json", "nested too deeply"),
+        (big_int, "invalid_json", "digits"),
+        (_line(**_good("ana", "t2", speaker={"nested": [[["x"]]]})), "wrong_type", "speaker"),
+        (_line(**_good("ana", "t3", text=[[[[["deep"]]]]])), "wrong_type", "text"),
+        (b'"just a string"\n', "not_an_object", "str"),
+        (b"null\n", "not_an_object", "NoneType"),
+    ]
+
+
+def test_hostile_lines_are_quarantined_and_reading_goes_on(tmp_path):
+    hostile = _hostile_lines()
+    data = _line(**_good("ana", "t0"))
+    for line, _, _ in hostile:
+        data += line + _line(**_good("bo", f"after-{len(data)}"))
+    log = tmp_path / "hostile.jsonl"
+    log.write_bytes(data)
+    quarantine = tmp_path / "q.jsonl"
+    res = read_logs(str(log), quarantine_uri=str(quarantine))
+    assert res.turns["ana"].num_rows == 1 and res.turns["bo"].num_rows == len(hostile)
+    records = [json.loads(x) for x in quarantine.read_text(encoding="utf-8").splitlines()]
+    assert [(r["reason"], r["location"]) for r in records] == [
+        (reason, f"line {2 + 2 * i}") for i, (_, reason, _) in enumerate(hostile)]
+    for r, (_, _, words) in zip(records, hostile):
+        assert words in r["detail"], r["detail"]
+
+
+def test_hostile_locomo_files_are_quarantined(tmp_path):
+    good = {"sample_id": "ok", "conversation": _locomo_doc()}
+    cases = {
+        "conv-list.json": ([{"sample_id": "a", "conversation": [1, 2]}, good], "wrong_type"),
+        "conv-number.json": ([{"sample_id": "b", "conversation": 7}, good], "wrong_type"),
+        "conv-string.json": ([{"sample_id": "c", "conversation": "hi"}, good], "wrong_type"),
+        "id-object.json": ([{"sample_id": {"x": 1}, "conversation": _locomo_doc()}, good],
+                           "wrong_type"),
+        "session-digits.json": ([{"sample_id": "d", "conversation": {
+            "session_" + "9" * 5000: [{"speaker": "A", "dia_id": "D1:1", "text": "hi"}]}},
+            good], None),
+    }
+    for name, (doc, reason) in cases.items():
+        path = tmp_path / name
+        path.write_text(json.dumps(doc))
+        res = read_logs(str(path))
+        assert set(res.turns) == {"ok"}, name  # the good sample is read all the same
+        assert [q.reason for q in res.quarantined] == (
+            ["missing_field"] if reason is None else [reason, "missing_field"]), name
+    for name, body, reason in [("deep.json", b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
+                               ("int.json", b'{"x": ' + b"1" * 5000 + b"}", "invalid_json"),
+                               ("number.json", b"42", "not_an_object")]:
+        path = tmp_path / name
+        path.write_bytes(body)
+        res = read_logs(str(path), quarantine_uri=str(tmp_path / f"{name}.q"))
+        assert not res.turns and [q.reason for q in res.quarantined] == [reason], name
+
+
+def test_oversized_line_is_skipped_without_being_read_whole(tmp_path):
+    """A 64 MiB line against a 64 KiB limit: refused while reading, in bounded memory
+    (the Python heap's peak stays far below the line), and the next line is read."""
+    import tracemalloc
+
+    log = tmp_path / "huge.jsonl"
+    with open(log, "wb") as f:
+        f.write(_line(**_good("ana", "t1")))
+        f.write(b'{"user": "ana", "text": "')
+        block = b"x" * (1 << 20)
+        for _ in range(64):
+            f.write(block)
+        f.write(b'"}\n')
+        f.write(_line(**_good("ana", "t2")))
+    limits = LogLimits(max_line_bytes=64 << 10)
+    tracemalloc.start()
+    try:
+        res = read_logs(str(log), limits=limits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert res.turns["ana"]["turn_id"].to_pylist() == ["t1", "t2"]
+    (q,) = res.quarantined
+    assert (q.reason, q.location) == ("oversized_line", "line 2")
+    assert q.detail == f"{(64 << 20) + 28} bytes > {64 << 10}"  # the whole line, counted
+    assert q.raw.startswith('{"user": "ana", "text": "xxx') and len(q.raw) < 300
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB while reading a 64 MiB line"
+
+
+def test_oversized_locomo_document_is_refused(tmp_path):
+    path = tmp_path / "big.json"
+    doc = _locomo_doc()
+    doc["session_1"][0]["text"] = "y" * (2 << 20)
+    path.write_text(json.dumps(doc))
+    res = read_logs(str(path), limits=LogLimits(max_document_bytes=1 << 20))
+    assert not res.turns and [q.reason for q in res.quarantined] == ["oversized_document"]
+
+
+@pytest.mark.parametrize("user", ["bob\n", "\u202ebob", "bo\u200bb", "bob\u2028", " bob"])
+def test_user_ids_with_control_or_invisible_characters_are_quarantined(tmp_path, user):
+    """The one user-id rule (``inferscale.types``): a trailing newline, bidi overrides,
+    zero-width characters and line separators are refused, not stored as another user."""
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(_line(**_good("bob", "t1")) + _line(**_good(user, "t2")))
+    res = read_logs(str(log), quarantine_uri=str(tmp_path / "q.jsonl"))
+    assert list(res.turns) == ["bob"] and res.turns["bob"].num_rows == 1
+    assert res.reasons == Counter({"bad_user": 1})

@@ -4,48 +4,185 @@ from __future__ import annotations
 
 import pytest
 
-from inferscale.serve.app import AccessPolicy, ServeError, is_loopback
+from inferscale.serve.access import AccessPolicy
+from inferscale.serve.app import create_app
+from inferscale.serve.engine import Generation
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
+ANN = {"Authorization": "Bearer key-ann"}
+ASK = {"model": "m", "messages": [{"role": "user", "content": "What is my dog called?"}]}
 
 
-def test_beyond_loopback_without_keys_refuses_to_start():
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
-    with pytest.raises(ServeError, match="API_KEYS"):
-        AccessPolicy({}, "admin", None, loopback=False)
-    with pytest.raises(ServeError, match="ADMIN_KEY"):
-        AccessPolicy(KEYS, None, None, loopback=False)
-    AccessPolicy(KEYS, "admin", None, loopback=False)  # keys: fine
-    AccessPolicy({}, "admin", "x-user", loopback=False)  # a trusted gateway: fine
+# ------------------------------------------------------------------ the HTTP layer alone
 
 
-def test_api_keys_decide_the_user():
-    policy = AccessPolicy(KEYS, "admin", None, loopback=False)
-    auth = {"authorization": "Bearer key-ann"}
-    assert policy.user_for(auth, None) == "ann"
-    assert policy.user_for(auth, "ann") == "ann"
-    with pytest.raises(PermissionError, match="another user"):
-        policy.user_for(auth, "bob")
-    with pytest.raises(PermissionError, match="unknown API key"):
-        policy.user_for({"authorization": "Bearer nope"}, "ann")
-    with pytest.raises(PermissionError, match="unknown API key"):
-        policy.user_for({}, "ann")
-    policy.check_admin({"authorization": "Bearer admin"})
-    with pytest.raises(PermissionError):
-        policy.check_admin(auth)
+class RecordingServer:
+    """Stands in for ``MemoryServer`` behind the HTTP layer (whose own behaviour these
+    tests check: auth order, validation, status codes) and records what reached it."""
+
+    mode, max_tokens, users = "kv", 16, {}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    async def answer(self, user, question, *, k=None, max_tokens=None, temperature=0.0,
+                     mode=None) -> dict:
+        self.calls.append(("answer", dict(user=user, question=question, k=k,
+                                          max_tokens=max_tokens, temperature=temperature,
+                                          mode=mode)))
+        return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
+                "info": {"user": user}}
+
+    async def hydrate(self, user, tier="gpu", version="latest") -> dict:
+        self.calls.append(("hydrate", dict(user=user, tier=tier, version=version)))
+        return {"user": user, "tier": tier, "version": version}
+
+    async def evict(self, user) -> bool:
+        self.calls.append(("evict", dict(user=user)))
+        return True
 
 
-def test_trusted_header_decides_the_user():
-    policy = AccessPolicy({}, "admin", "X-User", loopback=False)
-    assert policy.user_for({"x-user": "bob"}, "ann") == "bob"
-    with pytest.raises(PermissionError, match="X-User"):
-        policy.user_for({}, "bob")
+def http(policy: AccessPolicy | None = None, limits=None):
+    from fastapi.testclient import TestClient
+
+    server = RecordingServer()
+    app = create_app(server, policy or AccessPolicy(KEYS, "admin", None, loopback=True), "m",
+                     *([limits] if limits else []))
+    return TestClient(app, raise_server_exceptions=False), server
 
 
-def test_loopback_without_keys_trusts_the_body():
-    policy = AccessPolicy({}, None, None, loopback=True)
-    assert policy.user_for({}, "ann") == "ann"
-    policy.check_admin({})  # admin open on loopback only
+def test_credentials_are_checked_before_the_body_is_read():
+    client, server = http()
+    for body in (b"{not json", b"[]", b'{"messages": 5}', b"\xff\xfe", b"[" * 100_000):
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = client.post("/v1/chat/completions", content=body, headers=headers)
+            assert r.status_code == 401, (body[:20], headers, r.status_code, r.text)
+        r = client.post("/admin/hydrate", content=body, headers=ANN)  # not the admin key
+        assert r.status_code == 401
+    assert server.calls == []
+
+
+def test_the_key_decides_whatever_header_or_body_say():
+    client, server = http(AccessPolicy(KEYS, "admin", "X-User", loopback=True))
+    assert client.post("/v1/chat/completions", json=ASK,
+                       headers={"X-User": "ann"}).status_code == 401
+    assert client.post("/v1/chat/completions", json=ASK,
+                       headers={**ANN, "X-User": "bob"}).status_code == 401
+    assert client.post("/v1/chat/completions", json={**ASK, "user": "bob"},
+                       headers=ANN).status_code == 401
+    r = client.post("/v1/chat/completions", json=ASK, headers={**ANN, "X-User": "ann"})
+    assert r.status_code == 200 and [c["user"] for _, c in server.calls] == ["ann"]
+
+
+BAD_FIELDS = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "user message"),
+    ({"messages": [{"role": "user", "content": "   "}]}, "user message"),
+    ({"top_k": "5"}, "top_k"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": 101}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"inferscale": {"top_k": "five"}}, "top_k"),
+    ({"inferscale": {"top_k": -1}}, "top_k"),
+    ({"inferscale": {"mode": "x"}}, "mode"),
+    ({"inferscale": {"mode": 1}}, "mode"),
+    ({"inferscale": {"topk": 3}}, "topk"),
+    ({"inferscale": "kv"}, "inferscale"),
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 4097}, "max_tokens"),
+    ({"max_tokens": 10 ** 30}, "max_tokens"),
+    ({"max_completion_tokens": 1e9}, "max_completion_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": None, "stream": "yes"}, "stream"),
+    ({"user": 5}, "user"),
+    ({"user": "bob\n"}, "user"),
+    ({"user": "\u202eann"}, "user"),
+    ({"model": ["m"]}, "model"),
+]
+
+
+@pytest.mark.parametrize("patch,field", BAD_FIELDS)
+def test_malformed_fields_are_400_naming_the_field(patch, field):
+    client, server = http(AccessPolicy({}, None, None, loopback=True))
+    r = client.post("/v1/chat/completions", json={**ASK, **patch})
+    assert r.status_code == 400, (patch, r.status_code, r.text)
+    assert field in r.json()["detail"], r.text
+    assert server.calls == []
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000,
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"top_k": NaN, "messages": []}',
+])
+def test_bodies_that_are_not_a_json_object_are_400(body):
+    client, server = http(AccessPolicy({}, None, None, loopback=True))
+    r = client.post("/v1/chat/completions", content=body,
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (body[:30], r.status_code, r.text)
+    assert server.calls == []
+
+
+def test_size_limits():
+    from inferscale.serve.api_models import RequestLimits
+
+    client, server = http(AccessPolicy({}, None, None, loopback=True),
+                          RequestLimits(max_body_bytes=4096, max_question_chars=100))
+    long_question = {**ASK, "messages": [{"role": "user", "content": "x" * 101}]}
+    r = client.post("/v1/chat/completions", json=long_question)
+    assert r.status_code == 400 and "at most 100" in r.json()["detail"]
+    padded = {**ASK, "padding": "x" * 5000}
+    assert client.post("/v1/chat/completions", json=padded).status_code == 413
+
+    def chunks():  # no Content-Length: counted while reading
+        yield b'{"padding": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}'
+    assert client.post("/v1/chat/completions", content=chunks()).status_code == 413
+    assert server.calls == []
+
+
+def test_a_valid_request_reaches_the_server_with_its_options():
+    client, server = http()
+    body = {**ASK, "max_tokens": 9, "temperature": 0.5, "top_k": 3, "stream": False,
+            "inferscale": {"mode": "prompt", "top_k": 4}, "n": 1, "top_p": 1.0}
+    r = client.post("/v1/chat/completions", json=body, headers=ANN)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "ok"
+    assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
+                                            max_tokens=9, temperature=0.5, mode="prompt"))]
+
+
+def test_admin_bodies_are_validated():
+    client, server = http()
+    admin = {"Authorization": "Bearer admin"}
+    for path, body, field in (
+            ("/admin/hydrate", {}, "user"),
+            ("/admin/hydrate", {"user": "bob\n"}, "user"),
+            ("/admin/hydrate", {"user": 3}, "user"),
+            ("/admin/hydrate", {"user": "ann", "tier": "disk"}, "tier"),
+            ("/admin/hydrate", {"user": "ann", "version": "../../x"}, "version"),
+            ("/admin/hydrate", {"user": "ann", "version": "a" * 32 + "\n"}, "version"),
+            ("/admin/evict", {}, "user"),
+            ("/admin/evict", {"user": None}, "user")):
+        r = client.post(path, json=body, headers=admin)
+        assert r.status_code == 400 and field in r.json()["detail"], (path, body, r.text)
+    assert server.calls == []
+    r = client.post("/admin/hydrate", json={"user": "ann", "tier": "host"}, headers=admin)
+    assert r.status_code == 200
+    assert client.post("/admin/evict", json={"user": "ann"}, headers=admin).json() == \
+        {"user": "ann", "evicted": True}
+    assert server.calls == [("hydrate", dict(user="ann", tier="host", version="latest")),
+                            ("evict", dict(user="ann"))]
 
 
 @pytest.mark.slow
@@ -152,3 +289,137 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
                                     q)[0]
     out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
+
+
+# ------------------------------------------------------------------ on the real engine
+
+
+def secret_facts(word: str) -> list[str]:
+    return [f"The user's dog is named {word}.", "The user lives in a small town by the sea."]
+
+
+def publish_secret(env, embedder, user: str, word: str, lineage: str) -> str:
+    from engine_helpers import limiting_memory
+    from inferscale.artifacts.publish import Lineage, publish
+
+    mem, table = limiting_memory(env.model.model, env.model.tokenizer, user, secret_facts(word),
+                                 env.model.fingerprint, embedder)
+    return publish(env.store, user, mem, table, Lineage(lineage, f"f-{lineage}"),
+                   embeddings=False).version
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_users_never_share_prefix_cache_blocks(engine_env, embedder):
+    """The same prompt text for two users shares no prefix-cache block, on the paths
+    without injected memory too: no memory at all, and prompt mode (facts as text).
+    The same user's repeat does hit its own blocks (the cache is on)."""
+    from inferscale.serve.server import MemoryServer
+
+    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, top_k=5)
+    question = ("Here is a long note about my week, please read it carefully. " * 20
+                + "What did I say about my week?")
+    counters = engine_env.engine.prompt_token_counters
+
+    def ask(user: str, mode: str | None = None) -> tuple[int, int]:
+        before = counters()["local_cache_hit"]
+        out = engine_env.loop.run(server.answer(user, question, max_tokens=1, mode=mode))
+        return counters()["local_cache_hit"] - before, out["info"]["cached_tokens"]
+
+    for word, user in (("Marigold", "twin-a"), ("Marigold", "twin-b")):
+        publish_secret(engine_env, embedder, user, word, f"log-{user}")
+    same = {u: server.prepare(u, question, mode="prompt")[0] for u in ("twin-a", "twin-b")}
+    assert same["twin-a"] == same["twin-b"] and len(same["twin-a"]) > 2 * 128
+    assert len(server.prepare("nomem-x", question)[0]) > 128  # one full CPU block at least
+    for first, second, mode in (("nomem-x", "nomem-y", None), ("twin-a", "twin-b", "prompt")):
+        engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+        ask(first, mode)
+        assert ask(second, mode) == (0, 0), (first, second, mode)  # another user: no hit
+        hits, cached = ask(first, mode)
+        assert hits >= 128 and cached >= 128, (first, mode)  # its own blocks: a hit
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_new_versions_reach_serving_while_requests_run(engine_env, embedder):
+    """Two users ask in a loop; new versions are published (and gc removes the old ones)
+    meanwhile: no request fails, each user moves to the new version once, within the
+    refresh interval, and its KV is then injected (the workers reloaded it)."""
+    import threading
+    import time
+
+    import httpx
+
+    from engine_helpers import served_app
+    from inferscale.artifacts.gc import gc
+    from inferscale.serve.memory_cache import MemoryCacheConfig
+    from inferscale.serve.server import MemoryServer
+
+    refresh_s = 2.0
+    words = {"fresh-ann": ("Pelican", "Walrus"), "fresh-bob": ("Tornado", "Biscuit")}
+    v1 = {u: publish_secret(engine_env, embedder, u, old, f"{u}-1") for u, (old, _) in
+          words.items()}
+    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, top_k=5, cache=MemoryCacheConfig(refresh_s=refresh_s))
+    results: list[dict] = []
+    stop = threading.Event()
+
+    def ask_in_a_loop(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:
+            i = 0
+            while not stop.is_set():
+                user = sorted(words)[i % 2]
+                i += 1
+                start = time.monotonic()
+                r = client.post("/v1/chat/completions", json={
+                    "model": "smollm2", "user": user, "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "What is the name of my dog?"}]})
+                row = {"user": user, "start": start, "status": r.status_code}
+                if r.status_code == 200:
+                    body = r.json()
+                    row.update(version=body["inferscale"]["version"],
+                               injected=body["inferscale"]["injected_tokens"],
+                               text=body["choices"][0]["message"]["content"])
+                results.append(row)
+
+    def answers(user: str, version: str, since: float = 0.0) -> list[dict]:
+        return [r for r in results if r["user"] == user and r.get("version") == version
+                and r["start"] >= since]
+
+    def wait_for(condition, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, results
+            assert all(r["status"] == 200 for r in results), results
+            time.sleep(0.2)
+
+    with served_app(engine_env.loop, server,
+                    AccessPolicy({}, None, None, loopback=True)) as url:
+        loop = threading.Thread(target=ask_in_a_loop, args=(url,), daemon=True)
+        loop.start()
+        try:
+            wait_for(lambda: all(len(answers(u, v1[u])) >= 2 for u in words))
+            v2 = {u: publish_secret(engine_env, embedder, u, new, f"{u}-2") for u, (_, new) in
+                  words.items()}
+            published = time.monotonic()
+            for u in words:  # the version the server holds is deleted under it
+                assert gc(engine_env.store, u, engine_env.model.fingerprint, keep=1) == [v1[u]]
+            wait_for(lambda: all(any(r["injected"] > 0 for r in answers(u, v2[u]))
+                                 and len(answers(u, v2[u])) >= 3 for u in words))
+        finally:
+            stop.set()
+            loop.join(300)
+    assert results and all(r["status"] == 200 for r in results), results  # zero failures
+    for user, (old, new) in words.items():
+        mine = [r for r in results if r["user"] == user]
+        versions = [r["version"] for r in mine]
+        switch = versions.index(v2[user])
+        assert set(versions[:switch]) == {v1[user]} and set(versions[switch:]) == {v2[user]}
+        # within the interval: at most two requests started after it still used v1
+        late = [r for r in mine if r["start"] > published + refresh_s
+                and r["version"] == v1[user]]
+        assert len(late) <= 2, mine
+        texts = [r["text"] for r in mine[switch:]]
+        assert not any(old.lower() in t.lower() for t in texts), texts
+        assert any(new.lower() in t.lower() for t in texts), texts

@@ -22,6 +22,20 @@ def test_schema_round_trip():
     assert layout(dtype="float16").schema().field("kv").type.value_type == pa.uint16()
 
 
+def test_version_1_still_reads_and_has_no_content_key():
+    lay = layout()
+    assert kv.VERSION == 2 and lay.schema().field("content_key").nullable
+    v1 = lay.schema(1)
+    assert "content_key" not in v1.names and v1.metadata[VERSION_KEY] == b"1"
+    assert kv.KVLayout.from_schema(v1) == lay
+    # a version-1 label on version-2 columns (or the reverse) is a format error
+    with pytest.raises(kv.KVFormatError, match="columns"):
+        kv.KVLayout.from_schema(lay.schema().with_metadata({**lay.schema().metadata,
+                                                            VERSION_KEY: b"1"}))
+    with pytest.raises(kv.KVFormatError, match="no kv schema version"):
+        lay.schema(3)
+
+
 def _with_meta(schema, **changes):
     meta = dict(schema.metadata)
     for k, v in changes.items():
@@ -35,7 +49,7 @@ def _with_meta(schema, **changes):
 def test_newer_or_foreign_schema_is_a_schema_version_error():
     s = layout().schema()
     with pytest.raises(SchemaVersionError, match="newer"):
-        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"2"}))
+        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"3"}))
     with pytest.raises(SchemaVersionError, match="expected a 'kv' table"):
         kv.KVLayout.from_schema(s.with_metadata({**s.metadata, NAME_KEY: b"facts"}))
 

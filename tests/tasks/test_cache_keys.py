@@ -61,10 +61,13 @@ def test_kv_key():
     for change in (dict(turns_hash="t2"), dict(facts_hash="f2"), dict(model_fp="fp2"),
                    dict(cfg=_cfg(encoder=EncoderConfig(window=2))),
                    dict(cfg=_cfg(encoder=EncoderConfig(dtype="float32"))),
+                   dict(cfg=_cfg(encoder=EncoderConfig(batch_invariant=False))),
                    dict(cfg=_cfg(model_dtype="bfloat16")),
                    dict(cfg=_cfg(device="cuda:1"))):
         assert encode_cache_key(None, _kv_params(**change)) != k, change
     assert encode_cache_key(None, _kv_params(cfg=replace(_cfg(), artifact_root="/b",
                                                          home=Path("/other")))) == k
+    # the version whose K/V is reused does not change the bytes encoded (test_incremental)
+    assert encode_cache_key(None, _kv_params(previous="a" * 32)) == k
     assert encode_cache_key(None, _kv_params(cfg=_cfg(device="cuda:0"))) == \
         encode_cache_key(None, _kv_params(cfg=_cfg(device="cuda:1")))

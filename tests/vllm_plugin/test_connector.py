@@ -9,6 +9,8 @@ hook) answered by prefill while the engine serves on.
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import pytest
 import torch
@@ -398,3 +400,31 @@ def test_text_tail_after_injected_memory(engine_env, embedder):
         plain = gen(engine_env, ids)
         assert injected.fallback is None and 0 < injected.injected_tokens <= m
         assert injected.token_ids == plain.token_ids
+
+
+def test_a_user_larger_than_the_budget_costs_one_refusal(engine_env, embedder):
+    """Requests keep naming a user whose slab exceeds the host budget: the first miss
+    orders one reload, which is refused from the manifest's size before anything is read;
+    later requests prefill without ordering it again (back-off)."""
+    tok = engine_env.model.tokenizer
+    version, table = publish_user(engine_env, embedder, "huge", FACTS)
+    pattern = re.compile(r"reload of user huge version \S+ failed")
+
+    def refusals() -> list[str]:
+        return pattern.findall(engine_env.log.read_text(errors="replace"))
+
+    before, status0 = len(refusals()), engine_env.loop.run(engine_env.engine.status())
+    engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 1024))  # host tier: 1 KiB
+    try:
+        for q in QUESTIONS[:8]:
+            ids, chunks = memory_prompt(tok, table, q)
+            out = gen(engine_env, ids, MemoryRef("huge", version, chunks), max_tokens=1)
+            assert out.injected_tokens == 0 and out.fallback == "user not resident"
+            time.sleep(0.5)  # an ordered reload would fail and be reported meanwhile
+        status1 = engine_env.loop.run(engine_env.engine.status())
+    finally:
+        engine_env.loop.run(engine_env.engine.set_budgets(8 << 30, 32 << 30))
+    assert len(refusals()) - before == 1, refusals()[before:]
+    assert status1["kv_reads"]["kv_files"] == status0["kv_reads"]["kv_files"]  # nothing read
+    assert status1["reload_failures"] - status0["reload_failures"] == 1
+    assert "exceed the host budget" in engine_env.log.read_text(errors="replace")

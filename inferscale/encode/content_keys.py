@@ -1,0 +1,90 @@
+"""Content keys: what a fact's stored K/V is a function of, hashed.
+
+The encoder runs every fact alone in an unpadded forward pass (batch-invariant mode,
+:mod:`inferscale.encode.encoder`), so the bits of a fact's K/V depend on nothing but the
+token ids of the context it is encoded after (whatever the encoder puts there: window
+turns as transcript or as memory lines, the serving prefix...), its own token ids, the
+encoder config, the model and the numerics of the computation. :func:`content_key`
+hashes exactly those; the key is stored with the chunk in ``kv.arrow``
+(:mod:`storage_schemas.kv`), and a later version of the user reuses the rows of every
+chunk whose key it needs instead of encoding it again.
+
+Callers: :func:`inferscale.encode.encoder.encode_facts` (one identity per call, one key
+per chunk); tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+KEY_FORMAT = "inferscale.content-key.v1"
+log = logging.getLogger(__name__)
+
+
+def numerics(model: torch.nn.Module) -> dict[str, Any]:
+    """What decides the last bits of the encoder's K/V besides its inputs: the compute
+    dtype and device (GPU name and SM count; CPU instruction set and intra-op thread
+    count, which changes how CPU kernels split their sums: measured, different bits),
+    fp32 matmul precision, torch and transformers versions and the attention kernel."""
+    import transformers
+
+    p = next(model.parameters())
+    out: dict[str, Any] = {
+        "dtype": str(p.dtype).removeprefix("torch."), "device": p.device.type,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+        "fp32_matmul": torch.get_float32_matmul_precision(),
+    }
+    if p.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(p.device)
+        out["sms"] = torch.cuda.get_device_properties(p.device).multi_processor_count
+    else:
+        out["cpu"] = torch.backends.cpu.get_cpu_capability()
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
+def key_identity(encoder_config: Mapping[str, Any], model_fingerprint: str,
+                 model: torch.nn.Module) -> str:
+    """The part of every content key that is not token ids: the key format, the full
+    encoder config (``EncoderConfig.to_dict()``), the model fingerprint and
+    :func:`numerics` (canonical JSON)."""
+    return json.dumps({"format": KEY_FORMAT, "encoder": dict(encoder_config),
+                       "model": model_fingerprint, "numerics": numerics(model)},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def content_key(identity: str, context: Sequence[int], token_ids: Sequence[int]) -> str:
+    """sha256 (hex) of ``identity``, then the context's and the chunk's token ids (each
+    length-prefixed, int64 little-endian). The context is whatever precedes the chunk in
+    its pass, token for token, so any change of what the encoder puts there changes the
+    key."""
+    h = hashlib.sha256(identity.encode())
+    for ids in (context, token_ids):
+        arr = np.asarray(ids, dtype="<i8")
+        h.update(len(arr).to_bytes(8, "little"))
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def matching_rows(chunk_id: str, hit: tuple[torch.Tensor, torch.Tensor] | None,
+                  shape: tuple[int, ...], dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``hit`` (a previous version's K and V under a chunk's key) if both have the chunk's
+    ``shape`` ``[L, T, H, D]`` and the stored ``dtype``; a key match implies both, so a
+    mismatch means a damaged or foreign previous version: the chunk is encoded instead
+    (``None``) and a warning says so. Called by ``encode_facts`` for every keyed chunk."""
+    if hit is None:
+        return None
+    if all(tuple(t.shape) == tuple(shape) and t.dtype == dtype for t in hit):
+        return hit
+    log.warning("chunk %s: the previous version's rows under its content key are %s %s, not "
+                "%s %s; encoding it", chunk_id, tuple(hit[0].shape), hit[0].dtype,
+                tuple(shape), dtype)
+    return None

@@ -1,0 +1,152 @@
+"""Who may use whose memory on ``inferscale serve``, and who may use its admin API.
+
+The rules (:class:`AccessPolicy`):
+
+- ``INFERSCALE_API_KEYS`` (``{"key": "user"}``) set: every request needs a known bearer key,
+  always, whatever else is configured; the key decides the user. A body ``user`` or a
+  trusted header naming someone else is refused.
+- ``INFERSCALE_TRUSTED_USER_HEADER`` set (a gateway authenticates and names the user):
+  with ``INFERSCALE_GATEWAY_SECRET``, every request must carry it in
+  ``X-InferScale-Gateway-Secret``; without a secret the server binds to loopback only
+  (beyond loopback it refuses to start). With keys as well, the key decides and the
+  header must agree.
+- neither: the body's ``user`` decides, on loopback only.
+- admin endpoints: ``INFERSCALE_ADMIN_KEY`` as a bearer token when set; open on loopback
+  when not; beyond loopback without one the server refuses to start.
+
+Credentials are checked from the headers before the body is read (:meth:`identify`),
+compared in constant time (``hmac.compare_digest``), and every user id is checked by
+:func:`inferscale.types.check_user_id`.
+
+Callers: ``inferscale.serve`` (start-up and each request).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass
+
+from inferscale.types import InvalidUserIdError, check_user_id
+
+GATEWAY_SECRET_HEADER = "x-inferscale-gateway-secret"
+
+
+class ServeError(RuntimeError):
+    """A configuration the server refuses to start with."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_secret(given: str | None, expected: str) -> bool:
+    """Constant-time comparison of a presented secret with the configured one."""
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a request's headers establish: ``user`` (None: none yet) and whether the
+    credentials bound it (then the body may not name another user)."""
+
+    user: str | None
+    bound: bool
+
+    def resolve(self, body_user: str | None) -> str | None:
+        """The user whose memory the request may use; PermissionError or
+        InvalidUserIdError (a malformed id) otherwise. ``None``: answer without memory."""
+        if self.bound:
+            if body_user is not None and body_user != self.user:
+                raise PermissionError("these credentials may not use another user's memory")
+            return self.user
+        return None if body_user is None else check_user_id(body_user)
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Maps a request to the user whose memory it may use; checks admin access."""
+
+    api_keys: dict[str, str]
+    admin_key: str | None
+    trusted_user_header: str | None
+    loopback: bool
+    gateway_secret: str | None = None
+
+    def __post_init__(self) -> None:
+        header = self.trusted_user_header
+        if not self.loopback and not (self.api_keys or header):
+            raise ServeError("binding beyond loopback needs INFERSCALE_API_KEYS or "
+                             "INFERSCALE_TRUSTED_USER_HEADER: refusing to start")
+        if not self.loopback and header and not self.gateway_secret:
+            raise ServeError("INFERSCALE_TRUSTED_USER_HEADER beyond loopback needs "
+                             "INFERSCALE_GATEWAY_SECRET: refusing to start")
+        if self.gateway_secret and not header:
+            raise ServeError("INFERSCALE_GATEWAY_SECRET is set but "
+                             "INFERSCALE_TRUSTED_USER_HEADER is not")
+        if not self.loopback and not self.admin_key:
+            raise ServeError("binding beyond loopback needs INFERSCALE_ADMIN_KEY: "
+                             "refusing to start")
+        for key, user in self.api_keys.items():
+            if not key:
+                raise ServeError("INFERSCALE_API_KEYS holds an empty key")
+            try:
+                check_user_id(user)
+            except InvalidUserIdError as exc:
+                raise ServeError(f"INFERSCALE_API_KEYS: {exc}") from exc
+
+    def identify(self, headers: dict[str, str]) -> Identity:
+        """Check the request's credentials (lower-cased ``headers`` only, before any body
+        is read). PermissionError when they are missing or wrong; InvalidUserIdError
+        when a gateway's header holds a malformed user id."""
+        header_user = None
+        if self.trusted_user_header:
+            if self.gateway_secret and not same_secret(headers.get(GATEWAY_SECRET_HEADER),
+                                                       self.gateway_secret):
+                raise PermissionError("missing or wrong gateway secret")
+            header_user = headers.get(self.trusted_user_header.lower())
+            if header_user is not None:
+                check_user_id(header_user)
+        if self.api_keys:
+            user = self._key_user(_bearer(headers))
+            if user is None:
+                raise PermissionError("unknown API key")
+            if header_user is not None and header_user != user:
+                raise PermissionError(f"the {self.trusted_user_header} header names another "
+                                      "user than the API key")
+            return Identity(user, True)
+        if self.trusted_user_header:
+            if not header_user:
+                raise PermissionError(f"missing {self.trusted_user_header} header")
+            return Identity(header_user, True)
+        return Identity(None, False)
+
+    def _key_user(self, key: str | None) -> str | None:
+        """The user of ``key``: every configured key is compared in constant time."""
+        found = None
+        for known, user in self.api_keys.items():
+            if same_secret(key, known):
+                found = user
+        return found
+
+    def user_for(self, headers: dict[str, str], body_user: str | None) -> str | None:
+        """:meth:`identify` then :meth:`Identity.resolve`: the user, or raise."""
+        return self.identify(headers).resolve(body_user)
+
+    def check_admin(self, headers: dict[str, str]) -> None:
+        if self.admin_key is None:
+            if not self.loopback:
+                raise PermissionError("admin endpoints are closed")
+            return
+        if not same_secret(_bearer(headers), self.admin_key):
+            raise PermissionError("admin key required")
+
+
+def _bearer(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None

@@ -1,0 +1,178 @@
+"""The server's per-user memory cache on real artifacts (local store, tiny random KV):
+loads off the event loop, LATEST picked up after the refresh interval, LRU under the
+byte budget, pins, users without memory, a held version deleted by gc."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from builders import make_inputs
+from inferscale.artifacts import gc as G
+from inferscale.artifacts import publish as P
+from inferscale.artifacts import read as R
+from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.retrieval import FactIndex
+
+FP = "fp-test"
+
+
+class Reader:
+    """The cache's ``read`` and ``latest``: the real artifact reads, counted, with the
+    thread each ran on."""
+
+    def __init__(self, store):
+        self.store, self.reads, self.threads = store, [], set()
+
+    def read(self, user: str, version: str) -> UserMemory:
+        self.threads.add(threading.get_ident())
+        self.reads.append((user, version))
+        manifest = R.read_manifest(self.store, user, FP, version)
+        facts = R.read_facts(self.store, user, FP, manifest.version)
+        ids = facts.column("fact_id").to_pylist()
+        return UserMemory(user, manifest.version, ids, facts.column("text").to_pylist(),
+                          dict(zip(ids, facts.column("token_ids").to_pylist())),
+                          FactIndex.from_table(facts, device="cpu"))
+
+    def latest(self, user: str) -> str | None:
+        self.threads.add(threading.get_ident())
+        return R.latest_version(self.store, user, FP)
+
+
+def publish(store, user: str, seed: int, n_facts: int = 3) -> str:
+    memory, facts, lineage = make_inputs(user, n_facts, seed=seed)
+    return P.publish(store, user, memory, facts, lineage, embeddings=False).version
+
+
+def cache(store, **config) -> tuple[MemoryCache, Reader]:
+    reader = Reader(store)
+    return MemoryCache(reader.read, reader.latest, MemoryCacheConfig(**config)), reader
+
+
+def test_first_load_runs_off_the_event_loop_once_per_user(local_store):
+    v1 = publish(local_store, "ann", 1)
+    memories, reader = cache(local_store)
+
+    async def main():
+        loop_thread = threading.get_ident()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        t = asyncio.ensure_future(ticker())
+        got = await asyncio.gather(*(memories.get("ann") for _ in range(8)))
+        t.cancel()
+        return loop_thread, ticks, got
+
+    loop_thread, ticks, got = asyncio.run(main())
+    assert {m.version for m in got} == {v1} and len({id(m) for m in got}) == 1
+    assert reader.reads == [("ann", "latest")]  # eight concurrent first requests, one read
+    assert loop_thread not in reader.threads  # read on the pool, not the event loop's thread
+    assert ticks > 0  # the loop went on meanwhile
+
+
+def test_a_new_latest_is_served_after_the_refresh_interval(local_store):
+    v1 = publish(local_store, "ann", 1)
+
+    async def main(refresh_s):
+        memories, reader = cache(local_store, refresh_s=refresh_s)
+        first = (await memories.get("ann")).version
+        v2 = publish(local_store, "ann", 2)
+        during = (await memories.get("ann")).version  # answered from what is held
+        await memories.settle()
+        after = (await memories.get("ann")).version
+        await memories.settle()
+        return first, v2, during, after, reader.reads
+
+    first, v2, during, after, reads = asyncio.run(main(refresh_s=0.0))
+    assert (first, during, after) == (v1, v1, v2)
+    assert reads == [("ann", "latest"), ("ann", v2)]
+    # within the interval nothing is re-read
+    first, v3, during, after, reads = asyncio.run(main(refresh_s=3600.0))
+    assert first == during == after == v2 and reads == [("ann", "latest")]
+
+
+def test_a_held_version_removed_by_gc_keeps_serving_then_moves_to_latest(local_store):
+    v1 = publish(local_store, "ann", 1)
+
+    async def main():
+        memories, _ = cache(local_store, refresh_s=0.0)
+        assert (await memories.get("ann")).version == v1
+        v2 = publish(local_store, "ann", 2)
+        assert G.gc(local_store, "ann", FP, keep=1) == [v1]
+        held = await memories.get("ann")  # v1's files are gone: served from memory
+        await memories.settle()
+        return held, await memories.get("ann"), v2
+
+    held, after, v2 = asyncio.run(main())
+    assert held.version == v1 and len(held.fact_ids) == 3
+    assert after.version == v2
+
+
+def test_least_recently_used_users_are_dropped_under_the_budget(local_store):
+    for i, user in enumerate(("ann", "bob", "cid")):
+        publish(local_store, user, i, n_facts=4)
+
+    async def main():
+        probe, _ = cache(local_store)
+        size = (await probe.get("ann")).nbytes
+        memories, reader = cache(local_store, budget_bytes=int(2.5 * size))
+        for user in ("ann", "bob", "ann", "cid"):  # bob is the least recently used
+            await memories.get(user)
+        return memories, reader, size
+
+    memories, reader, size = asyncio.run(main())
+    assert size > 0 and list(memories.held()) == ["ann", "cid"]
+    assert memories.nbytes <= 2.5 * size
+    assert reader.reads == [("ann", "latest"), ("bob", "latest"), ("cid", "latest")]
+
+
+def test_admin_pins_and_unpins_a_version(local_store):
+    v1 = publish(local_store, "ann", 1)
+    v2 = publish(local_store, "ann", 2)
+    publish(local_store, "bob", 3)
+
+    async def main():
+        probe, _ = cache(local_store)
+        size = (await probe.get("ann")).nbytes
+        memories, _ = cache(local_store, refresh_s=0.0, budget_bytes=int(1.5 * size))
+        pinned = (await memories.load("ann", v1)).version
+        await memories.get("ann")
+        await memories.settle()
+        still = (await memories.get("ann")).version  # no refresh for a pinned user
+        await memories.get("bob")  # ann dropped under the budget: the pin survives
+        assert list(memories.held()) == ["bob"]
+        reloaded = (await memories.get("ann")).version
+        latest = (await memories.load("ann", "latest")).version  # unpins
+        return pinned, still, reloaded, latest
+
+    assert asyncio.run(main()) == (v1, v1, v1, v2)
+
+
+def test_a_user_without_memory_is_remembered_until_the_next_check(local_store):
+    async def main(refresh_s):
+        memories, reader = cache(local_store, refresh_s=refresh_s)
+        got = [await memories.get("nobody") for _ in range(5)]
+        await memories.settle()
+        return got, reader.reads, memories
+
+    got, reads, _ = asyncio.run(main(3600.0))
+    assert got == [None] * 5 and reads == [("nobody", "latest")]  # not one read per request
+    v1 = publish(local_store, "nobody", 1)
+
+    async def later():
+        memories, _ = cache(local_store, refresh_s=0.0)
+        assert await memories.get("nobody") is not None  # a fresh cache loads it
+        return (await memories.get("nobody")).version
+    assert asyncio.run(later()) == v1
+
+
+def test_config_is_validated():
+    for bad in ({"refresh_s": -1}, {"budget_bytes": -1}, {"load_threads": 0}):
+        with pytest.raises(ValueError):
+            MemoryCacheConfig(**bad)

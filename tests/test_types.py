@@ -1,0 +1,44 @@
+"""The contracts of inferscale.types: the one user-id validator (whole-string checks, no
+control or invisible characters)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferscale.types import InvalidUserIdError, check_user_id, user_id_problem
+
+
+@pytest.mark.parametrize("user", ["ann", "Zoë", "conv-26", "bob smith", "名前", "a.b_c-d",
+                                  "x" * 128, "o'brien", "user@example.com"])
+def test_valid_user_ids(user):
+    assert check_user_id(user) == user and user_id_problem(user) is None
+
+
+@pytest.mark.parametrize("user", [
+    "bob\n",  # a regex with `$` accepts this one
+    "bob\r\n", "\nbob", "bo\x00b", "bo\tb", "\x1b[31mbob",
+    "\u202ebob",  # right-to-left override (bidi)
+    "bob\u2066", "bo\u200bb",  # bidi isolate, zero-width space
+    "bob\ufeff", "bo\u00adb",  # BOM, soft hyphen (category Cf)
+    "bob\u2028", "bob\u2029",  # line / paragraph separators
+    "bo\ue000b", "bo\U000e0001b",  # private use, tag character
+    "\ud800", "",
+    " bob", "bob ", " ", ".", "..", "a/b", "a\\b", "../x",
+    "x" * 129, None, 7, b"bob",
+])
+def test_invalid_user_ids(user):
+    assert user_id_problem(user) is not None
+    with pytest.raises(InvalidUserIdError):
+        check_user_id(user)
+
+
+def test_settings_refuse_a_bad_user_in_api_keys(monkeypatch):
+    from pydantic import ValidationError
+
+    from inferscale.settings import Settings
+
+    monkeypatch.setenv("INFERSCALE_API_KEYS", '{"key-ann": "ann"}')
+    assert Settings().api_keys == {"key-ann": "ann"}
+    monkeypatch.setenv("INFERSCALE_API_KEYS", '{"key-bob": "bob\\n"}')
+    with pytest.raises(ValidationError, match="user id"):
+        Settings()
