@@ -140,16 +140,18 @@ class ConnectorScheduler:
         info = self._resident(user, version)
         if info is None:
             held = [r[user].version for r in self._ranks if user in r]
+            others = [v for v in held if v != version]
             if not held:
                 self._order_reload(user, version, self.config.reload_tier)
                 return "user not resident"
-            if version in held:  # the other ranks lost it (their own budgets) or load it
-                self._order_reload(user, version, self.config.reload_tier)  # holders skip it
-                return (f"user not resident on every rank ({held.count(version)} of "
-                        f"{self.tp_size} hold it)")
-            if supersedes:
-                self._order_reload(user, version, None)  # into the old version's tier
-            return f"stale version (workers hold {held[0][:12]})"
+            if others:  # (some ranks may hold this version already: mid-reload)
+                if supersedes:
+                    self._order_reload(user, version, None)  # into the old version's tier
+                return f"stale version (workers hold {others[0][:12]})"
+            # some ranks hold this version, the others nothing (their own budgets dropped it)
+            self._order_reload(user, version, self.config.reload_tier)  # holders skip it
+            return (f"user not resident on every rank ({len(held)} of {self.tp_size} "
+                    "hold it)")
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
         if not chunks:

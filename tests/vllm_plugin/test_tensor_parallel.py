@@ -79,13 +79,15 @@ def test_each_cpu_rank_gets_its_own_cores_while_the_engine_starts(monkeypatch):
 # ------------------------------------------------------------------ the scheduler's view
 
 
-def _request(req_id: str, ids: list[int], user: str, version: str, chunks: list[str]):
+def _request(req_id: str, ids: list[int], user: str, version: str, chunks: list[str],
+             supersedes: bool = False):
     """A real vLLM request naming a memory, as the engine core builds it."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
-        "inferscale": {"user": user, "version": version, "chunks": chunks}}})
+        "inferscale": {"user": user, "version": version, "chunks": chunks,
+                       "supersedes": supersedes}}})
     return Request(req_id, ids, params, None)
 
 
@@ -107,15 +109,20 @@ def test_a_user_is_resident_only_when_every_rank_reports_it():
     from inferscale.vllm_plugin.config import ConnectorConfig
     from inferscale.vllm_plugin.metadata import ResidencyReport, ResidentInfo
     from inferscale.vllm_plugin.scheduler import ConnectorScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
 
     sched = ConnectorScheduler(ConnectorConfig("fp", artifact_root="/artifacts"), 16, 2)
     tokens = {"prefix": (1, 2, 3), "f1": (4, 5)}
     r = Resident("ann", "v1", "fp", torch.empty(0), {}, tokens)
     ids = [1, 2, 3, 4, 5, 9, 9]
 
-    def admitted(n: int) -> int:
+    def admitted(n: int, version: str = "v1", supersedes: bool = False) -> int:
         return sched.get_num_new_matched_tokens(
-            _request(f"r{n}", ids, "ann", "v1", ["prefix", "f1"]), 0)[0]
+            _request(f"r{n}", ids, "ann", version, ["prefix", "f1"], supersedes), 0)[0]
+
+    def reloads() -> list[tuple[str, str, str | None]]:
+        orders = sched.build_connector_meta(SchedulerOutput.make_empty()).reloads
+        return [(o.user, o.version, o.tier) for o in orders]
 
     def fallback(n: int) -> str | None:
         return sched.request_finished(_request(f"r{n}", ids, "ann", "v1", []), [])[1][
@@ -126,10 +133,7 @@ def test_a_user_is_resident_only_when_every_rank_reports_it():
     _step(sched, [add[0], None])  # rank 0 has loaded it, rank 1 not yet
     assert admitted(1) == 0
     assert fallback(1) == "user not resident on every rank (1 of 2 hold it)"
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    reloads = sched.build_connector_meta(SchedulerOutput.make_empty()).reloads
-    assert [(o.user, o.version) for o in reloads] == [("ann", "v1")]  # rank 0 skips it
+    assert reloads() == [("ann", "v1", "host")]  # rank 0 skips it
     _step(sched, [None, add[1]])
     assert admitted(2) == 5  # every memory token; the token ids came from rank 0
     # rank 1 alone drops it (its own budget): not resident any more, and reloaded
@@ -140,6 +144,18 @@ def test_a_user_is_resident_only_when_every_rank_reports_it():
     _step(sched, [ResidencyReport([(rank, "add", ResidentInfo.of(r2, with_tokens=rank == 0))])
                   for rank in range(2)])
     assert admitted(4) == 0 and fallback(4).startswith("stale version (workers hold v2")
+    reloads()
+    # mid-supersede: rank 0 has moved to v3, rank 1 still holds v2. Neither version is
+    # injected; a request for the old one orders nothing (rank 0 must not go back to v2)
+    r3 = Resident("ann", "v3", "fp", torch.empty(0), {}, tokens)
+    _step(sched, [ResidencyReport([(0, "add", ResidentInfo.of(r3))]), None])
+    assert admitted(5, "v2") == 0 and fallback(5).startswith("stale version (workers hold v3")
+    assert reloads() == []
+    assert admitted(6, "v3", supersedes=True) == 0
+    assert fallback(6).startswith("stale version (workers hold v2")
+    assert reloads() == [("ann", "v3", None)]  # into the tier v2 is on; rank 0 skips it
+    _step(sched, [None, ResidencyReport([(1, "add", ResidentInfo.of(r3, with_tokens=False))])])
+    assert admitted(7, "v3") == 5
 
 
 # ------------------------------------------------------------------ the engine at TP=2
