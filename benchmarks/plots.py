@@ -6,7 +6,10 @@
 - ``locomo-<name>.png`` per ``locomo-*.json``: pooled token F1 against k, the prompt
   baseline, no memory, and KV injection per window or variant (with many variants: the
   default and those closest to the baseline at their worst k; a mode answered on fewer
-  questions is drawn dashed with its paired baseline dotted).
+  questions is drawn dashed with its paired baseline dotted);
+- ``load-<name>.png`` per ``load-*.json``: p99 TTFT (and p50, thin) against the arrival
+  rate per mode, with the objective; a rate whose p99 is infinite (a request failed or
+  did not finish) is drawn at the top edge.
 
 A missing or unreadable result file is skipped with a message, never a crash.
 
@@ -153,11 +156,56 @@ def plot_locomo(path: Path, figures: Path) -> Path | None:
     return out
 
 
+LOAD_STYLE = {"prompt": ("prompt baseline", "o"), "kv": ("KV injection", "s")}
+
+
+def plot_load(path: Path, figures: Path) -> Path | None:
+    data = _load(path)
+    if data is None:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    objective = data.get("objective_ms")
+    top = max([r["ttft_p99_ms"] or 0 for r in data["rows"]] + [objective or 0]) * 1.15
+    for mode, (label, marker) in LOAD_STYLE.items():
+        rows = sorted((r for r in data["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
+        if not rows:
+            continue
+        rates = [r["rate"] for r in rows]
+        p99 = [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in rows]
+        line, = ax.plot(rates, p99, marker + "-", label=f"{label}, p99")
+        p50 = [r["ttft_p50_ms"] if r["ttft_p50_ms"] is not None else top for r in rows]
+        ax.plot(rates, p50, marker + ":", color=line.get_color(), lw=0.8, ms=3,
+                label=f"{label}, p50")
+    if objective:
+        ax.axhline(objective, color="grey", ls="--", lw=1, label=f"objective {objective:g} ms")
+    summary = data.get("summary") or {}
+    ratio = summary.get("goodput_vs_prompt")
+    rates = sorted({r["rate"] for r in data["rows"]})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.minorticks_off()
+    ax.set_xlabel("arrival rate (requests/s, Poisson)")
+    ax.set_ylabel("TTFT as the client sees it (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    title = f"{path.stem}: {data.get('users')} users, k={data.get('top_k')}"
+    if ratio is not None:
+        title += f", goodput vs prompt {ratio:g}"
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    out = figures / f"{path.stem}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def make_all(results: Path, figures: Path) -> list[Path]:
     """Every plot whose result file exists; returns the files written."""
     figures.mkdir(parents=True, exist_ok=True)
     written = []
-    for prefix, fn in (("ttft-", plot_ttft), ("locomo-", plot_locomo)):
+    for prefix, fn in (("ttft-", plot_ttft), ("locomo-", plot_locomo), ("load-", plot_load)):
         paths = sorted(results.glob(f"{prefix}*.json"))
         if not paths:
             print(f"no {prefix}*.json under {results}: skipped", file=sys.stderr)

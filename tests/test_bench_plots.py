@@ -25,6 +25,17 @@ def _locomo_rows():
     return rows
 
 
+def _load_rows():
+    rows = []
+    for mode, worst in (("prompt", 2.0), ("kv", 8.0)):
+        for rate in (0.5, 1.0, 2.0, 4.0, 8.0):
+            if rate > worst:
+                break
+            rows.append({"mode": mode, "rate": rate, "ttft_p50_ms": 100.0 * rate,
+                         "ttft_p99_ms": None if rate == worst else 300.0 * rate})
+    return rows
+
+
 def test_plots_from_synthetic_results(tmp_path):
     results, figures = tmp_path / "results", tmp_path / "figures"
     results.mkdir()
@@ -32,11 +43,14 @@ def test_plots_from_synthetic_results(tmp_path):
         {"model": "m", "device": "cpu", "rows": _ttft_rows(), "summary": {}}))
     (results / "locomo-cpu-test.json").write_text(json.dumps(
         {"model": "m", "conversation": "c.json", "rows": _locomo_rows(), "summary": {}}))
+    (results / "load-cpu-test.json").write_text(json.dumps(
+        {"users": 4, "top_k": 50, "objective_ms": 1000.0, "rows": _load_rows(),
+         "summary": {"goodput_vs_prompt": 4.0}}))
     (results / "ttft-broken.json").write_text("{not json")
     (results / "locomo-empty.json").write_text(json.dumps({"rows": []}))
     written = plots.main(["--results", str(results), "--figures", str(figures)])
     names = sorted(p.name for p in written)
-    assert names == ["locomo-cpu-test.png", "ttft-cpu-test.png"]
+    assert names == ["load-cpu-test.png", "locomo-cpu-test.png", "ttft-cpu-test.png"]
     for p in written:
         assert p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

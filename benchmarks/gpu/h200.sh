@@ -150,6 +150,21 @@ case "${1:-}" in
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
+  load)  # issue 15: goodput under open-loop Poisson load, KV injection vs the prompt
+    # baseline, through the OpenAI-compatible server. 200 users of 400 facts in 8 memory
+    # groups (kv.arrow hard-linked: 8 files on disk), ~2.8 GB of KV per user: the 64 GiB
+    # gpu tier and 64 GiB host tier hold the ~46 most active, the other ~150 are read from
+    # storage by a reload when first asked for. vLLM's own KV cache: 24 GiB.
+    rm -rf /tmp/load-work
+    run load-h200-llama31-8b 550 python benchmarks/load.py --model llama-3.1-8b-shape \
+      --tokenizer "$SMOL" --embedder $D/minilm --conversations $CONVS \
+      --users ${USERS:-200} --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
+      --objective-ms 250 --rates ${RATES:-2 4 8 12 16 24 32 48 64 96 128} --requests 48 \
+      --gpu-budget-gib ${GPU_GIB:-64} --host-budget-gib ${HOST_GIB:-64} --kv-cache-gib 24 \
+      --warmup-requests 16 --warmup-rate 8 --drain-s 20 --settle-s 1 \
+      --start-timeout-s 300 --deadline-s 480 --workdir /tmp/load-work \
+      --server-log "$OUT/load-h200-server.log" --out "$OUT/load-h200-llama31-8b.json"
+    ;;
   tp2)  # issue 17, two H200s: vLLM 0.26 at tensor_parallel_size=2, each rank injecting its
     # KV heads. NVLink multicast stays off (the lending machine's rule), also in vLLM's
     # symmetric-memory and FlashInfer all-reduces (vLLM's custom all-reduce, CUDA IPC, stays).
@@ -173,6 +188,6 @@ case "${1:-}" in
     exit $rc
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | tp2 [equivalence|ttft]"
+          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac

@@ -17,14 +17,16 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
 Both check the slab's size, from the manifest alone, against the store's budgets before
 any byte of ``kv.arrow`` is read (:meth:`ResidentLoader.admission`): a user larger than
 every budget costs one small manifest read. A user an admin evicted is not reloaded
-until an admin hydrates them again.
-Nothing here imports vLLM.
+until an admin hydrates them again. The loader counts its background reloads, their
+failures and their latency (:meth:`ResidentLoader.reload_stats`, read by the server's
+metrics through the worker extension). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -35,6 +37,9 @@ from storage_schemas.manifest import Manifest
 
 # Under vLLM's logger namespace, so its handlers print these in the worker process.
 log = logging.getLogger("vllm.inferscale.loader")
+
+# Upper bounds (seconds) of the reload latency histogram's buckets; +Inf is implied.
+RELOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ResidentLoader:
@@ -51,6 +56,9 @@ class ResidentLoader:
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
         self.reload_failures = 0  # background reloads that failed (refusals included)
+        # successful reloads per latency bucket (RELOAD_BUCKETS_S, then +Inf), their sum
+        self._reload_counts = [0] * (len(RELOAD_BUCKETS_S) + 1)
+        self._reload_seconds = 0.0
         self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(reload_workers, thread_name_prefix="inferscale-reload")
@@ -115,14 +123,20 @@ class ResidentLoader:
         self._pool.submit(self._reload, user, version, tier)
 
     def _reload(self, user: str, version: str, tier: str) -> None:
+        t0 = time.perf_counter()
         try:
             if self.store.get(user, version) is None:
                 resident = self.read(user, version, tier)
                 if user in self.admin_evicted:
                     raise RuntimeError("evicted by an admin since the reload was ordered")
                 self.put(resident, tier)
-                self.reloads += 1
-                log.info("reloaded user %s version %s into %s", user, version[:12], tier)
+                seconds = time.perf_counter() - t0
+                with self._lock:
+                    self.reloads += 1
+                    self._reload_seconds += seconds
+                    self._reload_counts[sum(seconds > b for b in RELOAD_BUCKETS_S)] += 1
+                log.info("reloaded user %s version %s into %s in %.2f s", user, version[:12],
+                         tier, seconds)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
             self.record_failure(user, version, f"{type(exc).__name__}: {exc}")
             with self._lock:
@@ -135,6 +149,15 @@ class ResidentLoader:
         """Keep a failed reload of ``user``'s ``version`` for :meth:`take_failures`."""
         with self._lock:
             self._failed.append((user, version, reason))
+
+    def reload_stats(self) -> dict:
+        """Running totals since start-up: ``reloads``, ``failures``, and the latency of
+        the successful ones (read, verify, place) as histogram ``buckets`` (upper bounds,
+        seconds), per-bucket ``counts`` (one more: above the last bound) and ``sum``."""
+        with self._lock:
+            return {"reloads": self.reloads, "failures": self.reload_failures,
+                    "buckets": list(RELOAD_BUCKETS_S), "counts": list(self._reload_counts),
+                    "sum": self._reload_seconds}
 
     def take_failures(self) -> list[tuple[str, str, str]]:
         """``(user, version, reason)`` of the reloads that failed since the last call."""

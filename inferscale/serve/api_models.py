@@ -116,6 +116,9 @@ def chat_model(limits: RequestLimits) -> type[BaseModel]:
         top_k: TopK | None = None
         mode: Literal["kv", "prompt"] | None = None
 
+    class StreamOptions(_Model):
+        include_usage: Annotated[bool, Field(strict=True)] | None = None
+
     class ChatRequest(_Model):
         model: Text | None = None
         messages: Annotated[list[Message], Field(min_length=1,
@@ -127,6 +130,8 @@ def chat_model(limits: RequestLimits) -> type[BaseModel]:
         top_k: TopK | None = None
         user: UserId | None = None
         stream: Annotated[bool, Field(strict=True)] | None = None
+        stream_options: StreamOptions | None = None
+        ignore_eos: Annotated[bool, Field(strict=True)] | None = None  # vLLM's extension
         inferscale: Options | None = None
 
         def question(self) -> str:

@@ -9,6 +9,15 @@ body a 413, never a 500) -> the user whose memory it may use -> the memory serve
 memory KV injected, ``--mode kv``, or the Mem0-style prompt baseline, ``--mode prompt``).
 Admin endpoints (``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) check the admin
 key first, then validate their bodies the same way.
+
+``GET /metrics`` is open, like vLLM's own (it names no user): vLLM's engine metrics and
+the server's, in the Prometheus text format (:mod:`inferscale.serve.metrics`).
+
+Beyond the OpenAI fields, a chat request may carry ``inferscale: {"mode", "top_k"}``,
+``ignore_eos`` (as vLLM's server: generate exactly ``max_tokens``) and, when streaming,
+``stream_options: {"include_usage": true}``. Streams send the first chunk (role and
+text) when the first token is out, and the ``inferscale`` extras (facts, tokens,
+fallback, timings) with the last.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
@@ -27,7 +36,7 @@ from inferscale.serve.access import AccessPolicy, ServeError, is_loopback  # noq
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
-from inferscale.serve.server import MemoryServer, Mode, Prepared, PromptTooLong, start_server
+from inferscale.serve.server import MemoryServer, Mode, PromptTooLong, start_server
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -40,7 +49,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     Each endpoint checks the credentials first (headers only), then reads the body
     within ``limits`` and validates it; every refusal is a 4xx with its reason."""
     from fastapi import FastAPI, HTTPException
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from inferscale.types import InvalidUserIdError
 
@@ -78,6 +87,13 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     async def health() -> dict:
         return {"status": "ok", "mode": server.mode}
 
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await server.metrics.render(server.engine),
+                        media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
         identity = checked(policy.identify, headers_of(req))
@@ -88,14 +104,18 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         max_tokens = max_tokens or server.max_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        ignore_eos = bool(body.ignore_eos)
         try:
             if body.stream:
+                started = time.perf_counter()
                 prepared = await server.request(user, question, k, mode, max_tokens)
-                return StreamingResponse(
-                    _sse(server, prepared, max_tokens, temperature, rid, created, model_name),
-                    media_type="text/event-stream")
+                answer = server.answer_stream(prepared, started, max_tokens=max_tokens,
+                                              temperature=temperature, ignore_eos=ignore_eos)
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(_sse(answer, rid, created, model_name, usage),
+                                         media_type="text/event-stream")
             out = await server.answer(user, question, k=k, max_tokens=max_tokens,
-                                      temperature=temperature, mode=mode)
+                                      temperature=temperature, mode=mode, ignore_eos=ignore_eos)
         except PromptTooLong as exc:
             raise RequestError(400, str(exc)) from exc
         gen, info = out["generation"], out["info"]
@@ -137,8 +157,11 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     return app
 
 
-async def _sse(server: MemoryServer, prepared: Prepared, max_tokens: int, temperature: float,
-               rid: str, created: int, model_name: str):
+async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_name: str,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one answer: the first chunk (role and text) when the first
+    token is out, one per new text, the last with the finish reason and the
+    ``inferscale`` extras, then usage if asked for, then ``[DONE]``."""
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": model_name,
@@ -147,16 +170,29 @@ async def _sse(server: MemoryServer, prepared: Prepared, max_tokens: int, temper
             payload["inferscale"] = extra
         return f"data: {json.dumps(payload)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    finish = None
-    async for out in server.engine.stream(prepared.ids, prepared.ref, max_tokens=max_tokens,
-                                          temperature=temperature, cache_salt=prepared.salt):
-        comp = out.outputs[0]
-        finish = comp.finish_reason or finish
-        if comp.text:
-            yield chunk({"content": comp.text})
+    started = False
+    async for item in answer:
+        if isinstance(item, dict):
+            gen, info = item["generation"], item["info"]
+            if not started:  # no token at all (max_tokens reached at once)
+                yield chunk({"role": "assistant", "content": ""})
+            yield chunk({}, gen.finish_reason or "stop", info)
+            if include_usage:
+                completion = len(gen.token_ids)
+                yield "data: " + json.dumps({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name, "choices": [],
+                    "usage": {"prompt_tokens": gen.prompt_tokens,
+                              "completion_tokens": completion,
+                              "total_tokens": gen.prompt_tokens + completion,
+                              "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
+                }) + "\n\n"
+        elif not started:
+            started = True
+            yield chunk({"role": "assistant", "content": item})
+        elif item:
+            yield chunk({"content": item})
         await asyncio.sleep(0)
-    yield chunk({}, finish or "stop", prepared.info)
     yield "data: [DONE]\n\n"
 
 
@@ -173,15 +209,24 @@ def policy_from(settings: Any, host: str) -> AccessPolicy:
         gateway_secret=secret(settings.gateway_secret))
 
 
-async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
-    """``inferscale serve``: check the access policy first (before loading anything)."""
+async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str, host: str,
+                    port: int, limits: RequestLimits | None = None,
+                    log_level: str = "info") -> None:
+    """Serve :func:`create_app` on ``host:port`` until stopped, then shut the engine down
+    (``inferscale serve``; the load benchmark's server process)."""
     import uvicorn
 
-    policy = policy_from(settings, host)
-    server, name = await start_server(settings, mode)
     try:
-        app = create_app(server, policy, name, RequestLimits.from_settings(settings))
-        await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).serve()
+        app = create_app(server, policy, model_name, limits)
+        await uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                            log_level=log_level)).serve()
     finally:
         server.memories.close()
         server.engine.shutdown()
+
+
+async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
+    """``inferscale serve``: check the access policy first (before loading anything)."""
+    policy = policy_from(settings, host)
+    server, name = await start_server(settings, mode)
+    await serve_app(server, policy, name, host, port, RequestLimits.from_settings(settings))

@@ -3,10 +3,11 @@
 :class:`MemoryEngine` owns one ``AsyncLLM`` started with the connector
 (``kv_connector_module_path``) and the worker extension, and offers what the server,
 benchmarks and tests need: generate with injected memory or plainly, hydrate/evict a
-user through the engine's collective RPC, and per-request timings and vLLM's own
-prefill counters. With ``tensor_parallel_size > 1`` every admin call reaches every
-worker rank (each holds its own KV heads of each user); the results are combined here
-and each rank's is kept under ``ranks``.
+user through the engine's collective RPC, per-request timings and vLLM's own
+prefill counters, and the workers' counters for the server's metrics. With
+``tensor_parallel_size > 1`` every admin call reaches every worker rank (each holds its
+own KV heads of each user); the results are combined here and each rank's is kept under
+``ranks``.
 
 Code that starts an engine must sit under ``if __name__ == "__main__":`` (vLLM spawns
 its engine-core process).
@@ -25,6 +26,7 @@ from inferscale.types import Tier
 from inferscale.vllm_plugin.config import (
     PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
 )
+from inferscale.vllm_plugin.failures import fallback_reason
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,11 @@ class Generation:
     finish_reason: str | None
     fallback: str | None = None  # why named memory was prefilled instead of injected
 
+    @property
+    def fallback_reason(self) -> str | None:
+        """The class of :attr:`fallback` (``not_resident``, ``stale_version``, ...)."""
+        return fallback_reason(self.fallback)
+
 
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
 _COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
@@ -260,6 +267,12 @@ class MemoryEngine:
         """The workers' status: rank 0's, and every rank's under ``ranks`` (TP > 1)."""
         return _combined(await self.llm.collective_rpc("inferscale_status"))
 
+    async def worker_metrics(self) -> list[dict]:
+        """Each worker's running counters and residency (the server's ``/metrics`` reads
+        them at scrape time: :meth:`~inferscale.vllm_plugin.worker_ext.
+        InferScaleWorkerExtension.inferscale_metrics`), one dict per worker rank."""
+        return list(await self.llm.collective_rpc("inferscale_metrics"))
+
     async def sync(self) -> None:
         """Run one engine step so workers' residency reports reach the scheduler."""
         await self.generate([0, 0], max_tokens=1)
@@ -267,7 +280,7 @@ class MemoryEngine:
     # ------------------------------------------------------------------ generation
 
     async def stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
-                     max_tokens: int = 64, temperature: float = 0.0,
+                     max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
                      cache_salt: str | None = None) -> AsyncIterator[Any]:
         """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``."""
         from vllm import SamplingParams
@@ -275,7 +288,8 @@ class MemoryEngine:
 
         extra = {"kv_transfer_params": memory.transfer_params()} if memory else None
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                extra_args=extra, output_kind=RequestOutputKind.DELTA)
+                                ignore_eos=ignore_eos, extra_args=extra,
+                                output_kind=RequestOutputKind.DELTA)
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
@@ -283,9 +297,13 @@ class MemoryEngine:
         async for out in self.llm.generate(prompt, params, request_id=f"is-{next(self._ids)}"):
             yield out
 
-    async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
-                       max_tokens: int = 64, temperature: float = 0.0,
-                       cache_salt: str | None = None) -> Generation:
+    async def generate_stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
+                              max_tokens: int = 64, temperature: float = 0.0,
+                              ignore_eos: bool = False, cache_salt: str | None = None
+                              ) -> AsyncIterator[str | Generation]:
+        """Yield the text of each output that brings new tokens, as it arrives (``""``
+        when those tokens have no text of their own yet), then the finished
+        :class:`Generation` (timings, vLLM's counters, the connector's answer)."""
         start = time.perf_counter()
         ttft = None
         tokens: list[int] = []
@@ -293,7 +311,8 @@ class MemoryEngine:
         cached = injected = 0
         finish = fallback = None
         async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
-                                     temperature=temperature, cache_salt=cache_salt):
+                                     temperature=temperature, ignore_eos=ignore_eos,
+                                     cache_salt=cache_salt):
             comp = out.outputs[0]
             if ttft is None and comp.token_ids:
                 ttft = time.perf_counter() - start
@@ -304,5 +323,18 @@ class MemoryEngine:
             params = (out.kv_transfer_params or {}).get(PARAMS_KEY) or {}
             injected = params.get("injected_tokens", injected)
             fallback = params.get("fallback", fallback)
-        return Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
-                          len(prompt_ids), cached, injected, finish, fallback)
+            if comp.token_ids:
+                yield comp.text
+        yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
+                         len(prompt_ids), cached, injected, finish, fallback)
+
+    async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
+                       max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
+                       cache_salt: str | None = None) -> Generation:
+        """The finished :class:`Generation` of ``prompt_ids`` (:meth:`generate_stream`)."""
+        async for item in self.generate_stream(prompt_ids, memory, max_tokens=max_tokens,
+                                               temperature=temperature, ignore_eos=ignore_eos,
+                                               cache_salt=cache_salt):
+            if isinstance(item, Generation):
+                return item
+        raise RuntimeError("the engine finished a request without a result")

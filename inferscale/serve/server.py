@@ -7,9 +7,12 @@ one) ->
 compose ``[instruction prefix | facts | query]`` from stored token ids -> generate on the
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
-and the same retrieval). Every request carries a ``cache_salt`` derived from its user, its
-memory's version and the mode (:func:`inferscale.serve.engine.request_salt`), so no two
-users share prefix-cache blocks.
+and the same retrieval); a request without a user or whose user has no memory is
+answered from the question alone (mode ``none``). Every request carries a ``cache_salt``
+derived from its user, its memory's version and the mode
+(:func:`inferscale.serve.engine.request_salt`), so no two users share prefix-cache
+blocks. Every finished request is counted in the server's metrics
+(:mod:`inferscale.serve.metrics`).
 
 Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 """
@@ -19,11 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from inferscale.encode.compose import Composer, memory_layout
-from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef, request_salt
+from inferscale.serve.engine import (
+    EngineConfig, Generation, MemoryEngine, MemoryRef, request_salt,
+)
 from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 
 log = logging.getLogger("inferscale.serve")
@@ -55,6 +61,7 @@ class MemoryServer:
         self.fp = engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
+        self.metrics = ServingMetrics()  # what it answered; the app's /metrics renders it
 
     @property
     def users(self) -> dict[str, str | None]:
@@ -107,7 +114,8 @@ class MemoryServer:
         t0 = time.perf_counter()
         composer = self._composer(None)
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
-        if mem is None:
+        if mem is None:  # no memory to use: the question alone
+            info["mode"] = "none"
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
             return Prepared(ids, None, request_salt(user, None, mode), info)
@@ -163,20 +171,50 @@ class MemoryServer:
                                 f"{limit}")
         return p
 
-    async def answer(self, user: str | None, question: str, *, k: int | None = None,
-                     max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: Mode | None = None) -> dict:
-        t0 = time.perf_counter()
-        max_tokens = max_tokens or self.max_tokens
-        p = await self.request(user, question, k, mode, max_tokens)
-        gen = await self.engine.generate(p.ids, p.ref, max_tokens=max_tokens,
-                                         temperature=temperature, cache_salt=p.salt)
+    async def answer_stream(self, p: Prepared, started: float, *, max_tokens: int | None = None,
+                            temperature: float = 0.0, ignore_eos: bool = False
+                            ) -> AsyncIterator[str | dict]:
+        """Generate the prepared request (:meth:`request`, begun at ``started``,
+        ``time.perf_counter()``) as tokens arrive: yield the text of each new output
+        (``""`` for tokens without text of their own yet), then ``{"generation",
+        "info"}`` as :meth:`answer` returns it. The finished request is counted in
+        :attr:`metrics`. The app's streaming responses call this."""
+        first = gen = None
+        async for item in self.engine.generate_stream(
+                p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
+                ignore_eos=ignore_eos, cache_salt=p.salt):
+            if isinstance(item, Generation):
+                gen = item
+                continue
+            if first is None:
+                first = time.perf_counter()
+            yield item
+        assert gen is not None
         info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
-                                  query_to_first_token=(time.perf_counter() - t0 - gen.total_s
-                                                        + gen.ttft_s) * 1e3)
-        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens)
-        return {"generation": gen, "info": info}
+                                  query_to_first_token=((first or started) - started) * 1e3)
+        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
+                    completion_tokens=len(gen.token_ids))
+        if gen.fallback:
+            info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
+        self.metrics.observe(info, gen)
+        yield {"generation": gen, "info": info}
+
+    async def answer(self, user: str | None, question: str, *, k: int | None = None,
+                     max_tokens: int | None = None, temperature: float = 0.0,
+                     mode: Mode | None = None, ignore_eos: bool = False) -> dict:
+        """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
+        dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
+        fallback if any, and timings in ms: memory, embed, retrieve, compose,
+        engine_ttft, query_to_first_token)."""
+        started = time.perf_counter()
+        max_tokens = max_tokens or self.max_tokens
+        p = await self.request(user, question, k, mode, max_tokens)
+        async for item in self.answer_stream(p, started, max_tokens=max_tokens,
+                                             temperature=temperature, ignore_eos=ignore_eos):
+            if isinstance(item, dict):
+                return item
+        raise RuntimeError("the answer finished without a result")
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)

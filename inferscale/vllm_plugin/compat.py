@@ -169,6 +169,21 @@ def rotate_with_model(rotary: torch.nn.Module, positions: torch.Tensor,
         flat.copy_(out)
 
 
+def engine_metrics_registry() -> Any:
+    """The Prometheus registry holding vLLM's own engine metrics (``vllm:*``).
+
+    The same in vLLM 0.26 and 0.32: ``AsyncLLM`` with ``log_stats`` (on unless
+    ``disable_log_stats``) builds a ``StatLoggerManager``, which always adds a
+    ``PrometheusStatLogger`` next to any custom stat logger; its metrics live in the
+    API process, in prometheus_client's global registry (or a multiprocess collector
+    when ``PROMETHEUS_MULTIPROC_DIR`` is set), which ``get_prometheus_registry`` returns.
+    0.32 has a few metrics 0.26 lacks (``vllm:prompt_tokens_cached_by_source``,
+    ``vllm:request_num_preemptions``, ...)."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    return get_prometheus_registry()
+
+
 def block_ids_of(new_req: Any) -> list[int]:
     """Block ids of the first KV-cache group of a newly scheduled request."""
     return list(new_req.block_ids[0])

@@ -6,7 +6,12 @@ tokens" (the request prefills), a failed load is recomputed by vLLM. Each half k
 worker's status) and logs each with its cause, the traceback only the first time a
 cause is seen.
 
-Callers: :mod:`inferscale.vllm_plugin.scheduler` and :mod:`inferscale.vllm_plugin.worker`.
+A request whose memory was prefilled instead of injected says why in its
+``kv_transfer_params`` (``fallback``, a sentence written by the scheduler half);
+:func:`fallback_reason` names its class (:data:`FALLBACK_REASONS`) for metrics.
+
+Callers: :mod:`inferscale.vllm_plugin.scheduler` and :mod:`inferscale.vllm_plugin.worker`;
+:func:`fallback_reason`: the server's metrics (:mod:`inferscale.serve.metrics`).
 """
 
 from __future__ import annotations
@@ -35,3 +40,31 @@ class Failures:
             self._seen.add(cause)
         log.error("%s failed (%s); %s", what, cause, then, exc_info=exc if first else None)
         return cause
+
+
+# Why a request's memory was prefilled, as a metric label, and the beginnings of the
+# scheduler half's ``fallback`` sentences (scheduler.py) that fall in each class.
+FALLBACK_REASONS = ("not_resident", "stale_version", "fingerprint_mismatch", "token_mismatch",
+                    "load_error", "connector_error", "other")
+_FALLBACK_PREFIXES = (
+    ("user not resident", "not_resident"),
+    ("stale version", "stale_version"),
+    ("artifact model fingerprint differs", "fingerprint_mismatch"),
+    ("prompt does not begin with the memory", "token_mismatch"),
+    ("unknown chunk", "token_mismatch"),
+    ("no chunks named", "token_mismatch"),
+    ("memory load failed", "load_error"),  # the worker refused or failed the load
+    ("connector error in", "connector_error"),  # a scheduler hook raised
+    ("connector disabled", "connector_error"),
+)
+
+
+def fallback_reason(fallback: str | None) -> str | None:
+    """The class (one of :data:`FALLBACK_REASONS`) of a request's ``fallback`` sentence;
+    None when the request had no fallback."""
+    if not fallback:
+        return None
+    for prefix, reason in _FALLBACK_PREFIXES:
+        if fallback.startswith(prefix):
+            return reason
+    return "other"

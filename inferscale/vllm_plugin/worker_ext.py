@@ -11,7 +11,8 @@ one result per rank, in rank order: each rank hydrates, evicts, reports and veri
 own KV heads (the results name the rank, ``tp_rank``, and its heads, ``kv_heads``).
 
 Callers: :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin
-hydrate/evict/budgets/status, load verification).
+hydrate/evict/budgets/status, load verification, and the counters the server's
+``/metrics`` reads at scrape time: :meth:`InferScaleWorkerExtension.inferscale_metrics`).
 """
 
 from __future__ import annotations
@@ -100,3 +101,22 @@ class InferScaleWorkerExtension:
 
     def inferscale_status(self) -> dict:
         return _worker().status()
+
+    def inferscale_metrics(self) -> dict:
+        """This worker's running counters and residency, for the server's ``/metrics``:
+        resident users and bytes per tier, budgets, the loads written (tokens, calls,
+        seconds), loads and scheduler hooks that failed, background reloads (count,
+        failures, latency histogram: :meth:`~inferscale.hydrate.loader.ResidentLoader.
+        reload_stats`)."""
+        worker = _worker()
+        status = worker.status()
+        tiers = {t: {"users": 0, "bytes": 0} for t in status["budgets"]}
+        for r in status["residents"]:
+            tiers[r["tier"]]["users"] += 1
+            tiers[r["tier"]]["bytes"] += r["bytes"]
+        return {"tiers": tiers, "budgets": status["budgets"],
+                "loaded_tokens": worker.loaded_tokens, "inject_calls": worker.inject_calls,
+                "inject_seconds": worker.inject_seconds,
+                "load_failures": status["load_failures"],
+                "scheduler_errors": status["scheduler_errors"],
+                "reload": worker.loader.reload_stats()}

@@ -26,10 +26,10 @@ class RecordingServer:
         self.calls: list[tuple[str, dict]] = []
 
     async def answer(self, user, question, *, k=None, max_tokens=None, temperature=0.0,
-                     mode=None) -> dict:
+                     mode=None, ignore_eos=False) -> dict:
         self.calls.append(("answer", dict(user=user, question=question, k=k,
                                           max_tokens=max_tokens, temperature=temperature,
-                                          mode=mode)))
+                                          mode=mode, ignore_eos=ignore_eos)))
         return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
                 "info": {"user": user}}
 
@@ -99,6 +99,8 @@ BAD_FIELDS = [
     ({"max_tokens": 10 ** 30}, "max_tokens"),
     ({"max_completion_tokens": 1e9}, "max_completion_tokens"),
     ({"temperature": "hot"}, "temperature"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stream_options": {"include_usage": 1}}, "include_usage"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": None, "stream": "yes"}, "stream"),
@@ -154,12 +156,14 @@ def test_size_limits():
 def test_a_valid_request_reaches_the_server_with_its_options():
     client, server = http()
     body = {**ASK, "max_tokens": 9, "temperature": 0.5, "top_k": 3, "stream": False,
-            "inferscale": {"mode": "prompt", "top_k": 4}, "n": 1, "top_p": 1.0}
+            "inferscale": {"mode": "prompt", "top_k": 4}, "n": 1, "top_p": 1.0,
+            "ignore_eos": True}
     r = client.post("/v1/chat/completions", json=body, headers=ANN)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "ok"
     assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
-                                            max_tokens=9, temperature=0.5, mode="prompt"))]
+                                            max_tokens=9, temperature=0.5, mode="prompt",
+                                            ignore_eos=True))]
 
 
 def test_admin_bodies_are_validated():

@@ -1,0 +1,259 @@
+"""The users of the load benchmark (``benchmarks/load.py``): many users with published
+artifacts, built from LoCoMo turns, their questions and how often each one asks.
+
+- **Facts.** The turns of every given conversation are pooled in order (conv-26's 419,
+  then conv-30's 369: 788). Users come in ``groups`` memory groups: group ``g`` holds
+  ``facts`` consecutive pooled turns from turn ``g * len(pool) // groups`` on (wrapping
+  around), each turn one fact ``"[date] Speaker: text"`` (the pipeline's raw fact mode),
+  embedded with MiniLM.
+- **Artifacts.** Every user has an artifact of its own, published into the store
+  (version, manifest, facts table). Users of one group hold the same facts, so their KV
+  slabs are the same bytes: the group's first user is published by
+  :func:`~inferscale.artifacts.publish.publish`, the others by :func:`publish_linked`,
+  whose KV file (``kv.<nonce>.arrow``) is a hard link to the first user's. A machine
+  thus stores ``groups`` slabs on disk, not ``users``, and reads them back through its
+  page cache; in the serving worker every user is hydrated into a slab of its own
+  (residency, tiers and budgets count every user).
+- **KV.** A real model: every pooled turn some group holds is encoded once with ``w = 0``
+  (the fact right after the serving prefix, the default context without a window: it
+  depends on nothing else, so one encoding serves every group), then assembled per group.
+  The pipeline's default window (20 turns) changes what the KV holds, not its size, so
+  not the serving cost this benchmark measures. A dummy-weight shape: random K/V of its
+  geometry (generated on the GPU when there is one).
+- **Questions.** A user asks LoCoMo questions (categories 1-4) of the conversations its
+  facts come from: each next question comes from a conversation picked with the
+  probability of its share of the user's facts, cycling through that conversation's
+  questions in a shuffled order (:class:`QuestionDeck`).
+- **Popularity.** User ``i`` (0-based rank) asks with probability proportional to
+  ``(i + 1) ** -zipf`` (``zipf = 0``: every user equally often).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from benchmarks.memory_setup import load_turns
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import FACTS_FILE, KV_FILE, MANIFEST_FILE, StoreConfig
+from inferscale.artifacts.latest import inputs_time, point_latest
+from inferscale.artifacts.publish import Lineage, publish, version_id
+from inferscale.encode.compose import Composer, memory_text
+from inferscale.encode.encoder import (
+    EncodedChunk, EncodedMemory, EncoderConfig, FactSpec, TurnText, encode_facts,
+)
+from inferscale.facts.extractor import fact_id
+from inferscale.types import PREFIX_ID
+from storage_schemas import facts as facts_schema
+from storage_schemas.manifest import FileEntry, Manifest
+
+
+@dataclass
+class PooledTurn:
+    conversation: int  # index into the conversation files
+    turn_id: str
+    turn_index: int
+    text: str  # the fact: "[date] Speaker: text"
+    token_ids: list[int]
+
+
+@dataclass
+class Group:
+    """A memory group: the pooled turns its users hold, and its users."""
+
+    index: int
+    turns: list[int]  # indexes into the pool
+    users: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"group-{self.index:03d}"
+
+
+def pool_turns(conversations: list[str], tokenizer, max_tokens: int = 256) -> list[PooledTurn]:
+    """Every turn of every conversation, in order, as a raw-mode fact."""
+    composer = Composer(tokenizer)
+    pool = []
+    for c, path in enumerate(conversations):
+        for r in load_turns(path).sort_by("turn_index").to_pylist():
+            text = memory_text(r["speaker"], r["text"], r["timestamp"])
+            pool.append(PooledTurn(c, r["turn_id"], r["turn_index"], text,
+                                   composer.fact_ids(text, max_tokens)))
+    return pool
+
+
+def make_groups(pool_size: int, groups: int, facts: int, users: int) -> list[Group]:
+    """``groups`` windows of ``facts`` pooled turns, users dealt round-robin."""
+    if facts > pool_size:
+        raise ValueError(f"{facts} facts per user, but the conversations hold {pool_size} turns")
+    if not 1 <= groups <= users:
+        raise ValueError("need 1 <= groups <= users")
+    out = [Group(g, [(g * pool_size // groups + i) % pool_size for i in range(facts)])
+           for g in range(groups)]
+    for u in range(users):
+        out[u % groups].users.append(f"load-{u:04d}")
+    return out
+
+
+def facts_table(group: Group, user: str, pool: list[PooledTurn], embeddings: np.ndarray
+                ) -> pa.Table:
+    """``user``'s facts table; fact ids are the group's (the same in every user's)."""
+    rows = [pool[i] for i in group.turns]
+    return pa.table({
+        "fact_id": [fact_id(group.name, f"c{r.conversation}:{r.turn_id}", r.text) for r in rows],
+        "user": [user] * len(rows),
+        "source_turn_id": [f"c{r.conversation}:{r.turn_id}" for r in rows],
+        "source_index": list(range(len(rows))),
+        "text": [r.text for r in rows],
+        "token_ids": [r.token_ids for r in rows],
+        "embedding": pa.FixedSizeListArray.from_arrays(
+            pa.array(embeddings[group.turns].astype(np.float32).ravel()), embeddings.shape[1]),
+    }, schema=facts_schema.schema(embeddings.shape[1]))
+
+
+def encode_pool(model, tokenizer, pool: list[PooledTurn], groups: list[Group],
+                fingerprint: str, dtype: str) -> EncodedMemory:
+    """Every pooled turn some group holds, encoded once at ``w = 0`` (chunk id ``p<i>``
+    for pool index ``i``), and the prefix."""
+    cfg = EncoderConfig(window=0, dtype=dtype)
+    turns = [TurnText("", t.text) for t in pool]
+    used = sorted({i for g in groups for i in g.turns})
+    specs = [FactSpec(f"p{i}", pool[i].text, i, tuple(pool[i].token_ids)) for i in used]
+    return encode_facts(model, tokenizer, turns, specs, cfg, fingerprint, progress=True)
+
+
+def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | None,
+                 tokenizer, pool: list[PooledTurn], fingerprint: str,
+                 shape: tuple[int, int, int] | None = None, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> EncodedMemory:
+    """The group's memory: its turns' chunks from ``encoded`` (the pool encoding), or
+    random K/V ``[L, T, H, D]`` of ``shape`` when ``encoded`` is None."""
+    if encoded is not None:
+        by_id = {c.chunk_id: c for c in encoded.chunks}
+        chunks = [by_id[PREFIX_ID]] + [
+            EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].keys,
+                         by_id[f"p{i}"].values) for fid, i in zip(fact_ids, group.turns)]
+        return EncodedMemory(chunks, fingerprint, dict(encoded.encoder_config))
+    L, H, D = shape
+    ids = [(PREFIX_ID, Composer(tokenizer).prefix_ids())]
+    ids += [(fid, pool[i].token_ids) for fid, i in zip(fact_ids, group.turns)]
+    total = sum(len(t) for _, t in ids)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(seed + group.index)
+    kv = torch.randn((2, L, total, H, D), generator=g, device=device, dtype=dtype).cpu()
+    chunks, at = [], 0
+    for cid, t in ids:
+        chunks.append(EncodedChunk(cid, list(t), kv[0, :, at:at + len(t)],
+                                   kv[1, :, at:at + len(t)]))
+        at += len(t)
+    cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch.")).to_dict()
+    return EncodedMemory(chunks, fingerprint, {**cfg, "random_kv": True})
+
+
+def publish_linked(store: StoreConfig, user: str, source: Manifest, facts: pa.Table,
+                   lineage: Lineage) -> str:
+    """Publish ``user``'s version holding the same KV as the published version
+    ``source``: its own facts table and manifest, its KV file a hard link to the
+    source's (a local store only), then ``LATEST``. The files are not re-read here (the
+    source's KV file verified when it was published); hydration verifies them like any
+    artifact's (sizes, checksums, fingerprint)."""
+    if not os.path.isdir(store.root):
+        raise ValueError("publish_linked needs a local artifact store (hard links)")
+    fp = source.model_fingerprint
+    src_loc, loc = Location(store, source.user, fp), Location(store, user, fp)
+    version = version_id(user, lineage, fp, source.encoder_config)
+    nonce = uuid.uuid4().hex[:16]
+
+    def write_facts(w) -> None:
+        with pa.ipc.new_file(w, facts.schema) as writer:
+            writer.write_table(facts)
+
+    facts_name = f"facts.{nonce}.arrow"
+    out = loc.blobs.write_stream(loc.file(version, facts_name), write_facts)
+    kv = source.files[KV_FILE]
+    kv_name = kv.stored_name(KV_FILE)
+    os.link(src_loc.file(source.version, kv_name), loc.file(version, kv_name))
+    manifest = Manifest(
+        user=user, model_fingerprint=fp, version=version, encoder_config=source.encoder_config,
+        parents={"log": lineage.log_hash, "facts": lineage.facts_hash},
+        files={FACTS_FILE: FileEntry(out.nbytes, out.xxh3_128, facts_name), KV_FILE: kv},
+        counts=dict(source.counts, facts=facts.num_rows), kv=dict(source.kv),
+        created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        producer=f"{source.producer} (KV file linked from {source.user})")
+    if not loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json()):
+        raise FileExistsError(f"{loc.describe(version)} exists: use a fresh --workdir")
+    point_latest(loc, version, inputs_time(None))
+    return version
+
+
+def publish_users(store: StoreConfig, groups: list[Group], pool: list[PooledTurn],
+                  embeddings: np.ndarray, memory_of, progress=print) -> dict[str, dict]:
+    """Publish every user of every group (``memory_of(group, fact_ids)`` -> the group's
+    :class:`EncodedMemory`) -> user -> ``{"version", "slab_bytes"}``."""
+    versions: dict[str, dict] = {}
+    for group in groups:
+        first, *others = group.users
+        table = facts_table(group, first, pool, embeddings)
+        fids = table.column("fact_id").to_pylist()
+        lineage = Lineage(f"locomo-pool-{len(pool)}", f"{group.name}-{len(fids)}")
+        res = publish(store, first, memory_of(group, fids), table, lineage, embeddings=False)
+        size = res.manifest.kv["slab_bytes"]
+        versions[first] = {"version": res.version, "slab_bytes": size}
+        for user in others:
+            versions[user] = {"version": publish_linked(
+                store, user, res.manifest, facts_table(group, user, pool, embeddings), lineage),
+                "slab_bytes": size}
+        progress(f"published {group.name}: {len(group.users)} users, "
+                 f"{res.manifest.kv['slab_bytes'] / 2**30:.2f} GiB of KV each")
+    return versions
+
+
+class QuestionDeck:
+    """A user's questions: each next one from a conversation picked with the share of the
+    user's facts it holds, cycling through that conversation's questions (shuffled)."""
+
+    def __init__(self, questions: dict[int, list[str]], shares: dict[int, float], seed: int):
+        self.rng = random.Random(seed)
+        self.convs = [c for c in shares if questions.get(c)]
+        if not self.convs:
+            raise ValueError("no questions for this user's conversations")
+        self.weights = [shares[c] for c in self.convs]
+        self.decks = {c: self.rng.sample(questions[c], len(questions[c])) for c in self.convs}
+        self.at = dict.fromkeys(self.convs, 0)
+
+    def next(self) -> str:
+        c = self.rng.choices(self.convs, self.weights)[0]
+        q = self.decks[c][self.at[c] % len(self.decks[c])]
+        self.at[c] += 1
+        return q
+
+
+def locomo_questions(conversations: list[str]) -> dict[int, list[str]]:
+    """Questions of categories 1-4 per conversation index."""
+    out = {}
+    for c, path in enumerate(conversations):
+        qa = json.loads(Path(path).read_text()).get("qa", [])
+        out[c] = [q["question"] for q in qa if q.get("category") in (1, 2, 3, 4)]
+    return out
+
+
+def shares(group: Group, pool: list[PooledTurn]) -> dict[int, float]:
+    counts: dict[int, int] = {}
+    for i in group.turns:
+        counts[pool[i].conversation] = counts.get(pool[i].conversation, 0) + 1
+    return {c: n / len(group.turns) for c, n in counts.items()}
+
+
+def popularity(users: int, zipf: float) -> np.ndarray:
+    """Request probability of each user rank: ``(rank + 1) ** -zipf``, normalized."""
+    w = np.arange(1, users + 1, dtype=np.float64) ** -zipf
+    return w / w.sum()

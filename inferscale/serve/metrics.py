@@ -1,0 +1,171 @@
+"""The server's Prometheus metrics: ``GET /metrics`` in the Prometheus text format.
+
+One scrape is three parts, in this order:
+
+- vLLM's own engine metrics (``vllm:*``: requests running and waiting, KV-cache usage,
+  prompt tokens by source, TTFT, ...), which ``AsyncLLM``'s stat loggers keep in the
+  API process (:func:`inferscale.vllm_plugin.compat.engine_metrics_registry`), with the
+  Python process collectors of that registry;
+- the server's per-request counters and histograms (:class:`ServingMetrics`), updated
+  in the API process when a request finishes, from what came back with it (the
+  connector's ``kv_transfer_params``: injected tokens, the fallback and its reason);
+- the workers' counters and residency (:class:`WorkerCollector`), read from every
+  worker through the engine's collective RPC at scrape time
+  (:meth:`~inferscale.serve.engine.MemoryEngine.worker_metrics`), labelled by rank.
+
+Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
+
+    requests_total{mode}                    answered requests; mode kv | prompt | none
+    memory_tokens_total{mode}               memory tokens composed into prompts
+    injected_memory_tokens_total            memory tokens the connector injected
+    text_tail_tokens_total                  facts prefilled as text after injected memory
+    completion_tokens_total{mode}           tokens generated
+    fallbacks_total{reason}                 kv requests whose memory was prefilled
+    retrieval_seconds                       query embedding + exact top-k
+    composition_seconds                     prompt composition from stored token ids
+    query_to_first_token_seconds{mode}      request start -> first token
+    resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
+    worker_loaded_tokens_total{rank}        tokens written into the paged cache
+    worker_load_failures_total{rank}        loads refused or failed (recomputed)
+    worker_scheduler_errors_total{rank}     scheduler-hook errors (request prefilled)
+    reloads_total{rank}, reload_failures_total{rank}, reload_seconds{rank}
+
+Callers: :class:`~inferscale.serve.server.MemoryServer` (``observe`` per request) and
+the app's ``/metrics`` (:meth:`ServingMetrics.render`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from inferscale.types import TIERS
+from inferscale.vllm_plugin.failures import FALLBACK_REASONS
+
+if TYPE_CHECKING:
+    from inferscale.serve.engine import Generation, MemoryEngine
+
+MODES = ("kv", "prompt", "none")
+_FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TTFT_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WorkerCollector:
+    """Exposes the workers' last counters (set by :meth:`ServingMetrics.render` just
+    before each scrape) as Prometheus families, one sample per worker rank."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict] = []
+
+    def collect(self) -> Iterator[Any]:
+        snaps = list(enumerate(self.snapshots))
+
+        def family(kind, name: str, doc: str, value, labels=("rank",)):
+            fam = kind(f"inferscale_{name}", doc, labels=list(labels))
+            for rank, snap in snaps:
+                for extra, v in value(snap):
+                    fam.add_metric([str(rank), *extra], v)
+            return fam
+
+        def per_tier(key):
+            return lambda s: [([t], s["tiers"][t][key]) for t in TIERS]
+
+        yield family(GaugeMetricFamily, "resident_users", "Users resident in a tier",
+                     per_tier("users"), ("rank", "tier"))
+        yield family(GaugeMetricFamily, "resident_bytes", "Bytes of resident memory KV per tier",
+                     per_tier("bytes"), ("rank", "tier"))
+        yield family(GaugeMetricFamily, "tier_budget_bytes", "Byte budget of a tier",
+                     lambda s: [([t], s["budgets"][t]) for t in TIERS], ("rank", "tier"))
+        for name, key, doc in (
+                ("worker_loaded_tokens", "loaded_tokens",
+                 "Memory tokens written into vLLM's paged cache"),
+                ("worker_load_failures", "load_failures",
+                 "Memory loads refused or failed in the worker (recomputed by vLLM)"),
+                ("worker_scheduler_errors", "scheduler_errors",
+                 "Errors in the connector's scheduler hooks (the request was prefilled)")):
+            yield family(CounterMetricFamily, name, doc, lambda s, k=key: [([], s[k])])
+        yield family(CounterMetricFamily, "reloads", "Background reloads of users from storage",
+                     lambda s: [([], s["reload"]["reloads"])])
+        yield family(CounterMetricFamily, "reload_failures", "Background reloads that failed",
+                     lambda s: [([], s["reload"]["failures"])])
+        hist = HistogramMetricFamily("inferscale_reload_seconds",
+                                     "Latency of successful background reloads (read, verify, "
+                                     "place)", labels=["rank"])
+        for rank, snap in snaps:
+            r = snap["reload"]
+            running, buckets = 0, []
+            for bound, count in zip([*r["buckets"], float("inf")], r["counts"]):
+                running += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                                running))
+            hist.add_metric([str(rank)], buckets, r["sum"])
+        yield hist
+
+
+class ServingMetrics:
+    """The server's metrics: per-request counters it updates (:meth:`observe`) and the
+    workers' counters it reads at scrape time (:meth:`render`). Its own registry, so
+    every server instance counts from zero."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("inferscale_requests", "Answered chat requests by memory mode",
+                                ["mode"], registry=r)
+        self.memory_tokens = Counter("inferscale_memory_tokens",
+                                     "Memory tokens composed into prompts", ["mode"], registry=r)
+        self.injected = Counter("inferscale_injected_memory_tokens",
+                                "Memory tokens injected by the connector (not prefilled)",
+                                registry=r)
+        self.text_tail = Counter("inferscale_text_tail_tokens",
+                                 "Tokens of facts prefilled as text after the injected memory",
+                                 registry=r)
+        self.completion = Counter("inferscale_completion_tokens", "Tokens generated",
+                                  ["mode"], registry=r)
+        self.fallbacks = Counter("inferscale_fallbacks",
+                                 "KV requests whose memory was prefilled instead of injected",
+                                 ["reason"], registry=r)
+        self.retrieval = Histogram("inferscale_retrieval_seconds",
+                                   "Query embedding and exact top-k", buckets=_FAST_S, registry=r)
+        self.composition = Histogram("inferscale_composition_seconds",
+                                     "Prompt composition from stored token ids",
+                                     buckets=_FAST_S, registry=r)
+        self.q2ft = Histogram("inferscale_query_to_first_token_seconds",
+                              "Request start (before retrieval) to the first token", ["mode"],
+                              buckets=_TTFT_S, registry=r)
+        for mode in MODES:  # every label value shows from the first scrape, at 0
+            for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft):
+                metric.labels(mode)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
+        self.workers = WorkerCollector()
+        r.register(self.workers)
+
+    def observe(self, info: dict, gen: "Generation") -> None:
+        """Count one finished request: ``info`` from the server's ``prepare`` (mode,
+        memory and tail tokens, timings in ms) and the engine's :class:`Generation`."""
+        mode = info.get("mode") or "none"
+        timings = info.get("timings_ms", {})
+        self.requests.labels(mode).inc()
+        self.memory_tokens.labels(mode).inc(info.get("memory_tokens", 0))
+        self.completion.labels(mode).inc(len(gen.token_ids))
+        self.injected.inc(gen.injected_tokens)
+        self.text_tail.inc(info.get("text_tail_tokens", 0))
+        if mode == "kv" and gen.fallback:
+            self.fallbacks.labels(gen.fallback_reason).inc()
+        if mode != "none":
+            self.retrieval.observe((timings.get("embed", 0.0) + timings.get("retrieve", 0.0))
+                                   / 1e3)
+            self.composition.observe(timings.get("compose", 0.0) / 1e3)
+        if "query_to_first_token" in timings:
+            self.q2ft.labels(mode).observe(timings["query_to_first_token"] / 1e3)
+
+    async def render(self, engine: "MemoryEngine") -> bytes:
+        """One scrape: vLLM's engine metrics, then the server's, with the workers'
+        counters read now."""
+        from inferscale.vllm_plugin.compat import engine_metrics_registry
+
+        self.workers.snapshots = await engine.worker_metrics()
+        return generate_latest(engine_metrics_registry()) + generate_latest(self.registry)

@@ -1,0 +1,165 @@
+"""``GET /metrics`` on the real engine: vLLM's engine metrics and the server's, scraped
+before and after real requests through the official ``openai`` client; every counter
+moves by exactly what those requests did (modes, injected tokens, fallbacks by reason,
+background reloads, a failed load, residency)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+FACTS = ["The user's dog is named Pelican.", "The user lives in a small town by the sea.",
+         "The user plays the cello on Sundays."]
+
+
+def scrape(http) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed with prometheus_client's own parser: (sample, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def value(m: dict, name: str, **labels) -> float:
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(v for (n, lab), v in m.items()
+               if n == name and all(dict(lab).get(k) == x for k, x in want.items()))
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def settled(http) -> dict:
+    """A scrape once vLLM has recorded every request that finished before it (its stat
+    loggers run just after a request's last output is handed over)."""
+    last = scrape(http)
+    while True:
+        time.sleep(0.5)
+        now = scrape(http)
+        if value(now, "vllm:request_success_total") == value(last, "vllm:request_success_total"):
+            return now
+        last = now
+
+
+def test_metrics_count_what_the_requests_did(engine_env, embedder):
+    import httpx
+    import openai
+
+    from engine_helpers import limiting_memory, served_app
+    from inferscale.artifacts.publish import Lineage, publish
+    from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.server import MemoryServer
+
+    env = engine_env
+    tok, model, fp = env.model.tokenizer, env.model.model, env.model.fingerprint
+
+    def publish_user(user: str, lineage: str = "1", facts=FACTS) -> str:
+        mem, table = limiting_memory(model, tok, user, facts, fp, embedder)
+        return publish(env.store, user, mem, table, Lineage(f"log-{user}-{lineage}", "f"),
+                       embeddings=False).version
+
+    users = ("mx-ann", "mx-cold", "mx-faulty", "mx-stale")
+    for user in users:
+        publish_user(user)
+    server = MemoryServer(env.engine, tok, embedder, env.store, top_k=3)
+    msg = [{"role": "user", "content": "What is the name of my dog?"}]
+    with served_app(env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+        http = httpx.Client(base_url=url, trust_env=False, timeout=300)
+        for user in ("mx-ann", "mx-faulty", "mx-stale"):
+            assert http.post("/admin/hydrate", json={"user": user}).status_code == 200
+        # the stale user: the workers move on to a newer version the server has not read
+        v2 = publish_user("mx-stale", "2", FACTS[:2])
+        env.loop.run(env.engine.hydrate("mx-stale", version=v2))
+        assert env.loop.run(env.engine.llm.collective_rpc(
+            "inferscale_fault_drop_slab", args=("mx-faulty",))) == [True]
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        before = settled(http)
+        assert value(before, "inferscale_requests_total") == 0  # a new server counts from 0
+
+        infos, usage = [], []
+
+        def ask(user, mode="kv", stream=False):
+            extra = {"inferscale": {"mode": mode}, "ignore_eos": True}
+            if not stream:
+                r = client.chat.completions.create(model="smollm2", messages=msg, user=user,
+                                                   max_tokens=6, extra_body=extra)
+                infos.append(r.model_extra["inferscale"])
+                usage.append(r.usage.completion_tokens)
+                return
+            info = None
+            for c in client.chat.completions.create(
+                    model="smollm2", messages=msg, user=user, max_tokens=6, stream=True,
+                    stream_options={"include_usage": True}, extra_body=extra):
+                info = (c.model_extra or {}).get("inferscale") or info
+                if c.usage:
+                    usage.append(c.usage.completion_tokens)
+            infos.append(info)
+
+        ask("mx-ann")
+        ask("mx-ann", stream=True)
+        ask("mx-ann")
+        ask("mx-ann", mode="prompt")
+        ask("mx-nobody")  # no artifact: answered from the question alone
+        ask("mx-cold")  # published, never hydrated: prefilled, reloaded in the background
+        ask("mx-faulty")  # its slab lost its data: the load fails, vLLM recomputes
+        ask("mx-stale")  # the server's version supersedes the workers': prefilled, reloaded
+        modes = [i["mode"] for i in infos]
+        assert modes == ["kv"] * 3 + ["prompt", "none"] + ["kv"] * 3
+        assert all(i["injected_tokens"] > 0 and "fallback" not in i for i in infos[:3])
+        assert [i.get("fallback_reason") for i in infos[5:]] == [
+            "not_resident", "load_error", "stale_version"]
+        assert len(usage) == 8 and all(u == 6 for u in usage)
+
+        deadline = time.monotonic() + 120  # the two reloads, and vLLM's last stats, land
+        while True:
+            after = scrape(http)
+            if delta(after, before, "inferscale_reloads_total") >= 2 and \
+                    delta(after, before, "vllm:request_success_total") >= 8:
+                break
+            assert time.monotonic() < deadline, "no reload / vLLM stats after 120 s"
+            time.sleep(0.5)
+
+        # per request, in the API process
+        for mode, n in (("kv", 6), ("prompt", 1), ("none", 1)):
+            assert delta(after, before, "inferscale_requests_total", mode=mode) == n
+            assert delta(after, before, "inferscale_completion_tokens_total", mode=mode) == 6 * n
+            assert delta(after, before, "inferscale_query_to_first_token_seconds_count",
+                         mode=mode) == n
+        injected = sum(i["injected_tokens"] for i in infos)
+        assert delta(after, before, "inferscale_injected_memory_tokens_total") == injected
+        assert delta(after, before, "inferscale_memory_tokens_total", mode="kv") == \
+            sum(i["memory_tokens"] for i in infos if i["mode"] == "kv")
+        assert delta(after, before, "inferscale_text_tail_tokens_total") == 0
+        assert {r: delta(after, before, "inferscale_fallbacks_total", reason=r)
+                for r in ("not_resident", "load_error", "stale_version", "token_mismatch",
+                          "fingerprint_mismatch", "connector_error", "other")} == {
+            "not_resident": 1, "load_error": 1, "stale_version": 1, "token_mismatch": 0,
+            "fingerprint_mismatch": 0, "connector_error": 0, "other": 0}
+        for name in ("inferscale_retrieval_seconds_count", "inferscale_composition_seconds_count"):
+            assert delta(after, before, name) == 7  # every request with memory
+        # in the worker, read at scrape time
+        assert delta(after, before, "inferscale_worker_loaded_tokens_total") == injected
+        assert delta(after, before, "inferscale_worker_load_failures_total") == 1
+        # mx-cold into the host tier, mx-stale's served version over the workers' one
+        assert delta(after, before, "inferscale_reloads_total") == 2
+        assert delta(after, before, "inferscale_reload_seconds_count") == 2
+        assert delta(after, before, "inferscale_reload_failures_total") == 0
+        status = http.get("/admin/status").json()["engine"]
+        for tier in ("gpu", "host"):
+            held = [r for r in status["residents"] if r["tier"] == tier]
+            assert value(after, "inferscale_resident_users", tier=tier) == len(held)
+            assert value(after, "inferscale_resident_bytes", tier=tier) == \
+                sum(r["bytes"] for r in held)
+        assert "mx-cold" in {r["user"] for r in status["residents"] if r["tier"] == "host"}
+        # vLLM's own engine metrics, from the same endpoint
+        assert delta(after, before, "vllm:request_success_total") == 8
+        assert delta(after, before, "vllm:generation_tokens_total") == 8 * 6
+        for user in users:
+            http.post("/admin/evict", json={"user": user})
