@@ -82,7 +82,7 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     """The flow's incremental version of tomas == encoding all his facts from scratch."""
     from inferscale.artifacts.blobs import Location
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.artifacts.read import read_facts, read_manifest
+    from inferscale.artifacts.read import data_path, read_facts, read_manifest
     from inferscale.ingest.logs import read_logs
     from inferscale.pipeline import configs_from_settings, encode_user_kv, publish_user
     from inferscale.settings import Settings
@@ -99,5 +99,5 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     assert {n: (f.bytes, f.xxh3_128) for n, f in ref.manifest.files.items()} == {
         n: (f.bytes, f.xxh3_128) for n, f in m.files.items()}  # stored names differ
     a, b = Location(store, "tomas", fp), Location(cfg.store(), "tomas", fp)
-    assert a.blobs.read_bytes(a.file(version, "kv.arrow")) == \
-        b.blobs.read_bytes(b.file(version, "kv.arrow"))
+    assert a.blobs.read_bytes(data_path(a, m, "kv.arrow")) == \
+        b.blobs.read_bytes(data_path(b, ref.manifest, "kv.arrow"))
