@@ -24,6 +24,11 @@ time left) and is recorded as such in the CPU result.
 
     python benchmarks/equivalence.py --out benchmarks/results/equivalence-cpu.json
 
+``--model random-llama`` writes a small Llama with random weights (4 KV heads,
+``benchmarks.shapes.RANDOM_LLAMA``, the SmolLM2 tokenizer) for tensor parallelism
+(``--tensor-parallel-size 2``): its answers are meaningless, but token identity with
+prefill (the limiting case) is exactly as demanding.
+
 Starts engines: run as a script.
 """
 
@@ -171,7 +176,14 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
 
     dtype = getattr(torch, dtype_name)
     root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
-    loaded = load_model(args.model, Settings().home, device=device, dtype=dtype_name)
+    model = args.model
+    if model == "random-llama":
+        from benchmarks.shapes import write_random_checkpoint
+        from inferscale.encode.models import embedded_checkpoint
+
+        model = str(write_random_checkpoint(embedded_checkpoint(Settings().home),
+                                            root.parent / "random-llama"))
+    loaded = load_model(model, Settings().home, device=device, dtype=dtype_name)
     embedder = Embedder(Settings().embedder, device=device)
     t0 = time.perf_counter()
     users = build_users(loaded.model, loaded.tokenizer, loaded.fingerprint, embedder, dtype,
@@ -181,7 +193,8 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     engine = await MemoryEngine(EngineConfig(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint, dtype=dtype_name,
         gpu_memory_utilization=args.gpu_memory_utilization or (0.5 if cuda else 0.15),
-        max_model_len=2048, enforce_eager=not cuda, artifact_root=str(root))).start()
+        max_model_len=2048, enforce_eager=not cuda, artifact_root=str(root),
+        tensor_parallel_size=args.tensor_parallel_size)).start()
     tok = loaded.tokenizer
     del loaded
     rows = []
@@ -244,7 +257,8 @@ def run_isolated(args, name: str) -> dict:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--dtypes", name,
                "--device", args.device, "--window", str(args.window),
-               "--max-tokens", str(args.max_tokens), "--model", args.model, "--out", str(out)]
+               "--max-tokens", str(args.max_tokens), "--model", args.model, "--out", str(out),
+               "--tensor-parallel-size", str(args.tensor_parallel_size)]
         if args.gpu_memory_utilization:
             cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -257,7 +271,11 @@ def run_isolated(args, name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="embedded", help="'embedded' or an HF checkpoint dir")
+    ap.add_argument("--model", default="embedded",
+                    help="'embedded', an HF checkpoint dir, or 'random-llama' (random weights, "
+                         "4 KV heads: for tensor parallelism)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM tensor parallelism of the engine (must divide the KV heads)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="model, engine and KV dtypes to compare (each in its own process "
                          "when several are given)")
@@ -301,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command_line(argv),
         "device": f"{device} (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "window": args.window, "max_tokens": args.max_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "encoder_defaults": EncoderConfig().to_dict(),
         "users": len(USERS), "queries": sum(len(u["queries"]) for u in USERS.values()),
         "columns": columns, "rows": details,

@@ -47,6 +47,7 @@ from benchmarks.common import command_line, write_result  # noqa: E402
 from inferscale.artifacts.blobs import Location  # noqa: E402
 from inferscale.artifacts.layout import KV_FILE  # noqa: E402
 from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
+from inferscale.artifacts.read import data_path  # noqa: E402
 from inferscale.encode.batches import plan_batches  # noqa: E402
 from inferscale.encode.compose import Composer, memory_text  # noqa: E402
 from inferscale.encode.encoder import EncoderConfig, encode_segments, window_segments  # noqa: E402
@@ -198,9 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"incremental: {row('incremental', inc, inc_s, v2, pub2_s)}", flush=True)
         a, b = Location(cfg.store(), user, model.fingerprint), \
             Location(scratch.store(), user, model.fingerprint)
-        identical = (v2.version == ref.version and v2.manifest.files == ref.manifest.files
-                     and a.blobs.read_bytes(a.file(v2.version, KV_FILE))
-                     == b.blobs.read_bytes(b.file(ref.version, KV_FILE)))
+        sums = [{n: (f.bytes, f.xxh3_128) for n, f in m.files.items()}  # names differ
+                for m in (v2.manifest, ref.manifest)]
+        identical = (v2.version == ref.version and sums[0] == sums[1]
+                     and a.blobs.read_bytes(data_path(a, v2.manifest, KV_FILE))
+                     == b.blobs.read_bytes(data_path(b, ref.manifest, KV_FILE)))
         cost = (batched_cost(cfg, turns, facts_all, args.batched_sample, args.batch_tokens)
                 if args.batched_sample else None)
 

@@ -94,3 +94,38 @@ def hf_config(shape: str):
     model_type = cfg.pop("model_type")
     cfg.pop("architectures")
     return AutoConfig.for_model(model_type, attn_implementation="sdpa", **cfg)
+
+
+# A small Llama with real random weights for tensor parallelism at TP=2 (its 4 KV heads
+# split in two): larger than default initial weights (``initializer_range`` 0.1), so that
+# greedy answers depend on the whole context instead of repeating one token.
+RANDOM_LLAMA = {
+    **SHAPES["tiny-llama-shape"], "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096,
+    "rope_scaling": None, "rope_theta": 10000.0, "initializer_range": 0.1,
+    "tie_word_embeddings": True,
+}
+
+
+def write_random_checkpoint(tokenizer_dir: str | Path, dest: str | Path, seed: int = 0,
+                            **overrides) -> Path:
+    """A float32 checkpoint of :data:`RANDOM_LLAMA` (``overrides`` changed) with random
+    weights drawn from ``seed`` and the tokenizer of ``tokenizer_dir`` (its special token
+    ids replace the shape's). Used by the tensor-parallel tests and
+    ``equivalence.py --model random-llama``; written once per ``dest``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dest = Path(dest)
+    if (dest / "model.safetensors").exists():
+        return dest
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = {**RANDOM_LLAMA, **overrides, "vocab_size": len(tok),
+           "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    cfg.pop("architectures")
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest

@@ -20,6 +20,8 @@ summary is taken at the largest k.
 
     python benchmarks/ttft.py --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
     python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
+    python benchmarks/ttft.py --model qwen3-14b-shape --tensor-parallel-size 2 \
+        --out .../ttft-h200x2-qwen3-14b.json   # two GPUs: each rank injects its KV heads
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ async def measure(args) -> dict:
     engine = await MemoryEngine(EngineConfig(
         model_fingerprint=fp, artifact_root=str(work / "artifacts"),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        enforce_eager=args.eager, block_size=args.block_size, **engine_cfg)).start()
+        enforce_eager=args.eager, block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size, **engine_cfg)).start()
     store = StoreConfig(str(work / "artifacts"))
     kv = MemoryServer(engine, tok, embedder, store, mode="kv")
     prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
@@ -203,6 +206,7 @@ async def measure(args) -> dict:
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
+        "tensor_parallel_size": args.tensor_parallel_size,
         "layout": layout,
         "setup_seconds": round(setup_s, 1), "verify": verify, "rows": rows,
         "loaded_tokens_total": status["loaded_tokens"],
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                     help="eager engine (default: eager on CPU, compiled on CUDA)")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM tensor parallelism (one GPU per rank; must divide the "
+                         "model's KV heads)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--workdir", default=None)

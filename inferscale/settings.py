@@ -131,6 +131,9 @@ class Settings(BaseSettings):
         "not used to size it (and on CPU, two engines can share one host)")
     max_model_len: int = 8192
     enforce_eager: bool | None = Field(default=None, description="default: eager on CPU")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM tensor parallelism of the serving engine; must "
+        "divide the model's KV heads (each worker holds and injects its share)")
 
     @field_validator("api_keys")
     @classmethod

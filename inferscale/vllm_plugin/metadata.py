@@ -7,8 +7,10 @@ reloads to start (:class:`ReloadOrder`).
 
 Worker -> scheduler: :class:`ResidencyReport` (built by
 :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.build_connector_worker_meta`): which
-(user, version) became resident or went away (:class:`ResidentInfo`: what the scheduler
-needs to admit a request), and which reloads and loads failed.
+(user, version) became resident or went away on which tensor-parallel rank
+(:class:`ResidentInfo`: what the scheduler needs to admit a request), and which reloads
+and loads failed. Under tensor parallelism every rank reports; vLLM merges the ranks'
+reports of a step with :meth:`ResidencyReport.aggregate` before the scheduler sees them.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class InferScaleMetadata(KVConnectorMetadata):
 
 @dataclass
 class ResidentInfo:
-    """What the scheduler needs to know about one resident (user, version)."""
+    """What the scheduler needs to know about one resident (user, version). Every rank
+    reads the same artifact version, so only rank 0 sends the chunks' token ids (the
+    other ranks' ``token_ids`` are empty)."""
 
     user: str
     version: str
@@ -66,8 +70,8 @@ class ResidentInfo:
     token_ids: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, r: Resident) -> "ResidentInfo":
-        return cls(r.user, r.version, r.fingerprint, r.token_ids)
+    def of(cls, r: Resident, with_tokens: bool = True) -> "ResidentInfo":
+        return cls(r.user, r.version, r.fingerprint, r.token_ids if with_tokens else {})
 
 
 @dataclass
@@ -75,16 +79,18 @@ class ResidencyReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler: residency changes since the last report, oldest first, and
     the reloads and loads that failed.
 
-    ``changes`` holds ``("add", ResidentInfo)`` and ``("remove", (user, version))``.
+    ``changes`` holds ``(rank, "add", ResidentInfo)`` and ``(rank, "remove", (user,
+    version))``, ``rank`` being the reporting worker's tensor-parallel rank.
     """
 
-    changes: list[tuple[str, Any]] = field(default_factory=list)
+    changes: list[tuple[int, str, Any]] = field(default_factory=list)
     failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
     failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
 
     def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
-        # Tensor parallelism is refused at start-up, so there is one worker; merging
-        # keeps every change in order.
+        """vLLM's merge of the ranks' reports of one step (``KVOutputAggregator``, in
+        rank order): each change keeps its rank, so concatenating loses nothing; the
+        scheduler counts a user resident only once every rank has reported it."""
         return ResidencyReport(self.changes + other.changes,
                                self.failed_reloads + other.failed_reloads,
                                self.failed_loads + other.failed_loads)

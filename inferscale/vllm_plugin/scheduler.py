@@ -4,7 +4,9 @@ A request names its memory in ``kv_transfer_params["inferscale"]``: ``user``, ``
 and the ordered ``chunks`` (``"prefix"`` then fact ids). :class:`ConnectorScheduler`
 keeps a *residency view* — which (user, version) the workers hold, under which model
 fingerprint, and each chunk's token ids — built only from what the workers report
-(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`).
+(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`). Under tensor parallelism
+each rank holds its own KV heads of a user and reports on its own: the view is kept per
+rank, and a user is resident only when every rank holds that version.
 :meth:`~ConnectorScheduler.get_num_new_matched_tokens` reports the memory tokens as
 externally available only when the user's version is resident, the fingerprint is the
 engine's, every chunk is known and the prompt begins with exactly the chunks' token ids;
@@ -66,11 +68,12 @@ def _params(request: "Request") -> dict | None:
 class ConnectorScheduler:
     """The scheduler half: residency view, admission, per-step load specs."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int):
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1):
         self.config = config
         self.block_size = block_size
-        self._view: dict[tuple[str, str], ResidentInfo] = {}
-        self._held: dict[str, str] = {}  # user -> version the workers hold
+        self.tp_size = tp_size
+        # per tensor-parallel rank: user -> the version that rank holds
+        self._ranks: list[dict[str, ResidentInfo]] = [{} for _ in range(tp_size)]
         self._plans: dict[str, _Plan] = {}
         self._to_load: dict[str, _Plan] = {}
         self._reloads: dict[tuple[str, str], ReloadOrder] = {}
@@ -107,7 +110,8 @@ class ConnectorScheduler:
             self._plans.pop(request.request_id, None)
             return 0, False
         self._fallbacks.pop(request.request_id, None)
-        info = self._view[(user, version)]
+        info = self._resident(user, version)
+        assert info is not None
         memory = sum(len(info.token_ids[c]) for c in chunks)
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
         if end <= num_computed_tokens:
@@ -127,20 +131,27 @@ class ConnectorScheduler:
     def _refusal(self, user: str, version: str, chunks: list[str], request: "Request",
                  supersedes: bool = False) -> str | None:
         """Why this request's memory cannot be injected, or None when it can. A miss
-        orders a background reload when the workers hold nothing of the user, or hold
+        orders a background reload when the workers (some ranks, under tensor
+        parallelism) hold nothing of the user, or hold
         another version and the request's version ``supersedes`` it (the server moved
         the user to a new LATEST)."""
         if self._disabled:
             return self._disabled
-        info = self._view.get((user, version))
+        info = self._resident(user, version)
         if info is None:
-            held = self._held.get(user)
-            if held is None:
+            held = [r[user].version for r in self._ranks if user in r]
+            others = [v for v in held if v != version]
+            if not held:
                 self._order_reload(user, version, self.config.reload_tier)
                 return "user not resident"
-            if supersedes:
-                self._order_reload(user, version, None)  # into the old version's tier
-            return f"stale version (workers hold {held[:12]})"
+            if others:  # (some ranks may hold this version already: mid-reload)
+                if supersedes:
+                    self._order_reload(user, version, None)  # into the old version's tier
+                return f"stale version (workers hold {others[0][:12]})"
+            # some ranks hold this version, the others nothing (their own budgets dropped it)
+            self._order_reload(user, version, self.config.reload_tier)  # holders skip it
+            return (f"user not resident on every rank ({len(held)} of {self.tp_size} "
+                    "hold it)")
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
         if not chunks:
@@ -154,6 +165,13 @@ class ConnectorScheduler:
         if len(prompt) <= len(ids) or list(prompt[:len(ids)]) != ids:
             return "prompt does not begin with the memory's token ids"
         return None
+
+    def _resident(self, user: str, version: str) -> ResidentInfo | None:
+        """Rank 0's info on ``user``'s ``version`` when every rank holds it, else None."""
+        infos = [r.get(user) for r in self._ranks]
+        if any(i is None or i.version != version for i in infos):
+            return None
+        return infos[0]
 
     def _order_reload(self, user: str, version: str, tier: str | None) -> None:
         key = (user, version)
@@ -241,24 +259,24 @@ class ConnectorScheduler:
                                  "the residency view may lag (loads are checked by workers)")
 
     def _apply(self, report: ResidencyReport) -> None:
-        for op, payload in report.changes:
+        for rank, op, payload in report.changes:
+            held = self._ranks[rank]
             if op == "remove":
                 user, version = payload
-                self._view.pop((user, version), None)
+                if user in held and held[user].version == version:
+                    del held[user]
                 self._reload_pending.discard((user, version))
-                if self._held.get(user) == version:
-                    del self._held[user]
                 continue
             info: ResidentInfo = payload
-            old = self._held.get(info.user)
-            if old is not None and old != info.version:
-                self._view.pop((info.user, old), None)
-            self._view[(info.user, info.version)] = info
-            self._held[info.user] = info.version
-            self._reload_pending.discard((info.user, info.version))
-            self._reload_failed.pop((info.user, info.version), None)
+            held[info.user] = info  # a rank holds one version per user
+            if self._resident(info.user, info.version) is not None:  # every rank holds it
+                self._reload_pending.discard((info.user, info.version))
+                self._reload_failed.pop((info.user, info.version), None)
+        failed: dict[tuple[str, str], str] = {}  # one failure however many ranks report it
         for user, version, reason in report.failed_reloads:
-            key = (user, version)
+            failed.setdefault((user, version), reason)
+        for key, reason in failed.items():
+            user, version = key
             failures = self._reload_failed.get(key, (0, 0.0))[0] + 1
             wait = self.config.backoff_s(failures)
             self._reload_failed[key] = (failures, time.monotonic() + wait)

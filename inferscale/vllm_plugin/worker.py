@@ -17,6 +17,11 @@ scheduler, whose answer for that request then says ``fallback: memory load faile
 Residency changes, failed reloads and failed loads go back to the scheduler in
 :meth:`~ConnectorWorker.build_connector_worker_meta`.
 
+Under tensor parallelism there is one :class:`ConnectorWorker` per rank: its store keeps
+only the rank's KV heads of every slab (:class:`~inferscale.hydrate.resident.HeadShard`,
+from :func:`~inferscale.vllm_plugin.compat.kv_head_shard`), its loads write them into the
+rank's paged cache (which holds exactly those heads) and its reports name its rank.
+
 Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector` (vLLM's hooks)
 and by the worker extension's collective-RPC endpoints
 (:mod:`inferscale.vllm_plugin.worker_ext`).
@@ -31,10 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale.hydrate.loader import ResidentLoader
-from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.hydrate.resident import HeadShard, Resident, ResidentStore
 from inferscale.hydrate.slab import READS
 from inferscale.types import TIERS
-from inferscale.vllm_plugin.compat import attention_layers, find_rotary
+from inferscale.vllm_plugin.compat import (
+    attention_layers, find_rotary, kv_head_shard, layer_kv_heads, tensor_parallel_rank,
+)
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
@@ -67,8 +74,14 @@ class ConnectorWorker:
         self.block_size = vllm_config.cache_config.block_size
         # the engine's model dtype: slabs are converted to it once, when hydrated
         self.model_dtype = vllm_config.model_config.dtype
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = tensor_parallel_rank() if tp_size > 1 else 0
+        total = vllm_config.model_config.get_total_num_kv_heads()
+        start, count = kv_head_shard(total, tp_size, self.tp_rank)
+        # this rank's KV heads; None (all of them) without tensor parallelism
+        self.heads = HeadShard(start, count, total) if tp_size > 1 else None
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
-                                   config.host_budget_bytes, self.model_dtype)
+                                   config.host_budget_bytes, self.model_dtype, self.heads)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
                                      config.storage_options, config.reload_workers)
         self.rotary: torch.nn.Module | None = None
@@ -95,14 +108,28 @@ class ConnectorWorker:
         if self.rotary is None:
             self.rotary = find_rotary(model)
         if layers is not None and self._fused is None:
-            self._layers = attention_layers(layers)
+            self._layers = self._checked(attention_layers(layers))
             self._build_fused()
+
+    def _checked(self, layers: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """``layers``, once their caches are seen to hold as many KV heads as this rank's
+        slabs will (a different sharding than :func:`kv_head_shard`'s raises)."""
+        want = self.heads.count if self.heads is not None else None
+        for idx, layer in layers:
+            have = layer_kv_heads(layer)
+            if want is not None and have != want:
+                raise RuntimeError(
+                    f"tensor-parallel rank {self.tp_rank}: layer {idx}'s cache holds {have} "
+                    f"KV heads, but this rank's share of the model's {self.heads.total} is "
+                    f"{want}")
+        return layers
 
     def _build_fused(self) -> None:
         if not self._layers or self.rotary is None:
             return
         self._fused = FusedWriter.build(self._layers, self.rotary, self.model_dtype,
-                                        place=lambda slab: self.store.place(slab, "gpu"))
+                                        place=lambda slab: self.store.place(
+                                            slab, "gpu", all_heads=False))
 
     @property
     def inject_path(self) -> str:
@@ -123,7 +150,10 @@ class ConnectorWorker:
 
     def status(self) -> dict:
         store = self.store
-        return {"residents": store.residents(), "loaded_tokens": self.loaded_tokens,
+        heads = self.heads
+        return {"tp_rank": self.tp_rank,
+                "kv_heads": [heads.start, heads.count] if heads is not None else None,
+                "residents": store.residents(), "loaded_tokens": self.loaded_tokens,
                 "reloads": self.loader.reloads, "reload_failures": self.loader.reload_failures,
                 "kv_reads": dict(READS),  # kv.arrow reads started (hydrations, reloads)
                 "load_failures": self.failures.count,  # loads recomputed instead (logged)
@@ -206,7 +236,7 @@ class ConnectorWorker:
 
     def _attention_layers(self, forward_context: "ForwardContext") -> list[tuple[int, Any]]:
         if self._layers is None:  # the attention layers never change: find them once
-            self._layers = attention_layers(forward_context.no_compile_layers)
+            self._layers = self._checked(attention_layers(forward_context.no_compile_layers))
         if self._fused is None:
             self._build_fused()
         if not self._layers:
@@ -260,6 +290,8 @@ class ConnectorWorker:
         loads, self._failed_loads = self._failed_loads, []
         if not events and not failed and not loads:
             return None
-        changes = [("add", ResidentInfo.of(e.resident)) if e.op == "add"
-                   else ("remove", (e.user, e.version)) for e in events]
+        rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
+        changes = [(rank, "add", ResidentInfo.of(e.resident, with_tokens=rank == 0))
+                   if e.op == "add" else (rank, "remove", (e.user, e.version))
+                   for e in events]
         return ResidencyReport(changes, failed, loads)

@@ -6,6 +6,9 @@ vLLM mixes :class:`InferScaleWorkerExtension` into its worker class
 :meth:`InferScaleWorkerExtension.inferscale_hydrate` next to the KV cache. Only ids cross
 the process boundary: the worker reads the artifact itself. Each endpoint hands over to
 the connector's worker half (:class:`~inferscale.vllm_plugin.worker.ConnectorWorker`).
+Under tensor parallelism ``collective_rpc`` runs each endpoint on every rank and returns
+one result per rank, in rank order: each rank hydrates, evicts, reports and verifies its
+own KV heads (the results name the rank, ``tp_rank``, and its heads, ``kv_heads``).
 
 Callers: :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin
 hydrate/evict/budgets/status, load verification, and the counters the server's
@@ -46,7 +49,10 @@ class InferScaleWorkerExtension:
         worker.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         resident = worker.load(user, version, tier)
+        heads = worker.heads
         return {"user": user, "version": resident.version, "tier": resident.tier,
+                "tp_rank": worker.tp_rank,
+                "kv_heads": [heads.start, heads.count] if heads is not None else None,
                 "bytes": resident.nbytes, "chunks": len(resident.index),
                 "dtype": str(resident.slab.dtype).removeprefix("torch."),
                 "seconds": round(time.perf_counter() - t0, 4)}
@@ -65,7 +71,8 @@ class InferScaleWorkerExtension:
         """Compare the paged cache at the last kept load's slots with an independent
         computation (:func:`inferscale.vllm_plugin.inject.verify_step`)."""
         hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
-        return _worker().verify_last_load(hf_config)
+        worker = _worker()
+        return {**worker.verify_last_load(hf_config), "tp_rank": worker.tp_rank}
 
     def inferscale_evict(self, user: str) -> bool:
         return _worker().evict(user)
@@ -84,6 +91,13 @@ class InferScaleWorkerExtension:
         resident.slab = torch.empty_strided(slab.shape, slab.stride(), dtype=slab.dtype,
                                             device="meta")
         return True
+
+    def inferscale_fault_drop_on_rank(self, user: str, rank: int) -> bool:
+        """Fault injection, for tests: only tensor-parallel rank ``rank`` loses ``user``,
+        as its own budget eviction would drop it (not an admin eviction: a later request
+        reloads it there). Returns whether this worker dropped it."""
+        worker = _worker()
+        return worker.tp_rank == rank and worker.store.evict(user)
 
     def inferscale_status(self) -> dict:
         return _worker().status()

@@ -85,6 +85,30 @@ def test_an_admin_eviction_stops_reloads_until_the_next_load(published):
     assert "ann" not in loader.admin_evicted and loader.store.get("ann", version) is not None
 
 
+def test_a_rank_loads_its_heads_and_skips_a_reload_of_what_it_holds(published):
+    """Under tensor parallelism (rank 0 of 2: head 0 of 2) the verified artifact is cut to
+    the rank's heads and admitted by the size of its share (the budget holds half the
+    slab); a reload the scheduler orders for a version the rank already holds reads
+    nothing."""
+    from inferscale.hydrate.resident import HeadShard
+    from inferscale.hydrate.slab import READS
+
+    store, memory, version = published
+    slab = expected_slab(memory)
+    whole = slab.numel() * slab.element_size()  # bytes of every head
+    loader = ResidentLoader(ResidentStore("cpu", whole // 2, 0, heads=HeadShard(0, 1, 2)),
+                            FP, store.root, store.storage_options)
+    resident = loader.load("ann", version, "gpu")
+    want = slab[:, :, :, 0:1]
+    assert torch.equal(resident.slab, want) and resident.slab.shape[3] == 1
+    assert resident.tier == "gpu" and resident.nbytes == whole // 2
+    before = dict(READS)
+    loader.reload_in_background("ann", version, "gpu")
+    time.sleep(0.5)  # a reload of this tiny artifact would have finished by now
+    assert READS == before and loader.take_failures() == [] and loader.reloads == 0
+    assert loader.store.get("ann", version) is resident
+
+
 def test_a_slab_over_every_budget_is_refused_before_it_is_read(published):
     """Admin loads and background reloads check the manifest's size against the budgets
     first: nothing of kv.arrow is read, the refusal is counted once per reload."""

@@ -128,3 +128,31 @@ def test_slabs_are_converted_once_to_the_store_dtype():
     assert store.held("u").tier == "host" and torch.equal(store.held("u").slab, want)
     # no dtype: slabs keep the artifact's
     assert ResidentStore("cpu", 1 << 20, 1 << 20).put(bf16, "gpu").slab.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+def test_a_tensor_parallel_rank_keeps_only_its_heads(tier):
+    """Rank 1 of 2 (heads 2-3 of 4): the slab is cut in the copy that places it; the
+    budgets count its share; the store owns those bytes only (nothing of the other heads
+    stays referenced); a demotion keeps it as is; a slab of another head count is refused."""
+    from inferscale.hydrate.resident import HeadShard
+
+    r = make_resident("u", H=4)
+    full = r.slab.clone()
+    share = full.numel() * 4 // 2
+    store = ResidentStore("cpu", share, 4 * share, heads=HeadShard(2, 2, 4))
+    assert store.placed_bytes(r.slab) == share
+    placed = store.put(r, tier)
+    assert torch.equal(placed.slab, full[:, :, :, 2:4]) and placed.nbytes == share
+    assert placed.slab.untyped_storage().nbytes() == share
+    assert store.used(tier) == share and store.residents()[0]["bytes"] == share
+    store.put(make_resident("v", H=4, seed=1), "gpu")  # demotes u to host, unchanged
+    assert store.held("u").tier == "host" and torch.equal(store.held("u").slab,
+                                                         full[:, :, :, 2:4])
+    out = torch.empty((9, 2, 2, 2, 4))
+    store.gather(store.held("u"), ["b", "prefix", "a"], 0, 9, out)
+    assert torch.equal(out, torch.cat([full[7:9], full[0:7]])[:, :, :, 2:4])
+    with pytest.raises(ResidencyError, match="not the model's 4 KV heads"):
+        store.put(make_resident("w", H=2), "gpu")
+    with pytest.raises(ValueError, match="not inside"):
+        HeadShard(2, 3, 4)

@@ -36,7 +36,7 @@ def test_each_refusal_has_its_reason():
     held = ResidentInfo("ann", "v2", FP, {"prefix": PREFIX, "f1": FACT})
     other_model = ResidentInfo("bob", "v1", "b" * 32, {"prefix": PREFIX, "f1": FACT})
     sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=ResidencyReport(
-        [("add", held), ("add", other_model)])))
+        [(0, "add", held), (0, "add", other_model)])))  # (rank, op, payload)
     prompt = [*PREFIX, *FACT, 9, 9]
     cases = {
         "not_resident": ({"user": "carl", "version": "v1", "chunks": ["prefix"]}, prompt),
@@ -59,6 +59,20 @@ def test_each_refusal_has_its_reason():
     assert sched.get_num_new_matched_tokens(ok, 0) == (len(PREFIX) + len(FACT), False)
     assert fallback_reason(sched.request_finished(ok, [])[1][PARAMS_KEY].get("fallback")) is None
     assert set(seen) | {"load_error", "other"} == set(FALLBACK_REASONS)
+
+
+def test_a_user_only_some_ranks_hold_counts_as_not_resident():
+    """Tensor parallelism: rank 0 holds the user, rank 1 not (yet)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched = ConnectorScheduler(ConnectorConfig(model_fingerprint=FP), block_size=16, tp_size=2)
+    held = ResidentInfo("ann", "v2", FP, {"prefix": PREFIX, "f1": FACT})
+    sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=ResidencyReport([(0, "add", held)])))
+    text = fallback_of(sched, request("r", {"user": "ann", "version": "v2", "chunks": [
+        "prefix", "f1"]}, [*PREFIX, *FACT, 9]))
+    assert text == "user not resident on every rank (1 of 2 hold it)"
+    assert fallback_reason(text) == "not_resident"
 
 
 @pytest.mark.parametrize("text, reason", [
