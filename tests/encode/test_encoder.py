@@ -41,6 +41,19 @@ def _models():
     }
 
 
+def _check_relocation(model, context: list[int], chunk: list[int]):
+    """Encode ``chunk`` after ``context``: its stored keys rotated to ``p..p+c-1`` and its
+    values equal the joint prefill's (1e-5). Returns the encoding and the prefill's keys
+    of the chunk (``[L, c, H, D]``)."""
+    keys, values = joint_prefill_kv(model, context + chunk)
+    enc = encode_one(model, context, chunk)
+    p = len(context)
+    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
+    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
+    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    return enc, keys[:, p:]
+
+
 @pytest.mark.parametrize("name", sorted(_models()))
 def test_relocation_tiny_models(name):
     """Keys prefilled at p..p+c-1 == stored pre-RoPE keys rotated to p..p+c-1."""
@@ -48,14 +61,9 @@ def test_relocation_tiny_models(name):
     g = torch.Generator().manual_seed(1)
     context = torch.randint(0, 256, (37,), generator=g).tolist()
     chunk = torch.randint(0, 256, (9,), generator=g).tolist()
-    keys, values = joint_prefill_kv(model, context + chunk)
-    enc = encode_one(model, context, chunk)
-    p = len(context)
-    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
-    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
-    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    enc, keys = _check_relocation(model, context, chunk)
     # and the stored keys really are pre-RoPE: unrotated they differ from the cache
-    assert (enc.keys - keys[:, p:]).abs().max().item() > 1e-2
+    assert (enc.keys - keys).abs().max().item() > 1e-2
 
 
 @pytest.mark.slow
@@ -64,12 +72,7 @@ def test_relocation_smollm2_real_weights(smollm2):
     context = tok.encode("Caroline: I adopted a dog named Rex last spring.\n"
                          "Melanie: That's lovely, how is he doing?\n", add_special_tokens=False)
     chunk = tok.encode("- He loves long walks by the river.\n", add_special_tokens=False)
-    keys, values = joint_prefill_kv(model, context + chunk)
-    enc = encode_one(model, context, chunk)
-    p = len(context)
-    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
-    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
-    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    _check_relocation(model, context, chunk)
 
 
 def _limiting_case(model, prefix: list[int], facts: list[list[int]], tol: float):
