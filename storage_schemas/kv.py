@@ -16,27 +16,35 @@ The file holds one record batch, one row per chunk:
   encoder config, the model fingerprint and the numerics of the computation
   (``inferscale.encode.content_keys``). A later version of the same user reuses the rows
   of a chunk whose key it needs instead of encoding it again. Null: never reused;
+- ``digest`` uint64 (since version 3): xxh3-64 of the chunk's rows as stored, so a
+  reader that fetches single chunks by byte range (a request's retrieved facts, without
+  the rest of the slab) can verify each one; the manifest records :func:`index_digest`
+  of these index columns, so the index itself is verified too;
 - ``kv`` large_list<storage>: the chunk's rows flattened. Its child values buffer is
   the whole slab, one contiguous buffer, so a memory-mapped or in-memory file yields
   the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32;
-  the true dtype, the layout and L/H/D are in the schema metadata.
+  the true dtype, the layout and L/H/D are in the schema metadata. Every other column's
+  buffers precede it in the file: a reader projecting the index columns reads a few KB.
 
-Versions: 1 had no ``content_key`` column; readers accept 1 and 2 (a version-1 file
-has no keys, so nothing is reused from it).
+Versions: 1 had no ``content_key`` column, 2 no ``digest``; readers accept 1 to 3 (a
+version-1 file has no keys, so nothing is reused from it; a file before version 3 is
+only read whole).
 
 Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import pyarrow as pa
+import xxhash
 
 from storage_schemas.common import check_schema, schema_meta
 
 NAME = "kv"
-VERSION = 2
+VERSION = 3
 PREFIX = "prefix"
 LAYOUT = "token-major [T, 2, L, H, D]"
 
@@ -92,10 +100,12 @@ class KVLayout:
         return (self.tokens, 2, self.layers, self.kv_heads, self.head_dim)
 
     def schema(self, version: int = VERSION) -> pa.Schema:
-        """The kv file's schema as written by schema ``version`` (1 or 2)."""
-        if version not in (1, 2):
+        """The kv file's schema as written by schema ``version`` (1 to 3)."""
+        if version not in (1, 2, 3):
             raise KVFormatError(f"no kv schema version {version}")
         keyed = [pa.field("content_key", pa.string(), nullable=True)] if version >= 2 else []
+        if version >= 3:
+            keyed.append(pa.field("digest", pa.uint64(), nullable=False))
         return pa.schema(
             [
                 pa.field("chunk_id", pa.string(), nullable=False),
@@ -165,3 +175,24 @@ def check_index(chunk_ids: list[str], offsets: list[int], lengths: list[int],
         pos += n
     if pos != tokens:
         raise KVFormatError(f"chunks cover {pos} rows, the slab has {tokens}")
+
+
+INDEX_COLUMNS = ("chunk_id", "offset", "length", "token_ids", "digest")
+
+
+def chunk_digest(rows: memoryview | bytes) -> int:
+    """xxh3-64 of one chunk's rows as stored (the ``digest`` column)."""
+    return xxhash.xxh3_64_intdigest(rows)
+
+
+def index_digest(chunk_ids: list[str], offsets: list[int], lengths: list[int],
+                 token_ids: list[list[int]], digests: list[int]) -> str:
+    """xxh3-128 over the index columns in order (what a manifest records as
+    ``kv.index_xxh3``): a reader of single chunks checks the index it read with it."""
+    h = xxhash.xxh3_128()
+    for cid, off, n, toks, d in zip(chunk_ids, offsets, lengths, token_ids, digests,
+                                    strict=True):
+        h.update(cid.encode() + b"\0")
+        h.update(struct.pack("<qqQq", off, n, d, len(toks)))
+        h.update(struct.pack(f"<{len(toks)}i", *toks))
+    return h.hexdigest()

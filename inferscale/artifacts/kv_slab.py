@@ -104,12 +104,17 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         token_ids = pa.array([list(map(int, c.token_ids)) for c in chunks], type=pa.list_(pa.int32()))
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
         raise InvalidArtifactInput(f"token ids must be int32 integers: {exc}") from exc
+    row_bytes = layout.row_elems * kv_schema.ITEMSIZE[layout.dtype]
+    raw = memoryview(flat_np).cast("B")
+    digests = [kv_schema.chunk_digest(raw[o * row_bytes:(o + n) * row_bytes])
+               for o, n in zip(offsets[:-1], lengths)]
     batch = pa.record_batch([
         pa.array(ids, type=pa.string()),
         pa.array(offsets[:-1], type=pa.int64()),
         pa.array(lengths, type=pa.int32()),
         token_ids,
         pa.array(content_keys, type=pa.string()),
+        pa.array(digests, type=pa.uint64()),
         kv_arr,
     ], schema=schema)
     return layout, batch, slab_buffer

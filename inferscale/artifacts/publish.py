@@ -192,7 +192,9 @@ def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts:
         counts={"facts": facts.num_rows, "chunks": batch.num_rows, "tokens": layout.tokens},
         kv={"layout": kv_schema.LAYOUT, "dtype": layout.dtype, "layers": layout.layers,
             "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
-            "slab_offset": slab_offset, "slab_bytes": layout.slab_bytes},
+            "slab_offset": slab_offset, "slab_bytes": layout.slab_bytes,
+            "index_xxh3": kv_schema.index_digest(*(
+                batch.column(c).to_pylist() for c in kv_schema.INDEX_COLUMNS))},
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         producer=f"inferscale {__version__}",
     )

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from inferscale.artifacts.layout import StoreConfig
-from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.hydrate.resident import Resident
+from inferscale.hydrate.store import ResidentStore
 from inferscale.hydrate.slab import hydrate, slab_nbytes
 from storage_schemas.manifest import Manifest
 
@@ -82,7 +83,7 @@ class ResidentLoader:
             raise RuntimeError("the connector has no artifact_root to hydrate from")
         store = StoreConfig(self.artifact_root, dict(self.storage_options))
         return hydrate(store, user, self.model_fingerprint, version, tier="host",
-                       admit=self.admission(tier))
+                       admit=self.admission(tier), staging=self.store)
 
     def put(self, resident: Resident, tier: str) -> Resident:
         """Put a hydrated artifact into ``tier`` of the store (its fingerprint must be the

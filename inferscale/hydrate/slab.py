@@ -33,7 +33,7 @@ import mmap
 import os
 import sys
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -48,11 +48,15 @@ from inferscale.artifacts.layout import (
 from inferscale.artifacts.read import (
     check_digest, check_size, data_path, manifest_at, resolve_version,
 )
+from inferscale.hydrate.arena import Region
 from inferscale.hydrate.resident import Resident
 from inferscale.types import Tier, check_tier, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
+
+if TYPE_CHECKING:
+    from inferscale.hydrate.store import ResidentStore
 
 
 def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
@@ -76,7 +80,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
             tier: Tier = "host", device: str | torch.device | None = None,
             expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
             part_bytes: int = 32 << 20, workers: int | None = None,
-            admit: Callable[[Manifest], None] | None = None) -> Resident:
+            admit: Callable[[Manifest], None] | None = None,
+            staging: "ResidentStore | None" = None) -> Resident:
     """Load and verify one version's KV slab.
 
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
@@ -89,7 +94,10 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     slab's size, :func:`slab_nbytes`, against its memory budget there). Errors:
     ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``, ``ChecksumError``,
     ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``, and what
-    ``admit`` raises.
+    ``admit`` raises. ``staging``: a resident store whose staging reserve the bytes are
+    read into (the serving worker: no memory is allocated, pinned or not; the returned
+    resident holds that region, which ``staging.put`` adopts or gives back); otherwise
+    a fresh host buffer, pinned where CUDA exists.
     """
     check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
@@ -120,14 +128,21 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     if workers is None:
         workers = 4 if store.is_local else 8
 
+    region = staging.staging(size) if staging is not None and not use_mmap else None
     try:
-        host, dev_buf, digest = _read(loc, path, size, tier, dev, use_mmap, part_bytes, workers)
-    except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
-        raise TruncatedArtifact(f"{path} disappeared while being read "
-                                f"({loc.describe(version)})") from exc
-    check_digest(loc, manifest, KV_FILE, digest)
-
-    layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest, expected)
+        try:
+            host, dev_buf, digest = _read(loc, path, size, tier, dev, use_mmap, part_bytes,
+                                          workers, region)
+        except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
+            raise TruncatedArtifact(f"{path} disappeared while being read "
+                                    f"({loc.describe(version)})") from exc
+        check_digest(loc, manifest, KV_FILE, digest)
+        layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest,
+                                                             expected)
+    except BaseException:
+        if region is not None:
+            staging.release(region)
+        raise
     source = dev_buf if dev_buf is not None else host
     dtype = torch_dtype(layout.dtype)
     if layout.slab_bytes:
@@ -135,19 +150,22 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
     return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
-                    token_ids, tier, manifest, keys)
+                    token_ids, tier, manifest, keys, region=region)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
-          part_bytes: int, workers: int) -> tuple[torch.Tensor, torch.Tensor | None, str]:
-    """The file's bytes in host memory (and on the device for the CUDA gpu tier), hashed."""
+          part_bytes: int, workers: int, region: Region | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The file's bytes in host memory (``region``'s, else a new buffer; and on the device
+    for the CUDA gpu tier), hashed."""
     READS["kv_files"] += 1
     READS["kv_bytes"] += size
     if use_mmap:
         host, digest = _map_and_hash(path, size, part_bytes)
         return host, None, digest
     cuda = dev.type == "cuda"
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    host = region.data[:size] if region is not None else \
+        torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
     dev_buf = on_part = stream = None
     if tier == "gpu" and cuda:  # each part goes on to the device as soon as it is hashed
         dev_buf = torch.empty(size, dtype=torch.uint8, device=dev)

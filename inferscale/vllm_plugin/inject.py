@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from inferscale.encode.rope import RotaryTables, rotate_keys
-from inferscale.hydrate.resident import Resident, ResidentStore
+from inferscale.hydrate.resident import Resident
+from inferscale.hydrate.store import ResidentStore
 from inferscale.vllm_plugin.compat import read_layer_kv, rotate_with_model, write_layer_kv
 from inferscale.vllm_plugin.kernels.writer import FusedWriter, Source
 

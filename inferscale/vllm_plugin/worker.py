@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale.hydrate.loader import ResidentLoader
-from inferscale.hydrate.resident import HeadShard, Resident, ResidentStore
+from inferscale.hydrate.resident import HeadShard, Resident
+from inferscale.hydrate.store import ResidentStore
 from inferscale.hydrate.slab import READS
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.compat import (

@@ -11,7 +11,7 @@ import torch
 from builders import expected_slab, make_inputs
 from inferscale.artifacts.publish import publish
 from inferscale.hydrate.loader import ResidentLoader
-from inferscale.hydrate.resident import ResidentStore
+from inferscale.hydrate.store import ResidentStore
 
 FP = "fp-test"
 

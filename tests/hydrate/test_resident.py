@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from inferscale.hydrate.resident import ResidencyError, Resident, ResidentStore
+from inferscale.hydrate.arena import ALIGN
+from inferscale.hydrate.resident import ResidencyError, Resident
+from inferscale.hydrate.store import ResidentStore
 
 
 def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),
@@ -144,7 +146,9 @@ def test_a_tensor_parallel_rank_keeps_only_its_heads(tier):
     assert store.placed_bytes(r.slab) == share
     placed = store.put(r, tier)
     assert torch.equal(placed.slab, full[:, :, :, 2:4]) and placed.nbytes == share
-    assert placed.slab.untyped_storage().nbytes() == share
+    # its memory: the share, rounded up to the arenas' alignment
+    assert placed.slab.untyped_storage().nbytes() == placed.region.nbytes == \
+        -(-share // ALIGN) * ALIGN
     assert store.used(tier) == share and store.residents()[0]["bytes"] == share
     store.put(make_resident("v", H=4, seed=1), "gpu")  # demotes u to host, unchanged
     assert store.held("u").tier == "host" and torch.equal(store.held("u").slab,

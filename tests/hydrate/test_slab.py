@@ -140,7 +140,8 @@ def test_admission_refuses_before_reading_the_kv(published):
     """``admit`` sees the verified manifest first: a refusal reads nothing of kv.arrow
     (here the file is even gone, which any read or size check would report)."""
     from inferscale.hydrate.slab import READS, slab_nbytes
-    from inferscale.hydrate.resident import ResidencyError, ResidentStore
+    from inferscale.hydrate.resident import ResidencyError
+    from inferscale.hydrate.store import ResidentStore
 
     store, loc, r = published
     assert slab_nbytes(r.manifest) == r.manifest.kv["slab_bytes"] > 0
@@ -238,9 +239,9 @@ def rewrite_kv(store, loc, r, table: pa.Table, metadata: dict) -> None:
 def test_newer_kv_schema(published):
     store, loc, r = published
     table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
-    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"3"})
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"4"})
     with pytest.raises(ArtifactSchemaError,
-                       match=r"kv\.\w+\.arrow: kv schema version 3 is newer") as err:
+                       match=r"kv\.\w+\.arrow: kv schema version 4 is newer") as err:
         hydrate(store, "dana", FP)
     assert isinstance(err.value, SchemaVersionError)
 
@@ -251,7 +252,7 @@ def test_kv_schema_version_1_still_hydrates(published):
     memory, *_ = make_inputs("dana", 12)
     table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
     assert table.column("content_key").null_count == table.num_rows  # builders set none
-    v1 = table.drop_columns(["content_key"])
+    v1 = table.drop_columns(["content_key", "digest"])
     rewrite_kv(store, loc, r, v1, {**table.schema.metadata, b"inferscale.schema_version": b"1"})
     h = hydrate(store, "dana", FP)
     check(h, memory)

@@ -22,18 +22,30 @@ def test_schema_round_trip():
     assert layout(dtype="float16").schema().field("kv").type.value_type == pa.uint16()
 
 
-def test_version_1_still_reads_and_has_no_content_key():
+def test_older_versions_still_read():
+    """1 had no content_key, 2 no digest; both still parse (and are read whole)."""
     lay = layout()
-    assert kv.VERSION == 2 and lay.schema().field("content_key").nullable
-    v1 = lay.schema(1)
+    assert kv.VERSION == 3 and lay.schema().field("content_key").nullable
+    assert lay.schema().field("digest").type == pa.uint64()
+    v1, v2 = lay.schema(1), lay.schema(2)
     assert "content_key" not in v1.names and v1.metadata[VERSION_KEY] == b"1"
-    assert kv.KVLayout.from_schema(v1) == lay
-    # a version-1 label on version-2 columns (or the reverse) is a format error
+    assert "digest" not in v2.names and "content_key" in v2.names
+    assert kv.KVLayout.from_schema(v1) == lay == kv.KVLayout.from_schema(v2)
+    # a version label on another version's columns is a format error
     with pytest.raises(kv.KVFormatError, match="columns"):
         kv.KVLayout.from_schema(lay.schema().with_metadata({**lay.schema().metadata,
-                                                            VERSION_KEY: b"1"}))
+                                                            VERSION_KEY: b"2"}))
     with pytest.raises(kv.KVFormatError, match="no kv schema version"):
-        lay.schema(3)
+        lay.schema(4)
+
+
+def test_index_digest_covers_every_index_column():
+    base = (["prefix", "f1"], [0, 3], [3, 2], [[1, 2, 3], [4, 5]], [7, 9])
+    d = kv.index_digest(*base)
+    for i in range(5):
+        changed = [list(c) for c in base]
+        changed[i][1] = [9, 9] if i == 3 else ("f2" if i == 0 else 1 + changed[i][1])
+        assert kv.index_digest(*changed) != d, i
 
 
 def _with_meta(schema, **changes):
@@ -49,7 +61,7 @@ def _with_meta(schema, **changes):
 def test_newer_or_foreign_schema_is_a_schema_version_error():
     s = layout().schema()
     with pytest.raises(SchemaVersionError, match="newer"):
-        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"3"}))
+        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"4"}))
     with pytest.raises(SchemaVersionError, match="expected a 'kv' table"):
         kv.KVLayout.from_schema(s.with_metadata({**s.metadata, NAME_KEY: b"facts"}))
 

@@ -128,7 +128,12 @@ TRITON_SCRIPT = textwrap.dedent("""
     size = caches[0].element_size()
     off = torch.tensor([[l, (c.data_ptr() - caches[0].data_ptr()) // size]
                         for l, c in enumerate(caches)], dtype=torch.int64)
-    inject_kernel[(n, L)](slab, *slab.stride()[:3], rows, pos, slots, cos_sin,
+    # the columns of one [3, n_all] index buffer, starting at an odd column (as a later
+    # request of a step does)
+    at, n_all = 3, n + 5
+    idx = torch.zeros(3, n_all, dtype=torch.int64)
+    idx[0, at:at + n], idx[1, at:at + n], idx[2, at:at + n] = rows, pos, slots
+    inject_kernel[(n, L)](slab, *slab.stride()[:3], idx, at, n_all, cos_sin,
                           cos_sin.stride(0), caches[0], off, *k0.stride(), *v0.stride(),
                           k0.storage_offset() - base, v0.storage_offset() - base, bs,
                           HEADS=H, DIM=D, BH=2, BHALF=8, BDIM=16, NEOX=True)

@@ -10,23 +10,32 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def inject_kernel(src, s_tok, s_kv, s_layer, rows, pos, slots, cos_sin, cs_stride, cache0,
+# Triton compiles one variant per pattern of "integer is 1 / divisible by 16" and "pointer
+# is 16-byte aligned" over the arguments. A cold compile takes hundreds of ms on the
+# engine's thread, stalling every request in flight, so nothing that changes between
+# steps may be specialized on: the per-step index columns are addressed through one
+# buffer that always starts aligned (``idx``) plus an unspecialized column offset
+# (``at``) and row length (``n_all``), and the source slab's strides are unspecialized
+# too. Every step then runs the variant the start-up warm-up compiled.
+@triton.jit(do_not_specialize=["s_tok", "s_kv", "s_layer", "at", "n_all"])
+def inject_kernel(src, s_tok, s_kv, s_layer, idx, at, n_all, cos_sin, cs_stride, cache0,
                   layer_off, kb, ko, kh, kd, vb, vo, vh, vd, k_off, v_off, block_size,
                   HEADS: tl.constexpr, DIM: tl.constexpr, BH: tl.constexpr,
                   BHALF: tl.constexpr, BDIM: tl.constexpr, NEOX: tl.constexpr):
     """One program per (token, layer): load the token's K and V of that layer from
     ``src`` (logical ``[T, 2, L, H, D]``, element strides ``s_tok``, ``s_kv``,
-    ``s_layer``) at slab row ``rows[n]``, rotate K at ``pos[n]`` in float32 (one rounding
-    to the cache dtype), and store both at ``slots[n]`` through the layout's strides
-    (block, offset, head, dim). ``layer_off``: ``[L, 2]`` (layer index, element offset
-    of that layer's cache from ``cache0``)."""
+    ``s_layer``) at slab row ``idx[0, at + n]``, rotate K at position ``idx[1, at + n]``
+    in float32 (one rounding to the cache dtype), and store both at slot
+    ``idx[2, at + n]`` through the layout's strides (block, offset, head, dim). ``idx``:
+    ``[3, n_all]`` int64; ``layer_off``: ``[L, 2]`` (layer index, element offset of
+    that layer's cache from ``cache0``)."""
     n = tl.program_id(0)
     li = tl.program_id(1)
     half = DIM // 2
-    r = tl.load(rows + n)
-    p = tl.load(pos + n)
-    s = tl.load(slots + n)
+    col = idx + at + n
+    r = tl.load(col)
+    p = tl.load(col + n_all)
+    s = tl.load(col + 2 * n_all)
     b = s // block_size
     o = s % block_size
     hh = tl.arange(0, BH)[:, None]

@@ -75,6 +75,69 @@ class Source:
     slots: np.ndarray  # [N] int64
 
 
+# Tokens whose (row, position, slot) one index copy carries; a step that loads more is
+# written in several launches rather than growing pinned memory (allocating pinned memory
+# synchronizes the device: a stall for every request in the step).
+INDEX_CAPACITY = 1 << 16
+
+
+class IndexBuffers:
+    """Two fixed pinned host buffers and their device copies, used in turn by successive
+    steps: a step's indices go over in one non-blocking copy, and a host buffer is only
+    rewritten once the copy that last read it has finished (two steps earlier, so
+    normally without waiting)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = capacity
+        self.host = [torch.empty(3 * capacity, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.dev = [torch.empty(3 * capacity, dtype=torch.int64, device=device)
+                    for _ in range(2)]
+        self.done: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def fill(self, sources: list[Source]) -> tuple[torch.Tensor, int]:
+        """``([3, n] device view of rows/positions/slots, n)`` for ``sources`` (at most
+        ``capacity`` tokens in all), enqueued on the current stream."""
+        n = sum(len(s.rows) for s in sources)
+        if n > self.capacity:
+            raise ValueError(f"{n} tokens exceed the index capacity {self.capacity}")
+        i, self.turn = self.turn, 1 - self.turn
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        host = self.host[i][:3 * n].view(3, n)
+        out = host.numpy()
+        at = 0
+        for s in sources:
+            k = len(s.rows)
+            out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
+            at += k
+        dev = self.dev[i][:3 * n].view(3, n)  # starts at the buffer's (aligned) base
+        dev.copy_(host, non_blocking=True)
+        event = self.done[i] or torch.cuda.Event()
+        event.record()
+        self.done[i] = event
+        return self.dev[i], n
+
+
+def _batches(sources: list[Source], capacity: int) -> list[list[Source]]:
+    """``sources`` cut into lists of at most ``capacity`` tokens (a source split by rows
+    where needed)."""
+    out: list[list[Source]] = [[]]
+    room = capacity
+    for src in sources:
+        at = 0
+        while at < len(src.rows):
+            if room == 0:
+                out.append([])
+                room = capacity
+            k = min(room, len(src.rows) - at)
+            sl = slice(at, at + k)
+            out[-1].append(Source(src.slab, src.rows[sl], src.positions[sl], src.slots[sl]))
+            at += k
+            room -= k
+    return [b for b in out if b]
+
+
 class FusedWriter:
     """Writes rotated K/V of all layers for a list of :class:`Source` in one kernel each.
 
@@ -147,9 +210,7 @@ class FusedWriter:
             offs = [(idx, (layer.kv_cache.data_ptr() - base.data_ptr()) // size)
                     for idx, layer in self.layers]
             self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
-            self._idx_host = torch.empty(0, dtype=torch.int64).pin_memory()
-            self._idx_dev = torch.empty(0, dtype=torch.int64, device=device)
-            self._idx_event: torch.cuda.Event | None = None
+            self._indices = IndexBuffers(INDEX_CAPACITY, device)
         else:
             if self.dtype != torch.float32:
                 raise RuntimeError("the CPU kernel handles float32 models only")
@@ -187,46 +248,29 @@ class FusedWriter:
 
     def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
                     layer_off: torch.Tensor | None = None) -> None:
+        for batch in _batches(sources, INDEX_CAPACITY):
+            self._launch(batch, cache0, layer_off)
+
+    def _launch(self, sources: list[Source], cache0: torch.Tensor | None,
+                layer_off: torch.Tensor | None) -> None:
         import triton
 
         lay = self.layout
         cache0 = self.layers[0][1].kv_cache if cache0 is None else cache0
         layer_off = self._layer_off if layer_off is None else layer_off
-        n_all = sum(len(s.rows) for s in sources)
-        idx = self._indices(sources, n_all)  # [3, n_all] int64 on the device
+        idx, n_all = self._indices.fill(sources)  # [3, n_all] int64 on the device, aligned
         at = 0
         for src in sources:
             n = len(src.rows)
             _, _, _, heads, dim = src.slab.shape
             self._kernel[(n, layer_off.shape[0])](
                 src.slab, src.slab.stride(0), src.slab.stride(1), src.slab.stride(2),
-                idx[0, at:at + n], idx[1, at:at + n], idx[2, at:at + n],
-                self.cos_sin, self.cos_sin.stride(0), cache0, layer_off,
+                idx, at, n_all, self.cos_sin, self.cos_sin.stride(0), cache0, layer_off,
                 *lay.k_strides, *lay.v_strides, lay.k_offset, lay.v_offset, lay.block_size,
                 HEADS=heads, DIM=dim, BH=triton.next_power_of_2(heads),
                 BHALF=triton.next_power_of_2(dim // 2), BDIM=triton.next_power_of_2(dim),
                 NEOX=self.neox)
             at += n
-
-    def _indices(self, sources: list[Source], n: int) -> torch.Tensor:
-        """Rows, positions and slots of all sources in one pinned host -> device copy."""
-        if self._idx_event is not None:
-            self._idx_event.synchronize()  # the previous step's copy has left the buffer
-        if self._idx_host.numel() < 3 * n:
-            self._idx_host = torch.empty(3 * n, dtype=torch.int64).pin_memory()
-            self._idx_dev = torch.empty(3 * n, dtype=torch.int64, device=self.cos_sin.device)
-        host = self._idx_host[:3 * n].view(3, n).numpy()
-        at = 0
-        for s in sources:
-            k = len(s.rows)
-            host[0, at:at + k], host[1, at:at + k], host[2, at:at + k] = \
-                s.rows, s.positions, s.slots
-            at += k
-        dev = self._idx_dev[:3 * n].view(3, n)
-        dev.copy_(self._idx_host[:3 * n].view(3, n), non_blocking=True)
-        self._idx_event = torch.cuda.Event()
-        self._idx_event.record()
-        return dev
 
     # -------------------------------------------------------------- self-check
 
