@@ -103,6 +103,10 @@ class Blobs:
                      watch: int | None = None) -> Written: raise NotImplementedError
     def _range_reader(self, path: str) -> tuple[Callable[[int, int, Any], Any], Callable[[], None]]:
         raise NotImplementedError
+    def open_read(self, path: str) -> Any:
+        """A seekable binary file object (small random reads: a file's footer, its
+        metadata and a few columns)."""
+        raise NotImplementedError
 
     def exists(self, path: str) -> bool:
         return self.size(path) is not None

@@ -150,6 +150,9 @@ class LocalBlobs(Blobs):
         _fsync_dir(os.path.dirname(path))
         return Written(w.n, w.h.hexdigest(), result, w.watched_at)
 
+    def open_read(self, path: str) -> Any:
+        return open(path, "rb")
+
     def _range_reader(self, path: str):
         fd = os.open(path, os.O_RDONLY)
 

@@ -1,0 +1,162 @@
+"""Reading single facts' KV from storage, for a request whose user is in neither tier.
+
+A request retrieves k facts; their rows are a few percent of the user's slab. A
+:class:`FactReader` reads just those rows: the version's chunk index once (the kv file's
+index columns by projection: a few KB of footer, metadata and small buffers; checked
+against the manifest's ``kv.index_xxh3``), then one byte range per chunk
+(``slab_offset + row * row_bytes``; a ``pread`` on local disk, a ranged GET on S3), in
+parallel, each chunk checked against its stored xxh3-64. Files written before kv schema 3
+have no per-chunk digests and are refused (:class:`NotFetchable`): such users are only
+loaded whole.
+
+The bulk work (reads, hashing) releases the GIL, so it runs on a thread pool inside the
+engine's process without holding up the engine's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import (
+    KV_FILE, ArtifactError, ChecksumError, CorruptArtifact, StoreConfig,
+)
+from inferscale.artifacts.read import check_size, data_path, manifest_at
+from inferscale.types import torch_dtype
+from storage_schemas import kv as kv_schema
+
+
+class NotFetchable(ArtifactError):
+    """A version whose facts cannot be read one by one (written before kv schema 3)."""
+
+
+@dataclass(frozen=True)
+class ChunkIndex:
+    """Where each chunk of one version lies in its kv file, and its token ids."""
+
+    user: str
+    version: str
+    path: str
+    dtype: str
+    shape: tuple[int, int, int]  # L, H, D
+    slab_offset: int  # byte offset of row 0 in the file
+    rows: dict[str, tuple[int, int, int]]  # chunk id -> (first row, rows, xxh3-64)
+    token_ids: dict[str, tuple[int, ...]]
+
+    @property
+    def row_bytes(self) -> int:
+        layers, heads, dim = self.shape
+        return 2 * layers * heads * dim * kv_schema.ITEMSIZE[self.dtype]
+
+    def tokens(self, chunks: list[str]) -> int:
+        return sum(self.rows[c][1] for c in chunks)
+
+
+class FactReader:
+    """Chunk indexes (an LRU of ``cached`` versions) and parallel per-chunk reads."""
+
+    def __init__(self, store: StoreConfig, model_fp: str, workers: int = 8, cached: int = 256):
+        self.store, self.model_fp = store, model_fp
+        self.cached = cached
+        self._index: OrderedDict[tuple[str, str], ChunkIndex] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inferscale-fetch")
+        self.bytes_read = 0  # rows read, all requests together
+
+    def index(self, user: str, version: str) -> ChunkIndex:
+        """``user``'s ``version`` index (read once, then cached)."""
+        key = (user, version)
+        with self._lock:
+            found = self._index.get(key)
+            if found is not None:
+                self._index.move_to_end(key)
+                return found
+        found = self._read_index(user, version)
+        with self._lock:
+            self._index[key] = found
+            while len(self._index) > self.cached:
+                self._index.popitem(last=False)
+        return found
+
+    def _read_index(self, user: str, version: str) -> ChunkIndex:
+        loc = Location(self.store, user, self.model_fp)
+        manifest = manifest_at(loc, version)
+        want = manifest.kv.get("index_xxh3")
+        if not want:
+            raise NotFetchable(f"{loc.describe(version)}: written before per-fact reads "
+                               "(kv schema < 3); it is loaded whole")
+        check_size(loc, manifest, KV_FILE)
+        path = data_path(loc, manifest, KV_FILE)
+        with loc.blobs.open_read(path) as f:
+            reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
+            names = reader.schema.names
+            try:
+                picked = [names.index(c) for c in kv_schema.INDEX_COLUMNS]
+            except ValueError:
+                raise NotFetchable(f"{path}: no per-chunk digests; it is loaded whole") from None
+            layout = kv_schema.KVLayout.from_schema(reader.schema)
+            projected = pa.ipc.open_file(pa.PythonFile(f, mode="r"),
+                                         options=pa.ipc.IpcReadOptions(included_fields=picked))
+            if projected.num_record_batches != 1:
+                raise CorruptArtifact(f"{path}: {projected.num_record_batches} record batches")
+            batch = projected.get_batch(0)
+        cols = [batch.column(c).to_pylist() for c in kv_schema.INDEX_COLUMNS]
+        if kv_schema.index_digest(*cols) != want:
+            raise ChecksumError(f"{path}: its chunk index differs from the manifest's "
+                                "(the file is damaged)")
+        ids, offsets, lengths, tokens, digests = cols
+        try:
+            kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+        except kv_schema.KVFormatError as exc:
+            raise CorruptArtifact(f"{path}: {exc}") from exc
+        return ChunkIndex(user, manifest.version, path, layout.dtype,
+                          (layout.layers, layout.kv_heads, layout.head_dim),
+                          int(manifest.kv["slab_offset"]),
+                          {c: (o, n, d) for c, o, n, d in zip(ids, offsets, lengths, digests)},
+                          {c: tuple(t) for c, t in zip(ids, tokens)})
+
+    def read(self, index: ChunkIndex, chunks: list[str], out: torch.Tensor) -> torch.Tensor:
+        """The chunks' rows, in ``chunks`` order, read into ``out`` (host uint8 with room
+        for them) and verified: a ``[T, 2, L, H, D]`` view of ``out`` in the stored dtype.
+        :class:`ChecksumError` when a chunk's bytes differ from its digest."""
+        unknown = [c for c in chunks if c not in index.rows]
+        if unknown:
+            raise KeyError(f"user {index.user} version {index.version[:12]} has no chunks "
+                           f"{unknown[:3]}")
+        rb = index.row_bytes
+        total = index.tokens(chunks)
+        if out.numel() < total * rb:
+            raise ValueError(f"{total * rb} bytes do not fit the {out.numel()}-byte buffer")
+        mv = memoryview(out.numpy()).cast("B")
+        read, close = Location(self.store, index.user, self.model_fp).blobs \
+            ._range_reader(index.path)
+
+        def one(chunk: str, at: int) -> None:
+            row, n, digest = index.rows[chunk]
+            dest = mv[at:at + n * rb]
+            read(index.slab_offset + row * rb, n * rb, dest)
+            if kv_schema.chunk_digest(dest) != digest:
+                raise ChecksumError(f"{index.path}: chunk {chunk!r} differs from its digest "
+                                    "(the file is damaged)")
+
+        try:
+            futures, at = [], 0
+            for c in chunks:
+                futures.append(self._pool.submit(one, c, at))
+                at += index.rows[c][1] * rb
+            errors = [f.exception() for f in futures]  # waits for all: none writes later
+        finally:
+            close()
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            raise failed
+        with self._lock:
+            self.bytes_read += total * rb
+        layers, heads, dim = index.shape
+        return out[:total * rb].view(torch_dtype(index.dtype)).view(total, 2, layers, heads, dim)

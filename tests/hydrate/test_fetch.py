@@ -1,0 +1,134 @@
+"""Per-fact reads from storage: only the requested chunks' bytes, each verified."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+
+from builders import make_inputs
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import ChecksumError
+from inferscale.artifacts.publish import publish
+from inferscale.artifacts.read import data_path, read_manifest
+from inferscale.hydrate.fetch import FactReader, NotFetchable
+from inferscale.hydrate.slab import hydrate
+from storage_schemas.manifest import Manifest
+
+FP = "fp-test"
+
+
+@pytest.fixture
+def published(store):
+    memory, facts, lineage = make_inputs("dana", 12, dtype=torch.bfloat16)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    return store, Location(store, "dana", FP), r
+
+
+def test_reads_the_named_chunks_in_request_order(published):
+    store, loc, r = published
+    whole = hydrate(store, "dana", FP)
+    reader = FactReader(store, FP, workers=3)
+    index = reader.index("dana", r.version)
+    chunks = list(whole.index)
+    picked = [chunks[7], "prefix", chunks[3], chunks[12]]
+    assert index.token_ids == whole.token_ids and index.dtype == "bfloat16"
+    out = torch.empty(index.tokens(picked) * index.row_bytes + 100, dtype=torch.uint8)
+    rows = reader.read(index, picked, out)  # [T, 2, L, H, D]
+    want = torch.cat([whole.chunk(c) for c in picked])
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, want)
+    assert reader.bytes_read == index.tokens(picked) * index.row_bytes
+    assert reader.index("dana", r.version) is index  # cached
+
+
+def test_a_damaged_chunk_fails_only_when_read(published):
+    """Bytes of one chunk are flipped on storage: other chunks still read (nothing but
+    the requested rows is read or hashed); the damaged one raises ChecksumError."""
+    store, loc, r = published
+    reader = FactReader(store, FP)
+    index = reader.index("dana", r.version)
+    chunks = list(index.rows)
+    row, n, _ = index.rows[chunks[5]]
+    path = data_path(loc, r.manifest, "kv.arrow")
+    fs = store.filesystem()
+    data = bytearray(fs.cat_file(path))
+    at = index.slab_offset + row * index.row_bytes + 3
+    data[at] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    out = torch.empty(64 << 10, dtype=torch.uint8)
+    reader.read(index, [chunks[1], chunks[6]], out)  # fine
+    with pytest.raises(ChecksumError, match=f"chunk '{chunks[5]}' differs"):
+        reader.read(index, [chunks[1], chunks[5]], out)
+
+
+def test_an_index_that_disagrees_with_the_manifest_is_refused(published):
+    store, loc, r = published
+    m = read_manifest(store, "dana", FP, r.version)
+    body = {**m.__dict__, "kv": {**m.kv, "index_xxh3": "0" * 32}}
+    store.filesystem().pipe_file(loc.file(r.version, "manifest.json"),
+                                 Manifest(**body).to_json())
+    with pytest.raises(ChecksumError, match="chunk index differs"):
+        FactReader(store, FP).index("dana", r.version)
+
+
+def test_versions_before_per_chunk_digests_are_not_fetchable(published):
+    """A manifest without ``index_xxh3`` (kv schema < 3): loaded whole, never per fact."""
+    store, loc, r = published
+    m = read_manifest(store, "dana", FP, r.version)
+    kv = {k: v for k, v in m.kv.items() if k != "index_xxh3"}
+    store.filesystem().pipe_file(loc.file(r.version, "manifest.json"),
+                                 Manifest(**{**m.__dict__, "kv": kv}).to_json())
+    with pytest.raises(NotFetchable, match="loaded whole"):
+        FactReader(store, FP).index("dana", r.version)
+
+
+def test_unknown_chunks_and_small_buffers_are_refused(published):
+    store, loc, r = published
+    reader = FactReader(store, FP)
+    index = reader.index("dana", r.version)
+    with pytest.raises(KeyError, match="no chunks"):
+        reader.read(index, ["prefix", "nope"], torch.empty(1 << 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="do not fit"):
+        reader.read(index, ["prefix"], torch.empty(1, dtype=torch.uint8))
+
+
+def test_the_index_read_touches_a_few_kilobytes(local_store, monkeypatch):
+    """The index columns come by projection: the bytes read are a small share of the
+    file (the slab is never read)."""
+    memory, facts, lineage = make_inputs("erin", 40, layers=4, heads=4, head_dim=32)
+    r = publish(local_store, "erin", memory, facts, lineage, embeddings=False)
+    loc = Location(local_store, "erin", FP)
+    path = data_path(loc, r.manifest, "kv.arrow")
+    size = r.manifest.files["kv.arrow"].bytes
+    reads = []
+
+    class Counting:  # the real file, its reads counted
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            reads.append(len(data))
+            return data
+
+        def readinto(self, b):
+            k = self.f.readinto(b)
+            reads.append(k)
+            return k
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    from inferscale.artifacts.blobs import LocalBlobs
+
+    orig = LocalBlobs.open_read
+    monkeypatch.setattr(LocalBlobs, "open_read", lambda self, p: Counting(orig(self, p)))
+    index = FactReader(local_store, FP).index("erin", r.version)
+    assert len(index.rows) == 41 and 0 < sum(reads) < size / 20, (sum(reads), size)
+    assert pa.ipc.open_file(path).num_record_batches == 1
