@@ -171,7 +171,8 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
     from inferscale.encode.models import load_model
-    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.vllm_plugin.metadata import MemoryRef
     from inferscale.serve.retrieval import Embedder
 
     dtype = getattr(torch, dtype_name)
@@ -190,7 +191,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
                         args.window, root)
     encode_s = time.perf_counter() - t0
     cuda = device.startswith("cuda")
-    engine = await MemoryEngine(EngineConfig(
+    engine = await MemoryEngine(EngineConfig.of(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint, dtype=dtype_name,
         gpu_memory_utilization=args.gpu_memory_utilization or (0.5 if cuda else 0.15),
         max_model_len=2048, enforce_eager=not cuda, artifact_root=str(root),

@@ -171,7 +171,7 @@ async def serve(cfg: dict) -> None:
     from inferscale.serve.server import MemoryServer
 
     cuda = torch.cuda.is_available()
-    engine = await MemoryEngine(EngineConfig(**cfg["engine"])).start()
+    engine = await MemoryEngine(EngineConfig.of(**cfg["engine"])).start()
     embedder = Embedder(cfg["embedder"], device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     server = MemoryServer(engine, AutoTokenizer.from_pretrained(cfg["tokenizer"]), embedder,

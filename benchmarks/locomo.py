@@ -231,10 +231,11 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
     """Every (conversation, mode, question, k) on one engine. A variant's facts are
     encoded just before its phase; ``on_phase(conv, mode, phase, answers)`` after each."""
     from inferscale.encode.compose import Composer, memory_layout
-    from inferscale.serve.engine import EngineConfig, MemoryEngine, MemoryRef
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.vllm_plugin.metadata import MemoryRef
     from inferscale.types import PREFIX_ID
 
-    engine = await MemoryEngine(EngineConfig(
+    engine = await MemoryEngine(EngineConfig.of(
         model=str(loaded.checkpoint), model_fingerprint=loaded.fingerprint,
         dtype=args.kv_dtype, enforce_eager=not args.compile,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,

@@ -111,7 +111,7 @@ async def measure(args) -> dict:
         kv_note = f"encoded by the model, window {args.window}, float32"
     setup_s = time.perf_counter() - t0
 
-    engine = await MemoryEngine(EngineConfig(
+    engine = await MemoryEngine(EngineConfig.of(
         model_fingerprint=fp, artifact_root=str(work / "artifacts"),
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         enforce_eager=args.eager, block_size=args.block_size,

@@ -168,7 +168,7 @@ def engine_env(smollm2, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("engine") / "artifacts"
     loop = LoopThread()
-    engine = MemoryEngine(EngineConfig(
+    engine = MemoryEngine(EngineConfig.of(
         model=str(smollm2.checkpoint), model_fingerprint=smollm2.fingerprint,
         dtype="float32", kv_cache_memory_bytes=4 << 30, max_model_len=2048,
         artifact_root=str(root)))

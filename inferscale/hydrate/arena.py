@@ -55,6 +55,7 @@ class Region:
     data: torch.Tensor  # [nbytes] uint8
     fence: Fence = NO_FENCE  # what must finish before the region is written
     staged: int = 0  # bytes it counts against a store's staging reserve (0: none)
+    tier: str = ""  # the store tier whose arena it came from (staging regions)
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype,
              order: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -34,6 +34,7 @@ from inferscale.artifacts.layout import StoreConfig
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
 from inferscale.hydrate.slab import hydrate, slab_nbytes
+from inferscale.stats import Histogram
 from storage_schemas.manifest import Manifest
 
 # Under vLLM's logger namespace, so its handlers print these in the worker process.
@@ -43,13 +44,34 @@ log = logging.getLogger("vllm.inferscale.loader")
 RELOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class Throttle:
+    """At most ``bytes_per_s`` on average (0: unbounded) across the threads that share
+    it: a reader calls :meth:`take` after each part and sleeps when it is ahead."""
+
+    def __init__(self, bytes_per_s: int = 0):
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._free_at = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + nbytes / self.rate
+            wait = self._free_at - now - nbytes / self.rate
+        if wait > 0:
+            time.sleep(wait)
+
+
 class ResidentLoader:
     """Puts verified artifact versions into ``store`` for a model ``model_fingerprint``;
     ``artifact_root``/``storage_options`` name the artifact store (empty: none, so only
     slabs handed to :meth:`put` can be loaded)."""
 
     def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
-                 storage_options: dict | None = None, reload_workers: int = 2):
+                 storage_options: dict | None = None, reload_workers: int = 2,
+                 reload_bytes_per_s: int = 0):
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.artifact_root = artifact_root
@@ -57,9 +79,10 @@ class ResidentLoader:
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
         self.reload_failures = 0  # background reloads that failed (refusals included)
-        # successful reloads per latency bucket (RELOAD_BUCKETS_S, then +Inf), their sum
-        self._reload_counts = [0] * (len(RELOAD_BUCKETS_S) + 1)
-        self._reload_seconds = 0.0
+        self.latency = Histogram(RELOAD_BUCKETS_S)  # of the successful reloads
+        # background reloads share this read bandwidth, so a burst of users promoted
+        # from storage never crowds out the requests' own reads
+        self.throttle = Throttle(reload_bytes_per_s)
         self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(reload_workers, thread_name_prefix="inferscale-reload")
@@ -75,7 +98,8 @@ class ResidentLoader:
             self.store.fit_tier(manifest.user, nbytes, tier)
         return admit
 
-    def read(self, user: str, version: str, tier: str = "host") -> Resident:
+    def read(self, user: str, version: str, tier: str = "host",
+             throttle: Throttle | None = None) -> Resident:
         """``user``'s artifact ``version`` (or ``"latest"``) from the artifact store, in
         host memory, refused before reading when it fits no budget ``tier`` may use; the
         store moves it to the tier asked for."""
@@ -83,7 +107,8 @@ class ResidentLoader:
             raise RuntimeError("the connector has no artifact_root to hydrate from")
         store = StoreConfig(self.artifact_root, dict(self.storage_options))
         return hydrate(store, user, self.model_fingerprint, version, tier="host",
-                       admit=self.admission(tier), staging=self.store)
+                       admit=self.admission(tier), staging=self.store,
+                       on_part=throttle.take if throttle is not None else None)
 
     def put(self, resident: Resident, tier: str) -> Resident:
         """Put a hydrated artifact into ``tier`` of the store (its fingerprint must be the
@@ -127,15 +152,14 @@ class ResidentLoader:
         t0 = time.perf_counter()
         try:
             if self.store.get(user, version) is None:
-                resident = self.read(user, version, tier)
+                resident = self.read(user, version, tier, self.throttle)
                 if user in self.admin_evicted:
                     raise RuntimeError("evicted by an admin since the reload was ordered")
                 self.put(resident, tier)
                 seconds = time.perf_counter() - t0
                 with self._lock:
                     self.reloads += 1
-                    self._reload_seconds += seconds
-                    self._reload_counts[sum(seconds > b for b in RELOAD_BUCKETS_S)] += 1
+                self.latency.observe(seconds)
                 log.info("reloaded user %s version %s into %s in %.2f s", user, version[:12],
                          tier, seconds)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, logged there
@@ -157,8 +181,7 @@ class ResidentLoader:
         seconds), per-bucket ``counts`` (one more: above the last bound) and ``sum``."""
         with self._lock:
             return {"reloads": self.reloads, "failures": self.reload_failures,
-                    "buckets": list(RELOAD_BUCKETS_S), "counts": list(self._reload_counts),
-                    "sum": self._reload_seconds}
+                    **self.latency.snapshot()}
 
     def take_failures(self) -> list[tuple[str, str, str]]:
         """``(user, version, reason)`` of the reloads that failed since the last call."""

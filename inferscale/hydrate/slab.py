@@ -81,7 +81,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
             expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
             part_bytes: int = 32 << 20, workers: int | None = None,
             admit: Callable[[Manifest], None] | None = None,
-            staging: "ResidentStore | None" = None) -> Resident:
+            staging: "ResidentStore | None" = None,
+            on_part: Callable[[int], None] | None = None) -> Resident:
     """Load and verify one version's KV slab.
 
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
@@ -97,7 +98,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     ``admit`` raises. ``staging``: a resident store whose staging reserve the bytes are
     read into (the serving worker: no memory is allocated, pinned or not; the returned
     resident holds that region, which ``staging.put`` adopts or gives back); otherwise
-    a fresh host buffer, pinned where CUDA exists.
+    a fresh host buffer, pinned where CUDA exists. ``on_part(nbytes)``: called after
+    each part is read (a bandwidth throttle).
     """
     check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
@@ -132,7 +134,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     try:
         try:
             host, dev_buf, digest = _read(loc, path, size, tier, dev, use_mmap, part_bytes,
-                                          workers, region)
+                                          workers, region, on_part)
         except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
             raise TruncatedArtifact(f"{path} disappeared while being read "
                                     f"({loc.describe(version)})") from exc
@@ -154,14 +156,15 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
-          part_bytes: int, workers: int, region: Region | None = None
+          part_bytes: int, workers: int, region: Region | None = None,
+          read_part: Callable[[int], None] | None = None
           ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """The file's bytes in host memory (``region``'s, else a new buffer; and on the device
     for the CUDA gpu tier), hashed."""
     READS["kv_files"] += 1
     READS["kv_bytes"] += size
     if use_mmap:
-        host, digest = _map_and_hash(path, size, part_bytes)
+        host, digest = _map_and_hash(path, size, part_bytes, read_part)
         return host, None, digest
     cuda = dev.type == "cuda"
     host = region.data[:size] if region is not None else \
@@ -176,6 +179,10 @@ def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use
                 dev_buf[offset:offset + length].copy_(host[offset:offset + length],
                                                       non_blocking=True)
         on_part = copy_part
+    if read_part is not None:
+        then = on_part
+        on_part = (lambda o, n: (read_part(n), then(o, n))) if then else \
+            (lambda o, n: read_part(n))
     try:
         digest = loc.blobs.read_into(path, size, host.numpy(), part_bytes=part_bytes,
                                      workers=workers, on_part=on_part)
@@ -185,7 +192,8 @@ def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use
     return host, dev_buf, digest
 
 
-def _map_and_hash(path: str, size: int, part_bytes: int) -> tuple[torch.Tensor, str]:
+def _map_and_hash(path: str, size: int, part_bytes: int,
+                  read_part: Callable[[int], None] | None = None) -> tuple[torch.Tensor, str]:
     """Map ``path`` privately and hash it in order. A helper thread populates the next
     few parts (``MADV_POPULATE_READ``, Linux >= 5.14; plain page faults elsewhere) while
     this thread hashes, so the disk read and the checksum overlap."""
@@ -229,6 +237,8 @@ def _map_and_hash(path: str, size: int, part_bytes: int) -> tuple[torch.Tensor, 
             ready[i].wait()
             h.update(view[offset:offset + part])
             room.release()
+            if read_part is not None:
+                read_part(min(part, size - offset))
     finally:
         stop.set()
         room.release()

@@ -7,8 +7,9 @@ Lives in the vLLM worker process (owned by the connector's worker half). Loader 
 
 Memory: each tier is one arena allocated once (:mod:`inferscale.hydrate.arena`: device
 memory for ``gpu`` and pinned host memory for ``host`` when the engine runs on CUDA), and
-the host arena also holds a *staging* reserve that reads from storage land in (whole-user
-hydrations and per-request reads of single facts). Placing, demoting and dropping users
+each arena also holds a *staging* reserve: reads from storage land in the host one
+(whole-user hydrations and per-request reads of single facts), and a request's facts
+read from storage wait in the device one until the step that injects them. Placing, demoting and dropping users
 never allocates or frees pinned or device memory, and copies run outside the store's
 lock on side streams, so the engine's step never waits for them. A CPU engine keeps both
 tiers in CPU memory, layer-major (``[2, L, T, H, D]`` behind a ``[T, 2, L, H, D]`` view) so
@@ -71,18 +72,19 @@ class ResidentStore:
 
     def __init__(self, device: torch.device | str, gpu_budget_bytes: int,
                  host_budget_bytes: int, dtype: torch.dtype | None = None,
-                 heads: HeadShard | None = None, staging_bytes: int = 1 << 30):
+                 heads: HeadShard | None = None, staging_bytes: int = 1 << 30,
+                 device_staging_bytes: int = 256 << 20):
         self.device = torch.device(device)
         self.dtype = dtype  # every slab is converted to it when placed; None: kept as is
         self.heads = heads  # the KV heads kept of every slab; None: all of them
         self.budget = {"gpu": gpu_budget_bytes, "host": host_budget_bytes}
-        self.staging_budget = staging_bytes
+        self.reserve = {"host": staging_bytes, "gpu": device_staging_bytes}
         self.cuda = self.device.type == "cuda"
         self._lru: OrderedDict[str, Resident] = OrderedDict()  # user -> resident, LRU first
         self._lock = threading.RLock()  # the index and slab swaps: held only briefly
         self._placing = threading.Lock()  # placements, demotions, budget changes
         self._staged = threading.Condition(threading.Lock())
-        self._staging_used = 0
+        self._staging_used = {"host": 0, "gpu": 0}
         self._events: list[StoreEvent] = []
         self._arenas: dict[str, Arena | HeapArena] | None = None
         self._seq = 0
@@ -97,10 +99,10 @@ class ResidentStore:
         with self._staged:
             if self._arenas is not None:
                 return
-            host = self.budget["host"] + self.staging_budget
+            host = self.budget["host"] + self.reserve["host"]
             if self.cuda:
                 try:
-                    gpu = Arena(self.budget["gpu"] + _SLACK, self.device)
+                    gpu = Arena(self.budget["gpu"] + self.reserve["gpu"] + _SLACK, self.device)
                 except torch.OutOfMemoryError as exc:
                     raise ResidencyError(
                         f"the gpu tier's budget ({self.budget['gpu']} bytes, "
@@ -134,36 +136,38 @@ class ResidentStore:
             for r in residents:
                 r.last_use = fence
 
-    def staging(self, nbytes: int, timeout: float | None = None) -> Region:
-        """Host memory (pinned with CUDA) for a read from storage, from the staging reserve;
-        waits up to ``timeout`` seconds for room (None: as long as it takes). Give it back
-        with :meth:`release`."""
+    def staging(self, nbytes: int, timeout: float | None = None, tier: str = "host") -> Region:
+        """Memory for data on its way in, from ``tier``'s staging reserve (host: pinned
+        with CUDA, where reads from storage land; gpu: device memory holding a request's
+        facts until they are injected); waits up to ``timeout`` seconds for room (None: as
+        long as it takes). Give it back with :meth:`release`."""
         self.allocate()
-        if nbytes > self.staging_budget:
-            raise ResidencyError(f"a read of {nbytes} bytes exceeds the staging reserve "
-                                 f"({self.staging_budget} bytes)")
+        if nbytes > self.reserve[tier]:
+            raise ResidencyError(f"{nbytes} bytes exceed the {tier} staging reserve "
+                                 f"({self.reserve[tier]} bytes)")
         with self._staged:
             if not self._staged.wait_for(
-                    lambda: self._staging_used + nbytes <= self.staging_budget, timeout):
-                raise TimeoutError(f"no staging room for {nbytes} bytes within {timeout} s")
-            self._staging_used += nbytes
+                    lambda: self._staging_used[tier] + nbytes <= self.reserve[tier], timeout):
+                raise TimeoutError(f"no {tier} staging room for {nbytes} bytes within "
+                                   f"{timeout} s")
+            self._staging_used[tier] += nbytes
         try:
-            region = self._alloc("host", nbytes)
+            region = self._alloc(tier, nbytes)
         except BaseException:
-            self._unstage(nbytes)
+            self._unstage(tier, nbytes)
             raise
         region.wait_host()
-        region.staged = nbytes
+        region.staged, region.tier = nbytes, tier
         return region
 
     def release(self, region: Region, fence: Fence | None = None) -> None:
         """Give back a staging region (``fence``: enqueued work that still reads it)."""
-        self._arenas["host"].free(region, fence or NO_FENCE)
-        self._unstage(region.staged)
+        self._arenas[region.tier].free(region, fence or NO_FENCE)
+        self._unstage(region.tier, region.staged)
 
-    def _unstage(self, nbytes: int) -> None:
+    def _unstage(self, tier: str, nbytes: int) -> None:
         with self._staged:
-            self._staging_used -= nbytes
+            self._staging_used[tier] -= nbytes
             self._staged.notify_all()
 
     def _alloc(self, tier: str, nbytes: int) -> Region:
@@ -240,7 +244,7 @@ class ResidentStore:
                                              f"not fit the {tier} budget")
                 if self._adoptable(resident, tier):  # already in place: keep its bytes
                     resident.region, staged = staged, None
-                    self._unstage(resident.region.staged)
+                    self._unstage("host", resident.region.staged)
                     resident.region.staged = 0
                 else:
                     region = self._alloc(tier, nbytes)
@@ -326,8 +330,7 @@ class ResidentStore:
             raise ResidencyError("byte budgets must be >= 0")
         with self._placing:
             if self._arenas is not None and isinstance(self._arenas["gpu"], Arena):
-                cap = {t: self._arenas[t].capacity - _SLACK for t in TIERS}
-                cap["host"] -= self.staging_budget
+                cap = {t: self._arenas[t].capacity - _SLACK - self.reserve[t] for t in TIERS}
                 if gpu_bytes > cap["gpu"] or host_bytes > cap["host"]:
                     raise ResidencyError(f"budgets beyond the memory taken at start-up "
                                          f"({cap}); restart with larger budgets")

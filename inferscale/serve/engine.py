@@ -15,26 +15,24 @@ its engine-core process).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inferscale.types import Tier
-from inferscale.vllm_plugin.config import (
-    PARAMS_KEY, WORKER_EXTENSION, ConnectorConfig, kv_transfer_config,
-)
+from inferscale.vllm_plugin.config import WORKER_EXTENSION, ConnectorConfig, kv_transfer_config
 from inferscale.vllm_plugin.failures import fallback_reason
+from inferscale.vllm_plugin.metadata import MemoryRef, MemoryReply
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the serving engine is started (derived from ``Settings`` by callers)."""
+    """How the serving engine is started: vLLM's arguments and the connector's settings
+    (derived from ``Settings`` by callers)."""
 
     model: str  # checkpoint directory
-    model_fingerprint: str
+    connector: ConnectorConfig  # travels as kv_connector_extra_config
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None  # set: the KV cache size, whatever the share
@@ -45,15 +43,6 @@ class EngineConfig:
     load_format: str = "auto"
     max_num_seqs: int | None = None
     tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
-    # the connector's settings (:meth:`connector_config`), with the connector's defaults
-    artifact_root: str = ""
-    storage_options: dict = field(default_factory=dict)
-    gpu_budget_bytes: int = ConnectorConfig.gpu_budget_bytes
-    host_budget_bytes: int = ConnectorConfig.host_budget_bytes
-    auto_reload: bool = ConnectorConfig.auto_reload
-    reload_tier: str = ConnectorConfig.reload_tier
-    reload_workers: int = ConnectorConfig.reload_workers
-    reload_backoff_s: float = ConnectorConfig.reload_backoff_s
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -65,18 +54,17 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 
-    def connector_config(self) -> ConnectorConfig:
-        """The connector's settings (its ``kv_connector_extra_config``)."""
-        return ConnectorConfig(
-            model_fingerprint=self.model_fingerprint, artifact_root=self.artifact_root,
-            storage_options=dict(self.storage_options), gpu_budget_bytes=self.gpu_budget_bytes,
-            host_budget_bytes=self.host_budget_bytes, auto_reload=self.auto_reload,
-            reload_tier=self.reload_tier, reload_workers=self.reload_workers,
-            reload_backoff_s=self.reload_backoff_s)
+    @classmethod
+    def of(cls, **settings: Any) -> "EngineConfig":
+        """From one flat mapping of engine and connector fields (scripts, benchmarks)."""
+        mine = {f for f in cls.__dataclass_fields__ if f != "connector"}
+        return cls(connector=ConnectorConfig.from_extra_config(
+            {k: v for k, v in settings.items() if k not in mine}),
+            **{k: v for k, v in settings.items() if k in mine})
 
-    def kv_transfer_config(self) -> dict:
-        """The ``kv_transfer_config`` that loads the connector; settings go in extra config."""
-        return kv_transfer_config(self.connector_config())
+    @property
+    def model_fingerprint(self) -> str:
+        return self.connector.model_fingerprint
 
     def engine_args(self):
         from vllm.config import KVTransferConfig
@@ -87,7 +75,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             load_format=self.load_format, tensor_parallel_size=self.tensor_parallel_size,
-            kv_transfer_config=KVTransferConfig(**self.kv_transfer_config()),
+            kv_transfer_config=KVTransferConfig(**kv_transfer_config(self.connector)),
             worker_extension_cls=WORKER_EXTENSION,
         )
         if self.block_size:
@@ -110,40 +98,6 @@ def _combined(results: list[dict], overrides: dict | None = None,
     return out
 
 
-def request_salt(user: str | None, version: str | None, kind: str) -> str:
-    """The ``cache_salt`` of a request of ``user`` (None: anonymous) answered from memory
-    ``version`` (None: none) in ``kind`` (``"kv"``: injected memory; ``"prompt"``: memory
-    as text; ...). vLLM mixes it into the hash of the first block, so requests share
-    prefix-cache blocks only when all three agree: never across users, never between
-    injected and prefilled memory. The server salts every request with it."""
-    key = json.dumps(["inferscale", kind, user, version])
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class MemoryRef:
-    """Which memory a request uses: a user's artifact version and its ordered chunks."""
-
-    user: str
-    version: str
-    chunks: tuple[str, ...]  # "prefix" then fact ids
-    # the version the caller serves the user from (the server's LATEST or pin): when the
-    # workers hold another version of the user, they reload this one in the background
-    supersedes: bool = False
-
-    def cache_salt(self) -> str:
-        """Unique to (user, version): prefix-cache blocks of injected memory are reused
-        by this user's requests on this version only, never by another user or a plain
-        prefill."""
-        return request_salt(self.user, self.version, "kv")
-
-    def transfer_params(self) -> dict:
-        params = {"user": self.user, "version": self.version, "chunks": list(self.chunks)}
-        if self.supersedes:
-            params["supersedes"] = True
-        return {PARAMS_KEY: params}
-
-
 @dataclass
 class Generation:
     """One finished request: tokens, text, timings and vLLM's counters."""
@@ -157,6 +111,8 @@ class Generation:
     injected_tokens: int  # what the connector loaded for this request
     finish_reason: str | None
     fallback: str | None = None  # why named memory was prefilled instead of injected
+    facts_by_tier: dict = field(default_factory=dict)  # where injected facts were read from
+    storage_bytes: int = 0  # read from storage for this request
 
     @property
     def fallback_reason(self) -> str | None:
@@ -286,7 +242,7 @@ class MemoryEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        extra = {"kv_transfer_params": memory.transfer_params()} if memory else None
+        extra = {"kv_transfer_params": memory.to_params()} if memory else None
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                 ignore_eos=ignore_eos, extra_args=extra,
                                 output_kind=RequestOutputKind.DELTA)
@@ -308,8 +264,9 @@ class MemoryEngine:
         ttft = None
         tokens: list[int] = []
         text = ""
-        cached = injected = 0
-        finish = fallback = None
+        cached = 0
+        finish = None
+        reply = MemoryReply()
         async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
                                      temperature=temperature, ignore_eos=ignore_eos,
                                      cache_salt=cache_salt):
@@ -320,13 +277,13 @@ class MemoryEngine:
             text += comp.text
             cached = out.num_cached_tokens or cached
             finish = comp.finish_reason or finish
-            params = (out.kv_transfer_params or {}).get(PARAMS_KEY) or {}
-            injected = params.get("injected_tokens", injected)
-            fallback = params.get("fallback", fallback)
+            if out.kv_transfer_params:  # the finished request's reply
+                reply = MemoryReply.from_params(out.kv_transfer_params)
             if comp.token_ids:
                 yield comp.text
         yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
-                         len(prompt_ids), cached, injected, finish, fallback)
+                         len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
+                         reply.facts_by_tier, reply.storage_bytes)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                        max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,

@@ -29,6 +29,12 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     worker_load_failures_total{rank}        loads refused or failed (recomputed)
     worker_scheduler_errors_total{rank}     scheduler-hook errors (request prefilled)
     reloads_total{rank}, reload_failures_total{rank}, reload_seconds{rank}
+    engine_step_seconds{rank}               busy engine steps, timed by the connector
+    inject_kernel_seconds{rank}             each step's injection (GPU time on CUDA)
+    connector_seconds_total{rank,side}      time in the connector's hooks (scheduler|worker)
+    memory_facts_total{rank,tier}           injected facts by source tier (gpu|host|storage)
+    storage_read_bytes_total{rank}, fetch_seconds{rank}, fetch_failures_total{rank}
+                                            reads of facts from storage for requests
 
 Callers: :class:`~inferscale.serve.server.MemoryServer` (``observe`` per request) and
 the app's ``/metrics`` (:meth:`ServingMetrics.render`).
@@ -90,18 +96,43 @@ class WorkerCollector:
                      lambda s: [([], s["reload"]["reloads"])])
         yield family(CounterMetricFamily, "reload_failures", "Background reloads that failed",
                      lambda s: [([], s["reload"]["failures"])])
-        hist = HistogramMetricFamily("inferscale_reload_seconds",
-                                     "Latency of successful background reloads (read, verify, "
-                                     "place)", labels=["rank"])
-        for rank, snap in snaps:
-            r = snap["reload"]
-            running, buckets = 0, []
-            for bound, count in zip([*r["buckets"], float("inf")], r["counts"]):
-                running += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
-                                running))
-            hist.add_metric([str(rank)], buckets, r["sum"])
-        yield hist
+        yield _histogram("reload_seconds", "Latency of successful background reloads (read, "
+                         "verify, place)", [(str(r), s["reload"]) for r, s in snaps])
+        yield _histogram("engine_step_seconds", "Wall time of busy engine steps (from one "
+                         "schedule to the next while requests run), timed by the connector",
+                         [(str(r), s["step"]) for r, s in snaps if "step" in s])
+        yield _histogram("inject_kernel_seconds", "Time of each step's memory injection (GPU "
+                         "time on CUDA)", [(str(r), s["kernel"]) for r, s in snaps if "kernel" in s])
+        yield _histogram("fetch_seconds", "Reads of a request's facts from storage (user in "
+                         "neither tier), admission to ready",
+                         [(str(r), s["fetch"]) for r, s in snaps if "fetch" in s])
+        yield family(CounterMetricFamily, "connector_seconds", "Time spent in the connector's "
+                     "hooks, by side", lambda s: [([k], v) for k, v in s.get("hook_seconds",
+                                                                           {}).items()],
+                     ("rank", "side"))
+        yield family(CounterMetricFamily, "memory_facts", "Injected facts by the tier they "
+                     "were read from", lambda s: [([k], v) for k, v in s.get("facts_by_tier",
+                                                                           {}).items()],
+                     ("rank", "tier"))
+        yield family(CounterMetricFamily, "storage_read_bytes", "Bytes of facts read from "
+                     "storage for requests (users in neither tier)",
+                     lambda s: [([], s["fetch"]["bytes"])] if "fetch" in s else [])
+        yield family(CounterMetricFamily, "fetch_failures", "Reads of facts from storage that "
+                     "failed or timed out (the request was recomputed)",
+                     lambda s: [([], s["fetch"]["failures"])] if "fetch" in s else [])
+
+
+def _histogram(name: str, doc: str, per_rank: list[tuple[str, dict]]) -> HistogramMetricFamily:
+    """A Prometheus histogram family from ``{"buckets", "counts", "sum"}`` per rank
+    (:meth:`inferscale.stats.Histogram.snapshot`)."""
+    hist = HistogramMetricFamily(f"inferscale_{name}", doc, labels=["rank"])
+    for rank, h in per_rank:
+        running, buckets = 0, []
+        for bound, count in zip([*h["buckets"], float("inf")], h["counts"]):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        hist.add_metric([rank], buckets, h["sum"])
+    return hist
 
 
 class ServingMetrics:

@@ -70,6 +70,18 @@ class Embedder:
         self._graphs = (_GraphedQuery.for_model(model, self.device, self._eager)
                         if cuda_graphs and self.device.type == "cuda" else None)
 
+    def prewarm(self, max_tokens: int = 64) -> int:
+        """Capture the query graphs of every token length up to ``max_tokens`` now (start-up)
+        rather than on the first question of each length; returns how many are ready."""
+        if self._graphs is None:
+            return 0
+        with torch.inference_mode():
+            for n in range(2, min(max_tokens, self._graphs.max_len) + 1):
+                if not self._graphs.enabled:
+                    break
+                self._graphs.capture_length(n)
+        return len(self._graphs.graphs)
+
     @torch.inference_mode()
     def embed(self, texts: str | Sequence[str]) -> torch.Tensor:
         """Texts -> ``[N, D]`` float32 unit rows on ``self.device`` (no host sync)."""
@@ -140,6 +152,13 @@ class _GraphedQuery:
         static_ids.copy_(torch.tensor([ids]), non_blocking=True)
         graph.replay()
         return out.clone()
+
+    def capture_length(self, n: int) -> None:
+        """Capture the graph of token length ``n`` (with [CLS] and [SEP]) from a
+        synthetic question of that length, checked like any capture."""
+        text = " ".join(["memory"] * max(0, n - 2))
+        if n not in self.graphs and len(self.tokenizer(text)["input_ids"]) == n:
+            self._capture(text, n)
 
     def _capture(self, text: str, n: int):
         try:

@@ -10,7 +10,7 @@ as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same
 and the same retrieval); a request without a user or whose user has no memory is
 answered from the question alone (mode ``none``). Every request carries a ``cache_salt``
 derived from its user, its memory's version and the mode
-(:func:`inferscale.serve.engine.request_salt`), so no two users share prefix-cache
+(:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
 (:mod:`inferscale.serve.metrics`).
 
@@ -19,15 +19,17 @@ Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.encode.compose import Composer, memory_layout
-from inferscale.serve.engine import (
-    EngineConfig, Generation, MemoryEngine, MemoryRef, request_salt,
-)
+from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
+from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
 from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
 from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
@@ -61,6 +63,9 @@ class MemoryServer:
         self.fp = engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
+        # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
+        # replayed from one thread only
+        self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
         self.metrics = ServingMetrics()  # what it answered; the app's /metrics renders it
 
     @property
@@ -132,7 +137,9 @@ class MemoryServer:
         ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
                                   [mem.token_ids[c] for c in tail])
         # the version this server serves the user from: the workers replace an older one
-        ref = MemoryRef(mem.user, mem.version, chunks, supersedes=True) if mode == "kv" else None
+        ref = MemoryRef(mem.user, mem.version, chunks,
+                        tuple(len(mem.token_ids[c]) for c in chunks),
+                        supersedes=True) if mode == "kv" else None
         salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
         info.update(facts=list(facts), version=mem.version, memory_tokens=m,
@@ -162,7 +169,10 @@ class MemoryServer:
         when the prompt and ``max_tokens`` exceed the engine's context."""
         t0 = time.perf_counter()
         mem = await self.memories.get(user) if user is not None else None
-        p = self.compose(mem, user, question, k, mode)
+        # off the event loop, which streams every other request's tokens: embedding the
+        # question and reading the top-k back from the GPU wait for the device
+        p = await asyncio.get_running_loop().run_in_executor(
+            self._retrieval, self.compose, mem, user, question, k, mode)
         p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
         limit = self.engine.config.max_model_len
         if len(p.ids) + (max_tokens or self.max_tokens) > limit:
@@ -195,6 +205,8 @@ class MemoryServer:
                                   query_to_first_token=((first or started) - started) * 1e3)
         info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
                     completion_tokens=len(gen.token_ids))
+        if gen.facts_by_tier:
+            info.update(facts_by_tier=gen.facts_by_tier, storage_bytes=gen.storage_bytes)
         if gen.fallback:
             info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
         self.metrics.observe(info, gen)
@@ -241,18 +253,21 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     ckpt = resolve_checkpoint(settings.model, settings.home)
     store = StoreConfig.from_settings(settings)
     engine = await MemoryEngine(EngineConfig(
-        model=str(ckpt), model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
+        model=str(ckpt), connector=ConnectorConfig(
+            model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
+            artifact_root=store.root, storage_options=store.storage_options,
+            gpu_budget_bytes=settings.gpu_budget_bytes,
+            host_budget_bytes=settings.host_budget_bytes),
         dtype="auto" if cuda else "float32",
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not cuda,
-        artifact_root=store.root, storage_options=store.storage_options,
-        gpu_budget_bytes=settings.gpu_budget_bytes, host_budget_bytes=settings.host_budget_bytes,
     )).start()
     embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
+    embedder.prewarm()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
                           cache=MemoryCacheConfig(settings.serve_refresh_s,

@@ -37,6 +37,16 @@ class ConnectorConfig:
     reload_workers: int = 2  # background reloads running at once (a pool, not a thread each)
     reload_backoff_s: float = 30.0  # first wait after a failed reload; doubles per failure
     reload_backoff_max_s: float = 600.0
+    reload_bytes_per_s: int = 0  # background reloads' read bandwidth, shared (0: unbounded)
+    # a request of a user in neither tier: its facts are read from storage for it, at most
+    # this many tokens at a time over all requests (0: such requests prefill instead)
+    fetch_tokens: int = 65536
+    fetch_workers: int = 8  # parallel range reads
+    fetch_timeout_s: float = 10.0  # a read that cannot start or finish by then is recomputed
+    # bytes of pinned host memory that reads from storage land in (whole users and facts),
+    # and of device memory that read facts wait in until injected; taken once at start-up
+    staging_bytes: int = 4 << 30
+    device_staging_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -49,6 +59,12 @@ class ConnectorConfig:
             raise ValueError(f"reload_workers must be >= 1, got {self.reload_workers}")
         if not 0 <= self.reload_backoff_s <= self.reload_backoff_max_s:
             raise ValueError("need 0 <= reload_backoff_s <= reload_backoff_max_s")
+        for name in ("reload_bytes_per_s", "fetch_tokens", "staging_bytes",
+                     "device_staging_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.fetch_workers < 1 or self.fetch_timeout_s <= 0:
+            raise ValueError("fetch_workers must be >= 1 and fetch_timeout_s > 0")
 
     def backoff_s(self, failures: int) -> float:
         """Seconds to wait before reloading again after ``failures`` failures in a row."""

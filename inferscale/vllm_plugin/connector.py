@@ -110,6 +110,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self.connector_worker is not None:
             self.connector_worker.wait_for_save()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 

@@ -1,20 +1,25 @@
-"""What the connector's two halves tell each other, once per engine step.
+"""What crosses between the server and the connector, and between the connector's halves.
 
-Scheduler -> worker: :class:`InferScaleMetadata` (built by
-:meth:`~inferscale.vllm_plugin.scheduler.ConnectorScheduler.build_connector_meta`): the
-step's memory loads (:class:`LoadSpec`, with their paged-cache slots) and the background
-reloads to start (:class:`ReloadOrder`).
+Server <-> scheduler, through a request's ``kv_transfer_params`` under :data:`PARAMS_KEY`:
+:class:`MemoryRef` (which memory the request uses) in, :class:`MemoryReply` (what was
+injected, from which tier, or why not) back with the finished request. Each has one
+``to_params``/``from_params`` pair, used on both sides.
 
-Worker -> scheduler: :class:`ResidencyReport` (built by
-:meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.build_connector_worker_meta`): which
-(user, version) became resident or went away on which tensor-parallel rank
-(:class:`ResidentInfo`: what the scheduler needs to admit a request), and which reloads
-and loads failed. Under tensor parallelism every rank reports; vLLM merges the ranks'
-reports of a step with :meth:`ResidencyReport.aggregate` before the scheduler sees them.
+Scheduler -> worker, once per step: :class:`InferScaleMetadata` — the step's loads of
+resident memory (:class:`LoadSpec`), reads of non-resident users' facts from storage
+(:class:`FetchSpec`), background reloads (:class:`ReloadOrder`) and the durations of
+the last busy steps.
+
+Worker -> scheduler: :class:`ResidencyReport` — which (user, version) became resident or
+went away on which tensor-parallel rank (:class:`ResidentInfo`), failed reloads and loads,
+and where each load's facts came from. Under tensor parallelism every rank reports; vLLM
+merges the ranks' reports with :meth:`ResidencyReport.aggregate`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +27,100 @@ import numpy as np
 
 from inferscale.hydrate.resident import Resident
 from inferscale.vllm_plugin.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+from inferscale.vllm_plugin.config import PARAMS_KEY
+
+TIER_SOURCES = ("gpu", "host", "storage")  # where an injected fact was read from
+
+
+def request_salt(user: str | None, version: str | None, kind: str) -> str:
+    """The ``cache_salt`` of a request of ``user`` (None: anonymous) answered from memory
+    ``version`` (None: none) in ``kind`` (``"kv"``: injected memory; ``"prompt"``: memory
+    as text; ...). vLLM mixes it into the hash of the first block, so requests share
+    prefix-cache blocks only when all three agree: never across users, never between
+    injected and prefilled memory."""
+    key = json.dumps(["inferscale", kind, user, version])
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _strs(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{what} must be a list of strings, got {type(value).__name__}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class MemoryRef:
+    """Which memory a request uses: a user's artifact version and its ordered chunks."""
+
+    user: str
+    version: str
+    chunks: tuple[str, ...]  # "prefix" then fact ids
+    # tokens of each chunk: lets the scheduler admit a user the workers do not hold, whose
+    # facts are then read from storage for this request (empty: only resident users)
+    lengths: tuple[int, ...] = ()
+    # the version the caller serves the user from (its LATEST or pin): when the workers
+    # hold another version of the user, they reload this one in the background
+    supersedes: bool = False
+
+    def cache_salt(self) -> str:
+        """Unique to (user, version): prefix-cache blocks of injected memory are reused
+        by this user's requests on this version only."""
+        return request_salt(self.user, self.version, "kv")
+
+    def to_params(self) -> dict:
+        body: dict[str, Any] = {"user": self.user, "version": self.version,
+                                "chunks": list(self.chunks)}
+        if self.lengths:
+            body["lengths"] = list(self.lengths)
+        if self.supersedes:
+            body["supersedes"] = True
+        return {PARAMS_KEY: body}
+
+    @classmethod
+    def from_params(cls, params: dict | None) -> "MemoryRef | None":
+        """The ref in a request's ``kv_transfer_params`` (None: none); TypeError or
+        ValueError when it is malformed."""
+        body = (params or {}).get(PARAMS_KEY)
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise TypeError(f"{PARAMS_KEY} must be an object")
+        user, version = body.get("user"), body.get("version")
+        if not isinstance(user, str) or not isinstance(version, str):
+            raise TypeError("user and version must be strings")
+        chunks = _strs(body.get("chunks"), "chunks")
+        lengths = body.get("lengths") or ()
+        if not isinstance(lengths, (list, tuple)) or not all(
+                type(n) is int and n >= 0 for n in lengths):
+            raise TypeError("lengths must be a list of non-negative integers")
+        if lengths and len(lengths) != len(chunks):
+            raise ValueError(f"{len(lengths)} lengths for {len(chunks)} chunks")
+        return cls(user, version, chunks, tuple(lengths), body.get("supersedes") is True)
+
+
+@dataclass(frozen=True)
+class MemoryReply:
+    """What the connector did with a request's memory: tokens injected, facts by the
+    tier they were read from, bytes read from storage, and why memory was prefilled."""
+
+    injected_tokens: int = 0
+    fallback: str | None = None
+    facts_by_tier: dict = field(default_factory=dict)  # "gpu" | "host" | "storage" -> n
+    storage_bytes: int = 0
+
+    def to_params(self) -> dict:
+        body: dict[str, Any] = {"injected_tokens": self.injected_tokens,
+                                "facts_by_tier": dict(self.facts_by_tier),
+                                "storage_bytes": self.storage_bytes}
+        if self.fallback:
+            body["fallback"] = self.fallback
+        return {PARAMS_KEY: body}
+
+    @classmethod
+    def from_params(cls, params: dict | None) -> "MemoryReply":
+        body = (params or {}).get(PARAMS_KEY) or {}
+        return cls(int(body.get("injected_tokens") or 0), body.get("fallback"),
+                   dict(body.get("facts_by_tier") or {}), int(body.get("storage_bytes") or 0))
 
 
 @dataclass
@@ -39,6 +138,15 @@ class LoadSpec:
 
 
 @dataclass
+class FetchSpec(LoadSpec):
+    """A load of a user the workers do not hold: its chunks are read from storage
+    (asynchronously; the request waits) and must carry exactly ``expected`` token ids
+    (the prompt's tokens ``[start, end)``)."""
+
+    expected: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ReloadOrder:
     """Ask workers to hydrate a user's version in the background (``tier`` None: the tier
     the user's current version is on, else the connector's ``reload_tier``)."""
@@ -53,9 +161,14 @@ class InferScaleMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    fetches: list[FetchSpec] = field(default_factory=list)
     reloads: list[ReloadOrder] = field(default_factory=list)
     failed_blocks: list[int] = field(default_factory=list)  # admitted, then failed: recompute
     scheduler_errors: int = 0  # the scheduler side's failure count (shown in status)
+    # wall seconds of the busy engine steps since the last metadata, and of the scheduler
+    # hooks in them: the worker keeps the histograms the server's /metrics reads
+    step_seconds: list[float] = field(default_factory=list)
+    scheduler_seconds: float = 0.0
 
 
 @dataclass
@@ -76,8 +189,8 @@ class ResidentInfo:
 
 @dataclass
 class ResidencyReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: residency changes since the last report, oldest first, and
-    the reloads and loads that failed.
+    """Worker -> scheduler: residency changes since the last report, oldest first, the
+    reloads and loads that failed, and per load where its facts came from.
 
     ``changes`` holds ``(rank, "add", ResidentInfo)`` and ``(rank, "remove", (user,
     version))``, ``rank`` being the reporting worker's tensor-parallel rank.
@@ -86,6 +199,8 @@ class ResidencyReport(KVConnectorWorkerMetadata):
     changes: list[tuple[int, str, Any]] = field(default_factory=list)
     failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
     failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    # (request id, {tier: facts}, bytes read from storage); rank 0's only
+    sources: list[tuple[str, dict, int]] = field(default_factory=list)
 
     def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
         """vLLM's merge of the ranks' reports of one step (``KVOutputAggregator``, in
@@ -93,4 +208,5 @@ class ResidencyReport(KVConnectorWorkerMetadata):
         scheduler counts a user resident only once every rank has reported it."""
         return ResidencyReport(self.changes + other.changes,
                                self.failed_reloads + other.failed_reloads,
-                               self.failed_loads + other.failed_loads)
+                               self.failed_loads + other.failed_loads,
+                               self.sources + other.sources)

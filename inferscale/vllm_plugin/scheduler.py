@@ -1,29 +1,34 @@
 """The connector's scheduler half (engine-core process): which requests get memory KV.
 
-A request names its memory in ``kv_transfer_params["inferscale"]``: ``user``, ``version``
-and the ordered ``chunks`` (``"prefix"`` then fact ids). :class:`ConnectorScheduler`
-keeps a *residency view* — which (user, version) the workers hold, under which model
-fingerprint, and each chunk's token ids — built only from what the workers report
-(:class:`~inferscale.vllm_plugin.metadata.ResidencyReport`). Under tensor parallelism
-each rank holds its own KV heads of a user and reports on its own: the view is kept per
-rank, and a user is resident only when every rank holds that version.
-:meth:`~ConnectorScheduler.get_num_new_matched_tokens` reports the memory tokens as
-externally available only when the user's version is resident, the fingerprint is the
-engine's, every chunk is known and the prompt begins with exactly the chunks' token ids;
-otherwise 0 and the request simply prefills (the reason is logged and returned with the
-request). A miss on a user the workers do not hold, or on a version that ``supersedes``
-the one they hold (the server moved the user to a new LATEST), asks them to reload it in
-the background (unless an admin evicted it); after a failed reload the same (user,
-version) is not ordered again before a back-off (``reload_backoff_s``, doubling per
-failure up to ``reload_backoff_max_s``). :meth:`~ConnectorScheduler.build_connector_meta`
-turns each admitted request into a
-:class:`~inferscale.vllm_plugin.metadata.LoadSpec` with its slot mapping. An exception
-in any hook degrades to "0 external tokens" (the request prefills; a request already
-admitted has its blocks reported as load errors), is logged and counted
-(:class:`~inferscale.vllm_plugin.failures.Failures`).
+A request names its memory with a :class:`~inferscale.vllm_plugin.metadata.MemoryRef`.
+:class:`ConnectorScheduler` keeps a *residency view* — which (user, version) the workers
+hold, under which model fingerprint, and each chunk's token ids — built only from what
+the workers report. Under tensor parallelism each rank holds its own KV heads of a user
+and reports on its own: the view is kept per rank, and a user is resident only when
+every rank holds that version.
 
-Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector`, which vLLM
-calls.
+:meth:`~ConnectorScheduler.get_num_new_matched_tokens` reports the memory tokens as
+externally available when
+
+- the user's version is resident, the fingerprint is the engine's, every chunk is known
+  and the prompt begins with exactly the chunks' token ids: the workers inject it within
+  the step (a synchronous load); or
+- no rank holds the user (or holds an older version the request supersedes), the ref
+  carries its chunks' lengths and the tokens in flight stay within ``fetch_tokens``: the
+  workers read just those chunks from storage and inject them, and the request waits
+  for that (an asynchronous load; the workers check the chunks' token ids against the
+  prompt's, a mismatch is recomputed). Meanwhile the whole user is reloaded in the
+  background, so its later requests find it resident.
+
+Otherwise it returns 0 and the request prefills (the reason is logged and returned). A
+miss orders a background reload as described above, after a failed reload not before a
+back-off (``reload_backoff_s``, doubling per failure). An exception in any hook degrades
+to "0 external tokens" (the request prefills; a request already admitted has its blocks
+reported as load errors), logged and counted.
+
+The scheduler also times the engine's busy steps (from one ``build_connector_meta`` to
+the next while a request of the earlier step is still running) and its own hooks; both
+go to the worker with the next metadata, whose histograms the server's /metrics reads.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inferscale.vllm_plugin.compat import block_ids_of
-from inferscale.vllm_plugin.config import PARAMS_KEY, ConnectorConfig
+from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
 from inferscale.vllm_plugin.metadata import (
-    InferScaleMetadata, LoadSpec, ReloadOrder, ResidencyReport, ResidentInfo,
+    FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply, ReloadOrder,
+    ResidencyReport, ResidentInfo,
 )
 
 if TYPE_CHECKING:
@@ -53,16 +59,10 @@ log = logging.getLogger("vllm.inferscale.connector")
 
 @dataclass
 class _Plan:
-    user: str
-    version: str
-    chunks: list[str]
+    ref: MemoryRef
     start: int
     end: int
-
-
-def _params(request: "Request") -> dict | None:
-    params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
-    return params if isinstance(params, dict) else None
+    fetch: bool = False  # read from storage (the user is not resident)
 
 
 class ConnectorScheduler:
@@ -76,49 +76,80 @@ class ConnectorScheduler:
         self._ranks: list[dict[str, ResidentInfo]] = [{} for _ in range(tp_size)]
         self._plans: dict[str, _Plan] = {}
         self._to_load: dict[str, _Plan] = {}
+        self._fetches: list[FetchSpec] = []  # admitted this step, sent with its metadata
+        self._fetching: dict[str, int] = {}  # request id -> tokens read for it (in flight)
         self._reloads: dict[tuple[str, str], ReloadOrder] = {}
         self._reload_pending: set[tuple[str, str]] = set()
         self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
         self.injected_tokens: dict[str, int] = {}
+        self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
         self._disabled: str | None = None  # set: no memory is admitted any more
         self.failures = Failures()
+        # step timing: the last step's start and requests, requests finished since
+        self._step_at: float | None = None
+        self._step_reqs: set[str] = set()
+        self._finished: set[str] = set()
+        self._steps: list[float] = []
+        self._hook_s = 0.0
+
+    # ------------------------------------------------------------------ admission
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject (0 on
-        any error: the request prefills)."""
+        """Memory tokens beyond ``num_computed_tokens`` that the workers can inject, and
+        whether they are loaded asynchronously (0 on any error: the request prefills)."""
+        t0 = time.perf_counter()
         try:
             return self._matched(request, num_computed_tokens)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's step
             self._failed("get_num_new_matched_tokens", request.request_id, exc)
             return 0, False
+        finally:
+            self._hook_s += time.perf_counter() - t0
 
     def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        params = _params(request)
-        if params is None:
+        ref = MemoryRef.from_params(request.kv_transfer_params)
+        if ref is None:
             return 0, False
-        user, version = str(params.get("user")), str(params.get("version"))
-        chunks = [str(c) for c in params.get("chunks") or []]
-        why = self._refusal(user, version, chunks, request, bool(params.get("supersedes")))
-        if why is not None:
-            if self._fallbacks.get(request.request_id) != why:
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        why = self._refusal(ref, request)
+        fetch = why is not None and self._fetchable(ref, request, why)
+        if why is not None and not fetch:
+            if self._fallbacks.get(req_id) != why:
                 log.warning("request %s (user %s, version %s): prefilling memory, %s",
-                            request.request_id, user, version[:12], why)
-            self._fallbacks[request.request_id] = why
-            self._plans.pop(request.request_id, None)
+                            req_id, ref.user, ref.version[:12], why)
+            self._fallbacks[req_id] = why
             return 0, False
-        self._fallbacks.pop(request.request_id, None)
-        info = self._resident(user, version)
-        assert info is not None
-        memory = sum(len(info.token_ids[c]) for c in chunks)
+        self._fallbacks.pop(req_id, None)
+        memory = sum(ref.lengths) if fetch else sum(
+            len(self._resident(ref.user, ref.version).token_ids[c]) for c in ref.chunks)
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
         if end <= num_computed_tokens:
-            self._plans.pop(request.request_id, None)
             return 0, False
-        self._plans[request.request_id] = _Plan(user, version, chunks, num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        self._plans[req_id] = _Plan(ref, num_computed_tokens, end, fetch)
+        return end - num_computed_tokens, fetch
+
+    def _fetchable(self, ref: MemoryRef, request: "Request", why: str) -> bool:
+        """Whether a refused request's memory can be read from storage for it instead:
+        nobody holds the user (or an older version it supersedes), the ref says how long
+        its chunks are, and the tokens in flight stay within ``fetch_tokens``."""
+        if not (ref.lengths and self.config.fetch_tokens and self.config.artifact_root):
+            return False
+        if not (why == "user not resident" or why.startswith("stale version") and
+                ref.supersedes) or self._disabled:
+            return False
+        need = sum(ref.lengths)
+        if len(request.prompt_token_ids) <= need:
+            return False
+        in_flight = sum(self._fetching.values())
+        if in_flight + need > self.config.fetch_tokens:
+            self._fallbacks[request.request_id] = (
+                f"user not resident, storage reads busy ({in_flight} tokens in flight)")
+            return False
+        return True
 
     def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
         """A hook raised for ``req_id``: count, log, and prefill its memory."""
@@ -128,15 +159,14 @@ class ConnectorScheduler:
             self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
             self._fallbacks[req_id] = fallback
 
-    def _refusal(self, user: str, version: str, chunks: list[str], request: "Request",
-                 supersedes: bool = False) -> str | None:
-        """Why this request's memory cannot be injected, or None when it can. A miss
-        orders a background reload when the workers (some ranks, under tensor
-        parallelism) hold nothing of the user, or hold
-        another version and the request's version ``supersedes`` it (the server moved
-        the user to a new LATEST)."""
+    def _refusal(self, ref: MemoryRef, request: "Request") -> str | None:
+        """Why this request's memory cannot be injected from resident memory, or None
+        when it can. A miss orders a background reload when the workers (some ranks,
+        under tensor parallelism) hold nothing of the user, or hold another version and
+        the request's version ``supersedes`` it."""
         if self._disabled:
             return self._disabled
+        user, version = ref.user, ref.version
         info = self._resident(user, version)
         if info is None:
             held = [r[user].version for r in self._ranks if user in r]
@@ -145,7 +175,7 @@ class ConnectorScheduler:
                 self._order_reload(user, version, self.config.reload_tier)
                 return "user not resident"
             if others:  # (some ranks may hold this version already: mid-reload)
-                if supersedes:
+                if ref.supersedes:
                     self._order_reload(user, version, None)  # into the old version's tier
                 return f"stale version (workers hold {others[0][:12]})"
             # some ranks hold this version, the others nothing (their own budgets dropped it)
@@ -154,10 +184,10 @@ class ConnectorScheduler:
                     "hold it)")
         if info.fingerprint != self.config.model_fingerprint:
             return "artifact model fingerprint differs from the engine's"
-        if not chunks:
+        if not ref.chunks:
             return "no chunks named"
         ids: list[int] = []
-        for c in chunks:
+        for c in ref.chunks:
             if c not in info.token_ids:
                 return f"unknown chunk {c!r}"
             ids.extend(info.token_ids[c])
@@ -186,15 +216,32 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        t0 = time.perf_counter()
+        req_id = request.request_id
         try:
-            plan = self._plans.pop(request.request_id, None)
-            if num_external_tokens > 0 and plan is not None:
-                plan.start = plan.end - num_external_tokens
-                self._to_load[request.request_id] = plan
+            plan = self._plans.pop(req_id, None)
+            if num_external_tokens <= 0 or plan is None:
+                return
+            plan.start = plan.end - num_external_tokens
+            if not plan.fetch:
+                self._to_load[req_id] = plan
+                return
+            # asynchronous: vLLM passes every block of the request; the load goes out
+            # with this step's metadata and the request waits until the workers report it
+            block_ids = list(blocks.get_block_ids()[0])
+            slots, covered = self._slots(block_ids, plan.start, plan.end)
+            self._fetches.append(FetchSpec(
+                req_id, plan.ref.user, plan.ref.version, list(plan.ref.chunks), plan.start,
+                plan.end, slots, covered,
+                expected=list(request.prompt_token_ids[plan.start:plan.end])))
+            self._fetching[req_id] = plan.end - plan.start
+            self.injected_tokens[req_id] = plan.end - plan.start
         except Exception as exc:  # noqa: BLE001 - never into vLLM's step
-            self._failed("update_state_after_alloc", request.request_id, exc)
+            self._failed("update_state_after_alloc", req_id, exc)
             if num_external_tokens > 0:  # vLLM counts them computed: report them failed
-                self._unloadable.add(request.request_id)
+                self._unloadable.add(req_id)
+        finally:
+            self._hook_s += time.perf_counter() - t0
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, list[int]]:
         """Paged-cache slot of each token in ``[start, end)``, and the blocks they use."""
@@ -203,19 +250,40 @@ class ConnectorScheduler:
         slots = np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs
         return slots, block_ids[start // bs:(end - 1) // bs + 1]
 
+    # ------------------------------------------------------------------ each step
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InferScaleMetadata:
-        meta = InferScaleMetadata(reloads=list(self._reloads.values()))
+        t0 = time.perf_counter()
+        self._time_step(t0, scheduler_output)
+        meta = InferScaleMetadata(reloads=list(self._reloads.values()), fetches=self._fetches)
         self._reloads.clear()
+        self._fetches = []
         try:
-            block_ids = self._scheduled_blocks(scheduler_output)
+            self._plan_loads(meta, scheduler_output)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's step
             # the blocks of this step's admitted loads are unknown: they can be neither
             # loaded nor reported, so no request is admitted from now on
             cause = self.failures.record("build_connector_meta", exc,
                                          "no memory is injected from now on")
             self._disabled = f"connector disabled after an error ({cause})"
-            meta.scheduler_errors = self.failures.count
-            return meta
+        meta.scheduler_errors = self.failures.count
+        meta.step_seconds, self._steps = self._steps, []
+        self._hook_s += time.perf_counter() - t0
+        meta.scheduler_seconds, self._hook_s = self._hook_s, 0.0
+        return meta
+
+    def _time_step(self, now: float, scheduler_output: "SchedulerOutput") -> None:
+        """Close the previous step's interval if it was busy: one of its requests is
+        still running, so the engine went straight on to this step."""
+        if self._step_at is not None and self._step_reqs - self._finished:
+            self._steps.append(now - self._step_at)
+        self._finished.clear()
+        counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        self._step_reqs = set(counts)
+        self._step_at = now if counts else None
+
+    def _plan_loads(self, meta: InferScaleMetadata, scheduler_output: "SchedulerOutput") -> None:
+        block_ids = self._scheduled_blocks(scheduler_output)
         for req_id in self._unloadable & block_ids.keys():
             self._unloadable.discard(req_id)
             meta.failed_blocks.extend(block_ids[req_id])
@@ -225,14 +293,13 @@ class ConnectorScheduler:
             del self._to_load[req_id]
             try:
                 slots, blocks = self._slots(block_ids[req_id], plan.start, plan.end)
-                meta.loads.append(LoadSpec(req_id, plan.user, plan.version, plan.chunks,
-                                           plan.start, plan.end, slots, blocks))
+                meta.loads.append(LoadSpec(req_id, plan.ref.user, plan.ref.version,
+                                           list(plan.ref.chunks), plan.start, plan.end,
+                                           slots, blocks))
                 self.injected_tokens[req_id] = plan.end - plan.start
             except Exception as exc:  # noqa: BLE001 - its blocks are recomputed instead
                 self._failed("build_connector_meta", req_id, exc)
                 meta.failed_blocks.extend(block_ids[req_id])
-        meta.scheduler_errors = self.failures.count
-        return meta
 
     def _scheduled_blocks(self, scheduler_output: "SchedulerOutput") -> dict[str, list[int]]:
         """Block ids of the requests this step schedules that may need a load."""
@@ -249,6 +316,8 @@ class ConnectorScheduler:
         return block_ids
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._fetching.pop(req_id, None)  # its storage read is done (or gave up)
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, ResidencyReport):
             return
@@ -287,15 +356,19 @@ class ConnectorScheduler:
         for req_id, reason in report.failed_loads:  # the worker logged and counted it
             if self.injected_tokens.pop(req_id, None) is not None:
                 self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+        for req_id, tiers, nbytes in report.sources:
+            self._sources[req_id] = (tiers, nbytes)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict | None]:
+        """The request's :class:`MemoryReply`; its blocks stay allocated while a read
+        from storage may still write them (the workers then report it finished)."""
         req_id = request.request_id
+        self._finished.add(req_id)
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)
         self._unloadable.discard(req_id)
-        result: dict[str, Any] = {"injected_tokens": self.injected_tokens.pop(req_id, 0)}
-        fallback = self._fallbacks.pop(req_id, None)
-        if fallback:
-            result["fallback"] = fallback
-        return False, {PARAMS_KEY: result}
+        tiers, nbytes = self._sources.pop(req_id, ({}, 0))
+        reply = MemoryReply(self.injected_tokens.pop(req_id, 0),
+                            self._fallbacks.pop(req_id, None), tiers, nbytes)
+        return req_id in self._fetching, reply.to_params()

@@ -35,16 +35,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.hydrate.fetch import FactReader
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import HeadShard, Resident
-from inferscale.hydrate.store import ResidentStore
 from inferscale.hydrate.slab import READS
-from inferscale.types import TIERS
+from inferscale.hydrate.store import ResidentStore
+from inferscale.stats import Histogram
+from inferscale.types import PREFIX_ID, TIERS
 from inferscale.vllm_plugin.compat import (
     attention_layers, find_rotary, kv_head_shard, layer_kv_heads, tensor_parallel_rank,
 )
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
+from inferscale.vllm_plugin.fetches import Fetched, Fetches
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 from inferscale.vllm_plugin.metadata import (
@@ -82,9 +86,25 @@ class ConnectorWorker:
         # this rank's KV heads; None (all of them) without tensor parallelism
         self.heads = HeadShard(start, count, total) if tp_size > 1 else None
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
-                                   config.host_budget_bytes, self.model_dtype, self.heads)
+                                   config.host_budget_bytes, self.model_dtype, self.heads,
+                                   config.staging_bytes, config.device_staging_bytes)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
-                                     config.storage_options, config.reload_workers)
+                                     config.storage_options, config.reload_workers,
+                                     config.reload_bytes_per_s)
+        reader = FactReader(StoreConfig(config.artifact_root, dict(config.storage_options)),
+                            config.model_fingerprint, config.fetch_workers) \
+            if config.artifact_root else None
+        self.fetches = Fetches(self.store, reader, config.model_fingerprint,
+                               config.fetch_timeout_s)
+        self._received: set[str] = set()  # reads reported finished this step
+        # where the time goes, for /metrics: busy engine steps (timed by the scheduler
+        # half), this step's injection (GPU time on CUDA), both halves' hook time
+        self.step_time = Histogram()
+        self.kernel_time = Histogram()
+        self._kernel_events: list[tuple[Any, Any]] = []
+        self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
+        self.facts_by_tier = dict.fromkeys(("gpu", "host", "storage"), 0)
+        self._sources: list[tuple[str, dict, int]] = []
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
         self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
@@ -108,6 +128,7 @@ class ConnectorWorker:
         forward context), build and check the fused injection kernel."""
         if self.rotary is None:
             self.rotary = find_rotary(model)
+        self.store.allocate()  # the tiers' memory, once, now that vLLM has its KV cache
         if layers is not None and self._fused is None:
             self._layers = self._checked(attention_layers(layers))
             self._build_fused()
@@ -162,6 +183,8 @@ class ConnectorWorker:
                 "inject_calls": self.inject_calls,
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
                 "inject_path": self.inject_path,
+                "fetches": {"reads": self.fetches.reads, "failures": self.fetches.failures,
+                            "bytes": self.fetches.bytes_read, "pending": self.fetches.pending},
                 "budgets": store.budget,
                 "used": {t: store.used(t) for t in TIERS}}
 
@@ -175,10 +198,16 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ each step
 
     def start_load_kv(self, meta: InferScaleMetadata, forward_context: "ForwardContext") -> None:
-        """Start the step's background reloads and memory loads. Never raises: a load
-        that fails for any reason is reported through :meth:`get_block_ids_with_load_errors`."""
+        """Start the step's background reloads and reads from storage, and inject the
+        step's loads and the reads that completed. Never raises: a load that fails for
+        any reason is reported through :meth:`get_block_ids_with_load_errors`."""
+        t0 = time.perf_counter()
         assert isinstance(meta, InferScaleMetadata)
         self.scheduler_errors = meta.scheduler_errors
+        self.hook_seconds["scheduler"] += meta.scheduler_seconds
+        for seconds in meta.step_seconds:
+            self.step_time.observe(seconds)
+        self._kernel_times()
         self._invalid_blocks.update(meta.failed_blocks)
         for order in meta.reloads:
             try:
@@ -187,37 +216,71 @@ class ConnectorWorker:
                 cause = self.failures.record(f"starting the reload of user {order.user}", exc,
                                              "a later request orders it again")
                 self.loader.record_failure(order.user, order.version, cause)
-        if meta.loads:
-            t0 = time.perf_counter()
-            self._step = self._begin(meta.loads, forward_context)
-            self.inject_seconds += time.perf_counter() - t0
+        for spec in meta.fetches:
+            self.fetches.submit(spec)
+        fetched = []
+        for got in self.fetches.done():
+            self._received.add(got.spec.req_id)
+            if got.resident is not None:
+                fetched.append(got)
+            elif got.error != "cancelled":
+                self._load_failed(got.spec, f"reading its facts from storage failed "
+                                            f"({got.error})")
+        if meta.loads or fetched:
+            t1 = time.perf_counter()
+            self._step = self._begin(meta.loads, fetched, forward_context)
+            self.inject_seconds += time.perf_counter() - t1
             self.inject_calls += 1
+        self.hook_seconds["worker"] += time.perf_counter() - t0
 
-    def _begin(self, loads: list[LoadSpec], forward_context: "ForwardContext") -> StepLoad | None:
-        """Verify the step's loads against the store, then start them (see inject.py).
-        Every load that is refused or raises is reported as failed (:meth:`_load_failed`)."""
-        jobs, specs, at = [], [], 0
+    def _begin(self, loads: list[LoadSpec], fetched: list[Fetched],
+               forward_context: "ForwardContext") -> StepLoad | None:
+        """Verify the step's loads against the store, then start them with the completed
+        reads (see inject.py). Every load that is refused or raises is reported as failed
+        (:meth:`_load_failed`); the reads' staging memory is given back afterwards."""
         try:
             layers = self._attention_layers(forward_context)
         except Exception as exc:  # noqa: BLE001 - every load of the step is recomputed
             for spec in loads:
                 self._load_failed(spec, exc)
+            for got in fetched:
+                self._load_failed(got.spec, exc)
+                self.store.release(got.resident.region)
             return None
-        for spec in loads:
-            try:
-                resident = self.store.get(spec.user, spec.version)
-                problem = self._check(spec, resident)
-            except Exception as exc:  # noqa: BLE001
-                self._load_failed(spec, exc)
-                continue
-            if problem:
-                self._load_failed(spec, problem)
-                continue
-            jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
-            specs.append(spec)
-            at += spec.end - spec.start
-        if not jobs:
-            return None
+        with self.store.reading():  # nothing read here is swapped or freed meanwhile
+            jobs, specs, at = [], [], 0
+            candidates = [(spec, None) for spec in loads] + [(g.spec, g) for g in fetched]
+            for spec, got in candidates:
+                try:
+                    resident = got.resident if got else self.store.get(spec.user, spec.version)
+                    problem = self._check(spec, resident)
+                except Exception as exc:  # noqa: BLE001
+                    self._load_failed(spec, exc)
+                    continue
+                if problem:
+                    self._load_failed(spec, problem)
+                    continue
+                jobs.append(Job(resident, spec.chunks, spec.start, spec.end, at))
+                specs.append(spec)
+                at += spec.end - spec.start
+            step = self._run_all(jobs, specs, layers) if jobs else None
+            self.store.mark_used([j.resident for j in jobs if j.resident.tier != "storage"])
+            fence = self.store.fence()
+        for got in fetched:  # read by the kernels just enqueued: reusable after the fence
+            self.store.release(got.resident.region, fence)
+        done = {s.req_id for s in specs} - {r for r, _ in self._failed_loads}
+        if self.tp_rank == 0:
+            nbytes = {g.spec.req_id: g.nbytes for g in fetched}
+            for job, spec in zip(jobs, specs):
+                if spec.req_id in done:
+                    tier = job.resident.tier
+                    facts = sum(c != PREFIX_ID for c in spec.chunks)
+                    self.facts_by_tier[tier] += facts
+                    self._sources.append((spec.req_id, {tier: facts}, nbytes.get(spec.req_id, 0)))
+        return step
+
+    def _run_all(self, jobs: list[Job], specs: list[LoadSpec],
+                 layers: list[tuple[int, Any]]) -> StepLoad | None:
         try:
             return self._run(jobs, specs, layers)
         except Exception as exc:  # noqa: BLE001
@@ -246,12 +309,28 @@ class ConnectorWorker:
 
     def _run(self, jobs: list[Job], specs: list[LoadSpec],
              layers: list[tuple[int, Any]]) -> StepLoad:
+        cuda = self.store.cuda
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        t0 = time.perf_counter()
         step = StepLoad.run(self.store, jobs, layers, self.model_dtype, self.rotary,
                             [s.slot_mapping for s in specs], self._staging, self._fused)
+        if cuda:  # GPU time, read once it is known (never waited for)
+            end.record()
+            self._kernel_events.append((begin, end))
+        else:
+            self.kernel_time.observe(time.perf_counter() - t0)
         self.loaded_tokens += sum(j.width for j in jobs)
         if self.verify_next:
             self.last_step, self.verify_next = step, False
         return step
+
+    def _kernel_times(self) -> None:
+        """Injection GPU times of earlier steps whose events have completed."""
+        while self._kernel_events and self._kernel_events[0][1].query():
+            begin, end = self._kernel_events.pop(0)
+            self.kernel_time.observe(begin.elapsed_time(end) / 1e3)
 
     def _load_failed(self, spec: LoadSpec, why: str | BaseException) -> None:
         """Report ``spec``'s blocks as load errors (vLLM recomputes them), count and log
@@ -281,6 +360,14 @@ class ConnectorWorker:
         """End of the step: release its staging buffer (the stream orders its reuse)."""
         self._step = None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Reads from storage reported done this step (written, failed or dropped): vLLM
+        then schedules (or frees) their requests. Requests that finished meanwhile have
+        their reads dropped when those complete."""
+        self.fetches.cancel(finished_req_ids)
+        done, self._received = self._received, set()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._invalid_blocks = self._invalid_blocks, set()
         return bad
@@ -289,10 +376,11 @@ class ConnectorWorker:
         events = self.store.take_events()
         failed = self.loader.take_failures()
         loads, self._failed_loads = self._failed_loads, []
-        if not events and not failed and not loads:
+        sources, self._sources = self._sources, []
+        if not events and not failed and not loads and not sources:
             return None
         rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
         changes = [(rank, "add", ResidentInfo.of(e.resident, with_tokens=rank == 0))
                    if e.op == "add" else (rank, "remove", (e.user, e.version))
                    for e in events]
-        return ResidencyReport(changes, failed, loads)
+        return ResidencyReport(changes, failed, loads, sources)

@@ -119,4 +119,10 @@ class InferScaleWorkerExtension:
                 "inject_seconds": worker.inject_seconds,
                 "load_failures": status["load_failures"],
                 "scheduler_errors": status["scheduler_errors"],
-                "reload": worker.loader.reload_stats()}
+                "reload": worker.loader.reload_stats(),
+                "step": worker.step_time.snapshot(), "kernel": worker.kernel_time.snapshot(),
+                "hook_seconds": dict(worker.hook_seconds),
+                "facts_by_tier": dict(worker.facts_by_tier),
+                "fetch": {**worker.fetches.latency.snapshot(), "reads": worker.fetches.reads,
+                          "failures": worker.fetches.failures,
+                          "bytes": worker.fetches.bytes_read}}

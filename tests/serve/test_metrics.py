@@ -107,14 +107,17 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
         ask("mx-ann")
         ask("mx-ann", mode="prompt")
         ask("mx-nobody")  # no artifact: answered from the question alone
-        ask("mx-cold")  # published, never hydrated: prefilled, reloaded in the background
+        ask("mx-cold")  # published, never hydrated: its facts read from storage, injected
         ask("mx-faulty")  # its slab lost its data: the load fails, vLLM recomputes
-        ask("mx-stale")  # the server's version supersedes the workers': prefilled, reloaded
+        ask("mx-stale")  # the server's version supersedes the workers': read from storage
         modes = [i["mode"] for i in infos]
         assert modes == ["kv"] * 3 + ["prompt", "none"] + ["kv"] * 3
         assert all(i["injected_tokens"] > 0 and "fallback" not in i for i in infos[:3])
-        assert [i.get("fallback_reason") for i in infos[5:]] == [
-            "not_resident", "load_error", "stale_version"]
+        assert all(i["facts_by_tier"] == {"gpu": 3} for i in infos[:3])
+        assert [i.get("fallback_reason") for i in infos[5:]] == [None, "load_error", None]
+        for i in (infos[5], infos[7]):  # the two users in neither tier (for that version)
+            assert i["injected_tokens"] > 0 and i["facts_by_tier"] == {"storage": 3}
+            assert i["storage_bytes"] > 0
         assert len(usage) == 8 and all(u == 6 for u in usage)
 
         deadline = time.monotonic() + 120  # the two reloads, and vLLM's last stats, land
@@ -140,13 +143,23 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
         assert {r: delta(after, before, "inferscale_fallbacks_total", reason=r)
                 for r in ("not_resident", "load_error", "stale_version", "token_mismatch",
                           "fingerprint_mismatch", "connector_error", "other")} == {
-            "not_resident": 1, "load_error": 1, "stale_version": 1, "token_mismatch": 0,
+            "not_resident": 0, "load_error": 1, "stale_version": 0, "token_mismatch": 0,
             "fingerprint_mismatch": 0, "connector_error": 0, "other": 0}
         for name in ("inferscale_retrieval_seconds_count", "inferscale_composition_seconds_count"):
             assert delta(after, before, name) == 7  # every request with memory
         # in the worker, read at scrape time
         assert delta(after, before, "inferscale_worker_loaded_tokens_total") == injected
         assert delta(after, before, "inferscale_worker_load_failures_total") == 1
+        assert delta(after, before, "inferscale_memory_facts_total", tier="gpu") == 9
+        assert delta(after, before, "inferscale_memory_facts_total", tier="storage") == 6
+        assert delta(after, before, "inferscale_storage_read_bytes_total") == \
+            infos[5]["storage_bytes"] + infos[7]["storage_bytes"]
+        assert delta(after, before, "inferscale_fetch_seconds_count") == 2
+        assert delta(after, before, "inferscale_fetch_failures_total") == 0
+        # every busy step timed; the injections timed too
+        assert delta(after, before, "inferscale_engine_step_seconds_count") >= 8 * 5
+        assert delta(after, before, "inferscale_inject_kernel_seconds_count") >= 5
+        assert delta(after, before, "inferscale_connector_seconds_total", side="worker") > 0
         # mx-cold into the host tier, mx-stale's served version over the workers' one
         assert delta(after, before, "inferscale_reloads_total") == 2
         assert delta(after, before, "inferscale_reload_seconds_count") == 2

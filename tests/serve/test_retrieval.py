@@ -165,3 +165,22 @@ def test_cuda_graph_query_path_matches_the_eager_encoder():
         eager = emb._eager([text])
         assert (graphed - eager).abs().max().item() < 1e-3
     assert emb._graphs.enabled and len(emb._graphs.graphs) == 3
+
+
+def test_prewarm_captures_every_short_length_up_front():
+    """On CUDA, prewarm leaves no question of up to 64 tokens to capture while serving
+    (each capture would stall retrieval); on the CPU there is nothing to capture."""
+    import os
+
+    from inferscale.serve.retrieval import Embedder
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    emb = Embedder(os.environ.get("INFERSCALE_EMBEDDER_PATH", "embedded"), device=device)
+    ready = emb.prewarm(64)
+    if device == "cpu":
+        assert ready == 0 and emb._graphs is None
+        return
+    assert ready == 63 and emb._graphs.enabled  # lengths 2..64 ([CLS] and [SEP] included)
+    for text in ["Where did Caroline move from four years ago?", "dog"]:
+        assert (emb.embed(text) - emb._eager([text])).abs().max().item() < 1e-3
+    assert len(emb._graphs.graphs) == 63  # nothing new captured

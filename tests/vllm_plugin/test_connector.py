@@ -17,7 +17,7 @@ import torch
 
 from engine_helpers import limiting_memory, memory_prompt
 from inferscale.artifacts.publish import Lineage, publish
-from inferscale.serve.engine import MemoryRef
+from inferscale.vllm_plugin.metadata import MemoryRef
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -365,7 +365,7 @@ def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
     is prefilled (0 external tokens) and says why; the error is counted."""
 
     class Malformed(MemoryRef):
-        def transfer_params(self) -> dict:
+        def to_params(self) -> dict:
             return {"inferscale": {"user": self.user, "version": self.version, "chunks": 5}}
 
     version, table = publish_user(engine_env, embedder, "hook", FACTS)

@@ -203,7 +203,7 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
                           embeddings=False).version
         users[user] = (version, table, mem)
     loop = LoopThread()
-    engine = MemoryEngine(EngineConfig(  # its start binds each rank to its own core
+    engine = MemoryEngine(EngineConfig.of(  # its start binds each rank to its own core
         model=str(ckpt), model_fingerprint=model.fingerprint, dtype="float32",
         kv_cache_memory_bytes=256 << 20, max_model_len=2048, tensor_parallel_size=2,
         artifact_root=store.root))
@@ -221,7 +221,7 @@ def gen(env, ids, ref=None, max_tokens=16):
 
 
 def ref_of(env, user, chunks):
-    from inferscale.serve.engine import MemoryRef
+    from inferscale.vllm_plugin.metadata import MemoryRef
 
     return MemoryRef(user, env.users[user][0], chunks)
 
