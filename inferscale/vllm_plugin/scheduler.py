@@ -115,9 +115,12 @@ class ConnectorScheduler:
             return 0, False
         req_id = request.request_id
         self._plans.pop(req_id, None)
-        why = self._refusal(ref, request)
-        fetch = why is not None and self._fetchable(ref, request, why)
-        if why is not None and not fetch:
+        why = fetch = None
+        refused = self._refusal(ref, request)  # not from resident memory
+        if refused is not None:
+            why = self._unfetchable(ref, request, refused)
+            fetch = why is None  # from storage, then
+        if why is not None:
             if self._fallbacks.get(req_id) != why:
                 log.warning("request %s (user %s, version %s): prefilling memory, %s",
                             req_id, ref.user, ref.version[:12], why)
@@ -129,27 +132,25 @@ class ConnectorScheduler:
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
         if end <= num_computed_tokens:
             return 0, False
-        self._plans[req_id] = _Plan(ref, num_computed_tokens, end, fetch)
-        return end - num_computed_tokens, fetch
+        self._plans[req_id] = _Plan(ref, num_computed_tokens, end, bool(fetch))
+        return end - num_computed_tokens, bool(fetch)
 
-    def _fetchable(self, ref: MemoryRef, request: "Request", why: str) -> bool:
-        """Whether a refused request's memory can be read from storage for it instead:
-        nobody holds the user (or an older version it supersedes), the ref says how long
-        its chunks are, and the tokens in flight stay within ``fetch_tokens``."""
+    def _unfetchable(self, ref: MemoryRef, request: "Request", why: str) -> str | None:
+        """None when a refused request's memory can be read from storage for it instead
+        (nobody holds the user, or an older version it supersedes; the ref says how long
+        its chunks are; the tokens in flight stay within ``fetch_tokens``), else why not."""
         if not (ref.lengths and self.config.fetch_tokens and self.config.artifact_root):
-            return False
+            return why
         if not (why == "user not resident" or why.startswith("stale version") and
                 ref.supersedes) or self._disabled:
-            return False
+            return why
         need = sum(ref.lengths)
         if len(request.prompt_token_ids) <= need:
-            return False
+            return why
         in_flight = sum(self._fetching.values())
         if in_flight + need > self.config.fetch_tokens:
-            self._fallbacks[request.request_id] = (
-                f"user not resident, storage reads busy ({in_flight} tokens in flight)")
-            return False
-        return True
+            return f"{why}, storage reads busy ({in_flight} tokens in flight)"
+        return None
 
     def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
         """A hook raised for ``req_id``: count, log, and prefill its memory."""

@@ -160,3 +160,79 @@ def test_a_tensor_parallel_rank_keeps_only_its_heads(tier):
         store.put(make_resident("w", H=2), "gpu")
     with pytest.raises(ValueError, match="not inside"):
         HeadShard(2, 3, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tiers_use_memory_taken_once():
+    """On CUDA both tiers and the staging reserves are arenas taken at start-up: placing,
+    adopting a staged read, demoting and evicting allocate no device or pinned memory."""
+    from inferscale.hydrate.resident import Resident
+
+    one = make_resident("x").slab.numel() * 2  # bf16 bytes of one user
+    store = ResidentStore("cuda", gpu_budget_bytes=2 * one, host_budget_bytes=2 * one,
+                          dtype=torch.bfloat16, staging_bytes=4 * one,
+                          device_staging_bytes=one)
+    store.allocate()
+    gpu, host = store._arenas["gpu"].buffer, store._arenas["host"].buffer
+    assert gpu.is_cuda and host.is_pinned()
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = (torch.cuda.memory_allocated(), host_stats()["allocations.current"]
+              if host_stats else None)
+
+    def inside(t, buf):
+        return buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()
+
+    want = {}
+    for u in "abc":  # c demotes a (LRU) to host
+        r = make_resident(u, seed=ord(u))
+        want[u] = r.slab.to(torch.bfloat16)
+        store.put(r, "gpu")
+    assert {r["user"]: r["tier"] for r in store.residents()} == {"a": "host", "b": "gpu",
+                                                                 "c": "gpu"}
+    assert inside(store.held("a").slab, host) and inside(store.held("b").slab, gpu)
+    for u in "abc":
+        assert torch.equal(store.held(u).slab.cpu(), want[u])
+    # a read staged in pinned memory is adopted by the host tier, not copied
+    region = store.staging(one)
+    slab = region.view(tuple(want["a"].shape), torch.bfloat16)
+    slab.copy_(want["a"])
+    staged = Resident("d", "v1", "fp", slab, dict(make_resident("d").index),
+                      dict(make_resident("d").token_ids), region=region)
+    placed = store.put(staged, "host")
+    assert placed.slab.data_ptr() == slab.data_ptr() and store._staging_used["host"] == 0
+    out = torch.empty((9, *slab.shape[1:]), dtype=torch.bfloat16, device="cuda")
+    store.gather(placed, ["a", "prefix", "b"], 0, 9, out)
+    ref = torch.cat([placed.slab[o:o + n] for o, n in placed.rows(["a", "prefix", "b"])])
+    assert torch.equal(out.cpu(), ref)
+    del out
+    for u in "abcd":
+        store.evict(u)
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), host_stats()["allocations.current"]
+             if host_stats else None)
+    assert after == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_freed_after_a_read_waits_for_its_fence():
+    """A host region read by enqueued device work is rewritten only after that work: the
+    next writer waits for the fence it was freed with."""
+    from inferscale.hydrate.arena import Arena, Fence
+
+    arena = Arena(1 << 20, "cpu", pin=True)
+    region = arena.alloc(1 << 20)
+    src = region.view((1 << 18,), torch.float32)
+    src.fill_(1.0)
+    dst = torch.empty(1 << 18, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the stream busy so the copy below is pending
+    dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    arena.free(region, Fence(1, event))
+    again = arena.alloc(1 << 20)
+    assert again.offset == region.offset and again.fence.event is event
+    again.wait_host()  # returns only once the copy has read the old bytes
+    assert event.query()
+    again.view((1 << 18,), torch.float32).fill_(2.0)
+    torch.cuda.synchronize()
+    assert torch.all(dst == 1.0)

@@ -1,0 +1,164 @@
+"""The scheduler half on its own (no engine: the real ``ConnectorScheduler`` with vLLM's own
+``Request``, ``KVCacheBlocks`` and ``SchedulerOutput``): admission of users in neither
+tier as reads from storage, their budget, their blocks' lifetime, and step timing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.metadata import (
+    FetchSpec, MemoryRef, MemoryReply, ResidencyReport, ResidentInfo,
+)
+from inferscale.vllm_plugin.scheduler import ConnectorScheduler
+
+FP = "a" * 32
+BS = 4
+PREFIX, FACT = (1, 2, 3), (4, 5, 6, 7, 8)
+
+
+def request(req_id: str, ref: MemoryRef | None, prompt: list[int]):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    extra = {"kv_transfer_params": ref.to_params()} if ref else None
+    return Request(req_id, prompt, SamplingParams(max_tokens=1, extra_args=extra), None)
+
+
+def blocks(ids: list[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def output(scheduled: dict[str, int]):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return dataclasses.replace(SchedulerOutput.make_empty(), num_scheduled_tokens=scheduled,
+                               total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+def finished(recving: set[str]):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(finished_recving=recving)
+
+
+def sched(**cfg) -> ConnectorScheduler:
+    return ConnectorScheduler(ConnectorConfig(FP, artifact_root="/store", **cfg), BS)
+
+
+REF = MemoryRef("ann", "v1", ("prefix", "f1"), (3, 5), supersedes=True)
+PROMPT = [*PREFIX, *FACT, 90, 91]
+
+
+def test_a_user_in_neither_tier_is_read_from_storage_asynchronously():
+    s = sched()
+    req = request("r1", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (8, True)
+    s.update_state_after_alloc(req, blocks([7, 3, 9]), 8)
+    meta = s.build_connector_meta(output({}))
+    (spec,) = meta.fetches
+    assert isinstance(spec, FetchSpec) and (spec.start, spec.end) == (0, 8)
+    assert spec.expected == PROMPT[:8] and spec.chunks == ["prefix", "f1"]
+    assert spec.slot_mapping.tolist() == [28, 29, 30, 31, 12, 13, 14, 15]
+    assert spec.block_ids == [7, 3]
+    # the whole user is promoted in the background meanwhile
+    assert [(o.user, o.version, o.tier) for o in meta.reloads] == [("ann", "v1", "host")]
+    assert s.build_connector_meta(output({})).fetches == []  # sent once
+    # finished before its read completes: its blocks are kept until the workers report
+    delay, params = s.request_finished(req, [7, 3, 9])
+    assert delay is True and MemoryReply.from_params(params).injected_tokens == 8
+    s.update_connector_output(finished({"r1"}))
+    assert s._fetching == {}
+
+
+def test_a_prefix_cache_hit_reads_only_the_rest():
+    s = sched()
+    req = request("r1", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(req, 4) == (4, True)
+    s.update_state_after_alloc(req, blocks([7, 3, 9]), 4)
+    (spec,) = s.build_connector_meta(output({})).fetches
+    assert (spec.start, spec.end, spec.expected) == (4, 8, PROMPT[4:8])
+    assert spec.block_ids == [3]
+
+
+def test_reads_in_flight_are_bounded_and_a_read_done_frees_its_share():
+    s = sched(fetch_tokens=10)
+    a, b = request("a", REF, PROMPT), request("b", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(a, 0) == (8, True)
+    s.update_state_after_alloc(a, blocks([1, 2, 3]), 8)
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # 8 + 8 > 10: prefill
+    delay, params = s.request_finished(b, [])
+    assert delay is False
+    assert MemoryReply.from_params(params).fallback.startswith(
+        "user not resident, storage reads busy (8 tokens in flight)")
+    s.update_connector_output(finished({"a"}))
+    b2 = request("b2", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(b2, 0) == (8, True)
+
+
+@pytest.mark.parametrize("ref, why", [
+    (dataclasses.replace(REF, lengths=()), "user not resident"),  # no lengths: only resident
+    (dataclasses.replace(REF, lengths=(3, 50)), "user not resident"),  # longer than the prompt
+])
+def test_what_cannot_be_read_from_storage_prefills(ref, why):
+    s = sched()
+    req = request("r", ref, PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.request_finished(req, [])[1]["inferscale"]["fallback"] == why
+
+
+def test_reads_are_off_without_a_store_or_budget():
+    for s in (ConnectorScheduler(ConnectorConfig(FP), BS), sched(fetch_tokens=0)):
+        assert s.get_num_new_matched_tokens(request("r", REF, PROMPT), 0) == (0, False)
+
+
+def test_a_resident_user_loads_within_the_step():
+    s = sched()
+    info = ResidentInfo("ann", "v1", FP, {"prefix": PREFIX, "f1": FACT})
+    s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
+        [(0, "add", info)])})())
+    req = request("r", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (8, False)
+    s.update_state_after_alloc(req, blocks([5, 6, 7]), 8)
+    assert s.request_finished(req, [])[0] is False
+
+
+def test_stale_versions_are_read_only_when_the_request_supersedes():
+    s = sched()
+    old = ResidentInfo("ann", "v0", FP, {"prefix": PREFIX})
+    s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
+        [(0, "add", old)])})())
+    assert s.get_num_new_matched_tokens(request("r", REF, PROMPT), 0) == (8, True)
+    plain = dataclasses.replace(REF, supersedes=False)
+    assert s.get_num_new_matched_tokens(request("q", plain, PROMPT), 0) == (0, False)
+
+
+def test_malformed_refs_are_type_errors():
+    with pytest.raises(TypeError):
+        MemoryRef.from_params({"inferscale": {"user": "a", "version": "v", "chunks": 5}})
+    with pytest.raises(TypeError):
+        MemoryRef.from_params({"inferscale": {"user": "a", "version": "v", "chunks": ["x"],
+                                              "lengths": [True]}})
+    with pytest.raises(ValueError, match="2 lengths for 1 chunks"):
+        MemoryRef.from_params({"inferscale": {"user": "a", "version": "v", "chunks": ["x"],
+                                              "lengths": [1, 2]}})
+    assert MemoryRef.from_params(REF.to_params()) == REF
+    assert MemoryRef.from_params(None) is None
+
+
+def test_busy_steps_are_timed_and_idle_gaps_are_not():
+    s = sched()
+    req = request("r", None, [1, 2, 3])
+    s.get_num_new_matched_tokens(req, 0)
+    s.build_connector_meta(output({"r": 3}))
+    meta = s.build_connector_meta(output({"r": 1}))  # r still runs: the interval counts
+    assert len(meta.step_seconds) == 1 and meta.step_seconds[0] >= 0
+    s.request_finished(req, [])  # r finished in that step: the engine may idle next
+    assert s.build_connector_meta(output({"x": 2})).step_seconds == []
+    assert s.build_connector_meta(output({})).step_seconds == [pytest.approx(0, abs=1)]
+    assert s.build_connector_meta(output({})).step_seconds == []  # nothing ran
