@@ -42,6 +42,7 @@ Starts an engine (in the server process): run as a script.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -189,6 +190,7 @@ class Run:
         self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
         self.load = Load(args, server.url, memory["questions"], memory["shares"])
         self.evicted: set[str] = set()  # users this run evicted through the admin API
+        self.first_prompt: tuple[float, str] | None = None  # --prompt-once: (G, where)
         self.profiler = None
         if args.profile_dir:
             from benchmarks.load_profile import Profiler
@@ -234,11 +236,11 @@ class Run:
             flush=True)
         return row
 
-    async def warmup(self, count: int) -> dict:
+    async def warmup(self, count: int, modes: list[str]) -> dict:
         """A burst per mode at ``--warmup-rate``, then wait until the server is idle."""
         args, out = self.args, {}
         t0 = time.perf_counter()
-        for mode in args.modes:
+        for mode in modes:
             if args.warmup_requests > 0:
                 burst = self.load.schedule(args.warmup_rate, seed=999_983 + count,
                                            n=args.warmup_requests)
@@ -270,11 +272,15 @@ class Run:
             "residents_match_plan": placed == planned,
             "residents_off_plan": sorted(set(placed.items()) ^ set(planned.items()))[:10]}
         print(json.dumps({"users": count, **result["tiers"]}), flush=True)
-        result["warmup"] = await self.warmup(count)
+        given, source = prompt_goodput_for(args, count), "another run (--prompt-goodput)"
+        if args.prompt_once and self.first_prompt is not None:  # KV against the first's G
+            args = argparse.Namespace(**{**vars(args), "modes": ["kv"]})
+            given, source = self.first_prompt
+        result["modes"] = args.modes
+        result["warmup"] = await self.warmup(count, args.modes)
         print(json.dumps({"users": count, "warmup": result["warmup"]}), flush=True)
         if out:
             write(result, out)
-        given = prompt_goodput_for(args, count)
         rows: list[dict] = []
         history: list[tuple[str, float, bool | None]] = []
         while (nxt := plan.next_step(history, args, given)) is not None:
@@ -286,7 +292,7 @@ class Run:
                 continue
             rows.append(row)
             history.append((mode, rate, row["meets_objective"]))
-            result.update(rows=rows, summary=summarize(rows, args, given))
+            result.update(rows=rows, summary=summarize(rows, args, given, source))
             if out:
                 write(result, out)
             await asyncio.sleep(args.settle_s)
@@ -296,7 +302,11 @@ class Run:
                                 "inferscale_resident_", "inferscale_reloads_total",
                                 "inferscale_reload_seconds_count",
                                 "inferscale_memory_facts_total"))]
-        result.update(rows=rows, summary=summarize(rows, args, given), machine_after=machine(),
+        summary = summarize(rows, args, given, source)
+        if args.prompt_once and self.first_prompt is None and "prompt" in args.modes:
+            self.first_prompt = (summary["goodput_prompt_rps"],
+                                 f"the {count}-user scenario of this run (--prompt-once)")
+        result.update(rows=rows, summary=summary, machine_after=machine(),
                       scenario_seconds=round(time.monotonic() - t0, 1),
                       total_seconds=round(time.monotonic() - self.started, 1))
         return result

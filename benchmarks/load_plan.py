@@ -10,7 +10,8 @@
   fewest steps. If KV misses already at G, or the baseline missed at its lowest rate
   (G = 0), KV runs the ``--rates`` below that (rising) to find its goodput. ``--kv-rates
   same`` runs both modes at every rate of ``--rates``, alternating which goes first (the
-  original procedure); a list of numbers gives KV its own rates.
+  original procedure); a list of numbers gives KV its own rates. With ``--prompt-once``
+  the baseline runs in the first user count only and the later counts take its G.
 - :func:`estimate`: how long a run takes, from the rates and request counts.
 """
 
@@ -112,29 +113,29 @@ def estimate(args, counts: list[int], resident: dict[int, int] | None = None,
     one of ``--rates``; KV assumed to pass every rate it runs: the longest case):
     ``setup_s`` + per user count (hydrating its resident users at
     ``args.estimate_hydrate_s`` each; every user when ``resident`` is not known yet,
-    an upper bound) the warm-up in each mode and the steps."""
-    modes = [m for m in MODES if m in args.modes]
-    warm = len(modes) * step_seconds(args, args.warmup_rate, args.warmup_requests)
-    cases = []
+    an upper bound) the warm-up in each mode and the steps (``--prompt-once``: the
+    baseline in the first count only)."""
     given = getattr(args, "prompt_goodput", None)
-    outcomes = ([given[0]] if given and "prompt" not in modes else [0.0, *args.rates])
+    outcomes = ([given[0]] if given and "prompt" not in args.modes else [0.0, *args.rates])
+    cases = []
     for g in outcomes:
-        steps = 0.0
-        if args.kv_rates == "same":
-            for rate in args.rates:
-                steps += sum(step_seconds(args, rate) for _ in modes)
-        else:
+        total = setup_s
+        for i, count in enumerate(counts):
+            modes = [m for m in MODES if m in args.modes
+                     and not (m == "prompt" and i and getattr(args, "prompt_once", False))]
+            total += (resident or {}).get(count, count) * args.estimate_hydrate_s
+            total += len(modes) * step_seconds(args, args.warmup_rate, args.warmup_requests)
+            if args.kv_rates == "same":
+                total += sum(step_seconds(args, r) for r in args.rates for _ in modes)
+                continue
             if "prompt" in modes:  # passes up to g, misses at the next rate
-                ran = [r for r in args.rates if r <= g]
-                ran += [r for r in args.rates if r > g][:1]
-                steps += sum(step_seconds(args, r) for r in ran)
+                ran = [r for r in args.rates if r <= g] + [r for r in args.rates if r > g][:1]
+                total += sum(step_seconds(args, r) for r in ran)
             if "kv" in modes:
-                steps += sum(step_seconds(args, r) for r in kv_rates_for(args, g))
-        total = setup_s + sum(
-            (resident or {}).get(u, u) * args.estimate_hydrate_s + warm + steps for u in counts)
+                total += sum(step_seconds(args, r) for r in kv_rates_for(args, g))
         cases.append({"prompt_goodput": g, "seconds": round(total)})
     return {"setup_s": setup_s, "hydrate_s_per_user": args.estimate_hydrate_s,
-            "warmup_s_per_count": round(warm, 1), "by_prompt_goodput": cases,
+            "by_prompt_goodput": cases,
             "min_s": min(c["seconds"] for c in cases),
             "max_s": max(c["seconds"] for c in cases)}
 

@@ -111,6 +111,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--prompt-goodput", type=float, nargs="+", default=None,
       help="the baseline's goodput from another run (with --modes kv): one value, or one "
            "per user count")
+    a("--prompt-once", action="store_true",
+      help="run the baseline in the first user count only; the later counts run KV against "
+           "its goodput (the baseline reads no tier: its goodput does not depend on them)")
     a("--requests", type=int, default=None,
       help="requests per step (default: 400 on CUDA, 50 on CPU)")
     a("--objective-ms", type=float, default=1000.0, help="p99 TTFT objective")

@@ -128,21 +128,22 @@ def steady_below(rows: list[dict], goodput_rps: float) -> dict:
             "kv_step_rates_checked": [r["rate"] for r in below]}
 
 
-def summarize(rows: list[dict], args, prompt_goodput: float | None = None) -> dict:
+def summarize(rows: list[dict], args, prompt_goodput: float | None = None,
+              prompt_source: str = "another run (--prompt-goodput)") -> dict:
     """Both modes' goodput and ``goodput_vs_prompt`` (KV's over the prompt baseline's),
     with what the ratio is when a goodput is only bounded: ``goodput_vs_prompt_is``
     ``"measured"``, ``"a lower bound"`` (KV never missed within the rates run),
     ``"an upper bound"`` (the baseline never did) or ``"unbounded"``; when the baseline
     missed at the lowest rate run, the ratio exceeds KV's goodput over that rate
-    (``goodput_vs_prompt_above``). ``prompt_goodput``: the baseline's goodput measured by
-    another run (``--modes kv``), used instead of this run's rows. Also KV's p99 TTFT at
+    (``goodput_vs_prompt_above``). ``prompt_goodput``: the baseline's goodput measured
+    elsewhere (``prompt_source`` says where), used instead of these rows. Also KV's p99 TTFT at
     the baseline's goodput, the step times per mode and rate, and whether KV's stayed
     steady (:func:`steady_below`)."""
     good = {m: goodput(rows, m) for m in MODES}
     if prompt_goodput is not None:
         good["prompt"] = {"goodput_rps": prompt_goodput, "first_miss_rps": None,
                           "lower_bound": False, "below_lowest_rate": False,
-                          "given": "measured by another run (--prompt-goodput)"}
+                          "given": f"measured in {prompt_source}"}
     kv, prompt = good["kv"]["goodput_rps"], good["prompt"]["goodput_rps"]
     out = {"objective": f"p99 TTFT <= {args.objective_ms:g} ms",
            "goodput_kv_rps": kv, "goodput_prompt_rps": prompt,

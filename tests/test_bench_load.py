@@ -258,6 +258,12 @@ def test_estimate_adds_arrivals_drains_warmups_and_hydration():
     assert by[0.0] == round(fixed + step(10) + step(10) + step(20))  # KV through --rates
     assert (est["min_s"], est["max_s"]) == (min(by.values()), max(by.values()))
     assert "min" in load_plan.estimate_line(est, [4])
+    once = load_plan.estimate(_args(**{**vars(args), "prompt_once": True}), [4, 4], {4: 3})
+    twice = load_plan.estimate(args, [4, 4], {4: 3})
+    by_once = {c["prompt_goodput"]: c["seconds"] for c in once["by_prompt_goodput"]}
+    by_twice = {c["prompt_goodput"]: c["seconds"] for c in twice["by_prompt_goodput"]}
+    # the second count runs no baseline: its steps and its warm-up burst are saved
+    assert by_twice[10.0] - by_once[10.0] == round(step(10) + step(20) + step(10, 10))
 
 
 # ------------------------------------------------------------------------ summary
