@@ -170,6 +170,9 @@ def resolve(ap: argparse.ArgumentParser, args, cuda: bool):
     if words and (len(args.kv_rates) != 1 or words[0] not in ("adaptive", "same")):
         ap.error("--kv-rates: 'adaptive', 'same' or rates")
     args.kv_rates = words[0] if words else sorted(float(r) for r in args.kv_rates)
+    missing = [c for c in args.conversations if not Path(c).is_file()]
+    if missing and not args.estimate_only:
+        ap.error(f"--conversations: no such file {missing[0]}")
     args.counts = args.user_counts or [args.users]
     args.users = max(args.counts)
     if len(args.counts) > 1 and args.out and "{users}" not in args.out:

@@ -217,7 +217,8 @@ load_poll() {  # wait up to $1 s for the sequence to finish, printing each finis
     ls "$LOAD_OUT"/*.json > /dev/null 2>&1 && python -m benchmarks.load_stats "$LOAD_OUT"/*.json
     grep -h -i -E "error|Traceback" "$LOAD_OUT"/load*.log 2>/dev/null | tail -n 5
     if [ -f "$LOAD_OUT/DONE" ]; then echo "FINISHED at $(cat "$LOAD_OUT/DONE")"
-    else echo "RUNNING: poll again"; fi
+    elif kill -0 "$(cat "$LOAD_OUT/pid" 2>/dev/null)" 2>/dev/null; then echo "RUNNING: poll again"
+    else echo "NOT RUNNING and not finished (stopped or died: see the logs)"; fi
   } > "$OUT/load-progress.txt"
   cp "$LOAD_OUT"/*.json "$OUT"/ 2>/dev/null
   tar czf "$OUT/load-logs.tgz" -C "$LOAD_OUT" --exclude='*.json' --exclude=profile . 2>/dev/null
@@ -283,6 +284,12 @@ case "${1:-}" in
   load-tail0)  # only the text-tail-0 run (u48, KV only), detached; G from u48's file or PROMPT_G
     load_start load-tail0-run && load_poll "${2:-0}" ;;
   load-poll) load_poll "${2:-0}" ;;
+  load-stop)  # end a running sequence: the sequence's shell, then each step under it
+    # (`timeout` passes SIGTERM to load.py, which stops its server), then a last poll
+    p=$(cat "$LOAD_OUT/pid" 2>/dev/null); c=$(pgrep -P "${p:-0}")
+    [ -n "$p" ] && kill -TERM "$p" 2>/dev/null
+    for q in $c; do kill -TERM "$q" 2>/dev/null; done
+    sleep 20; load_poll 0 ;;
   load-sequence)  # detached, by `load`: users 24, 48, 200 in one server, then tail 0
     load_sequence ;;
   load-tail0-run)  # detached, by `load-tail0`
@@ -311,6 +318,6 @@ case "${1:-}" in
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
           "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load [S] | load-poll [S] |" \
-          "load-tail0 [S] | tp2 [equivalence|ttft]"
+          "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac
