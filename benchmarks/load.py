@@ -7,9 +7,11 @@ Users are built once, for the largest of ``--user-counts`` (or ``--users``); eac
 is a **scenario** run in turn in the same server: every user is evicted (admin API), the
 count's most active users are hydrated into the gpu tier (as many as its budget holds)
 and the next into the host tier (:func:`benchmarks.load_plan.tier_plan`); every other
-user is read from storage when first asked for. A warm-up burst in each mode at a high
+user is read from storage when first asked for. A warm-up in each mode: a burst at a high
 rate (``--warmup-requests`` at ``--warmup-rate``), so that engine steps admit several
-requests at once and every kernel specialization is compiled before measuring.
+requests at once and every kernel specialization is compiled before measuring, then one
+request per distinct query length (``--warmup-lengths``: the query embedder's CUDA graph
+per length).
 
 Load is open-loop: at each step, ``--requests`` requests arrive as a Poisson process at
 the step's rate, whatever the server's progress; each asks a real LoCoMo question of one
@@ -68,7 +70,7 @@ from benchmarks.load_metrics import (  # noqa: E402
     HISTOGRAM_METHOD, parse, step_metrics, step_time,
 )
 from benchmarks.load_server import (  # noqa: E402
-    Http, ServerProcess, evict_all, residency, scrape_text, wait_idle,
+    Http, ServerProcess, evict_all, hydrate_plan, residency, scrape_text, wait_idle,
 )
 from benchmarks.load_setup import (  # noqa: E402
     build_memory, parser, prompt_goodput_for, resolve,
@@ -108,6 +110,18 @@ class Load:
                                            seed=seed * 10_007 + int(user[5:]))
             out.append((t, user, decks[user].next()))
         return out
+
+    def every_length(self, lengths: dict[str, int], rate: float) -> list[tuple[float, str, str]]:
+        """One request per distinct query length (``lengths``: question -> the embedder's
+        token count), each from the most active user whose conversations ask it, ``1 /
+        rate`` apart: the server's query embedder captures a CUDA graph per length."""
+        seen: dict[int, tuple[str, str]] = {}
+        for c, qs in self.questions.items():
+            user = next((u for u in self.users if c in self.shares[u]), None)
+            for q in qs:
+                if user is not None and q in lengths:
+                    seen.setdefault(lengths[q], (user, q))
+        return [((i + 1) / rate, u, q) for i, (_, (u, q)) in enumerate(sorted(seen.items()))]
 
     async def one(self, user: str, question: str, mode: str, scheduled: float,
                   t0: float) -> dict:
@@ -159,25 +173,6 @@ class Load:
         return [await t for t in tasks]
 
 
-async def warm_tiers(http, tiers: dict[str, list[str]], flagged: list[str] = ()) -> float:
-    """Hydrate the planned users, least active first, so that the most active are the
-    most recently used (the host tier evicts the least recently used). Seconds taken.
-
-    ``flagged``: users of this scenario's storage tier that an admin eviction of an earlier
-    scenario keeps from being reloaded (the workers reload no admin-evicted user until it
-    is hydrated again): hydrated into the host tier first, which lifts that, then pushed
-    out of it by the planned host users (least recently used)."""
-    t0 = time.perf_counter()
-    for tier, users in (("host", flagged), ("host", tiers["host"][::-1]),
-                        ("gpu", tiers["gpu"][::-1])):
-        for user in users:
-            status, text = await asyncio.to_thread(http.post, "/admin/hydrate",
-                                                   {"user": user, "tier": tier})
-            if status != 200 or json.loads(text)["tier"] != tier:
-                raise RuntimeError(f"hydrating {user} into {tier}: {status} {text[:300]}")
-    return time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------ the run
 
 
@@ -189,6 +184,7 @@ class Run:
         self.http = Http(server.url)
         self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
         self.load = Load(args, server.url, memory["questions"], memory["shares"])
+        self.lengths = memory["question_lengths"]
         self.evicted: set[str] = set()  # users this run evicted through the admin API
         self.first_prompt: tuple[float, str] | None = None  # --prompt-once: (G, where)
         self.profiler = None
@@ -240,16 +236,21 @@ class Run:
         """A burst per mode at ``--warmup-rate``, then wait until the server is idle."""
         args, out = self.args, {}
         t0 = time.perf_counter()
+        lengths = (self.load.every_length(self.lengths, args.warmup_rate)
+                   if args.warmup_lengths else [])
         for mode in modes:
-            if args.warmup_requests > 0:
-                burst = self.load.schedule(args.warmup_rate, seed=999_983 + count,
-                                           n=args.warmup_requests)
-                records = await self.load.step(mode, burst)
-                s = step_summary(records, mode, args.warmup_rate, args.objective_ms)
-                out[mode] = {k: s[k] for k in ("completed", "over_objective", "ttft_p50_ms",
-                                               "ttft_p99_ms")}
-            await wait_idle(self.http, 60)
+            burst = (self.load.schedule(args.warmup_rate, seed=999_983 + count,
+                                        n=args.warmup_requests)
+                     if args.warmup_requests > 0 else [])
+            for name, schedule in (("burst", burst), ("lengths", lengths)):
+                if schedule:
+                    records = await self.load.step(mode, schedule)
+                    s = step_summary(records, mode, args.warmup_rate, args.objective_ms)
+                    out[f"{mode}_{name}"] = {k: s[k] for k in (
+                        "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms")}
+                await wait_idle(self.http, 60)
         return {"requests_per_mode": args.warmup_requests, "rate": args.warmup_rate,
+                "query_lengths_per_mode": len(lengths),
                 "seconds": round(time.perf_counter() - t0, 1), "by_mode": out}
 
     async def scenario(self, count: int, result: dict, out: Path | None) -> dict:
@@ -260,7 +261,7 @@ class Run:
         self.evicted.update(await asyncio.to_thread(evict_all, self.http))
         tiers = plan.tier_plan(users, self.sizes, args)
         flagged = [u for u in tiers["storage"] if u in self.evicted]
-        hydrate_s = await warm_tiers(self.http, tiers, flagged)
+        hydrate_s = await asyncio.to_thread(hydrate_plan, self.http, tiers, flagged)
         placed = await asyncio.to_thread(residency, self.http)
         planned = {u: t for t in ("gpu", "host") for u in tiers[t]}
         share = {t: round(float(sum(self.load.weights[users.index(u)] for u in tiers[t])), 3)
@@ -326,6 +327,9 @@ async def measure(args, base: dict) -> list[dict]:
     embedder = Embedder(args.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     memory = build_memory(args, work, embedder, args.users)
+    tok = embedder.model.tokenizer  # the server's embedder tokenizes queries the same way
+    memory["question_lengths"] = {q: len(tok(q, truncation=True, max_length=256)["input_ids"])
+                                  for qs in memory["questions"].values() for q in qs}
     del embedder
     if cuda:
         torch.cuda.empty_cache()  # the engine and the gpu tier get the whole GPU

@@ -173,8 +173,12 @@ def step_metrics(before: dict, after: dict) -> dict:
 
 def step_time(metrics: dict) -> dict:
     """The row's step-time keys: the engine's busy-step p50/p99 (the connector's
-    histogram), or None when the server does not export it."""
-    h = (metrics.get("histograms") or {}).get("engine_step") or {}
+    histogram) and vLLM's mean queue and prefill time per request; None when the server
+    does not export them."""
+    hists = metrics.get("histograms") or {}
+    h = hists.get("engine_step") or {}
     p50, p99 = h.get("p50_ms"), h.get("p99_ms")
     return {"step_p50_ms": p50, "step_p99_ms": p99, "engine_steps": h.get("count"),
-            "step_p99_over_p50": round(p99 / p50, 3) if p50 and p99 is not None else None}
+            "step_p99_over_p50": round(p99 / p50, 3) if p50 and p99 is not None else None,
+            "queue_mean_ms": (hists.get("vllm_queue") or {}).get("mean_ms"),
+            "prefill_mean_ms": (hists.get("vllm_prefill") or {}).get("mean_ms")}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 GIB = 1 << 30
 MODES = ("prompt", "kv")
+WARMUP_LENGTHS_GUESS = 40  # distinct query lengths of LoCoMo's questions, for the estimate
 
 
 def tier_plan(users: list[str], placed_bytes: dict[str, int], args) -> dict[str, list[str]]:
@@ -125,6 +126,8 @@ def estimate(args, counts: list[int], resident: dict[int, int] | None = None,
                      and not (m == "prompt" and i and getattr(args, "prompt_once", False))]
             total += (resident or {}).get(count, count) * args.estimate_hydrate_s
             total += len(modes) * step_seconds(args, args.warmup_rate, args.warmup_requests)
+            if getattr(args, "warmup_lengths", False):  # one per query length: a few dozen
+                total += len(modes) * step_seconds(args, args.warmup_rate, WARMUP_LENGTHS_GUESS)
             if args.kv_rates == "same":
                 total += sum(step_seconds(args, r) for r in args.rates for _ in modes)
                 continue

@@ -216,6 +216,25 @@ def evict_all(http: Http, tries: int = 3) -> list[str]:
     return evicted
 
 
+def hydrate_plan(http: Http, tiers: dict[str, list[str]], flagged: list[str] = ()) -> float:
+    """Hydrate the planned users (``tiers``: tier -> users, most active first), least
+    active first, so that the most active are the most recently used (the host tier
+    evicts the least recently used). Seconds taken.
+
+    ``flagged``: users of the storage tier that an earlier admin eviction keeps from being
+    reloaded (the workers reload no admin-evicted user until it is hydrated again):
+    hydrated into the host tier first, which lifts that, then pushed out of it by the
+    planned host users (least recently used)."""
+    t0 = time.perf_counter()
+    for tier, users in (("host", flagged), ("host", tiers["host"][::-1]),
+                        ("gpu", tiers["gpu"][::-1])):
+        for user in users:
+            status, text = http.post("/admin/hydrate", {"user": user, "tier": tier})
+            if status != 200 or json.loads(text)["tier"] != tier:
+                raise RuntimeError(f"hydrating {user} into {tier}: {status} {text[:300]}")
+    return time.perf_counter() - t0
+
+
 async def wait_idle(http, timeout: float) -> None:
     """Until vLLM runs and queues no request (the previous step drained)."""
     deadline = time.monotonic() + timeout

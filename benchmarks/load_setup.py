@@ -131,6 +131,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--warmup-rate", type=float, default=None,
       help="its arrival rate: high, so that steps admit several requests at once "
            "(default: 64 on CUDA, 0.5 on CPU)")
+    a("--warmup-lengths", action=argparse.BooleanOptionalAction, default=None,
+      help="then one request per distinct query length (the server's query embedder "
+           "captures a CUDA graph per length; default: on CUDA)")
     a("--drain-s", type=float, default=120.0,
       help="after a step's last arrival, wait this long for its requests")
     a("--settle-s", type=float, default=2.0)
@@ -186,6 +189,7 @@ def resolve(ap: argparse.ArgumentParser, args, cuda: bool):
     args.warmup_requests = (args.warmup_requests if args.warmup_requests is not None
                             else 64 if cuda else 6)
     args.warmup_rate = args.warmup_rate or (64.0 if cuda else 0.5)
+    args.warmup_lengths = cuda if args.warmup_lengths is None else args.warmup_lengths
     args.profile_users = args.profile_users or [min(args.counts)]
     args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
     if not cuda and args.kv_cache_gib is None:

@@ -105,13 +105,16 @@ def goodput(rows: list[dict], mode: str, rates: list[float] | None = None) -> di
 
 
 def step_times(rows: list[dict]) -> dict:
-    """mode -> rate -> the engine's busy-step time p50/p99 (ms) and their ratio."""
+    """mode -> rate -> the engine's busy-step time p50/p99 (ms), their ratio, and vLLM's
+    mean queue and prefill time per request (queueing against prefill)."""
     out: dict = {}
     for r in sorted(rows, key=lambda r: r["rate"]):
         if "step_p50_ms" in r:
             out.setdefault(r["mode"], {})[f"{r['rate']:g}"] = {
                 "p50_ms": r["step_p50_ms"], "p99_ms": r["step_p99_ms"],
-                "p99_over_p50": r["step_p99_over_p50"]}
+                "p99_over_p50": r["step_p99_over_p50"],
+                "queue_mean_ms": r.get("queue_mean_ms"),
+                "prefill_mean_ms": r.get("prefill_mean_ms")}
     return out
 
 
@@ -159,6 +162,14 @@ def summarize(rows: list[dict], args, prompt_goodput: float | None = None,
     out["kv_p99_ttft_at_prompt_goodput_ms"] = at_g[0].get("ttft_p99_ms") if at_g else None
     out["kv_meets_objective_at_prompt_goodput"] = at_g[0]["meets_objective"] if at_g else None
     out.update(steady_below(rows, kv))
+    kv_rows = sorted((r for r in rows if r["mode"] == "kv" and r.get("profile")),
+                     key=lambda r: r["rate"])
+    if kv_rows:  # the py-spy files of KV's highest passing rate and of its first miss
+        out["kv_profiles"] = {
+            "at_goodput": next((r["profile"].get("files") for r in kv_rows
+                                if r["rate"] == kv), None),
+            "at_first_miss": next((r["profile"].get("files") for r in kv_rows
+                                   if r["rate"] == good["kv"]["first_miss_rps"]), None)}
     out["step_time_ms"] = step_times(rows)
     return {**out, "kv": good["kv"], "prompt": good["prompt"]}
 

@@ -290,7 +290,13 @@ def test_summary_kv_at_the_baseline_goodput_and_steady_step_times():
     assert s["kv_step_p99_within_1_5x_p50_below_goodput"] is True
     assert s["kv_step_p99_over_p50_max_below_goodput"] == 1.2
     assert s["kv_step_rates_checked"] == [8, 16]
-    assert s["step_time_ms"]["kv"]["32"] == {"p50_ms": 10.0, "p99_ms": 40.0, "p99_over_p50": 4.0}
+    assert s["step_time_ms"]["kv"]["32"] == {"p50_ms": 10.0, "p99_ms": 40.0, "p99_over_p50": 4.0,
+                                             "queue_mean_ms": None, "prefill_mean_ms": None}
+    assert "kv_profiles" not in s
+    rows[4]["profile"] = {"files": {"engine": "e16.raw"}}
+    rows[6]["profile"] = {"files": {"engine": "e32.raw"}}
+    s = load_stats.summarize(rows, _args())
+    assert s["kv_profiles"] == {"at_goodput": None, "at_first_miss": {"engine": "e32.raw"}}
     jitter = rows[:3] + [_row("kv", 8, True, 60, step=(10.0, 16.0)), _row("kv", 16, True, 80),
                          _row("kv", 24, False, 300)]
     s = load_stats.summarize(jitter, _args())
@@ -327,6 +333,12 @@ def test_same_seed_same_requests_in_both_modes(users):
     for _, user, q in a:  # a user asks about the conversations its facts come from
         assert any(q in questions[c] for c in shares[user])
     assert len(load.schedule(64.0, seed=1, n=5)) == 5
+    # the warm-up's one request per distinct query length, from the most active user
+    lengths = {q: len(q) % 3 for qs in questions.values() for q in qs}
+    per_length = load.every_length(lengths, rate=4.0)
+    assert sorted(lengths[q] for _, _, q in per_length) == sorted(set(lengths.values()))
+    assert [t for t, _, _ in per_length] == [0.25 * (i + 1) for i in range(len(per_length))]
+    assert {u for _, u, _ in per_length} == {"load-0000"}  # its facts span both conversations
 
 
 # ------------------------------------------------------------------------ /metrics
@@ -452,7 +464,8 @@ def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
     assert m["connector_seconds"] is None and m["connector_ms_per_busy_step"] is None
     assert m["memory_facts"] is None and m["storage_read_bytes"] is None
     assert step_time(m) == {"step_p50_ms": None, "step_p99_ms": None, "engine_steps": None,
-                            "step_p99_over_p50": None}
+                            "step_p99_over_p50": None, "queue_mean_ms": h["vllm_queue"]["mean_ms"],
+                            "prefill_mean_ms": h["vllm_prefill"]["mean_ms"]}
 
     before = start + _worker_families({"0": [10, 0, 0, 0, 0], "1": [5, 0, 0, 0, 0]}, 1.0, 2.0,
                                       {"gpu": 10, "host": 0, "storage": 0}, 0)

@@ -124,9 +124,10 @@ EOF
 # 8 on disk), ~2.7 GB of KV per user; the 64 GiB gpu tier and 64 GiB host tier hold ~48
 # users, the rest are read from storage. vLLM's own KV cache: 24 GiB. One server runs the
 # user counts in turn (benchmarks/load.py --user-counts): each evicts every user, places
-# the count's most active users in the tiers, warms up (a 64-request burst at 64 rps per
-# mode), then the baseline rises through RATES until its first miss (goodput G) and KV
-# runs at MULTIPLIERS x G until its first miss, 400 requests per step.
+# the count's most active users in the tiers, warms up (per mode a 64-request burst at 64
+# rps, then one request per query length), then the baseline rises through RATES until
+# its first miss (goodput G) and KV runs at MULTIPLIERS x G until its first miss, 400
+# requests per step.
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
 LOAD_NAME=load-h200-llama31-8b
 
