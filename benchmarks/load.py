@@ -36,7 +36,7 @@ One result file per user count, rewritten after every step.
     python benchmarks/load.py --users 8 --groups 2 --facts 200 --top-k 50 --max-tokens 8 \\
         --objective-ms 10000 --rates 0.04 0.07 0.12 0.2 0.3 0.45 0.7 --requests 8 \\
         --gpu-budget-gib 1 --host-budget-gib 1.5 --kv-cache-gib 2 --drain-s 60 \\
-        --out benchmarks/results/load-cpu-smollm2.json
+        --kv-rates same --out benchmarks/results/load-cpu-smollm2.json  # its steps
     bash benchmarks/gpu/h200.sh load  # the H200 runs: users 24, 48, 200, Llama-3.1-8B shape
 
 Starts an engine (in the server process): run as a script.
