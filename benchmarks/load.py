@@ -1,36 +1,43 @@
-"""Serving under load: goodput of KV injection against the prompt baseline, one run.
+"""Serving under load: goodput of KV injection against the prompt baseline, in one server.
 
 Many users with published artifacts (:mod:`benchmarks.load_users`: LoCoMo turns as raw
-facts, ``--users`` users in ``--groups`` memory groups of ``--facts`` facts) are served
-by InferScale's OpenAI-compatible server (:mod:`benchmarks.load_server`, a subprocess on
-127.0.0.1), with more users than the tier budgets hold. Before measuring, the most
-active users are hydrated into the gpu tier (as many as its budget holds) and the next
-ones into the host tier; every other user is read from storage by a background reload
-when first asked for (its request is answered by prefill meanwhile), and reloads land
-in the host tier, evicting its least recently used users.
+facts, in ``--groups`` memory groups of ``--facts`` facts) are served by InferScale's
+OpenAI-compatible server (:mod:`benchmarks.load_server`, a subprocess on 127.0.0.1).
+Users are built once, for the largest of ``--user-counts`` (or ``--users``); each count
+is a **scenario** run in turn in the same server: every user is evicted (admin API), the
+count's most active users are hydrated into the gpu tier (as many as its budget holds)
+and the next into the host tier (:func:`benchmarks.load_plan.tier_plan`); every other
+user is read from storage when first asked for. A warm-up in each mode: a burst at a high
+rate (``--warmup-requests`` at ``--warmup-rate``), so that engine steps admit several
+requests at once and every kernel specialization is compiled before measuring, then one
+request per distinct query length (``--warmup-lengths``: the query embedder's CUDA graph
+per length).
 
-Load is open-loop: at each arrival rate of ``--rates`` (requests/s, rising), ``--requests``
-requests arrive as a Poisson process, whatever the server's progress; each asks a real
-LoCoMo question of a user drawn by popularity (Zipf, ``--zipf``), with ``top_k`` memory
-facts and exactly ``--max-tokens`` answer tokens (``ignore_eos``), streamed through the
-official ``openai`` client, so TTFT is what a client sees (request sent -> first chunk,
-which the server sends with the first token). Both modes (``kv``: memory KV injected;
-``prompt``: the Mem0-style baseline, the same facts as text, prefix caching on) run at
-every rate with the same arrival times, users and questions, alternating which goes
-first; a mode stops after the first rate whose p99 TTFT misses the objective
-(``--objective-ms``), or on the time limit (``--deadline-s``).
+Load is open-loop: at each step, ``--requests`` requests arrive as a Poisson process at
+the step's rate, whatever the server's progress; each asks a real LoCoMo question of one
+of the scenario's users drawn by popularity (Zipf, ``--zipf``), with ``top_k`` facts and
+exactly ``--max-tokens`` answer tokens (``ignore_eos``), streamed through the official
+``openai`` client, so TTFT is what a client sees. Modes: ``prompt`` (the Mem0-style
+baseline, facts as text, prefix caching on) and ``kv`` (memory injected). Which rates
+run (:mod:`benchmarks.load_plan`): the baseline rises through ``--rates`` until its first
+miss of the objective (p99 TTFT <= ``--objective-ms``); its goodput G is the highest rate
+that passed; KV then runs at ``--kv-rate-multipliers`` x G until its first miss
+(``--kv-rates same``: both at every rate, the original procedure). The same rate gets
+the same arrivals, users and questions in both modes.
 
-Per step: TTFT p50/p99 (client), query-to-first-token p50/p99 (server, in the response
-extras), engine TTFT, end-to-end latency, output tokens/s, dispatch lag, fallbacks by
-reason, and what ``/metrics`` says changed (reloads, failed loads, residents per tier).
-Goodput of a mode: the highest rate whose p99 TTFT met the objective (a request that
-failed or did not finish counts as missing it; :mod:`benchmarks.load_stats`). Summary:
-both goodputs and ``goodput_vs_prompt``. The result file is rewritten after every step.
+Per step: TTFT p50/p99 (client) and the requests over the objective, q2ft, engine TTFT,
+end-to-end, tokens/s, dispatch lag, fallbacks, facts by the tier they came from, and what
+``/metrics`` says changed (:mod:`benchmarks.load_metrics`: the engine's busy-step time
+p50/p99, the injection, the connector's time, vLLM's queue and prefill times,
+reloads...). Summary per scenario (:func:`benchmarks.load_stats.summarize`): both
+goodputs, ``goodput_vs_prompt``, ``kv_p99_ttft_at_prompt_goodput_ms``, the step times.
+One result file per user count, rewritten after every step.
 
-    python benchmarks/load.py --users 20 --groups 2 --facts 200 --objective-ms 6000 \\
-        --rates 0.06 0.1 0.15 0.25 0.4 0.6 0.9 1.35 --requests 10 --gpu-budget-gib 1 \\
-        --host-budget-gib 1.5 --kv-cache-gib 2 --out benchmarks/results/load-cpu-smollm2.json
-    bash benchmarks/gpu/h200.sh load  # the H200 run: 200 users, Llama-3.1-8B shape
+    python benchmarks/load.py --users 8 --groups 2 --facts 200 --top-k 50 --max-tokens 8 \\
+        --objective-ms 10000 --rates 0.04 0.07 0.12 0.2 0.3 0.45 0.7 --requests 8 \\
+        --gpu-budget-gib 1 --host-budget-gib 1.5 --kv-cache-gib 2 --drain-s 60 \\
+        --kv-rates same --out benchmarks/results/load-cpu-smollm2.json  # its steps
+    bash benchmarks/gpu/h200.sh load  # the H200 runs: users 24, 48, 200, Llama-3.1-8B shape
 
 Starts an engine (in the server process): run as a script.
 """
@@ -51,18 +58,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import offline_environment  # noqa: E402
 
 offline_environment()
 
 import torch  # noqa: E402
 
+from benchmarks import load_plan as plan  # noqa: E402
 from benchmarks.common import command_line  # noqa: E402
-from benchmarks.load_server import (  # noqa: E402
-    Http, ServerProcess, free_port, metrics_delta, scrape, wait_idle,
+from benchmarks.load_metrics import (  # noqa: E402
+    HISTOGRAM_METHOD, parse, step_metrics, step_time,
 )
-from benchmarks.load_stats import GIB, MODES, machine, step_summary, summarize  # noqa: E402
-from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.load_server import (  # noqa: E402
+    Http, ServerProcess, evict_all, hydrate_plan, residency, scrape_text, wait_idle,
+)
+from benchmarks.load_setup import (  # noqa: E402
+    build_memory, parser, prompt_goodput_for, resolve,
+)
+from benchmarks.load_stats import GIB, machine, step_summary, summarize  # noqa: E402
+from benchmarks.load_users import QuestionDeck, popularity  # noqa: E402
 
 
 # ------------------------------------------------------------------------ load
@@ -71,22 +85,43 @@ from benchmarks.shapes import SHAPES  # noqa: E402
 class Load:
     """The open-loop client: steps of Poisson arrivals through the ``openai`` client."""
 
-    def __init__(self, args, url: str, users: list[str], weights, decks: dict):
+    def __init__(self, args, url: str, questions: dict, shares: dict):
         import openai
 
-        self.args, self.users, self.weights = args, users, weights
-        self.decks = decks  # mode -> user -> QuestionDeck (same seeds: same questions)
+        self.args, self.questions, self.shares = args, questions, shares
+        self.users: list[str] = []
+        self.weights: list[float] = []
         self.client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                          timeout=args.request_timeout_s)
 
-    def schedule(self, rate: float, seed: int) -> list[tuple[float, str]]:
-        """``--requests`` (arrival time, user): exponential gaps, users by popularity."""
+    def schedule(self, rate: float, seed: int, n: int | None = None
+                 ) -> list[tuple[float, str, str]]:
+        """``n`` (default ``--requests``) arrivals ``(time, user, question)``: exponential
+        gaps, users by popularity, each user's questions from a deck seeded by ``seed``,
+        so the same seed gives both modes the same requests."""
         rng = random.Random(seed)
+        decks: dict[str, QuestionDeck] = {}
         t, out = 0.0, []
-        for _ in range(self.args.requests):
+        for _ in range(n or self.args.requests):
             t += rng.expovariate(rate)
-            out.append((t, rng.choices(self.users, self.weights)[0]))
+            user = rng.choices(self.users, self.weights)[0]
+            if user not in decks:
+                decks[user] = QuestionDeck(self.questions, self.shares[user],
+                                           seed=seed * 10_007 + int(user[5:]))
+            out.append((t, user, decks[user].next()))
         return out
+
+    def every_length(self, lengths: dict[str, int], rate: float) -> list[tuple[float, str, str]]:
+        """One request per distinct query length (``lengths``: question -> the embedder's
+        token count), each from the most active user whose conversations ask it, ``1 /
+        rate`` apart: the server's query embedder captures a CUDA graph per length."""
+        seen: dict[int, tuple[str, str]] = {}
+        for c, qs in self.questions.items():
+            user = next((u for u in self.users if c in self.shares[u]), None)
+            for q in qs:
+                if user is not None and q in lengths:
+                    seen.setdefault(lengths[q], (user, q))
+        return [((i + 1) / rate, u, q) for i, (_, (u, q)) in enumerate(sorted(seen.items()))]
 
     async def one(self, user: str, question: str, mode: str, scheduled: float,
                   t0: float) -> dict:
@@ -115,125 +150,174 @@ class Load:
                        engine_ttft_ms=timings["engine_ttft"],
                        injected=info.get("injected_tokens", 0),
                        memory_tokens=info.get("memory_tokens", 0),
-                       fallback_reason=info.get("fallback_reason"))
+                       fallback_reason=info.get("fallback_reason"),
+                       facts_by_tier=info.get("facts_by_tier"),
+                       storage_bytes=info.get("storage_bytes"))
         except asyncio.CancelledError:
             rec["error"] = "not finished within the drain time"
         except Exception as exc:  # noqa: BLE001 - a failed request counts against the mode
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return rec
 
-    async def step(self, mode: str, schedule: list[tuple[float, str]]) -> list[dict]:
-        decks = self.decks[mode]
+    async def step(self, mode: str, schedule: list[tuple[float, str, str]]) -> list[dict]:
         t0 = time.perf_counter()
         tasks = []
-        for at, user in schedule:
+        for at, user, question in schedule:
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self.one(user, decks[user].next(), mode, at, t0)))
+            tasks.append(asyncio.create_task(self.one(user, question, mode, at, t0)))
         _, pending = await asyncio.wait(tasks, timeout=self.args.drain_s)
         for t in pending:
             t.cancel()
         return [await t for t in tasks]
 
 
-# ------------------------------------------------------------------------ setup
-
-
-def build_memory(args, work: Path, embedder) -> tuple[dict, list, dict, dict]:
-    """Publish every user -> (the server's config, the groups, the question decks per
-    mode and user, user -> {"version", "slab_bytes"})."""
-    from transformers import AutoTokenizer
-
-    from benchmarks import load_users as lu
-    from benchmarks.shapes import write_dummy_checkpoint
-    from inferscale.artifacts.layout import StoreConfig
-    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
-
-    home = Settings().home
-    cuda = torch.cuda.is_available()
-    store = StoreConfig(str(work / "artifacts"))
-    if args.model in SHAPES:
-        tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
-        ckpt = write_dummy_checkpoint(args.model, tok_dir, work / args.model)
-        fp, tok = dummy_fingerprint(ckpt), AutoTokenizer.from_pretrained(ckpt)
-        engine = dict(model=str(ckpt), load_format="dummy",
-                      dtype="bfloat16" if cuda else "float32")
-    else:
-        loaded = load_model(args.model, home, device="cpu", dtype="float32")
-        ckpt, fp, tok = loaded.checkpoint, loaded.fingerprint, loaded.tokenizer
-        engine = dict(model=str(ckpt), dtype="bfloat16" if cuda else "float32")
-    pool = lu.pool_turns(args.conversations, tok)
-    groups = lu.make_groups(len(pool), args.groups or args.users, args.facts, args.users)
-    embeddings = embedder.embed([t.text for t in pool]).float().cpu().numpy()
-    if args.model in SHAPES:
-        cfg = SHAPES[args.model]
-        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
-
-        def memory_of(group, fids):
-            return lu.group_memory(group, fids, None, tok, pool, fp, shape)
-    else:
-        t = time.perf_counter()
-        encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, "bfloat16")
-        print(f"encoded {len(encoded.chunks) - 1} turns at w=0 "
-              f"in {time.perf_counter() - t:.0f} s", flush=True)
-        del loaded
-
-        def memory_of(group, fids):
-            return lu.group_memory(group, fids, encoded, tok, pool, fp)
-    versions = lu.publish_users(store, groups, pool, embeddings, memory_of,
-                                progress=lambda m: print(m, flush=True))
-    questions = lu.locomo_questions(args.conversations)
-    decks = {mode: {u: lu.QuestionDeck(questions, lu.shares(g, pool), seed=int(u[5:]))
-                    for g in groups for u in g.users} for mode in MODES}
-    engine.update(
-        model_fingerprint=fp, artifact_root=store.root, max_model_len=args.max_model_len,
-        enforce_eager=not cuda if args.eager is None else args.eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
-        gpu_budget_bytes=int(args.gpu_budget_gib * GIB),
-        host_budget_bytes=int(args.host_budget_gib * GIB))
-    server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
-              "top_k": args.top_k, "model_name": "load", "port": free_port()}
-    return server, groups, decks, versions
-
-
-def tier_plan(users: list[str], placed_bytes: dict[str, int], args) -> dict[str, list[str]]:
-    """Users by popularity rank: the gpu tier as full as its budget allows, then the host
-    tier; the rest start in storage."""
-    plan: dict[str, list[str]] = {"gpu": [], "host": [], "storage": []}
-    budget = {"gpu": args.gpu_budget_gib * GIB, "host": args.host_budget_gib * GIB}
-    used = dict.fromkeys(budget, 0)
-    tier = "gpu"
-    for user in users:
-        if tier == "gpu" and used["gpu"] + placed_bytes[user] > budget["gpu"]:
-            tier = "host"
-        if tier == "host" and used["host"] + placed_bytes[user] > budget["host"]:
-            tier = "storage"
-        plan[tier].append(user)
-        if tier != "storage":
-            used[tier] += placed_bytes[user]
-    return plan
-
-
-async def warm_tiers(http, plan: dict[str, list[str]]) -> float:
-    """Hydrate the planned users, least active first, so that the most active are the
-    most recently used (the host tier evicts the least recently used). Seconds taken."""
-    t0 = time.perf_counter()
-    for tier in ("host", "gpu"):
-        for user in reversed(plan[tier]):
-            status, text = await asyncio.to_thread(http.post, "/admin/hydrate",
-                                                   {"user": user, "tier": tier})
-            if status != 200 or json.loads(text)["tier"] != tier:
-                raise RuntimeError(f"hydrating {user} into {tier}: {status} {text[:300]}")
-    return time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------ the run
 
 
-async def measure(args, result: dict, out: Path | None) -> dict:
-    from benchmarks import load_users as lu
+class Run:
+    """One server, its users, and the scenarios run over them."""
+
+    def __init__(self, args, server: ServerProcess, memory: dict, sizes: dict, started: float):
+        self.args, self.server, self.sizes, self.started = args, server, sizes, started
+        self.http = Http(server.url)
+        self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
+        self.load = Load(args, server.url, memory["questions"], memory["shares"])
+        self.lengths = memory["question_lengths"]
+        self.evicted: set[str] = set()  # users this run evicted through the admin API
+        self.first_prompt: tuple[float, str] | None = None  # --prompt-once: (G, where)
+        self.profiler = None
+        if args.profile_dir:
+            from benchmarks.load_profile import Profiler
+
+            self.profiler = Profiler(args, server.proc.pid)
+
+    def left_s(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.started)
+
+    async def scrape(self) -> tuple[str, dict]:
+        text = await asyncio.to_thread(scrape_text, self.http)
+        return text, parse(text)
+
+    async def step(self, count: int, mode: str, rate: float) -> dict | None:
+        """One measured step, or None when it could not end before the deadline."""
+        args = self.args
+        schedule = self.load.schedule(rate, seed=count * 100_003 + round(rate * 1000))
+        if schedule[-1][0] + args.drain_s > self.left_s():
+            return None
+        text0, before = await self.scrape()
+        load_at_start = os.getloadavg()[0]
+        prof = None
+        if self.profiler and self.profiler.wanted(count, mode):
+            prof = self.profiler.start(count, mode, rate, schedule[-1][0])
+        t = time.perf_counter()
+        records = await self.load.step(mode, schedule)
+        row = step_summary(records, mode, rate, args.objective_ms)
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        await wait_idle(self.http, 60)
+        text1, after = await self.scrape()
+        row["metrics"] = step_metrics(before, after)
+        row.update(step_time(row["metrics"]), loadavg_1m_start=round(load_at_start, 2))
+        if prof is not None:
+            row["profile"] = await asyncio.to_thread(self.profiler.finish, prof)
+        if args.keep_scrapes:
+            keep = Path(args.keep_scrapes)
+            keep.mkdir(parents=True, exist_ok=True)
+            for when, text in (("start", text0), ("end", text1)):
+                (keep / f"u{count}-{mode}-{rate:g}rps-{when}.prom").write_text(text)
+        print(json.dumps({"users": count, **{k: row[k] for k in (
+            "mode", "rate", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
+            "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "fallbacks", "meets_objective")}}),
+            flush=True)
+        return row
+
+    async def warmup(self, count: int, modes: list[str]) -> dict:
+        """A burst per mode at ``--warmup-rate``, then wait until the server is idle."""
+        args, out = self.args, {}
+        t0 = time.perf_counter()
+        lengths = (self.load.every_length(self.lengths, args.warmup_rate)
+                   if args.warmup_lengths else [])
+        for mode in modes:
+            burst = (self.load.schedule(args.warmup_rate, seed=999_983 + count,
+                                        n=args.warmup_requests)
+                     if args.warmup_requests > 0 else [])
+            for name, schedule in (("burst", burst), ("lengths", lengths)):
+                if schedule:
+                    records = await self.load.step(mode, schedule)
+                    s = step_summary(records, mode, args.warmup_rate, args.objective_ms)
+                    out[f"{mode}_{name}"] = {k: s[k] for k in (
+                        "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms")}
+                await wait_idle(self.http, 60)
+        return {"requests_per_mode": args.warmup_requests, "rate": args.warmup_rate,
+                "query_lengths_per_mode": len(lengths),
+                "seconds": round(time.perf_counter() - t0, 1), "by_mode": out}
+
+    async def scenario(self, count: int, result: dict, out: Path | None) -> dict:
+        args = self.args
+        t0 = time.monotonic()
+        users = self.ranked[:count]
+        self.load.users, self.load.weights = users, list(popularity(count, args.zipf))
+        self.evicted.update(await asyncio.to_thread(evict_all, self.http))
+        tiers = plan.tier_plan(users, self.sizes, args)
+        flagged = [u for u in tiers["storage"] if u in self.evicted]
+        hydrate_s = await asyncio.to_thread(hydrate_plan, self.http, tiers, flagged)
+        placed = await asyncio.to_thread(residency, self.http)
+        planned = {u: t for t in ("gpu", "host") for u in tiers[t]}
+        share = {t: round(float(sum(self.load.weights[users.index(u)] for u in tiers[t])), 3)
+                 for t in tiers}
+        result["tiers"] = {
+            "user_bytes_placed_mean": int(sum(self.sizes[u] for u in users) / count),
+            "users": {t: len(v) for t, v in tiers.items()},
+            "request_share_by_starting_tier": share, "hydrate_seconds": round(hydrate_s, 1),
+            "residents_match_plan": placed == planned,
+            "residents_off_plan": sorted(set(placed.items()) ^ set(planned.items()))[:10]}
+        print(json.dumps({"users": count, **result["tiers"]}), flush=True)
+        given, source = prompt_goodput_for(args, count), "another run (--prompt-goodput)"
+        if args.prompt_once and self.first_prompt is not None:  # KV against the first's G
+            args = argparse.Namespace(**{**vars(args), "modes": ["kv"]})
+            given, source = self.first_prompt
+        result["modes"] = args.modes
+        result["warmup"] = await self.warmup(count, args.modes)
+        print(json.dumps({"users": count, "warmup": result["warmup"]}), flush=True)
+        if out:
+            write(result, out)
+        rows: list[dict] = []
+        history: list[tuple[str, float, bool | None]] = []
+        while (nxt := plan.next_step(history, args, given)) is not None:
+            mode, rate = nxt
+            row = await self.step(count, mode, rate)
+            if row is None:
+                history.append((mode, rate, None))
+                result["stopped_by_deadline"] = True
+                continue
+            rows.append(row)
+            history.append((mode, rate, row["meets_objective"]))
+            result.update(rows=rows, summary=summarize(rows, args, given, source))
+            if out:
+                write(result, out)
+            await asyncio.sleep(args.settle_s)
+        result["final_scrape_excerpt"] = [
+            line for line in (await asyncio.to_thread(scrape_text, self.http)).splitlines()
+            if line.startswith(("inferscale_requests_total", "inferscale_fallbacks_total",
+                                "inferscale_resident_", "inferscale_reloads_total",
+                                "inferscale_reload_seconds_count",
+                                "inferscale_memory_facts_total"))]
+        summary = summarize(rows, args, given, source)
+        if args.prompt_once and self.first_prompt is None and "prompt" in args.modes:
+            self.first_prompt = (summary["goodput_prompt_rps"],
+                                 f"the {count}-user scenario of this run (--prompt-once)")
+        result.update(rows=rows, summary=summary, machine_after=machine(),
+                      scenario_seconds=round(time.monotonic() - t0, 1),
+                      total_seconds=round(time.monotonic() - self.started, 1))
+        return result
+
+
+def out_path(args, count: int) -> Path | None:
+    return Path(args.out.replace("{users}", str(count))) if args.out else None
+
+
+async def measure(args, base: dict) -> list[dict]:
     from inferscale.serve.retrieval import Embedder
 
     cuda = torch.cuda.is_available()
@@ -242,87 +326,42 @@ async def measure(args, result: dict, out: Path | None) -> dict:
     started = time.monotonic()
     embedder = Embedder(args.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
-    server_cfg, groups, decks, versions = build_memory(args, work, embedder)
+    memory = build_memory(args, work, embedder, args.users)
+    tok = embedder.model.tokenizer  # the server's embedder tokenizes queries the same way
+    memory["question_lengths"] = {q: len(tok(q, truncation=True, max_length=256)["input_ids"])
+                                  for qs in memory["questions"].values() for q in qs}
     del embedder
     if cuda:
         torch.cuda.empty_cache()  # the engine and the gpu tier get the whole GPU
-    ranked = [u for g in groups for u in g.users]
-    ranked.sort()  # load-0000 is the most active user, load-0001 the next, ...
-    weights = lu.popularity(len(ranked), args.zipf)
-    setup_s = time.monotonic() - started
-    result.update(setup_seconds=round(setup_s, 1), machine_before=machine())
-    print(json.dumps({"setup_seconds": result["setup_seconds"], **result["machine_before"]}),
+    base.update(setup_seconds=round(time.monotonic() - started, 1), machine_before=machine())
+    print(json.dumps({"setup_seconds": base["setup_seconds"], **base["machine_before"]}),
           flush=True)
-
     # bf16 artifacts, placed in the engine's dtype (float32 on CPU: twice the bytes)
-    factor = 2 if server_cfg["engine"]["dtype"] == "float32" else 1
-    sizes = {u: v["slab_bytes"] * factor for u, v in versions.items()}
+    factor = 2 if memory["server"]["engine"]["dtype"] == "float32" else 1
+    sizes = {u: v["slab_bytes"] * factor for u, v in memory["versions"].items()}
     if max(sizes.values()) > args.host_budget_gib * GIB:
         raise ValueError(f"a user takes up to {max(sizes.values()) / GIB:.3f} GiB placed, more "
                          f"than --host-budget-gib {args.host_budget_gib}: reloads could never "
                          "land; raise the budget or lower --facts")
-    plan = tier_plan(ranked, sizes, args)
-    server = ServerProcess(server_cfg, work, Path(args.server_log or work / "server.log"))
-    rows: list[dict] = []
+    ranked, resident = sorted(sizes), {}
+    for c in args.counts:  # users hydrated per scenario, for the estimate
+        tiers = plan.tier_plan(ranked[:c], sizes, args)
+        resident[c] = len(tiers["gpu"]) + len(tiers["host"])
+    base["estimate"] = plan.estimate(args, args.counts, resident, setup_s=base["setup_seconds"])
+    print(plan.estimate_line(base["estimate"], args.counts), flush=True)
+    server = ServerProcess(memory["server"], work, Path(args.server_log or work / "server.log"))
+    results = []
     try:
         server.wait_ready(args.start_timeout_s)
-        http = Http(server.url)
-        warm_s = await warm_tiers(http, plan)
-        share = {t: round(float(sum(weights[ranked.index(u)] for u in plan[t])), 3)
-                 for t in plan}
-        result["tiers"] = {
-            "user_bytes_placed_mean": int(sum(sizes.values()) / len(sizes)),
-            "users": {t: len(v) for t, v in plan.items()},
-            "request_share_by_starting_tier": share, "hydrate_seconds": round(warm_s, 1)}
-        print(json.dumps(result["tiers"]), flush=True)
-        load = Load(args, server.url, ranked, list(weights), decks)
-        for mode in MODES:  # kernels, allocator, the client's connections
-            warm = load.schedule(args.warmup_rate, seed=999)[:args.warmup_requests]
-            await load.step(mode, warm)
-        await wait_idle(http, 60)
-        done: set[str] = set()
-        for i, rate in enumerate(args.rates):
-            schedule = load.schedule(rate, seed=i)
-            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                if mode in done:
-                    continue
-                need = schedule[-1][0] + args.drain_s
-                if time.monotonic() - started + need > args.deadline_s:
-                    done.add(mode)
-                    result["stopped_by_deadline"] = True
-                    continue
-                before = await asyncio.to_thread(scrape, http)
-                load_at_start = os.getloadavg()[0]
-                t = time.perf_counter()
-                records = await load.step(mode, schedule)
-                row = step_summary(records, mode, rate, args.objective_ms)
-                row["seconds"] = round(time.perf_counter() - t, 1)
-                await wait_idle(http, 60)
-                row["metrics"] = metrics_delta(before, await asyncio.to_thread(scrape, http))
-                row["loadavg_1m_start"] = round(load_at_start, 2)
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in (
-                    "mode", "rate", "completed", "ttft_p50_ms", "ttft_p99_ms", "q2ft_p99_ms",
-                    "e2e_p99_ms", "output_tokens_per_s", "fallbacks", "meets_objective")}),
-                    flush=True)
-                if not row["meets_objective"]:
-                    done.add(mode)
-                result.update(rows=rows, summary=summarize(rows, args))
-                if out:
-                    write(result, out)
-                await asyncio.sleep(args.settle_s)
-            if done >= set(MODES):
-                break
-        result["final_scrape_excerpt"] = [
-            line for line in http.get("/metrics")[1].splitlines()
-            if line.startswith(("inferscale_requests_total", "inferscale_fallbacks_total",
-                                "inferscale_resident_", "inferscale_reloads_total",
-                                "inferscale_reload_seconds_count"))]
+        run = Run(args, server, memory, sizes, started)
+        for count in args.counts:
+            result = {**base, "users": count}
+            results.append(await run.scenario(count, result, out_path(args, count)))
+            if out_path(args, count):
+                write(result, out_path(args, count))
     finally:
         server.stop()
-    result.update(rows=rows, summary=summarize(rows, args), machine_after=machine(),
-                  total_seconds=round(time.monotonic() - started, 1))
-    return result
+    return results
 
 
 def write(result: dict, out: Path) -> None:
@@ -331,74 +370,37 @@ def write(result: dict, out: Path) -> None:
                               indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="embedded",
-                    help=f"'embedded', an HF checkpoint dir, or one of {sorted(SHAPES)}")
-    ap.add_argument("--conversations", nargs="+", default=[
-        "../shared/data/locomo/conv-26.json", "../shared/data/locomo/conv-30.json"])
-    ap.add_argument("--users", type=int, default=20)
-    ap.add_argument("--groups", type=int, default=None,
-                    help="memory groups (default: one per user); users of a group share "
-                         "their KV file on disk (hard links), never in memory")
-    ap.add_argument("--facts", type=int, default=400, help="facts (LoCoMo turns) per user")
-    ap.add_argument("--zipf", type=float, default=1.0,
-                    help="popularity exponent: user rank r asks with weight r**-zipf")
-    ap.add_argument("--top-k", type=int, default=50)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5, 0.75, 1.0],
-                    help="arrival rates (requests/s), rising")
-    ap.add_argument("--requests", type=int, default=50, help="requests per rate and mode")
-    ap.add_argument("--objective-ms", type=float, default=1000.0, help="p99 TTFT objective")
-    ap.add_argument("--gpu-budget-gib", type=float, default=1.5)
-    ap.add_argument("--host-budget-gib", type=float, default=2.3)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--kv-cache-gib", type=float, default=None,
-                    help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--embedder", default="embedded")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
-    ap.add_argument("--warmup-requests", type=int, default=6)
-    ap.add_argument("--warmup-rate", type=float, default=0.5)
-    ap.add_argument("--drain-s", type=float, default=120.0,
-                    help="after a step's last arrival, wait this long for its requests")
-    ap.add_argument("--settle-s", type=float, default=2.0)
-    ap.add_argument("--request-timeout-s", type=float, default=600.0)
-    ap.add_argument("--start-timeout-s", type=float, default=900.0)
-    ap.add_argument("--deadline-s", type=float, default=6 * 3600.0,
-                    help="start no step that could end after this many seconds of the run")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--server-log", default=None)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if args.rates != sorted(args.rates) or min(args.rates) <= 0:
-        ap.error("--rates must be positive and rising")
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = parser(__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
-    args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
-    if not cuda and args.kv_cache_gib is None:
-        args.kv_cache_gib = 3.0
+    args = resolve(ap, ap.parse_args(argv), cuda)
+    if args.estimate_only:
+        est = plan.estimate(args, args.counts, setup_s=args.estimate_setup_s)
+        print(plan.estimate_line(est, args.counts))
+        return []
     import vllm  # noqa: F401 - its version goes into the result
 
-    result: dict = {
+    base: dict = {
         "command": command_line(argv),
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" (torch {torch.__version__}, vllm {vllm.__version__})",
-        "model": args.model, "users": args.users, "groups": args.groups or args.users,
-        "facts_per_user": args.facts, "top_k": args.top_k, "max_tokens": args.max_tokens,
-        "zipf": args.zipf, "objective_ms": args.objective_ms, "rates": args.rates,
-        "requests_per_step": args.requests,
+        "model": args.model, "user_counts": args.counts, "users_built": args.users,
+        "groups": args.groups or args.users, "facts_per_user": args.facts,
+        "text_tail": args.text_tail, "top_k": args.top_k, "max_tokens": args.max_tokens,
+        "zipf": args.zipf, "objective_ms": args.objective_ms, "modes": args.modes,
+        "rates": args.rates, "kv_rates": args.kv_rates,
+        "kv_rate_multipliers": args.kv_rate_multipliers,
+        "prompt_goodput_given": args.prompt_goodput, "requests_per_step": args.requests,
         "budgets_gib": {"gpu": args.gpu_budget_gib, "host": args.host_budget_gib},
+        "step_time_method": HISTOGRAM_METHOD,
     }
-    out = Path(args.out) if args.out else None
     # `timeout` (the GPU runs) sends SIGTERM: unwind, so that the server (a session of its
-    # own) is stopped and the result file holds every finished step
+    # own) is stopped and each result file holds every finished step
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = asyncio.run(measure(args, result, out))
-    if out:
-        write(result, out)
-    print(json.dumps(result["summary"]))
-    return result
+    results = asyncio.run(measure(args, base))
+    for result in results:
+        print(json.dumps({"users": result["users"], **result["summary"]}))
+    return results
 
 
 if __name__ == "__main__":

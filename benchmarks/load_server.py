@@ -11,7 +11,8 @@ field names the user (the app's loopback policy).
 The handle (used by ``benchmarks/load.py``): :class:`ServerProcess` starts and stops it
 (its own session, so nothing of it outlives the benchmark), :class:`Http` calls its
 health, admin and metrics endpoints with the standard library (nothing the GPU machine
-might lack), :func:`scrape` parses ``/metrics`` with prometheus_client's parser.
+might lack), :func:`scrape` reads ``/metrics`` (parsed by :mod:`benchmarks.load_metrics`),
+:func:`evict_all` empties the workers' tiers between scenarios.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.load_metrics import metric, parse  # noqa: E402
 from inferscale.settings import offline_environment  # noqa: E402
 
 offline_environment()
@@ -120,34 +122,117 @@ class Http:
             headers={"Content-Type": "application/json"}))
 
 
-def scrape(http: Http) -> dict:
-    """``/metrics`` -> {(sample name, sorted labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def scrape_text(http: Http) -> str:
     status, text = http.get("/metrics")
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}: {text[:200]}")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return text
 
 
-def metric(m: dict, name: str, **labels) -> float:
-    return sum(v for (n, lab), v in m.items()
-               if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items()))
+def scrape(http: Http) -> dict:
+    """``/metrics`` -> {(sample name, sorted labels): value} (:mod:`benchmarks.load_metrics`)."""
+    return parse(scrape_text(http))
 
 
-def metrics_delta(before: dict, after: dict) -> dict:
-    def moved(name: str) -> float:
-        return metric(after, name) - metric(before, name)
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from ``/proc``; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
-    d = {name: moved(f"inferscale_{name}_total")
-         for name in ("reloads", "reload_failures", "worker_load_failures")}
-    d["fallbacks"] = {lab[0][1]: v - before.get((n, lab), 0.0) for (n, lab), v in after.items()
-                      if n == "inferscale_fallbacks_total" and v - before.get((n, lab), 0.0)}
-    d["resident_users"] = {t: metric(after, "inferscale_resident_users", tier=t)
-                           for t in ("gpu", "host")}
-    d["preemptions"] = moved("vllm:num_preemptions_total")
-    return d
+
+def engine_core_pid(server_pid: int) -> int | None:
+    """vLLM's engine-core process under the server: the one vLLM titles ``EngineCore``
+    (``VLLM::EngineCore`` where setproctitle is installed, the multiprocessing name
+    otherwise); failing that, the largest other Python child (not multiprocessing's
+    resource tracker, not a worker), which holds the model and the tiers."""
+    best, best_rss = None, -1
+    for pid in descendants(server_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            comm = Path(f"/proc/{pid}/comm").read_text()
+            rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if "EngineCore" in cmd or "EngineCore" in comm:
+            return pid
+        if ("resource_tracker" not in cmd and "VLLM::Worker" not in cmd
+                and "python" in (cmd + comm).lower() and rss > best_rss):
+            best, best_rss = pid, rss
+    return best
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """vLLM's worker processes under the server (``VLLM::Worker*``: the CPU build and
+    tensor parallelism; a single GPU runs its worker inside the engine core)."""
+    out = []
+    for pid in descendants(server_pid):
+        try:
+            if b"VLLM::Worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def residency(http: Http) -> dict[str, str]:
+    """user -> tier of every user a worker rank holds (``/admin/status``)."""
+    status, text = http.get("/admin/status")
+    if status != 200:
+        raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
+    engine = json.loads(text)["engine"]
+    return {r["user"]: r["tier"] for rank in engine.get("ranks", [engine])
+            for r in rank.get("residents", [])}
+
+
+def evict_all(http: Http, tries: int = 3) -> list[str]:
+    """Evict every resident user through the admin API (a background reload still landing
+    can add one back: tried again); the users evicted. Raises if users stay."""
+    evicted: list[str] = []
+    for _ in range(tries):
+        users = sorted(residency(http))
+        if not users:
+            return evicted
+        for user in users:
+            status, text = http.post("/admin/evict", {"user": user})
+            if status != 200:
+                raise RuntimeError(f"evicting {user}: {status} {text[:300]}")
+            evicted.append(user)
+        time.sleep(0.5)
+    left = sorted(residency(http))
+    if left:
+        raise RuntimeError(f"{len(left)} users still resident after eviction: {left[:5]}")
+    return evicted
+
+
+def hydrate_plan(http: Http, tiers: dict[str, list[str]], flagged: list[str] = ()) -> float:
+    """Hydrate the planned users (``tiers``: tier -> users, most active first), least
+    active first, so that the most active are the most recently used (the host tier
+    evicts the least recently used). Seconds taken.
+
+    ``flagged``: users of the storage tier that an earlier admin eviction keeps from being
+    reloaded (the workers reload no admin-evicted user until it is hydrated again):
+    hydrated into the host tier first, which lifts that, then pushed out of it by the
+    planned host users (least recently used)."""
+    t0 = time.perf_counter()
+    for tier, users in (("host", flagged), ("host", tiers["host"][::-1]),
+                        ("gpu", tiers["gpu"][::-1])):
+        for user in users:
+            status, text = http.post("/admin/hydrate", {"user": user, "tier": tier})
+            if status != 200 or json.loads(text)["tier"] != tier:
+                raise RuntimeError(f"hydrating {user} into {tier}: {status} {text[:300]}")
+    return time.perf_counter() - t0
 
 
 async def wait_idle(http, timeout: float) -> None:

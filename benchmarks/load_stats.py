@@ -1,15 +1,22 @@
 """The load benchmark's statistics (``benchmarks/load.py``): per step (one mode at one
-arrival rate) the latency percentiles, throughput and fallbacks of its requests, and per
-mode the goodput: the highest rate whose p99 TTFT met the objective, before the first
-rate that missed it (a request that failed or did not finish counts as missing it)."""
+arrival rate) the latency percentiles, throughput, fallbacks and memory sources of its
+requests, and per mode the goodput: the highest rate whose p99 TTFT met the objective,
+before the first rate that missed it (a request that failed or did not finish counts as
+missing it). ``python -m benchmarks.load_stats RESULT.json ...`` prints a run's progress.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
+from pathlib import Path
 
-MODES = ("prompt", "kv")
-GIB = 1 << 30
+from benchmarks.load_plan import GIB, MODES  # noqa: F401 - re-exported for load.py
+
+TIERS = ("gpu", "host", "storage")
+STEADY_RATIO = 1.5  # the issue's bound on the engine's step time p99 / p50 under KV load
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -43,6 +50,8 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
         if r.get("fallback_reason"):
             reasons[r["fallback_reason"]] = reasons.get(r["fallback_reason"], 0) + 1
     p99 = percentile(ttft, 99)
+    by_tier = [r["facts_by_tier"] for r in ok if isinstance(r.get("facts_by_tier"), dict)]
+    storage = [r["storage_bytes"] for r in ok if r.get("storage_bytes") is not None]
     return {
         "mode": mode, "rate": rate, "requests": len(records), "completed": len(ok),
         "errors": sorted({r["error"] for r in records if "error" in r})[:5],
@@ -58,6 +67,11 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
         "injected_share": finite(sum(r.get("injected", 0) > 0 for r in ok) / len(ok))
         if ok and mode == "kv" else None,
         "fallbacks": reasons,
+        "over_objective": sum(t > objective_ms for t in ttft),
+        "facts_by_tier": {t: sum(int(b.get(t, 0)) for b in by_tier) for t in TIERS}
+        if by_tier else None,
+        "storage_bytes": sum(storage) if storage else None,
+        "requests_reading_storage": sum(b > 0 for b in storage) if storage else None,
         "meets_objective": bool(p99 <= objective_ms),
     }
 
@@ -76,7 +90,7 @@ def machine() -> dict:
     return out
 
 
-def goodput(rows: list[dict], mode: str, rates: list[float]) -> dict:
+def goodput(rows: list[dict], mode: str, rates: list[float] | None = None) -> dict:
     """The highest rate whose p99 TTFT met the objective, before the first that did not."""
     mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["rate"])
     best, failed_at = 0.0, None
@@ -90,14 +104,49 @@ def goodput(rows: list[dict], mode: str, rates: list[float]) -> dict:
             "below_lowest_rate": bool(mine) and best == 0.0}
 
 
-def summarize(rows: list[dict], args) -> dict:
+def step_times(rows: list[dict]) -> dict:
+    """mode -> rate -> the engine's busy-step time p50/p99 (ms), their ratio, and vLLM's
+    mean queue and prefill time per request (queueing against prefill)."""
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["rate"]):
+        if "step_p50_ms" in r:
+            out.setdefault(r["mode"], {})[f"{r['rate']:g}"] = {
+                "p50_ms": r["step_p50_ms"], "p99_ms": r["step_p99_ms"],
+                "p99_over_p50": r["step_p99_over_p50"],
+                "queue_mean_ms": r.get("queue_mean_ms"),
+                "prefill_mean_ms": r.get("prefill_mean_ms")}
+    return out
+
+
+def steady_below(rows: list[dict], goodput_rps: float) -> dict:
+    """Whether KV's step-time p99 stayed within :data:`STEADY_RATIO` x its p50 at every
+    rate below KV's goodput (None: no such rate, or the server does not export step
+    times)."""
+    below = [r for r in rows if r["mode"] == "kv" and r["rate"] < goodput_rps]
+    ratios = [r.get("step_p99_over_p50") for r in below]
+    known = bool(below) and all(x is not None for x in ratios)
+    return {"kv_step_p99_within_1_5x_p50_below_goodput":
+            all(x <= STEADY_RATIO for x in ratios) if known else None,
+            "kv_step_p99_over_p50_max_below_goodput": max(ratios) if known else None,
+            "kv_step_rates_checked": [r["rate"] for r in below]}
+
+
+def summarize(rows: list[dict], args, prompt_goodput: float | None = None,
+              prompt_source: str = "another run (--prompt-goodput)") -> dict:
     """Both modes' goodput and ``goodput_vs_prompt`` (KV's over the prompt baseline's),
     with what the ratio is when a goodput is only bounded: ``goodput_vs_prompt_is``
     ``"measured"``, ``"a lower bound"`` (KV never missed within the rates run),
     ``"an upper bound"`` (the baseline never did) or ``"unbounded"``; when the baseline
     missed at the lowest rate run, the ratio exceeds KV's goodput over that rate
-    (``goodput_vs_prompt_above``)."""
-    good = {m: goodput(rows, m, args.rates) for m in MODES}
+    (``goodput_vs_prompt_above``). ``prompt_goodput``: the baseline's goodput measured
+    elsewhere (``prompt_source`` says where), used instead of these rows. Also KV's p99 TTFT at
+    the baseline's goodput, the step times per mode and rate, and whether KV's stayed
+    steady (:func:`steady_below`)."""
+    good = {m: goodput(rows, m) for m in MODES}
+    if prompt_goodput is not None:
+        good["prompt"] = {"goodput_rps": prompt_goodput, "first_miss_rps": None,
+                          "lower_bound": False, "below_lowest_rate": False,
+                          "given": f"measured in {prompt_source}"}
     kv, prompt = good["kv"]["goodput_rps"], good["prompt"]["goodput_rps"]
     out = {"objective": f"p99 TTFT <= {args.objective_ms:g} ms",
            "goodput_kv_rps": kv, "goodput_prompt_rps": prompt,
@@ -109,4 +158,44 @@ def summarize(rows: list[dict], args) -> dict:
                                            good["prompt"]["lower_bound"]]
     elif kv and good["prompt"]["first_miss_rps"]:
         out["goodput_vs_prompt_above"] = round(kv / good["prompt"]["first_miss_rps"], 2)
+    at_g = [r for r in rows if r["mode"] == "kv" and prompt and math.isclose(r["rate"], prompt)]
+    out["kv_p99_ttft_at_prompt_goodput_ms"] = at_g[0].get("ttft_p99_ms") if at_g else None
+    out["kv_meets_objective_at_prompt_goodput"] = at_g[0]["meets_objective"] if at_g else None
+    out.update(steady_below(rows, kv))
+    kv_rows = sorted((r for r in rows if r["mode"] == "kv" and r.get("profile")),
+                     key=lambda r: r["rate"])
+    if kv_rows:  # the py-spy files of KV's highest passing rate and of its first miss
+        out["kv_profiles"] = {
+            "at_goodput": next((r["profile"].get("files") for r in kv_rows
+                                if r["rate"] == kv), None),
+            "at_first_miss": next((r["profile"].get("files") for r in kv_rows
+                                   if r["rate"] == good["kv"]["first_miss_rps"]), None)}
+    out["step_time_ms"] = step_times(rows)
     return {**out, "kv": good["kv"], "prompt": good["prompt"]}
+
+
+def progress(result: dict) -> list[str]:
+    """A few lines on a (possibly unfinished) result: each step's p99 TTFT, whether it met
+    the objective, and the step times; then the summary's goodputs."""
+    lines = [f"users {result.get('users')}: {len(result.get('rows', []))} steps"
+             + (" (finished)" if "total_seconds" in result else " (running)")]
+    for r in result.get("rows", []):
+        step = (f" step p50/p99 {r.get('step_p50_ms')}/{r.get('step_p99_ms')} ms"
+                if r.get("step_p50_ms") is not None else "")
+        lines.append(f"  {r['mode']:>6} {r['rate']:>7g} rps: p99 {r['ttft_p99_ms']} ms, "
+                     f"over {r.get('over_objective')}/{r['requests']}, "
+                     f"{'met' if r['meets_objective'] else 'MISSED'}{step}")
+    s = result.get("summary") or {}
+    if s:
+        lines.append("  " + ", ".join(f"{k} {s.get(k)}" for k in (
+            "goodput_prompt_rps", "goodput_kv_rps", "goodput_vs_prompt", "goodput_vs_prompt_is",
+            "kv_p99_ttft_at_prompt_goodput_ms", "kv_step_p99_within_1_5x_p50_below_goodput")))
+    return lines
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        try:
+            print(path + "\n" + "\n".join(progress(json.loads(Path(path).read_text()))))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"{path}: unreadable ({exc})")

@@ -52,7 +52,7 @@ from inferscale.encode.encoder import (
     EncodedChunk, EncodedMemory, EncoderConfig, FactSpec, TurnText, encode_facts,
 )
 from inferscale.facts.extractor import fact_id
-from inferscale.types import PREFIX_ID
+from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID
 from storage_schemas import facts as facts_schema
 from storage_schemas.manifest import FileEntry, Manifest
 
@@ -121,10 +121,12 @@ def facts_table(group: Group, user: str, pool: list[PooledTurn], embeddings: np.
 
 
 def encode_pool(model, tokenizer, pool: list[PooledTurn], groups: list[Group],
-                fingerprint: str, dtype: str) -> EncodedMemory:
+                fingerprint: str, dtype: str, text_tail: int = DEFAULT_TEXT_TAIL
+                ) -> EncodedMemory:
     """Every pooled turn some group holds, encoded once at ``w = 0`` (chunk id ``p<i>``
-    for pool index ``i``), and the prefix."""
-    cfg = EncoderConfig(window=0, dtype=dtype)
+    for pool index ``i``), and the prefix; ``text_tail``: the served layout's text tail,
+    kept with the artifact (it does not change the encoding)."""
+    cfg = EncoderConfig(window=0, dtype=dtype, text_tail=text_tail)
     turns = [TurnText("", t.text) for t in pool]
     used = sorted({i for g in groups for i in g.turns})
     specs = [FactSpec(f"p{i}", pool[i].text, i, tuple(pool[i].token_ids)) for i in used]
@@ -134,7 +136,7 @@ def encode_pool(model, tokenizer, pool: list[PooledTurn], groups: list[Group],
 def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | None,
                  tokenizer, pool: list[PooledTurn], fingerprint: str,
                  shape: tuple[int, int, int] | None = None, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> EncodedMemory:
+                 seed: int = 0, text_tail: int = DEFAULT_TEXT_TAIL) -> EncodedMemory:
     """The group's memory: its turns' chunks from ``encoded`` (the pool encoding), or
     random K/V ``[L, T, H, D]`` of ``shape`` when ``encoded`` is None."""
     if encoded is not None:
@@ -155,7 +157,8 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
         chunks.append(EncodedChunk(cid, list(t), kv[0, :, at:at + len(t)],
                                    kv[1, :, at:at + len(t)]))
         at += len(t)
-    cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch.")).to_dict()
+    cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch."),
+                        text_tail=text_tail).to_dict()
     return EncodedMemory(chunks, fingerprint, {**cfg, "random_kv": True})
 
 

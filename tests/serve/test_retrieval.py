@@ -154,11 +154,11 @@ def test_benchmark_cli(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_query_path_matches_the_eager_encoder():
-    from inferscale.serve.retrieval import Embedder
+    from inferscale.settings import Settings
 
-    import os
-
-    emb = Embedder(os.environ.get("INFERSCALE_EMBEDDER_PATH", "embedded"), device="cuda")
+    # the configured embedder (INFERSCALE_EMBEDDER): the GPU machine has MiniLM staged as a
+    # directory, not the package behind "embedded"
+    emb = Embedder(Settings().embedder, device="cuda")
     assert emb._graphs is not None
     for text in ["dog", "What is the name of Caroline's dog?", "a " * 40]:
         graphed = emb.embed(text)
