@@ -94,8 +94,10 @@ class Arena:
             raise ValueError(f"arena capacity must be >= 0, got {capacity}")
         self.capacity = capacity - capacity % ALIGN
         self.device = torch.device(device)
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device,
-                                  pin_memory=pin and self.device.type == "cpu")
+        if pin and self.device.type == "cpu":
+            self.buffer = _pinned(self.capacity)
+        else:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         self._lock = threading.Lock()
         # free extents, sorted by offset: (offset, size, fence)
         self._free: list[tuple[int, int, Fence]] = \
@@ -179,6 +181,19 @@ class HeapArena:
     def free(self, region: Region, fence: Fence = NO_FENCE) -> None:
         with self._lock:
             self.used -= region.nbytes
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory, exactly: plain pages, touched by torch's
+    threads, then registered with CUDA (``pin_memory=True`` would round the size up to a
+    power of two: 68 GiB would take 128)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        buf.zero_()  # fault every page in, in parallel, before the driver locks them
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1))  # portable
+        if err != 0:
+            raise RuntimeError(f"could not pin {nbytes} bytes of host memory (cudaError {err})")
+    return buf
 
 
 def _newest(a: Fence, b: Fence) -> Fence:

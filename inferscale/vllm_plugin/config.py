@@ -37,7 +37,7 @@ class ConnectorConfig:
     reload_workers: int = 2  # background reloads running at once (a pool, not a thread each)
     reload_backoff_s: float = 30.0  # first wait after a failed reload; doubles per failure
     reload_backoff_max_s: float = 600.0
-    reload_bytes_per_s: int = 0  # background reloads' read bandwidth, shared (0: unbounded)
+    reload_bytes_per_s: int = 2 << 30  # background reloads share this read bandwidth (0: no bound)
     # a request of a user in neither tier: its facts are read from storage for it, at most
     # this many tokens at a time over all requests (0: such requests prefill instead)
     fetch_tokens: int = 65536
