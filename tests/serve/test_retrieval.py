@@ -170,12 +170,11 @@ def test_cuda_graph_query_path_matches_the_eager_encoder():
 def test_prewarm_captures_every_short_length_up_front():
     """On CUDA, prewarm leaves no question of up to 64 tokens to capture while serving
     (each capture would stall retrieval); on the CPU there is nothing to capture."""
-    import os
-
     from inferscale.serve.retrieval import Embedder
+    from inferscale.settings import Settings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    emb = Embedder(os.environ.get("INFERSCALE_EMBEDDER_PATH", "embedded"), device=device)
+    emb = Embedder(Settings().embedder, device=device)
     ready = emb.prewarm(64)
     if device == "cpu":
         assert ready == 0 and emb._graphs is None
