@@ -67,7 +67,11 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         gpu_budget_bytes=int(args.gpu_budget_gib * GIB),
-        host_budget_bytes=int(args.host_budget_gib * GIB))
+        host_budget_bytes=int(args.host_budget_gib * GIB),
+        # room for reloads of whole users (2.7 GB each at the Llama shape) beside the
+        # requests' reads of single facts, and for those facts on the device
+        staging_bytes=int(args.staging_gib * GIB),
+        device_staging_bytes=int(args.device_staging_gib * GIB))
     from benchmarks.load_server import free_port
 
     server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
@@ -119,6 +123,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--objective-ms", type=float, default=1000.0, help="p99 TTFT objective")
     a("--gpu-budget-gib", type=float, default=1.5)
     a("--host-budget-gib", type=float, default=2.3)
+    a("--staging-gib", type=float, default=4.0,
+      help="pinned host memory reads from storage land in (the connector's staging_bytes)")
+    a("--device-staging-gib", type=float, default=1.0,
+      help="device memory facts read for requests wait in until injected")
     a("--gpu-memory-utilization", type=float, default=None)
     a("--kv-cache-gib", type=float, default=None,
       help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")

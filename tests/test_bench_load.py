@@ -400,40 +400,50 @@ def test_histogram_quantiles_interpolate_within_buckets():
     assert summarize_histogram(None) is None
 
 
-def _child(code: str, *argv: str):
-    """A Python child of this process that prints "ready" once set up."""
+_PARENT = """
+import subprocess, sys, time
+wait = "import time; print('ready', flush=True); time.sleep(60)"
+big = "x = bytearray(300 << 20); import time; print('ready', flush=True); time.sleep(60)"
+kids = [subprocess.Popen([sys.executable, "-c", big if k == "big" else wait, *title],
+                         stdout=subprocess.PIPE, text=True)
+        for k, *title in (a.split(":", 1) for a in sys.argv[1:])]
+for k in kids:
+    assert k.stdout.readline().strip() == "ready"
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(60)
+"""
+
+
+def _server(*kids: str):
+    """A stand-in server process (a plain Python parent, so this test's own children, e.g.
+    the session's engine, never count) whose children are ``kind[:title]`` each
+    (``big``: 300 MiB resident); returns it and its children's pids."""
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT, *kids], stdout=subprocess.PIPE,
                             text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
+    return proc, [int(x) for x in proc.stdout.readline().split()]
 
 
 def test_engine_core_is_found_among_the_servers_children():
     from benchmarks.load_server import descendants, engine_core_pid, worker_pids
 
-    wait = "import time; print('ready', flush=True); time.sleep(60)"
-    big = "x = bytearray(300 << 20); import time; print('ready', flush=True); time.sleep(60)"
-    small, large = _child(wait), _child(big)
+    server, (small, large) = _server("wait", "big")
     try:  # no process named EngineCore: the largest Python child holds the engine
-        assert {small.pid, large.pid} <= set(descendants(os.getpid()))
-        assert engine_core_pid(os.getpid()) == large.pid
-        worker = _child(big, "VLLM::Worker")  # vLLM's process titles, in the command line
-        named = _child(wait, "VLLM::EngineCore")
-        try:
-            assert worker_pids(os.getpid()) == [worker.pid]
-            assert engine_core_pid(os.getpid()) == named.pid
-        finally:
-            for p in (worker, named):
-                p.kill()
-                p.wait()
+        assert set(descendants(server.pid)) == {small, large}
+        assert engine_core_pid(server.pid) == large
+        assert engine_core_pid(small) is None  # no children
     finally:
-        for p in (small, large):
-            p.kill()
-            p.wait()
-    assert engine_core_pid(small.pid) is None  # no children
+        server.kill()
+        server.wait()
+    server, (worker, named) = _server("big:VLLM::Worker", "wait:VLLM::EngineCore")
+    try:  # vLLM's process titles, in the command line
+        assert worker_pids(server.pid) == [worker]
+        assert engine_core_pid(server.pid) == named
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():

@@ -149,7 +149,7 @@ load_args() {  # the flags every H200 load run shares (no spaces in these paths)
     --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
     --objective-ms 250 --rates ${RATES:-8 12 16 24 32} --requests ${REQUESTS:-400} \
     --kv-rate-multipliers ${MULTIPLIERS:-1 2 3 4 5} --gpu-budget-gib ${GPU_GIB:-64} \
-    --host-budget-gib ${HOST_GIB:-64} --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
+    --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 2 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
     --estimate-setup-s 240 --workdir /tmp/load-work --keep-scrapes "$LOAD_OUT/scrapes"
 }
