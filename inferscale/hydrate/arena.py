@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class Arena:
         self.device = torch.device(device)
         if pin and self.device.type == "cpu":
             self.buffer = _pinned(self.capacity)
+            if self.capacity:  # unregistered when the arena goes (its pages may be reused)
+                weakref.finalize(self, _unpin, self.buffer.data_ptr())
         else:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         self._lock = threading.Lock()
@@ -194,6 +197,10 @@ def _pinned(nbytes: int) -> torch.Tensor:
         if err != 0:
             raise RuntimeError(f"could not pin {nbytes} bytes of host memory (cudaError {err})")
     return buf
+
+
+def _unpin(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _newest(a: Fence, b: Fence) -> Fence:

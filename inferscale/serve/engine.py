@@ -43,6 +43,8 @@ class EngineConfig:
     load_format: str = "auto"
     max_num_seqs: int | None = None
     tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
+    # largest step vLLM replays as a CUDA graph (None: vLLM's default); see Settings
+    cudagraph_max_tokens: int | None = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -84,6 +86,9 @@ class EngineConfig:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.cudagraph_max_tokens and not self.enforce_eager:
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size":
+                                            self.cudagraph_max_tokens}
         return AsyncEngineArgs(**kwargs)
 
 

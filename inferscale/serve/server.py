@@ -264,6 +264,7 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not cuda,
+        cudagraph_max_tokens=settings.cudagraph_max_tokens,
     )).start()
     embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)

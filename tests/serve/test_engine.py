@@ -13,6 +13,11 @@ def test_kv_cache_size_passes_to_vllm_and_is_validated(tmp_path):
     assert cfg.connector == ConnectorConfig("fp", fetch_tokens=123)
     args = cfg.engine_args()
     assert args.kv_cache_memory_bytes == 3 << 30
+    assert "compilation_config" not in vars(args) or not args.compilation_config or \
+        cfg.enforce_eager  # eager (the default here): no CUDA graphs to size
+    graphs = EngineConfig.of(model=str(tmp_path), model_fingerprint="fp", enforce_eager=False,
+                             cudagraph_max_tokens=768).engine_args()
+    assert graphs.compilation_config.max_cudagraph_capture_size == 768
     assert args.kv_transfer_config.kv_connector_module_path == "inferscale.vllm_plugin.connector"
     # every connector setting travels, and only there
     assert ConnectorConfig.from_extra_config(
