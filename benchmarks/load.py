@@ -148,7 +148,7 @@ def build_memory(args, work: Path, embedder) -> tuple[dict, list, dict, dict]:
     from benchmarks import load_users as lu
     from benchmarks.shapes import write_dummy_checkpoint
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
 
     home = Settings().home
     cuda = torch.cuda.is_available()
