@@ -47,6 +47,7 @@ def encode_users(users: list[str] | None = None, logs: list[str] | None = None,
     started = time.perf_counter()
     prep = prepare(logs, model=model, fact_mode=fact_mode, artifact_root=artifact_root,
                    window=window)
-    outcomes = fan_out(prep, select_users(prep.ingest, users), task_runner=task_runner, max_workers=max_workers,
-                       ray_address=ray_address, concurrency_limit=concurrency_limit)
+    outcomes = fan_out(prep, select_users(prep.ingest, users), task_runner=task_runner,
+                       max_workers=max_workers, ray_address=ray_address,
+                       concurrency_limit=concurrency_limit)
     return finish("Encode users", "inferscale-encode-summary", prep, outcomes, started)
