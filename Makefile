@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/inferscale demo
+	$(VENV)/bin/inferscale-demo
 
 # Headless Chromium (Debian's package) for the UI test of the lineage artifacts
 # (tests/flows/test_deployments.py).

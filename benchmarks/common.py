@@ -22,3 +22,27 @@ def write_result(result: dict, out: str | None) -> dict:
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["summary"]))
     return result
+
+
+def load_user(server, user: str, version: str = "latest"):
+    """Read ``user``'s facts (``version``) into ``server`` (a ``MemoryServer``) now, in
+    this thread, outside the request path; an explicit version is pinned."""
+    memory = server.read_user(user, version)
+    server.memories.put(memory, pinned=version != "latest")
+    return memory
+
+
+def prepare(server, user: str | None, question: str, k: int | None = None,
+            mode: str | None = None) -> tuple[list[int], object, dict]:
+    """``server.compose`` with the memory it holds now (read in this thread when it does
+    not): (prompt ids, memory reference, info), without the request path's awaits."""
+    mem = None
+    if user is not None:
+        mem = server.memories.peek(user)
+        if mem is None:
+            try:
+                mem = load_user(server, user)
+            except Exception as exc:  # noqa: BLE001 - no memory: the question alone
+                print(f"user {user} has no usable memory ({exc})", file=sys.stderr)
+    p = server.compose(mem, user, question, k, mode)
+    return p.ids, p.ref, p.info

@@ -38,7 +38,7 @@ from inferscale.settings import Settings, offline_environment  # noqa: E402
 offline_environment()
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
-from inferscale.encode.compose import Composer  # noqa: E402
+from inferscale.compose import Composer  # noqa: E402
 from inferscale.encode.encoder import (  # noqa: E402
     EncoderConfig, FactSpec, TurnText, encode_segments, window_segments,
 )
@@ -49,7 +49,7 @@ from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
 def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inferscale.encode.models import load_model, resolve_checkpoint
+    from inferscale.models import load_model, resolve_checkpoint
 
     home = Settings().home
     if model_name in SHAPES:

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import command_line  # noqa: E402
 from benchmarks.qa_metrics import first_line, normalize_answer  # noqa: E402
-from inferscale.encode.encoder import EncoderConfig  # noqa: E402
+from inferscale.encode.identity import EncoderConfig  # noqa: E402
 
 # user -> turns (speaker, text), and two queries: (kind, question, key facts). A factual
 # answer is right when it contains one of its keys; for both kinds, "equivalent" means
@@ -140,8 +140,9 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
     from benchmarks.memory_setup import facts_table, limiting_memory
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.encode.compose import Composer
-    from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, encode_facts
+    from inferscale.compose import Composer
+    from inferscale.encode.encoder import FactSpec, TurnText, encode_facts
+    from inferscale.encode.identity import EncodingIdentity
 
     store = StoreConfig(str(root))
     composer = Composer(tok)
@@ -157,8 +158,8 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
         turns = [TurnText(s, t) for s, t in spec["turns"]]
         specs = [FactSpec(fid, text, i, tuple(ids)) for i, (fid, text, ids) in enumerate(zip(
             wtable.column("fact_id").to_pylist(), texts, wtable.column("token_ids").to_pylist()))]
-        wmem = encode_facts(model, tok, turns, specs,
-                            EncoderConfig(window=window, dtype=dname), fp, progress=False)
+        wmem = encode_facts(model, tok, turns, specs, EncodingIdentity.of_model(
+            EncoderConfig(window=window, dtype=dname), fp, model), progress=False)
         win = publish(store, win_user, wmem, wtable, Lineage(f"eq-{user}", f"w{window}-{dname}"),
                       embeddings=False).version
         out[user] = {"table": table, "wtable": wtable, "limiting": (lim_user, lim),
@@ -170,7 +171,7 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
 async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
     from benchmarks.memory_setup import memory_prompt
-    from inferscale.encode.models import load_model
+    from inferscale.models import load_model
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.vllm_plugin.metadata import MemoryRef
     from inferscale.serve.retrieval import Embedder
@@ -180,7 +181,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     model = args.model
     if model == "random-llama":
         from benchmarks.shapes import write_random_checkpoint
-        from inferscale.encode.models import embedded_checkpoint
+        from inferscale.models import embedded_checkpoint
 
         model = str(write_random_checkpoint(embedded_checkpoint(Settings().home),
                                             root.parent / "random-llama"))

@@ -99,8 +99,8 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
     from benchmarks.memory_setup import encoded_memory, load_turns, random_memory, turn_facts
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.encode.encoder import EncoderConfig
-    from inferscale.encode.models import dummy_fingerprint, load_model
+    from inferscale.encode.identity import EncoderConfig
+    from inferscale.models import dummy_fingerprint, load_model
     from inferscale.ingest.logs import turns_hash
     from inferscale.serve.retrieval import Embedder
     from benchmarks.shapes import write_dummy_checkpoint

@@ -2,7 +2,7 @@
 
 A LoCoMo conversation (every turn one fact, as raw fact mode makes them) is encoded and
 published without its last session(s) (version 1); then the last session is appended and
-version 2 is made twice: incrementally (``inferscale.pipeline.encode_user_kv`` with version
+version 2 is made twice: incrementally (``inferscale.pipeline.steps.encode_user_kv`` with version
 1 as ``previous``: the K/V of every fact whose content key is there is read from its slab,
 only the rest goes through the model) and from scratch into a second store. Reported per
 path: encode seconds (the incremental one includes reading and verifying version 1's
@@ -49,12 +49,14 @@ from inferscale.artifacts.layout import KV_FILE  # noqa: E402
 from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
 from inferscale.artifacts.read import data_path  # noqa: E402
 from inferscale.encode.batches import plan_batches  # noqa: E402
-from inferscale.encode.compose import Composer, memory_text  # noqa: E402
-from inferscale.encode.encoder import EncoderConfig, encode_segments, window_segments  # noqa: E402
+from inferscale.compose import Composer, memory_text  # noqa: E402
+from inferscale.encode.encoder import encode_segments, window_segments  # noqa: E402
+from inferscale.encode.identity import EncoderConfig  # noqa: E402
 from inferscale.facts.extractor import fact_id, facts_hash  # noqa: E402
 from inferscale.ingest.logs import read_logs, turns_hash  # noqa: E402
-from inferscale.pipeline import (  # noqa: E402
-    PipelineConfig, encode_user_kv, serving_model, turns_and_facts,
+from inferscale.pipeline.config import PipelineConfig  # noqa: E402
+from inferscale.pipeline.steps import (  # noqa: E402
+    encode_user_kv, serving_model, turns_and_facts,
 )
 from storage_schemas import facts as facts_schema  # noqa: E402
 
@@ -78,7 +80,8 @@ def raw_facts(turns: pa.Table, tokenizer, cfg: EncoderConfig) -> pa.Table:
 def timed_encode(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Table,
                  previous: str | None = None):
     start = time.perf_counter()
-    encoded = encode_user_kv(cfg, turns, facts, progress=True, user=user, previous=previous)
+    encoded = encode_user_kv(cfg, user, turns, facts, cfg.identity(serving_model(cfg).fingerprint),
+                             previous, progress=True)
     return encoded, time.perf_counter() - start
 
 
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         facts_base = facts_all.filter(pc.is_in(facts_all["source_turn_id"],
                                                base["turn_id"]))
         # warm-up (kernels, allocator), then version 1: the conversation without its end
-        encode_user_kv(cfg, base.slice(0, 4), facts_base.slice(0, 4), progress=False)
+        encode_user_kv(cfg, user, base.slice(0, 4), facts_base.slice(0, 4),
+                       cfg.identity(model.fingerprint))
         enc1, enc1_s = timed_encode(cfg, user, base, facts_base)
         v1, pub1_s = timed_publish(cfg, user, base, facts_base, enc1)
         print(f"version 1: {row('base', enc1, enc1_s, v1, pub1_s)}", flush=True)

@@ -24,7 +24,7 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
     from benchmarks import load_users as lu
     from benchmarks.shapes import write_dummy_checkpoint
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
 
     home = Settings().home
     cuda = torch.cuda.is_available()

@@ -47,10 +47,9 @@ from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import FACTS_FILE, KV_FILE, MANIFEST_FILE, StoreConfig
 from inferscale.artifacts.latest import inputs_time, point_latest
 from inferscale.artifacts.publish import Lineage, publish, version_id
-from inferscale.encode.compose import Composer, memory_text
-from inferscale.encode.encoder import (
-    EncodedChunk, EncodedMemory, EncoderConfig, FactSpec, TurnText, encode_facts,
-)
+from inferscale.compose import Composer, memory_text
+from inferscale.encode.encoder import EncodedChunk, EncodedMemory, FactSpec, TurnText, encode_facts
+from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID
 from storage_schemas import facts as facts_schema
@@ -130,7 +129,8 @@ def encode_pool(model, tokenizer, pool: list[PooledTurn], groups: list[Group],
     turns = [TurnText("", t.text) for t in pool]
     used = sorted({i for g in groups for i in g.turns})
     specs = [FactSpec(f"p{i}", pool[i].text, i, tuple(pool[i].token_ids)) for i in used]
-    return encode_facts(model, tokenizer, turns, specs, cfg, fingerprint, progress=True)
+    return encode_facts(model, tokenizer, turns, specs,
+                        EncodingIdentity.of_model(cfg, fingerprint, model), progress=True)
 
 
 def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | None,

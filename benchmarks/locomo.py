@@ -17,7 +17,7 @@ vLLM engine, in these modes:
 
 Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encoder config
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
-``inferscale.encode.encoder.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
+``inferscale.encode.identity.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
 ``memory_order``, ``text_tail``). Retrieval runs once per question (exact top-``max(ks)``)
 and top-k is its first k facts, so every mode and k answers from the same facts.
 
@@ -67,14 +67,14 @@ class Variant:
     fields: tuple[tuple[str, object], ...]
 
     def encoder_config(self, **base):
-        from inferscale.encode.encoder import EncoderConfig
+        from inferscale.encode.identity import EncoderConfig
 
         return EncoderConfig(**{**base, **dict(self.fields)})
 
 
 def parse_variant(spec: str) -> Variant:
     """``NAME:field=value,field=value`` -> :class:`Variant` (values: int, float or text)."""
-    from inferscale.encode.encoder import EncoderConfig
+    from inferscale.encode.identity import EncoderConfig
 
     name, _, body = spec.partition(":")
     known = {f.name: f.type for f in fields(EncoderConfig)}
@@ -230,7 +230,7 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
               on_phase) -> None:
     """Every (conversation, mode, question, k) on one engine. A variant's facts are
     encoded just before its phase; ``on_phase(conv, mode, phase, answers)`` after each."""
-    from inferscale.encode.compose import Composer, memory_layout
+    from inferscale.compose import Composer, memory_layout
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.vllm_plugin.metadata import MemoryRef
     from inferscale.types import PREFIX_ID
@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     command = command_line(argv)
 
-    from inferscale.encode.encoder import EncoderConfig
-    from inferscale.encode.models import load_model
+    from inferscale.encode.identity import EncoderConfig
+    from inferscale.models import load_model
     from inferscale.serve.retrieval import Embedder
 
     loaded = load_model(args.model, Settings().home, device=args.device, dtype=args.kv_dtype)

@@ -21,13 +21,12 @@ import torch
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.encode.batches import Segment
-from inferscale.encode.compose import Composer, memory_text
-from inferscale.encode.encoder import (
-    EncodedChunk, EncodedMemory, EncoderConfig, encode_facts, encode_segments,
-)
+from inferscale.compose import Composer, memory_text
+from inferscale.encode.encoder import EncodedChunk, EncodedMemory, encode_facts, encode_segments
+from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash
-from inferscale.pipeline import turns_and_facts
+from inferscale.pipeline.steps import turns_and_facts
 from inferscale.types import PREFIX_ID
 from storage_schemas import facts as facts_schema
 
@@ -95,7 +94,8 @@ def encoded_memory(model, tokenizer, turns: pa.Table, facts: pa.Table, cfg: Enco
                    fingerprint: str) -> EncodedMemory:
     """The real encoder over the conversation (context windows of preceding turns)."""
     turn_texts, specs = turns_and_facts(turns, facts)
-    return encode_facts(model, tokenizer, turn_texts, specs, cfg, fingerprint, progress=False)
+    return encode_facts(model, tokenizer, turn_texts, specs,
+                        EncodingIdentity.of_model(cfg, fingerprint, model), progress=False)
 
 
 def publish_memory(root: str | Path, user: str, turns: pa.Table, facts: pa.Table,

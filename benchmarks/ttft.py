@@ -44,9 +44,9 @@ offline_environment()
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, write_result  # noqa: E402
+from benchmarks.common import command_line, load_user, prepare, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
-from inferscale.encode.encoder import EncoderConfig  # noqa: E402
+from inferscale.encode.identity import EncoderConfig  # noqa: E402
 
 
 MODES = ("prompt", "inject_gpu", "cached", "inject_host")
@@ -64,8 +64,8 @@ async def measure(args) -> dict:
     from benchmarks.memory_setup import (
         encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.encode.compose import Composer
-    from inferscale.encode.models import dummy_fingerprint, load_model, resolve_checkpoint
+    from inferscale.compose import Composer
+    from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.serve.retrieval import Embedder
     from inferscale.serve.server import MemoryServer
@@ -121,7 +121,7 @@ async def measure(args) -> dict:
     prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
     for tier, user in users.items():
         await kv.hydrate(user, version=versions[tier], tier=tier)
-        prompt.load_user(user, versions[tier])
+        load_user(prompt, user, versions[tier])
     qs = questions(args.conversation, args.queries + 1)
     llm = engine.llm
     other_query = Composer(tok).query_ids("What did they talk about last time?")
@@ -130,10 +130,10 @@ async def measure(args) -> dict:
         if reset:
             await llm.reset_prefix_cache()
         if warm_prefix:  # the baseline's shared instruction prefix, cached as in steady state
-            ids, _, _ = server.prepare(None, q, k)
+            ids, _, _ = prepare(server, None, q, k)
             await engine.generate(ids, max_tokens=1)
         t = time.perf_counter()
-        ids, ref, info = server.prepare(user, q, k)
+        ids, ref, info = prepare(server, user, q, k)
         prep = time.perf_counter() - t
         gen = await engine.generate(ids, ref, max_tokens=1)
         return {"ttft_ms": gen.ttft_s * 1e3, "q2ft_ms": (prep + gen.ttft_s) * 1e3,
@@ -148,7 +148,7 @@ async def measure(args) -> dict:
             return await ttft(prompt, users["gpu"], q, k, warm_prefix=True)
         if mode == "cached":  # the same request, its memory (only) in the prefix cache
             await llm.reset_prefix_cache()
-            ids, ref, info = kv.prepare(users["gpu"], q, k)
+            ids, ref, info = prepare(kv, users["gpu"], q, k)
             m = info["memory_tokens"]
             # cache the memory's blocks under another question: no block of this
             # request's own query can hit, so the floor computes the query like the others
@@ -161,7 +161,7 @@ async def measure(args) -> dict:
     for tier, user in users.items():
         await engine.verify_next()
         await llm.reset_prefix_cache()
-        ids, ref, _ = kv.prepare(user, qs[0], max(args.ks))
+        ids, ref, _ = prepare(kv, user, qs[0], max(args.ks))
         out = await engine.generate(ids, ref, max_tokens=1)
         verify[tier] = {**await engine.verify_last_load(), "injected": out.injected_tokens}
     print(json.dumps({"verify": verify}), flush=True)

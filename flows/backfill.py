@@ -10,7 +10,8 @@ from prefect.artifacts import create_table_artifact
 
 from flows.common import fan_out, finish, prepare, record_skipped
 from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
-from inferscale.run_report import RunReport, UserOutcome
+from inferscale.pipeline.chain import select_users
+from inferscale.pipeline.report import RunReport, UserOutcome
 from tasks.store import plan
 
 
@@ -28,7 +29,7 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
     once across all runs (the Prefect global concurrency limit "inferscale-compute");
     one user's failure never stops the others. Ends with a table of done and failed users
     (artifact key ``inferscale-backfill-<fingerprint prefix>``); the run is Failed when
-    some users failed. Called by the ``backfill`` deployment when a model changes.
+    some users failed. Deployed as ``backfill``, run when a model changes.
 
     Args:
         model: the model to encode for ("embedded", a checkpoint directory or hub id).
@@ -48,11 +49,7 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
     prep = prepare(logs, model=model, fact_mode=fact_mode, artifact_root=artifact_root,
                    window=window)
     hashes = prep.ingest.turns_hashes()
-    if users is not None:
-        missing = sorted(set(users) - set(hashes))
-        if missing:
-            raise ValueError(f"no valid turns for users {missing} in {prep.logs}")
-        hashes = {u: hashes[u] for u in users}
+    hashes = {u: hashes[u] for u in select_users(prep.ingest, users)}
     plans = plan(prep.cfg, prep.model_fp, hashes)
     todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
     skipped = {u: p for u, p in plans.items() if not p.needs_encoding}

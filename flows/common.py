@@ -28,13 +28,11 @@ from prefect.states import Failed
 from inferscale.artifacts.lineage_view import artifact_key
 from inferscale.facts.extractor import FactsConfig
 from inferscale.ingest.logs import IngestResult, sample_conversations
-from inferscale.pipeline import PipelineConfig, configs_from_settings
-from inferscale.run_report import RunReport, UserOutcome
+from inferscale.pipeline.config import PipelineConfig, configs_from_settings
+from inferscale.pipeline.report import RunReport, UserOutcome
 from inferscale.settings import Settings
-from tasks.ingest import ingest_logs
 from tasks.lineage import record_lineage
-from tasks.model import resolve_model
-from tasks.user import COMPUTE_LIMIT, encode_user
+from tasks.user import COMPUTE_LIMIT, TASK_STEPS, encode_user
 
 RunnerKind = Literal["threads", "ray"]
 QUARANTINE_ROWS = 20
@@ -60,8 +58,8 @@ def prepare(logs: list[str] | None, *, model: str | None = None, fact_mode: str 
     logs = list(logs or settings.log_uris or [str(sample_conversations())])
     run_id = flow_run.get_id() or time.strftime("%Y%m%dT%H%M%S")
     quarantine = f"{cfg.artifact_root.rstrip('/')}/quarantine/{run_id}.jsonl"
-    ingest = ingest_logs(cfg, logs, quarantine)
-    return Prepared(cfg, facts_cfg, ingest, resolve_model(cfg), logs)
+    ingest = TASK_STEPS.ingest(cfg, logs, quarantine)
+    return Prepared(cfg, facts_cfg, ingest, TASK_STEPS.fingerprint(cfg), logs)
 
 
 def _runner(kind: RunnerKind, max_workers: int, ray_address: str | None):
@@ -87,7 +85,8 @@ def check_ray_address(address: str | None, allowed: list[str]) -> None:
 
 def _ray_init_kwargs(address: str | None) -> dict[str, Any]:
     """Ship this code to the Ray workers (py_modules) and keep them offline. Their
-    environment gets the offline switches and the non-secret settings of
+    environment gets the offline switches (``inferscale.settings.OFFLINE_ENV``, as this
+    process has them) and the non-secret settings of
     ``inferscale.settings.WORKER_ENV_SETTINGS`` only (no keys, no credentials)."""
     import os
 
@@ -95,11 +94,9 @@ def _ray_init_kwargs(address: str | None) -> dict[str, Any]:
     import inferscale
     import storage_schemas
     import tasks
-    from inferscale.settings import worker_env
+    from inferscale.settings import OFFLINE_ENV, worker_env
 
-    env = {k: os.environ[k] for k in (
-        "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "MEM0_TELEMETRY",
-        "DO_NOT_TRACK", "VLLM_NO_USAGE_STATS", "TOKENIZERS_PARALLELISM") if k in os.environ}
+    env = {k: os.environ.get(k, v) for k, v in OFFLINE_ENV.items()}
     env.update(worker_env())
     kwargs: dict[str, Any] = {"runtime_env": {
         "py_modules": [os.path.dirname(m.__file__) for m in (inferscale, storage_schemas,
@@ -162,11 +159,10 @@ def fan_out(prep: Prepared, users: dict[str, str], *, task_runner: RunnerKind = 
                 outcomes.append(UserOutcome(**fut.result()))
             else:
                 err = state.result(raise_on_failure=False)
-                msg = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) \
-                    else (state.message or state.name)
-                outcomes.append(UserOutcome(user, "failed", reason=users[user], error=msg,
-                                            artifact_key=artifact_key(user, prep.model_fp)))
-                logger.error("user %s failed: %s", user, msg)
+                outcomes.append(UserOutcome.failed(
+                    user, users[user], err if isinstance(err, BaseException)
+                    else (state.message or state.name), artifact_key(user, prep.model_fp)))
+                logger.error("user %s failed: %s", user, outcomes[-1].error)
             update_progress_artifact(progress, 100.0 * len(outcomes) / len(users))
             logger.info("%d/%d users done (%s: %s)", len(outcomes), len(users), user,
                         outcomes[-1].status)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.common import fan_out, finish, prepare
+from inferscale.pipeline.chain import select_users
 
 
 @flow(name="encode-users", log_prints=True)
@@ -22,8 +23,7 @@ def encode_users(users: list[str] | None = None, logs: list[str] | None = None,
     come from the cache, and a user whose LATEST already is the version these inputs
     make costs a cache lookup. Returns the run report (per user: status, version,
     counts); the run ends Failed when some users failed, after all others finished.
-    Called by the ``encode`` deployment, by ``inferscale demo`` (a plain call), and by
-    people (``python -c "from flows.encode import encode_users; encode_users()"``).
+    Deployed as ``encode``; ``inferscale-demo`` calls it in-process.
 
     Args:
         users: user ids to encode; none = every user found in the logs.
@@ -47,12 +47,7 @@ def encode_users(users: list[str] | None = None, logs: list[str] | None = None,
     started = time.perf_counter()
     prep = prepare(logs, model=model, fact_mode=fact_mode, artifact_root=artifact_root,
                    window=window)
-    found = prep.ingest.turns
-    if users is not None:
-        missing = sorted(set(users) - set(found))
-        if missing:
-            raise ValueError(f"no valid turns for users {missing} in {prep.logs}")
-    selected = {u: "requested" for u in (users if users is not None else sorted(found))}
-    outcomes = fan_out(prep, selected, task_runner=task_runner, max_workers=max_workers,
-                       ray_address=ray_address, concurrency_limit=concurrency_limit)
+    outcomes = fan_out(prep, select_users(prep.ingest, users), task_runner=task_runner,
+                       max_workers=max_workers, ray_address=ray_address,
+                       concurrency_limit=concurrency_limit)
     return finish("Encode users", "inferscale-encode-summary", prep, outcomes, started)

@@ -9,7 +9,7 @@ from prefect import flow
 
 from flows.common import fan_out, finish, prepare, record_skipped
 from inferscale.artifacts.lineage_view import artifact_key
-from inferscale.run_report import UserOutcome
+from inferscale.pipeline.report import UserOutcome
 from tasks.store import plan
 
 
@@ -24,8 +24,8 @@ def nightly_reencode(logs: list[str] | None = None,
     For each user in the logs, the content hash of their turns is compared with the
     parent log hash in their LATEST manifest (and the encoder config with the current
     one); only users that differ — or have nothing published yet — are encoded. An
-    unchanged user costs reading LATEST and one manifest. Called by the ``nightly``
-    deployment (cron) and by hand.
+    unchanged user costs reading LATEST and one manifest. Deployed as ``nightly``
+    (cron).
 
     Args:
         logs: fsspec URIs or globs of conversation logs; none = INFERSCALE_LOG_URIS,

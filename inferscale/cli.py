@@ -1,14 +1,14 @@
 """``inferscale``: the command line.
 
-    inferscale demo                 encode the sample conversation, serve, compare answers
     inferscale encode --logs URI    logs -> facts -> KV -> published artifacts (one process)
     inferscale serve [--mode kv|prompt] [--host H] [--port P]
     inferscale hydrate|evict|status talk to a running server's admin API
     inferscale versions --user U    list a user's published versions
 
 Settings come from ``INFERSCALE_*`` environment variables (``inferscale.settings``);
-flags override the few that matter per command. The library never imports Prefect; only
-``demo`` runs a Prefect flow (``flows.encode``), in-process.
+flags override the few that matter per command. ``encode`` runs the offline chain of
+:mod:`inferscale.pipeline.chain` without Prefect (the flows run the same chain as tasks);
+the demo, which runs a Prefect flow, is ``inferscale-demo`` (``flows/demo.py``).
 """
 
 from __future__ import annotations
@@ -16,22 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 from inferscale.settings import Settings, offline_environment
 from inferscale.types import ENCODER_CONTEXTS, TIERS
-
-DEMO_QUESTIONS = [
-    ("maya", "What is my dog's name?"),
-    ("maya", "Who did I go to Lisbon with?"),
-    ("maya", "Where do I work?"),
-    ("tomas", "Which marathon am I training for?"),
-    ("tomas", "What is my cat called?"),
-]
-
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in {
@@ -49,15 +38,29 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
-    from inferscale.facts.extractor import FactsConfig
-    from inferscale.ingest.logs import sample_conversations
-    from inferscale.pipeline import PipelineConfig, run
+    """The run report as JSON on stdout; exit status 1 when a user failed (the others are
+    published all the same), 2 when the logs or the users asked for cannot be read."""
+    from functools import partial
+
+    from inferscale.ingest.logs import LogError, sample_conversations
+    from inferscale.pipeline import steps
+    from inferscale.pipeline.chain import Steps, run
+    from inferscale.pipeline.config import configs_from_settings
 
     settings = _settings(args)
-    logs = args.logs or [str(sample_conversations())]
-    result = run(PipelineConfig.from_settings(settings), FactsConfig.from_settings(settings),
-                 logs, users=args.users, quarantine_uri=args.quarantine)
-    print(json.dumps(result, indent=2))
+    logs = args.logs or settings.log_uris or [str(sample_conversations())]
+    cfg, facts_cfg = configs_from_settings(settings)
+    try:
+        report = run(cfg, facts_cfg, logs, users=args.users, quarantine_uri=args.quarantine,
+                     steps=Steps(encode=partial(steps.encode_user_kv, progress=True)))
+    except (LogError, ValueError) as exc:
+        print(f"inferscale encode: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2))
+    if report.failed:
+        print(f"inferscale encode: {len(report.failed)} of {len(report.outcomes)} users "
+              f"failed: {', '.join(o.user for o in report.failed[:10])}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -120,7 +123,7 @@ def _admin_failure(args: argparse.Namespace, exc: Exception) -> int:
 def cmd_versions(args: argparse.Namespace) -> int:
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.read import latest_version, list_versions
-    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
 
     settings = _settings(args)
     store = StoreConfig.from_settings(settings)
@@ -139,100 +142,6 @@ def cmd_versions(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------- demo
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job on the embedded defaults: no network, no keys, no GPU needed."""
-    settings = _settings(args)
-    root = args.artifact_root or str(settings.home / "demo" / "artifacts")
-    os.environ.setdefault("PREFECT_HOME", str(settings.home / "prefect"))
-    from flows.encode import encode_users
-    from inferscale.ingest.logs import sample_conversations
-
-    print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({args.fact_mode})"
-          f" -> pre-RoPE KV (window {settings.window}) -> artifacts under {root}", flush=True)
-    report = encode_users(logs=[str(sample_conversations())], fact_mode=args.fact_mode,
-                          artifact_root=root)
-    print(_report_lines(report), flush=True)
-    import torch
-
-    # on CPU a 1 GiB KV cache (the demo's prompts are ~400 tokens) instead of half the
-    # host's memory: the engine starts sooner and fits a small CI machine
-    kv_bytes = settings.kv_cache_memory_bytes or (
-        None if torch.cuda.is_available() and settings.device != "cpu" else 1 << 30)
-    settings = Settings(artifact_root=root, model=settings.model, window=settings.window,
-                        kv_cache_memory_bytes=kv_bytes)
-    return asyncio.run(_demo_serve(settings, args.questions, args.max_tokens))
-
-
-def _report_lines(report: dict) -> str:
-    """The encode run's report (``RunReport.to_dict()``): one line per user."""
-    keep = ("status", "version", "facts", "kv_bytes", "seconds", "error")
-    return "\n".join(
-        f"      {user}: " + "  ".join(f"{k}={str(v)[:16] if k == 'version' else v}"
-                                     for k, v in row.items() if k in keep and v not in ("", None))
-        for user, row in report["users"].items())
-
-
-async def _demo_serve(settings: Settings, n_questions: int, max_tokens: int) -> int:
-    import httpx
-    import uvicorn
-    from openai import AsyncOpenAI
-
-    from inferscale.serve.app import AccessPolicy, create_app
-    from inferscale.serve.server import start_server
-
-    print("[2/3] starting the engine (vLLM + InferScale connector) and the OpenAI-compatible "
-          "server on 127.0.0.1", flush=True)
-    server, name = await start_server(settings, "kv")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(create_app(server, AccessPolicy({}, None, None, True), name),
-                                        host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.create_task(web.serve())
-    try:
-        while not web.started:
-            await asyncio.sleep(0.1)
-        base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
-            for user in sorted({u for u, _ in DEMO_QUESTIONS}):
-                r = await http.post("/admin/hydrate", json={"user": user, "tier": "gpu"})
-                r.raise_for_status()
-                h = r.json()
-                print(f"      hydrated {user}: version {h['version'][:12]}, {h['facts']} facts, "
-                      f"{h['bytes'] / 2**20:.1f} MiB KV ({h['tier']} tier)", flush=True)
-        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="local", http_client=None)
-        print("[3/3] answers (greedy; KV injection vs. the Mem0-style prompt baseline, same "
-              "retrieval, same engine, prefix cache reset before each)", flush=True)
-        not_injected = []
-        for user, question in DEMO_QUESTIONS[:n_questions]:
-            print(f"\n  {user}: {question}")
-            for mode in ("kv", "prompt"):
-                await server.engine.llm.reset_prefix_cache()
-                resp = await client.chat.completions.create(
-                    model=name, messages=[{"role": "user", "content": question}], user=user,
-                    max_tokens=max_tokens, temperature=0.0, extra_body={"inferscale": {"mode": mode}})
-                info = resp.model_extra["inferscale"]
-                label = "KV injection" if mode == "kv" else "prompt     "
-                print(f"    {label}  TTFT {info['timings_ms']['engine_ttft']:7.0f} ms  "
-                      f"(prompt {resp.usage.prompt_tokens} tokens, injected "
-                      f"{info['injected_tokens']}): {resp.choices[0].message.content.strip()}",
-                      flush=True)
-                if mode == "kv" and not info["injected_tokens"]:
-                    not_injected.append(f"{user}: {question} ({info.get('fallback')})")
-    finally:
-        web.should_exit = True
-        await serving
-        server.engine.shutdown()
-    if not_injected:  # the demo's point is answers from injected memory: say it failed
-        print("\ninferscale demo: KV answers prefilled instead of injected:\n  "
-              + "\n  ".join(not_injected), file=sys.stderr)
-        return 1
-    return 0
-
-
 # ---------------------------------------------------------------------------- parser
 
 
@@ -247,19 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     key_help = ("file holding the admin key the server wants off loopback (default: "
                 "INFERSCALE_ADMIN_KEY); sent only to INFERSCALE_SERVER_URLS")
 
-    p = sub.add_parser("demo", help="encode the sample conversation, serve it, compare answers")
-    p.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw",
-                   help="raw: each turn is a fact (fast); mem0: LLM extraction (slow on CPU)")
-    p.add_argument("--artifact-root", default=None,
-                   help="where the demo publishes (default: ~/.cache/inferscale/demo/artifacts)")
-    p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS),
-                   help=f"how many of the {len(DEMO_QUESTIONS)} sample questions to ask")
-    p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (greedy)")
-    p.set_defaults(func=cmd_demo)
-
-    p = sub.add_parser("encode", help="logs -> facts -> KV -> artifacts, in this process")
+    p = sub.add_parser("encode", help="logs -> facts -> KV -> artifacts, in this process; "
+                       "exit status 1 when some user failed")
     p.add_argument("--logs", nargs="+", default=None,
-                   help="fsspec URIs/globs of conversation logs (default: the sample)")
+                   help="fsspec URIs/globs of conversation logs (default: INFERSCALE_LOG_URIS, "
+                   "else the sample)")
     p.add_argument("--users", nargs="+", default=None,
                    help="user ids to encode (default: every user in the logs)")
     p.add_argument("--fact-mode", choices=["raw", "mem0"], default=None,

@@ -7,7 +7,8 @@ Every knob a deployment sets lives here and is read from the environment with th
 component configs from it (``EncoderConfig``, ``StoreConfig``, ...).
 
 ``offline_environment()`` sets the variables that keep Hugging Face, Mem0 and Prefect
-off the network; the CLI, flows and engine start-up call it before importing them.
+off the network (:data:`OFFLINE_ENV`); the CLI, flows and engine start-up call it before
+importing them, and the flows pass the same list to their Ray workers.
 """
 
 from __future__ import annotations
@@ -157,6 +158,14 @@ class Settings(BaseSettings):
         return [f"http://127.0.0.1:{self.port}", f"http://localhost:{self.port}",
                 f"http://{self.host}:{self.port}"]
 
+    def resolved_device(self) -> str:
+        """``device``, with ``"auto"`` decided: CUDA when there is one, else the CPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def resolved_artifact_root(self) -> str:
         return self.artifact_root or str(self.home / "artifacts")
 
@@ -182,22 +191,25 @@ def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.upper() in allowed}
 
 
-def offline_environment() -> None:
-    """Keep libraries off the network in the embedded configuration.
+# What keeps Hugging Face, Mem0, Prefect, vLLM and Ray off the network (and quiet).
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "MEM0_TELEMETRY": "False",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
-    Called by entry points before importing transformers, mem0 or prefect. Values the
-    caller already set win.
+
+def offline_environment() -> None:
+    """Set :data:`OFFLINE_ENV` in this process (values the caller already set win).
+
+    Called by entry points before importing transformers, mem0 or prefect.
     """
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "MEM0_TELEMETRY": "False",
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_DO_NOT_TRACK": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-    }.items():
+    for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)

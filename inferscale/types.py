@@ -16,16 +16,16 @@
   its memory; the encoder config and the settings both default to these. They are the
   variant that answered as well as the prompt baseline on LoCoMo
   (``benchmarks/README.md``, "Answer quality").
-- :func:`check_user_id` / :func:`user_id_problem`: what a valid user id is, checked
-  wherever an id enters the system (log ingestion quarantines a record with a bad one;
-  the settings' ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin
-  requests): 1..128 characters with no control, format or line/paragraph separator
-  characters (Unicode categories Cc, Cf, Zl, Zp: newlines, NUL, bidi overrides,
-  zero-width characters), no surrogates, private-use or unassigned code points (Cs, Co,
-  Cn), no ``/`` or ``\\``, no leading or trailing whitespace, not ``.`` or ``..``; the
-  whole string is checked (no regular expression whose ``$`` accepts a trailing
-  newline). The artifact store's folder encoding (``artifacts.layout.user_dirname``) is a
-  wider contract: it stores any id safely, including ones written before this check.
+- :func:`check_user_id` / :func:`user_id_problem`: the one rule for user ids, applied
+  wherever an id enters (log ingestion quarantines a record with a bad one; the settings'
+  ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin requests; the
+  artifact store's folder names): 1..:data:`MAX_ID_CHARS` characters, no whitespace of
+  any kind (Mem0 refuses ids with inner whitespace: one such user used to fail every
+  user's extraction), no control, format, separator, surrogate, private-use or
+  unassigned code points (Unicode categories Cc, Cf, Zl, Zp, Cs, Co, Cn: newlines, NUL,
+  bidi overrides, zero-width characters), no ``/`` or ``\\``, not ``.`` or ``..``. The
+  whole string is checked (no regular expression whose ``$`` accepts a trailing newline).
+- :data:`VERSION_RE`: an artifact version id (32 lowercase hex digits).
 
 Imports only the standard library and ``storage_schemas`` (torch when a dtype is
 translated), so every module, the settings and the CLI can use it.
@@ -33,6 +33,7 @@ translated), so every module, the settings and the CLI can use it.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import TYPE_CHECKING, Literal
 
@@ -87,7 +88,8 @@ def check_tier(tier: str) -> Tier:
     return tier  # type: ignore[return-value]
 
 
-MAX_USER_CHARS = 128
+MAX_ID_CHARS = 128  # the longest id of any kind: user, session, turn, speaker
+VERSION_RE = re.compile(r"[0-9a-f]{32}")
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
@@ -101,16 +103,18 @@ def user_id_problem(user: object) -> str | None:
         return f"must be a string, not {type(user).__name__}"
     if not user:
         return "must not be empty"
-    if len(user) > MAX_USER_CHARS:
-        return f"is {len(user)} characters long; at most {MAX_USER_CHARS}"
-    if user in (".", "..") or user != user.strip():
-        return "must not be '.', '..' or begin or end with whitespace"
+    if len(user) > MAX_ID_CHARS:
+        return f"is {len(user)} characters long; at most {MAX_ID_CHARS}"
+    if user in (".", ".."):
+        return "must not be '.' or '..'"
     for ch in user:
         if ch in "/\\":
             return "must not contain '/' or '\\'"
         category = unicodedata.category(ch)
         if category in _REFUSED_CATEGORIES:
             return f"contains U+{ord(ch):04X} (category {category}: control or invisible)"
+        if ch.isspace():
+            return f"contains whitespace (U+{ord(ch):04X}): user ids are single words"
     return None
 
 

@@ -6,7 +6,8 @@ import pyarrow as pa
 from prefect import task
 
 from inferscale.facts.extractor import FactsConfig, FactsResult
-from inferscale.pipeline import PipelineConfig, extract_user_facts
+from inferscale.pipeline.config import PipelineConfig
+from inferscale.pipeline.steps import extract_user_facts
 from tasks.caching import CACHE_EXPIRATION, facts_cache_key
 from tasks.results import FactsResultSerializer
 
@@ -15,9 +16,7 @@ from tasks.results import FactsResultSerializer
       cache_expiration=CACHE_EXPIRATION, persist_result=True,
       result_serializer=FactsResultSerializer())
 def extract_facts(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: pa.Table,
-                  turns_hash: str, model_fp: str) -> FactsResult:
-    """Extract ``user``'s facts from their turns (``turns_hash`` is their content hash and,
-    with the facts settings and ``model_fp``, the cache key); the result is kept in result
-    storage as Arrow IPC (never a pickle). No retries: compute.
-    Called by ``tasks.user.encode_user``."""
-    return extract_user_facts(cfg, facts_cfg, turns)
+                  model_fp: str) -> FactsResult:
+    """:func:`inferscale.pipeline.steps.extract_user_facts`, cached (Arrow IPC, never a
+    pickle). No retries: compute."""
+    return extract_user_facts(cfg, facts_cfg, user, turns, model_fp)

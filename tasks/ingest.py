@@ -4,28 +4,22 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
-from inferscale.pipeline import PipelineConfig, log_storage_options
+from inferscale.ingest.logs import IngestResult
+from inferscale.pipeline.config import PipelineConfig
+from inferscale.pipeline.steps import ingest_logs as read_and_quarantine
 from tasks.policy import IO_RETRIES
 
 
 @task(name="ingest-logs", persist_result=False, **IO_RETRIES)
 def ingest_logs(cfg: PipelineConfig, logs: list[str], quarantine_uri: str | None) -> IngestResult:
-    """Read ``logs`` (fsspec URIs or globs); write quarantined records as JSONL to
-    ``quarantine_uri`` (with the artifact store's options) when there are any.
-
-    Called once per flow run by the encode, nightly and backfill flows.
-    """
-    result = read_logs(logs, storage_options=log_storage_options(cfg, logs))
+    """:func:`inferscale.pipeline.steps.ingest_logs`, retried on transient I/O errors."""
+    result = read_and_quarantine(cfg, logs, quarantine_uri)
     logger = get_run_logger()
     counts = result.counts
     logger.info("logs: %d records read, %d turns kept for %d users, %d quarantined %s",
                 counts["records_read"], counts["turns_kept"], counts["users"],
                 counts["quarantined"], counts["reasons"] or "")
-    if result.quarantined and quarantine_uri:
-        opts = log_storage_options(cfg, [quarantine_uri])
-        write_quarantine(result.quarantined, quarantine_uri, storage_options=opts)
-        result.quarantine_uri = quarantine_uri
+    if result.quarantine_uri:
         logger.warning("%d bad records quarantined to %s", len(result.quarantined),
-                       quarantine_uri)
+                       result.quarantine_uri)
     return result

@@ -24,7 +24,7 @@ from inferscale.artifacts.lineage_view import (
     artifact_key, asset_key, location_uri, version_markdown, version_of_rows, version_rows,
 )
 from inferscale.artifacts.read import list_versions, read_manifest
-from inferscale.pipeline import PipelineConfig
+from inferscale.pipeline.config import PipelineConfig
 from tasks.policy import IO_RETRIES
 
 _BATCH = 200
@@ -91,9 +91,8 @@ def record_lineage(cfg: PipelineConfig, model_fp: str, versions: dict[str, str],
                    sources: Sequence[str] = ()) -> dict[str, str]:
     """Record each ``user -> version`` (the version ``LATEST`` names) unless its key already
     shows it; ``sources`` are the logs it came from (upstream assets). Returns
-    ``user -> artifact key``. Called by ``tasks.user.encode_user`` after publishing, and
-    by the flows for users they skip (so a version published just before a crash still
-    gets its record on the rerun)."""
+    ``user -> artifact key``. The flows also record the users they skip, so a version
+    published just before a crash still gets its record on the rerun."""
     keys = {u: artifact_key(u, model_fp) for u in versions}
     recorded = recorded_versions(list(keys.values()))
     logger = get_run_logger()

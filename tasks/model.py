@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from prefect import task
 
-from inferscale.pipeline import PipelineConfig, model_fingerprint
+from inferscale.pipeline.config import PipelineConfig
+from inferscale.pipeline.steps import model_fingerprint
 
 
 @task(name="resolve-model", persist_result=False)
 def resolve_model(cfg: PipelineConfig) -> str:
-    """Fingerprint of ``cfg.model`` (weights, tokenizer, rotary config); the embedded model
-    is converted on first use. Called once per flow run, before planning and fan-out."""
+    """:func:`inferscale.pipeline.steps.model_fingerprint` (the embedded model is
+    converted on first use)."""
     return model_fingerprint(cfg)

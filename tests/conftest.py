@@ -138,7 +138,7 @@ def inferscale_home():
 @pytest.fixture(scope="session")
 def smollm2(inferscale_home):
     """The real embedded SmolLM2-135M-Instruct, fp32 on CPU (converted once, ~40 s)."""
-    from inferscale.encode.models import load_model
+    from inferscale.models import load_model
 
     return load_model("embedded", inferscale_home, device="cpu", dtype="float32")
 

@@ -2,10 +2,11 @@
 imports inside functions and under ``TYPE_CHECKING`` count too):
 
 - stages import one way: a module imports only from its own stage or an earlier one in
-  :data:`STAGES` (serve -> vllm_plugin -> hydrate -> artifacts -> facts -> encode ->
-  ingest -> settings/types), and no import cycle exists between modules;
-- Prefect only in ``flows/`` and ``tasks/``: no ``inferscale`` module imports it, and only
-  the CLI (its demo) reaches into ``flows``;
+  :data:`STAGES` (cli -> pipeline -> serve -> vllm_plugin -> hydrate -> artifacts ->
+  encode -> facts -> ingest -> the shared contracts, model and prompt format), the order
+  the README and the stage packages state, and no import cycle exists between modules;
+- Prefect only in ``flows/`` and ``tasks/``: no ``inferscale`` module imports it, nor
+  ``flows`` or ``tasks``;
 - vLLM only in the plugin and the server, its KV-connector API only in the plugin's
   compat module;
 - every ``inferscale`` import names a module that exists and a name it defines;
@@ -16,6 +17,7 @@ imports inside functions and under ``TYPE_CHECKING`` count too):
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -23,19 +25,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "inferscale"
 
-# Earliest first; a module may import from its own stage and the stages before it.
+# Earliest first; a module may import from its own stage and the stages before it. The
+# first holds what every stage shares: the contracts, the settings, the serving model
+# (checkpoints, fingerprints) and the prompt format (memory lines, fact token ids).
 STAGES: list[tuple[str, ...]] = [
-    ("inferscale", "inferscale.types", "inferscale.settings"),
+    ("inferscale", "inferscale.types", "inferscale.settings", "inferscale.models",
+     "inferscale.compose"),
     ("inferscale.ingest",),
-    ("inferscale.encode",),
     ("inferscale.facts",),
+    ("inferscale.encode",),
     ("inferscale.artifacts",),
     ("inferscale.hydrate",),
     ("inferscale.vllm_plugin",),
     ("inferscale.serve",),
-    ("inferscale.pipeline", "inferscale.run_report"),
+    ("inferscale.pipeline",),
     ("inferscale.cli",),
 ]
+# The data flow's stages, in the order the README's diagram and the packages' docstrings
+# ("Stage N, ...") give them.
+DATA_STAGES = ["ingest", "facts", "encode", "artifacts", "hydrate", "vllm_plugin", "serve"]
 MAX_LINES = 420
 
 
@@ -163,13 +171,20 @@ def test_the_cycle_check_sees_function_level_imports(tmp_path):
     assert find_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
+def test_stages_are_in_the_documented_order():
+    assert [names[0].removeprefix("inferscale.") for names in STAGES[1:8]] == DATA_STAGES
+    readme = (REPO / "README.md").read_text()
+    flow = readme[readme.index("conversation logs (JSONL"):readme.index("**What each fact")]
+    assert re.findall(r"^  -> .* (\w+)/$", flow, re.M) == DATA_STAGES  # the diagram
+    for n, stage in enumerate(DATA_STAGES, 1):
+        doc = ast.get_docstring(ast.parse((PACKAGE / stage / "__init__.py").read_text()))
+        assert doc.startswith(f"Stage {n}, "), (stage, doc[:40])
+
+
 def test_prefect_only_in_flows_and_tasks():
-    offenders = []
-    for mod, path in MODULES.items():
-        for line, target, _ in imports(path):
-            top = target.split(".")[0]
-            if top == "prefect" or (top in ("flows", "tasks") and mod != "inferscale.cli"):
-                offenders.append(f"{mod}:{line}: imports {target}")
+    offenders = [f"{mod}:{line}: imports {target}"
+                 for mod, path in MODULES.items() for line, target, _ in imports(path)
+                 if target.split(".")[0] in ("prefect", "flows", "tasks")]
     assert not offenders, "\n".join(offenders)
 
 

@@ -10,7 +10,7 @@ from benchmarks.memory_setup import facts_table, random_memory
 from benchmarks.shapes import SHAPES, kv_shape
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import Lineage, publish
-from inferscale.encode.compose import Composer
+from inferscale.compose import Composer
 
 
 class ByteTokenizer:

@@ -45,7 +45,7 @@ def users(tmp_path):
     """Two small conversations pooled with the embedded model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from inferscale.encode.models import resolve_checkpoint
+    from inferscale.models import resolve_checkpoint
     from inferscale.settings import Settings
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("embedded", Settings().home))

@@ -7,10 +7,13 @@ import argparse
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from inferscale.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _unused_url() -> str:
@@ -57,19 +60,37 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
+def _explains_every_option(name: str, parser: argparse.ArgumentParser, run_help, capsys):
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and len(action.help) > 8, (name, action.dest)
+    with pytest.raises(SystemExit) as done:
+        run_help()
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for action in parser._actions:  # each option and its explanation are printed
+        label = action.option_strings[0] if action.option_strings else action.dest
+        assert label in text, (name, label)
+        assert action.help.split()[0] in text, (name, action.help)
+
+
 def test_every_option_of_every_subcommand_is_explained(capsys):
     subs = _subcommands()
-    assert set(subs) == {"demo", "encode", "serve", "hydrate", "evict", "status", "versions"}
+    assert set(subs) == {"encode", "serve", "hydrate", "evict", "status", "versions"}
     for name, parser in subs.items():
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            assert action.help and len(action.help) > 8, (name, action.dest)
-        with pytest.raises(SystemExit) as done:
-            main([name, "--help"])
-        assert done.value.code == 0
-        text = capsys.readouterr().out
-        for action in parser._actions:  # each option and its explanation are printed
-            label = action.option_strings[0] if action.option_strings else action.dest
-            assert label in text, (name, label)
-            assert action.help.split()[0] in text, (name, action.help)
+        _explains_every_option(name, parser, lambda: main([name, "--help"]), capsys)
+
+
+def test_the_demo_is_a_command_of_its_own(capsys):
+    """The demo runs a Prefect flow, so it lives in flows/ (the library never imports
+    Prefect), as the ``inferscale-demo`` script ``make demo`` runs."""
+    import tomllib
+
+    from flows import demo
+
+    _explains_every_option("inferscale-demo", demo.build_parser(), lambda: demo.main(["--help"]),
+                           capsys)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["inferscale-demo"] == "flows.demo:main"
+    assert "$(VENV)/bin/inferscale-demo" in (REPO / "Makefile").read_text()

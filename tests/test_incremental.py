@@ -15,12 +15,14 @@ import torch
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import KV_FILE, StoreConfig
 from inferscale.artifacts.read import data_path, manifest_at
-from inferscale.encode.compose import Composer
-from inferscale.encode.encoder import EncoderConfig
+from inferscale.compose import Composer
+from inferscale.encode.identity import EncoderConfig
 from inferscale.facts.extractor import fact_id, facts_hash
 from inferscale.hydrate.slab import hydrate
 from inferscale.ingest.logs import turns_hash
-from inferscale.pipeline import PipelineConfig, encode_user_kv, previous_kv, publish_user
+from inferscale.pipeline import steps
+from inferscale.pipeline.config import PipelineConfig
+from inferscale.pipeline.steps import previous_kv, publish_user
 from storage_schemas import facts as facts_schema
 from storage_schemas import turns as turns_schema
 
@@ -92,6 +94,12 @@ def publish(cfg, turns, facts, encoded):
     return publish_user(cfg, USER, encoded, facts, turns_hash(turns), facts_hash(facts, "test"))
 
 
+def encode_user_kv(cfg: PipelineConfig, turns, facts, previous: str | None = None):
+    """The chain's encode step for ``USER`` with the embedded model's identity."""
+    identity = cfg.identity(steps.serving_model(cfg).fingerprint)
+    return steps.encode_user_kv(cfg, USER, turns, facts, identity, previous)
+
+
 class Passes:
     """Counts the decoder's forward passes (one per encoded fact, batch-invariant)."""
 
@@ -113,21 +121,19 @@ def test_incremental_version_is_byte_identical_to_a_full_encode(store, inferscal
     tok, fp = smollm2.tokenizer, smollm2.fingerprint
     cfg = config(inferscale_home, store)
     turns1, facts1 = tables(V1, tok)
-    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
+    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1))
 
     turns2, facts2 = tables(v2_turns(), tok)
-    from inferscale.pipeline import serving_model
-
-    passes = Passes(serving_model(cfg).model)
+    passes = Passes(steps.serving_model(cfg).model)
     try:
-        inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
+        inc = encode_user_kv(cfg, turns2, facts2, previous=v1.version)
     finally:
         passes.handle.remove()
     new2 = publish(cfg, turns2, facts2, inc)
 
     scratch_store = StoreConfig(store.root.rstrip("/") + "-scratch", dict(store.storage_options))
     scratch_cfg = config(inferscale_home, scratch_store)
-    full = encode_user_kv(scratch_cfg, turns2, facts2, progress=False)
+    full = encode_user_kv(scratch_cfg, turns2, facts2)
     ref = publish(scratch_cfg, turns2, facts2, full)
 
     # same version id, same files (sizes and checksums; each publish stores its files
@@ -170,14 +176,13 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     turns2, facts2 = tables(v2_turns(), tok)
     cfg = config(inferscale_home, local_store)
     batched_cfg = config(inferscale_home, local_store, batch_invariant=False)
-    unkeyed = publish(batched_cfg, turns1, facts1, encode_user_kv(batched_cfg, turns1, facts1,
-                                                               progress=False))
+    unkeyed = publish(batched_cfg, turns1, facts1, encode_user_kv(batched_cfg, turns1, facts1))
     assert hydrate(local_store, USER, fp, unkeyed.version).content_keys == {}
-    inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=unkeyed.version)
+    inc = encode_user_kv(cfg, turns2, facts2, previous=unkeyed.version)
     assert (inc.stats["reused"], inc.stats["encoded"]) == (0, facts2.num_rows)
     assert not inc.stats["prefix_reused"]
 
-    keyed = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
+    keyed = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1))
     loc = Location(local_store, USER, fp)
     path = data_path(loc, manifest_at(loc, keyed.version), KV_FILE)
     data = bytearray(loc.blobs.read_bytes(path))
@@ -187,8 +192,7 @@ def test_unkeyed_or_unreadable_previous_versions_reuse_nothing(local_store, infe
     with caplog.at_level(logging.WARNING, logger="inferscale.pipeline"):
         assert previous_kv(cfg, "nobody", fp, "latest") is None  # nothing published: quiet
         assert not caplog.text
-        again = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER,
-                            previous="latest")  # LATEST names the damaged version
+        again = encode_user_kv(cfg, turns2, facts2, "latest")  # LATEST: the damaged version
     assert again.stats["reused"] == 0 and "unreadable, encoding every fact" in caplog.text
     assert keyed.version in caplog.text and "xxh3-128" in caplog.text
 
@@ -201,9 +205,9 @@ def test_serving_prefix_context_and_key_temperature(local_store, inferscale_home
     cfg = config(inferscale_home, local_store, context="memory", key_temperature=1.5)
     turns1, facts1 = tables(V1, tok)
     turns2, facts2 = tables(v2_turns(), tok)
-    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1, progress=False))
-    inc = encode_user_kv(cfg, turns2, facts2, progress=False, user=USER, previous=v1.version)
-    full = encode_user_kv(cfg, turns2, facts2, progress=False)
+    v1 = publish(cfg, turns1, facts1, encode_user_kv(cfg, turns1, facts1))
+    inc = encode_user_kv(cfg, turns2, facts2, previous=v1.version)
+    full = encode_user_kv(cfg, turns2, facts2)
     assert inc.stats["reused"] == 3 and full.stats["reused"] == 0
     assert [c.content_key for c in inc.chunks] == [c.content_key for c in full.chunks]
     for a, b in zip(inc.chunks, full.chunks):

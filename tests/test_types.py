@@ -1,5 +1,5 @@
-"""The contracts of inferscale.types: the one user-id validator (whole-string checks, no
-control or invisible characters)."""
+"""The contracts of inferscale.types: the one user-id rule (whole-string checks, no
+whitespace, control or invisible characters), which every backend accepts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from inferscale.types import InvalidUserIdError, check_user_id, user_id_problem
 
 
-@pytest.mark.parametrize("user", ["ann", "Zoë", "conv-26", "bob smith", "名前", "a.b_c-d",
+@pytest.mark.parametrize("user", ["ann", "Zoë", "conv-26", "bob.smith", "名前", "a.b_c-d",
                                   "x" * 128, "o'brien", "user@example.com"])
 def test_valid_user_ids(user):
     assert check_user_id(user) == user and user_id_problem(user) is None
@@ -24,6 +24,7 @@ def test_valid_user_ids(user):
     "bo\ue000b", "bo\U000e0001b",  # private use, tag character
     "\ud800", "",
     " bob", "bob ", " ", ".", "..", "a/b", "a\\b", "../x",
+    "ann smith", "ann\u00a0smith", "ann\u3000smith", "ann\u2003smith",  # inner whitespace
     "x" * 129, None, 7, b"bob",
 ])
 def test_invalid_user_ids(user):
@@ -42,3 +43,26 @@ def test_settings_refuse_a_bad_user_in_api_keys(monkeypatch):
     monkeypatch.setenv("INFERSCALE_API_KEYS", '{"key-bob": "bob\\n"}')
     with pytest.raises(ValidationError, match="user id"):
         Settings()
+
+
+def test_every_backend_accepts_every_valid_user_id():
+    """Every code point, alone and inside an id: whatever the rule accepts, Mem0 takes
+    unchanged (it refuses whitespace anywhere) and names one store folder and one Prefect
+    artifact key; so one user's id can never fail another user's extraction."""
+    from mem0.memory.main import _validate_and_trim_entity_id
+
+    from inferscale.artifacts.layout import user_dirname
+    from inferscale.artifacts.lineage_view import artifact_key
+
+    accepted = 0
+    for cp in range(0x110000):
+        ch = chr(cp)
+        for user in (ch, f"a{ch}b"):
+            if user_id_problem(user) is not None:
+                continue
+            accepted += 1
+            assert _validate_and_trim_entity_id(user, "user_id") == user, hex(cp)
+            assert user_dirname(user)
+            key = artifact_key(user, "fp")
+            assert key.startswith("mem-") and key == key.lower(), hex(cp)
+    assert accepted > 250_000  # letters, digits, symbols and punctuation of every script

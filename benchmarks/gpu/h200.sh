@@ -19,7 +19,7 @@
 # call each (`tp2` alone runs both: longer than one 10-minute call).
 #
 # `install` unpacks vLLM into /tmp/site, converts the GGUF into a float32 checkpoint with
-# the project's own converter (inferscale.encode.models.embedded_checkpoint) and puts the data
+# the project's own converter (inferscale.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
 #
 # The load runs (issue 26) outlast one device call (10 minutes): `load` starts them
@@ -63,7 +63,7 @@ import os, sys, shutil
 from pathlib import Path
 from inferscale.settings import offline_environment
 offline_environment()
-from inferscale.encode.models import embedded_gguf_path
+from inferscale.models import embedded_gguf_path
 from inferscale.serve.retrieval import resolve_embedder_path
 from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
@@ -125,7 +125,7 @@ install() {  # on the GPU machine, after every part was received
     echo "tokenizer only (LEAN=1 prepare) in $SMOL"; set +e; return 0; }
   python3 - <<'EOF'
 from inferscale.settings import Settings
-from inferscale.encode.models import embedded_checkpoint
+from inferscale.models import embedded_checkpoint
 print("model", embedded_checkpoint(Settings().home))
 EOF
   set +e

@@ -10,10 +10,8 @@ checks. A publish moves it unless it names a readable version published from lat
 inputs (equal times: the larger version id wins): when publishers of different inputs
 race, ``LATEST`` ends on the newest inputs whatever finishes last. A ``LATEST`` naming a
 version that no longer reads, or written without a time, gives way to any publish.
-Readers need no lock: ``LATEST`` is replaced atomically.
-
-Callers: :func:`inferscale.artifacts.publish.publish` (``point_latest``) and operators
-(``set_latest``: a rollback).
+Readers need no lock: ``LATEST`` is replaced atomically. A rollback is a publish of the
+older inputs read again (a later ``inputs_at``).
 """
 
 from __future__ import annotations
@@ -22,19 +20,10 @@ from datetime import datetime, timezone
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    ArtifactError, ArtifactSchemaError, CorruptArtifact, InvalidArtifactInput, StoreConfig,
-    latest_bytes, parse_latest,
+    ArtifactError, ArtifactSchemaError, CorruptArtifact, InvalidArtifactInput, latest_bytes,
+    parse_latest,
 )
-from inferscale.artifacts.read import manifest_at, verify_version
-
-
-def set_latest(store: StoreConfig, user: str, model_fp: str, version: str,
-               inputs_at: datetime | None = None) -> str:
-    """Point ``LATEST`` at a complete, verified ``version`` (a rollback: with the default
-    ``inputs_at`` of now it wins over every earlier publish). Returns what LATEST names."""
-    loc = Location(store, user, model_fp)
-    verify_version(store, user, model_fp, version)
-    return point_latest(loc, version, inputs_time(inputs_at))
+from inferscale.artifacts.read import manifest_at
 
 
 def point_latest(loc: Location, version: str, inputs_at: datetime) -> str:

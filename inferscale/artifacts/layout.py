@@ -13,21 +13,16 @@ records (:func:`inferscale.artifacts.read.data_path`). ``LATEST`` holds the vers
 its first line and ``{"inputs_at": ISO-8601}`` on the second (:func:`parse_latest`,
 :func:`latest_bytes`; the rule that moves it is :mod:`inferscale.artifacts.latest`).
 
-User ids become one safe path component each (:func:`user_dirname`): ids made of
-``[a-z0-9._-]`` (starting with a letter or digit, at most 100 characters) are used as
-they are; any other id (upper case, ``/``, ``..``, spaces, unicode...) becomes ``_`` +
-lowercase base32 of its UTF-8 bytes, or ``__`` + sha256 hex when that would exceed 200
-characters. The three forms cannot collide, are safe on case-insensitive filesystems, and
-never contain ``/`` or start with ``.``. Empty ids, ids with NUL, ids that are not valid
-Unicode text and ids over 1024 UTF-8 bytes raise :class:`InvalidUserId`. The manifest
-keeps the real id.
+User ids follow the one rule of :func:`inferscale.types.check_user_id` (anything else is
+:class:`InvalidUserId`) and become one safe path component each (:func:`user_dirname`):
+ids made of ``[a-z0-9._-]`` (starting with a letter or digit, at most 100 characters)
+are used as they are; any other id (upper case, unicode...) becomes ``_`` + lowercase
+base32 of its UTF-8 bytes, or ``__`` + sha256 hex when that would exceed 200 characters.
+The three forms cannot collide, are safe on case-insensitive filesystems, and never
+contain ``/`` or start with ``.``. The manifest keeps the real id.
 
 Every error of the store derives from :class:`ArtifactError` and names the file and the
 user/model/version it is about. File operations are in :mod:`inferscale.artifacts.blobs`.
-
-Callers: the rest of :mod:`inferscale.artifacts` (publish, read, gc),
-:mod:`inferscale.hydrate` (``StoreConfig``, errors), the pipeline, the CLI and the server.
-Only fsspec and the standard library are needed here (the GPU machine has them).
 """
 
 from __future__ import annotations
@@ -43,6 +38,7 @@ from typing import Any
 
 import fsspec
 
+from inferscale.types import VERSION_RE, InvalidUserIdError, check_user_id
 from storage_schemas.common import SchemaVersionError
 
 FACTS_FILE = "facts.arrow"
@@ -52,11 +48,9 @@ LATEST_FILE = "LATEST"
 LANCE_DIR = "lance"
 DATA_FILES = (FACTS_FILE, KV_FILE)
 
-MAX_USER_BYTES = 1024
 _PLAIN_USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 _B32_MAX_BYTES = 120  # base32 of 120 bytes = 192 characters
 _MODEL_FP = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-VERSION_RE = re.compile(r"[0-9a-f]{32}")
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -70,8 +64,8 @@ class InvalidStoreConfig(ArtifactError, ValueError):
     """A store root or option that cannot be used."""
 
 
-class InvalidUserId(ArtifactError, ValueError):
-    """A user id that cannot name a folder (empty, NUL, not text, too long)."""
+class InvalidUserId(ArtifactError, InvalidUserIdError):
+    """A user id that breaks the rule of :func:`inferscale.types.check_user_id`."""
 
 
 class InvalidArtifactInput(ArtifactError, ValueError):
@@ -111,31 +105,16 @@ class ArtifactSchemaError(ArtifactError, SchemaVersionError):
 
 def user_dirname(user: str) -> str:
     """The folder name of ``user`` (see the module docstring for the encoding)."""
-    if not isinstance(user, str) or not user:
-        raise InvalidUserId(f"user id must be a non-empty string, got {user!r}")
-    if "\x00" in user:
-        raise InvalidUserId(f"user id contains NUL: {user!r}")
     try:
-        raw = user.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidUserId(f"user id is not valid Unicode text: {user!r}") from exc
-    if len(raw) > MAX_USER_BYTES:
-        raise InvalidUserId(f"user id is {len(raw)} bytes long; at most {MAX_USER_BYTES}")
+        check_user_id(user)
+    except InvalidUserIdError as exc:
+        raise InvalidUserId(str(exc)) from None
     if _PLAIN_USER.fullmatch(user):
         return user
+    raw = user.encode("utf-8")
     if len(raw) <= _B32_MAX_BYTES:
         return "_" + base64.b32encode(raw).decode().rstrip("=").lower()
     return "__" + hashlib.sha256(raw).hexdigest()
-
-
-def user_from_dirname(name: str) -> str | None:
-    """Inverse of :func:`user_dirname`; ``None`` for hashed (long) ids: read a manifest."""
-    if name.startswith("__"):
-        return None
-    if name.startswith("_"):
-        b32 = name[1:].upper()
-        return base64.b32decode(b32 + "=" * (-len(b32) % 8)).decode("utf-8")
-    return name
 
 
 def check_model_fp(model_fp: str) -> str:

@@ -1,4 +1,4 @@
-"""Reading published versions: LATEST, manifests, listings, verification, the facts.
+"""Reading published versions: LATEST, manifests, version lists, verification, the facts.
 
 Every reader checks what it reads against the version's manifest (schema, its own
 checksum, owner, model fingerprint, file sizes; full xxh3-128 checksums where a whole
@@ -8,12 +8,6 @@ naming the file and the user/model/version.
 A version's data files are stored under names of the publish that wrote them
 (``kv.<nonce>.arrow``); :func:`data_path` maps a logical name (``kv.arrow``) to the stored
 one through the manifest (schema-1 manifests: the logical name itself).
-
-Callers: the CLI and flows (listing, lineage), :mod:`inferscale.artifacts.staleness`,
-:mod:`inferscale.artifacts.publish` and :mod:`~inferscale.artifacts.latest`
-(``manifest_at``, ``verify_files``), :mod:`inferscale.hydrate.slab` (``manifest_at``,
-``data_path``, ``check_size``, ``check_digest``) and the server's retrieval side
-(``read_facts``, ``open_fact_table``).
 """
 
 from __future__ import annotations
@@ -24,11 +18,11 @@ from typing import Any
 import pyarrow as pa
 
 from inferscale.artifacts import fact_table
-from inferscale.artifacts.blobs import Location, open_blobs
+from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
     DATA_FILES, FACTS_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError, ArtifactNotFound,
     ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch, MissingManifest,
-    StoreConfig, TruncatedArtifact, parse_latest, user_dirname, user_from_dirname,
+    StoreConfig, TruncatedArtifact, parse_latest,
 )
 from storage_schemas import facts as facts_schema
 from storage_schemas.common import SchemaVersionError, check_schema
@@ -109,39 +103,6 @@ def list_versions(store: StoreConfig, user: str, model_fp: str) -> list[Manifest
         except ArtifactError as exc:
             log.warning("skipping damaged version: %s", exc)
     return sorted(found, key=lambda m: (m.created, m.version))
-
-
-def list_users(store: StoreConfig) -> list[str]:
-    """User ids with a folder under the store (long hashed ids are read from a manifest)."""
-    blobs = open_blobs(store)
-    users = []
-    for name in blobs.listdir(blobs.join("users")):
-        try:
-            user = user_from_dirname(name)
-        except ValueError:  # not a name this store made
-            continue
-        if user is None:
-            user = _user_from_manifests(store, blobs, name)
-        if user is not None and user_dirname(user) == name:
-            users.append(user)
-    return sorted(users)
-
-
-def _user_from_manifests(store: StoreConfig, blobs: Any, name: str) -> str | None:
-    for fp in blobs.listdir(blobs.join("users", name)):
-        for v in blobs.listdir(blobs.join("users", name, fp)):
-            try:
-                return Manifest.from_json(blobs.read_bytes(
-                    blobs.join("users", name, fp, v, MANIFEST_FILE))).user
-            except (FileNotFoundError, ValueError):
-                continue
-    return None
-
-
-def list_models(store: StoreConfig, user: str) -> list[str]:
-    """Model fingerprints that have a folder for ``user``."""
-    blobs = open_blobs(store)
-    return blobs.listdir(blobs.join("users", user_dirname(user)))
 
 
 def verify_version(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> Manifest:

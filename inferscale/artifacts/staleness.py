@@ -1,20 +1,17 @@
 """Which users need (re-)encoding for a model: their logs against their ``LATEST`` version.
 
-A user is up to date for a model when ``LATEST`` under that model's fingerprint names a
-version whose parent log hash is the content hash of the user's current turns and whose
-encoder config has the current settings (what the encoder adds beside them, the compute
-dtype and device it ran on, is not compared: KV encoded on another device is as
-current). Anything else needs encoding: no version yet (``new``), the conversation
-changed (``log-changed``), the encoder settings changed (``encoder-changed``), or
-``LATEST``/its manifest cannot be read (``unreadable``; the encode then reports the
-store's error for that user).
+A user is up to date for an encoding (an
+:class:`~inferscale.encode.identity.EncodingIdentity`) when ``LATEST`` under its model's
+fingerprint names a version whose parent log hash is the content hash of the user's
+current turns and whose recorded encoder settings are the identity's
+(:meth:`~inferscale.encode.identity.EncodingIdentity.changed_settings`; the compute dtype
+and device are not compared: KV encoded on another device is as current). Anything else
+needs encoding: no version yet (``new``), the conversation changed (``log-changed``), the
+encoder settings changed (``encoder-changed``), or ``LATEST``/its manifest cannot be read
+(``unreadable``; the encode then reports the store's error for that user).
 
 Only ``LATEST`` and one manifest per user are read, so an unchanged user costs two small
 reads. Facts are not looked at: they are a function of the turns (and are cached).
-
-Callers: the nightly re-encode flow (users whose logs changed) and the backfill flow
-(resume: users already published for the model with the same inputs are skipped), via
-``tasks/store.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from typing import Literal, Mapping
 
 from inferscale.artifacts.layout import ArtifactError, StoreConfig
 from inferscale.artifacts.read import latest_version, read_manifest
+from inferscale.encode.identity import EncodingIdentity
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +44,10 @@ class UserPlan:
         return self.reason != "up-to-date"
 
 
-def plan_user(store: StoreConfig, model_fp: str, encoder_config: Mapping, user: str,
+def plan_user(store: StoreConfig, identity: EncodingIdentity, user: str,
               log_hash: str) -> UserPlan:
-    """Compare one user's current log hash and encoder config with their ``LATEST``."""
+    """Compare one user's current log hash and encoder settings with their ``LATEST``."""
+    model_fp = identity.model_fingerprint
     try:
         latest = latest_version(store, user, model_fp)
         if latest is None:
@@ -60,15 +59,14 @@ def plan_user(store: StoreConfig, model_fp: str, encoder_config: Mapping, user: 
     if manifest.parents.get("log") != log_hash:
         return UserPlan(user, log_hash, "log-changed", latest,
                         f"log {manifest.parents.get('log', '')[:12]} -> {log_hash[:12]}")
-    changed = sorted(k for k in encoder_config
-                     if manifest.encoder_config.get(k) != encoder_config.get(k))
+    changed = identity.changed_settings(manifest.encoder_config)
     if changed:
         return UserPlan(user, log_hash, "encoder-changed", latest, ", ".join(changed))
     return UserPlan(user, log_hash, "up-to-date", latest)
 
 
-def plan_users(store: StoreConfig, model_fp: str, encoder_config: Mapping,
+def plan_users(store: StoreConfig, identity: EncodingIdentity,
                log_hashes: Mapping[str, str]) -> dict[str, UserPlan]:
     """:func:`plan_user` for every user of ``log_hashes`` (user -> turns content hash)."""
-    return {user: plan_user(store, model_fp, encoder_config, user, h)
+    return {user: plan_user(store, identity, user, h)
             for user, h in sorted(log_hashes.items())}

@@ -7,10 +7,9 @@ turns as transcript or as memory lines, the serving prefix...), its own token id
 encoder config, the model and the numerics of the computation. :func:`content_key`
 hashes exactly those; the key is stored with the chunk in ``kv.arrow``
 (:mod:`storage_schemas.kv`), and a later version of the user reuses the rows of every
-chunk whose key it needs instead of encoding it again.
-
-Callers: :func:`inferscale.encode.encoder.encode_facts` (one identity per call, one key
-per chunk); tests.
+chunk whose key it needs instead of encoding it again. The part of every key that is
+not token ids comes from the run's :class:`~inferscale.encode.identity.EncodingIdentity`
+and the exact numerics of the model that runs (:func:`key_identity`).
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from inferscale.encode.identity import EncodingIdentity
 
 KEY_FORMAT = "inferscale.content-key.v1"
 log = logging.getLogger(__name__)
@@ -50,13 +51,12 @@ def numerics(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def key_identity(encoder_config: Mapping[str, Any], model_fingerprint: str,
-                 model: torch.nn.Module) -> str:
-    """The part of every content key that is not token ids: the key format, the full
-    encoder config (``EncoderConfig.to_dict()``), the model fingerprint and
-    :func:`numerics` (canonical JSON)."""
-    return json.dumps({"format": KEY_FORMAT, "encoder": dict(encoder_config),
-                       "model": model_fingerprint, "numerics": numerics(model)},
+def key_identity(identity: EncodingIdentity, model: torch.nn.Module) -> str:
+    """The part of every content key that is not token ids: the key format, the
+    identity's encoder config and model fingerprint, and :func:`numerics` of ``model``
+    (canonical JSON)."""
+    return json.dumps({"format": KEY_FORMAT, "encoder": identity.encoder.to_dict(),
+                       "model": identity.model_fingerprint, "numerics": numerics(model)},
                       sort_keys=True, separators=(",", ":"))
 
 
@@ -79,7 +79,7 @@ def matching_rows(chunk_id: str, hit: tuple[torch.Tensor, torch.Tensor] | None,
     """``hit`` (a previous version's K and V under a chunk's key) if both have the chunk's
     ``shape`` ``[L, T, H, D]`` and the stored ``dtype``; a key match implies both, so a
     mismatch means a damaged or foreign previous version: the chunk is encoded instead
-    (``None``) and a warning says so. Called by ``encode_facts`` for every keyed chunk."""
+    (``None``) and a warning says so."""
     if hit is None:
         return None
     if all(tuple(t.shape) == tuple(shape) and t.dtype == dtype for t in hit):

@@ -16,7 +16,7 @@ where the architecture has one, e.g. Qwen3); V is the tensor that enters the att
 function, exactly what a KV cache would store. ``key_temperature`` != 1 divides the
 stored keys of facts (an experiment; it breaks the limiting case's exactness).
 ``memory_order`` and ``text_tail`` do not change the encoding: they are the composer
-settings the artifact carries for the server (:func:`inferscale.encode.compose.memory_layout`).
+settings the artifact carries for the server (:func:`inferscale.compose.memory_layout`).
 
 Batch invariance and reuse (``EncoderConfig.batch_invariant``, the default): every fact
 gets an unpadded forward pass of its own, ``[context | fact]``, so its K/V bits depend
@@ -32,16 +32,14 @@ The general form is :func:`encode_segments`: any context token ids followed by c
 :mod:`inferscale.encode.batches`).
 The window form (:func:`encode_facts`) builds contexts from turns; tests build the
 "limiting case" (each fact's context = the whole memory before it) with it directly.
-
-Callers: the encode flow (through ``tasks/``), the CLI, benchmarks and tests. The
-output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
+The output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
 
 Edge cases (stated): ``w = 0`` encodes the fact after the serving prefix (``"memory"``,
 ``"prefix"``) or alone at positions ``0..len-1`` (``"transcript"``); windows stop at the
 start of the conversation; a window longer than ``max_window_tokens`` keeps its most
 recent tokens (the prefix is always kept); a longer fact than ``max_fact_tokens`` is
 truncated to its first ``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); an empty fact is a
-:class:`~inferscale.encode.compose.ComposeError`.
+:class:`~inferscale.compose.ComposeError`.
 """
 
 from __future__ import annotations
@@ -49,87 +47,20 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from inferscale.compose import Composer, memory_text
 from inferscale.encode.batches import Segment, build_batch, plan_batches
-from inferscale.encode.compose import DEFAULT_INSTRUCTION, Composer, memory_text
 from inferscale.encode.content_keys import content_key, key_identity, matching_rows
-from inferscale.types import (
-    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
-    KV_DTYPES, MEMORY_ORDERS, PREFIX_ID, torch_dtype)
+from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
+from inferscale.types import PREFIX_ID
 
 log = logging.getLogger(__name__)
 
 _capture_lock = threading.Lock()
-
-
-class EncodeError(ValueError):
-    """Bad encoder input or a model the encoder cannot capture K/V from."""
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    """How facts are encoded; part of an artifact's identity (its version hash)."""
-
-    window: int = DEFAULT_WINDOW
-    dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
-    max_fact_tokens: int = 256
-    max_window_tokens: int = 4096
-    batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
-    instruction: str = DEFAULT_INSTRUCTION
-    turn_template: str = "{speaker}: {text}\n"
-    # What each fact is encoded after (module docstring): "memory" (serving prefix, then
-    # the window as memory lines), "transcript" (the raw window, ``turn_template``, alone),
-    # "prefix" (serving prefix, then the raw window: the shared sink alone, for ablations).
-    context: str = DEFAULT_CONTEXT
-    # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
-    key_temperature: float = 1.0
-    # How the server lays out a request's memory (composer settings kept with the artifact):
-    # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
-    # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
-    # facts are prefilled as text right before the question instead of injected.
-    memory_order: str = DEFAULT_MEMORY_ORDER
-    text_tail: int = DEFAULT_TEXT_TAIL
-    batch_invariant: bool = True  # one pass per fact: content keys, reuse (module docstring)
-
-    def __post_init__(self) -> None:
-        if self.context not in ENCODER_CONTEXTS:
-            raise EncodeError(f"context must be one of {ENCODER_CONTEXTS}, "
-                              f"got {self.context!r}")
-        if not self.key_temperature > 0:
-            raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
-        if self.memory_order not in MEMORY_ORDERS:
-            raise EncodeError(f"memory_order must be one of {MEMORY_ORDERS}, "
-                              f"got {self.memory_order!r}")
-        if self.text_tail < 0:
-            raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
-        if self.window < 0:
-            raise EncodeError(f"window must be >= 0, got {self.window}")
-        if self.dtype not in KV_DTYPES:
-            raise EncodeError(f"dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
-        if self.max_fact_tokens < 1 or self.max_window_tokens < 0:
-            raise EncodeError("max_fact_tokens must be >= 1 and max_window_tokens >= 0")
-        if self.batch_tokens < self.max_fact_tokens:
-            raise EncodeError("batch_tokens must hold at least one fact")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def identity(self, compute_dtype: str, device: str) -> dict:
-        """The config plus what else decides the stored KV bits: the dtype the model
-        computes in and the device kind (bf16 on CUDA rounds differently from float32 on
-        CPU). The encoder records it in ``EncodedMemory.encoder_config``, so an
-        artifact's version id covers it. Called by :func:`encode_facts` and by
-        ``inferscale.pipeline.expected_version`` (with the planned device and dtype)."""
-        return {**self.to_dict(), "compute_dtype": str(compute_dtype).removeprefix("torch."),
-                "compute_device": str(device).split(":")[0]}
 
 
 @dataclass(frozen=True)
@@ -358,20 +289,23 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
 
 
 def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnText],
-                 facts: Sequence[FactSpec], cfg: EncoderConfig, model_fingerprint: str,
-                 progress: bool = True,
+                 facts: Sequence[FactSpec], identity: EncodingIdentity, progress: bool = True,
                  reuse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
                  ) -> EncodedMemory:
-    """Encode the instruction prefix and every fact with its window of preceding turns.
+    """Encode the instruction prefix and every fact with its window of preceding turns,
+    as ``identity`` says (:class:`EncodeError` when ``model`` does not compute in its
+    dtype and device kind); the output records ``identity``.
 
     ``reuse``: K/V of a previous version by content key (``Resident.kv_by_content_key``);
     a chunk whose key is there is taken from it (no forward pass), the others encoded;
-    ignored unless ``cfg.batch_invariant``. Returns chunks in order: the prefix first,
+    ignored unless ``batch_invariant``. Returns chunks in order: the prefix first,
     then facts in the order given; ``stats`` count facts ``reused`` and ``encoded`` and
     the ``forward_tokens`` actually run.
     """
     from tqdm.auto import tqdm
 
+    identity.check_model(model)
+    cfg = identity.encoder
     composer = Composer(tokenizer, cfg.instruction)
     prefix = Segment((), ((PREFIX_ID, tuple(composer.prefix_ids())),))
     segments = [prefix] + window_segments(turns, facts, composer, cfg)
@@ -379,12 +313,12 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     chunks: dict[str, EncodedChunk] = {}
     todo = segments
     if cfg.batch_invariant:
-        identity = key_identity(cfg.to_dict(), model_fingerprint, model)
+        key_ident = key_identity(identity, model)
         L, H, D = _kv_shape(model)
         todo = []
         for seg in segments:
             ((chunk_id, ids),) = seg.chunks
-            keys[chunk_id] = key = content_key(identity, seg.context, ids)
+            keys[chunk_id] = key = content_key(key_ident, seg.context, ids)
             hit = matching_rows(chunk_id, (reuse or {}).get(key),
                                 (L, len(ids), H, D), cfg.torch_dtype)
             if hit is None:
@@ -413,7 +347,5 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     if reuse is not None and cfg.batch_invariant:
         log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
                  stats["encoded"], stats["reused"], len(reuse))
-    param = next(model.parameters())
-    return EncodedMemory(ordered, model_fingerprint, cfg.identity(param.dtype, param.device.type),
-                         stats)
+    return EncodedMemory(ordered, identity.model_fingerprint, identity.record(), stats)
 

@@ -24,8 +24,6 @@ endpoint; ``openai_api_key`` + ``llm_model`` alone = OpenAI; neither = a local v
 (:mod:`inferscale.facts.llm_server`) with the ``llm_checkpoint`` model (the embedded SmolLM2 by
 default), stopped on exit. Nothing reaches the network in that default. Mem0's history
 SQLite is one file per extractor (one per worker) under ``history_dir``.
-
-Callers: the encode flow's facts task, the CLI, benchmarks, tests.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from typing import Any, Iterator, Literal, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from inferscale.encode.compose import memory_text
+from inferscale.compose import memory_text
 from storage_schemas import facts as facts_schema
 
 log = logging.getLogger(__name__)
@@ -124,6 +122,20 @@ class FactsConfig:
     @property
     def uses_local_server(self) -> bool:
         return self.mode == "mem0" and self.llm_base_url is None and not self.openai_api_key
+
+    def identity(self) -> dict:
+        """The settings that decide what extraction yields (a cache key's part): the mode,
+        the embedder and the limits; in mem0 mode also the LLM and its prompting. Where
+        Mem0 keeps its scratch and the API key do not change the facts."""
+        ident = {"mode": self.mode, "embedder": self.embedder_id(),
+                 "max_facts_per_turn": self.max_facts_per_turn,
+                 "max_fact_tokens": self.max_fact_tokens}
+        if self.mode == "mem0":
+            ident.update({k: getattr(self, k) for k in (
+                "llm_base_url", "llm_model", "llm_checkpoint", "prompt_style", "guided",
+                "llm_max_tokens", "llm_temperature", "repetition_penalty", "max_fact_chars",
+                "context_messages", "server_dtype")})
+        return ident
 
     def embedder_id(self) -> str:
         """What made the embeddings; part of the facts hash and the collection name."""
@@ -218,7 +230,7 @@ class FactExtractor:
             finally:
                 ex.close()
             return
-        from inferscale.encode.models import resolve_checkpoint
+        from inferscale.models import resolve_checkpoint
         from inferscale.facts.llm_server import LLMServerConfig, LocalLLMServer
         from inferscale.settings import default_home
 
@@ -284,7 +296,7 @@ class FactExtractor:
         rest are context only). Without ``turn_ids`` the user's Mem0 memories are rebuilt
         from scratch; with them, only those turns' memories are replaced.
         """
-        from inferscale.encode.compose import Composer
+        from inferscale.compose import Composer
         from inferscale.facts.mem0_llm import observation_date
 
         rows = turns.sort_by("turn_index").to_pylist()

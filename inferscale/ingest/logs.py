@@ -29,8 +29,6 @@ is refused the same way. :func:`read_logs` returns one Arrow table per user
 every row, in order): it identifies the log's version in artifact lineage.
 
 Validation is :mod:`inferscale.ingest.records`, the two readers :mod:`inferscale.ingest.formats`.
-
-Callers: the ingestion task of the encode flow, the CLI, benchmarks (LoCoMo), tests.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import pyarrow as pa
 
@@ -190,8 +188,3 @@ def _to_table(turns: list[Turn]) -> pa.Table:
         cols["text"].append(t.text)
         cols["timestamp"].append(t.timestamp)
     return pa.table(cols, schema=turns_schema.SCHEMA)
-
-
-def iter_turns(table: pa.Table) -> Iterator[dict]:
-    """Rows of a turns table as dicts, in conversation order."""
-    yield from table.sort_by("turn_index").to_pylist()

@@ -3,9 +3,9 @@
 :class:`Accumulator` collects a source's validated turns per user (rejecting duplicate
 turn ids) and its :class:`Quarantined` records; the format readers
 (:mod:`inferscale.ingest.formats`) feed it one record at a time through
-:meth:`Accumulator.add`, whose ``build`` raises :class:`Reject` for a bad record.
-
-Callers: :mod:`inferscale.ingest.formats` and :mod:`inferscale.ingest.logs`.
+:meth:`Accumulator.add`, whose ``build`` raises :class:`Reject` for a bad record. User ids
+follow the one rule of :func:`inferscale.types.check_user_id`; the other ids (session,
+turn, speaker) are any non-blank text up to the same length.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
-from inferscale.types import user_id_problem
+from inferscale.types import MAX_ID_CHARS, user_id_problem
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,10 @@ class LogLimits:
 
     max_text_chars: int = 8000
     max_line_bytes: int = 1 << 20  # a JSONL line
-    max_id_chars: int = 128
     max_document_bytes: int = 256 << 20  # a LoCoMo file (one JSON document)
 
     def __post_init__(self) -> None:
-        if min(self.max_text_chars, self.max_line_bytes, self.max_id_chars,
-               self.max_document_bytes) < 1:
+        if min(self.max_text_chars, self.max_line_bytes, self.max_document_bytes) < 1:
             raise ValueError(f"LogLimits must be positive: {self}")
 
 
@@ -124,9 +122,9 @@ def make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
             raise Reject("wrong_type", f"field {name!r} must be a string, got "
                                         f"{type(value).__name__}")
     for name, value in (("session", session), ("turn", turn_id), ("speaker", speaker)):
-        if not value.strip() or len(value) > limits.max_id_chars:
-            raise Reject("bad_id", f"field {name!r} must be 1..{limits.max_id_chars} "
-                                    f"characters, not blank")
+        if not value.strip() or len(value) > MAX_ID_CHARS:
+            raise Reject("bad_id", f"field {name!r} must be 1..{MAX_ID_CHARS} characters, "
+                                    "not blank")
     problem = user_id_problem(user)
     if problem is not None:
         raise Reject("bad_user", f"user {user[:40]!r} {problem}")

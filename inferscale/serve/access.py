@@ -134,10 +134,6 @@ class AccessPolicy:
                 found = user
         return found
 
-    def user_for(self, headers: dict[str, str], body_user: str | None) -> str | None:
-        """:meth:`identify` then :meth:`Identity.resolve`: the user, or raise."""
-        return self.identify(headers).resolve(body_user)
-
     def check_admin(self, headers: dict[str, str]) -> None:
         if self.admin_key is None:
             if not self.loopback:

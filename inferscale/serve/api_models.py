@@ -12,13 +12,12 @@ server does not use are ignored.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from inferscale.types import user_id_problem
+from inferscale.types import VERSION_RE, user_id_problem
 
 
 class RequestError(ValueError):
@@ -89,7 +88,7 @@ def _user_id(value: str) -> str:
 
 
 def _version(value: str) -> str:
-    if value != "latest" and not re.fullmatch(r"[0-9a-f]{32}", value):
+    if value != "latest" and not VERSION_RE.fullmatch(value):
         raise ValueError("version must be 'latest' or 32 lowercase hex digits")
     return value
 

@@ -13,8 +13,6 @@ derived from its user, its memory's version and the mode
 (:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
 (:mod:`inferscale.serve.metrics`).
-
-Callers: the HTTP app (:mod:`inferscale.serve.app`), benchmarks, tests.
 """
 
 from __future__ import annotations
@@ -26,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
-from inferscale.encode.compose import Composer, memory_layout
+from inferscale.compose import Composer, memory_layout
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
-from inferscale.vllm_plugin.config import ConnectorConfig
-from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
 from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
 from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
+from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
 
 log = logging.getLogger("inferscale.serve")
 Mode = Literal["kv", "prompt"]
@@ -103,13 +101,6 @@ class MemoryServer:
 
         return latest_version(self.store, user, self.fp)
 
-    def load_user(self, user: str, version: str = "latest") -> UserMemory:
-        """Read and hold ``version`` now, in this thread (benchmarks); an explicit
-        version is pinned."""
-        memory = self.read_user(user, version)
-        self.memories.put(memory, pinned=version != "latest")
-        return memory
-
     def compose(self, mem: UserMemory | None, user: str | None, question: str,
                 k: int | None = None, mode: Mode | None = None) -> Prepared:
         """Embed, retrieve and compose for ``user`` whose memory is ``mem``.
@@ -147,21 +138,6 @@ class MemoryServer:
                         "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
                         "compose": (t3 - t2) * 1e3})
         return Prepared(ids, ref, salt, info)
-
-    def prepare(self, user: str | None, question: str, k: int | None = None,
-                mode: Mode | None = None) -> tuple[list[int], MemoryRef | None, dict]:
-        """:meth:`compose` with the memory held now, read in this thread if it is not
-        (benchmarks); serving uses :meth:`request`."""
-        mem = None
-        if user is not None:
-            mem = self.memories.peek(user)
-            if mem is None:
-                try:
-                    mem = self.load_user(user)
-                except Exception as exc:  # noqa: BLE001 - no memory: answer without it
-                    log.info("user %s has no usable memory (%s)", user, exc)
-        p = self.compose(mem, user, question, k, mode)
-        return p.ids, p.ref, p.info
 
     async def request(self, user: str | None, question: str, k: int | None = None,
                       mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
@@ -246,10 +222,10 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     from transformers import AutoTokenizer
 
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
     from inferscale.serve.retrieval import Embedder
 
-    cuda = torch.cuda.is_available() and settings.device != "cpu"
+    cuda = settings.resolved_device().startswith("cuda")
     ckpt = resolve_checkpoint(settings.model, settings.home)
     store = StoreConfig.from_settings(settings)
     engine = await MemoryEngine(EngineConfig(

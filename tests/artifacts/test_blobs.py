@@ -101,14 +101,15 @@ def test_a_short_file_is_truncated(store):
 
 
 def test_location_names_one_user_and_model(store):
-    loc = Location(store, "Ann/../x", "fp-1")
-    assert loc.user == "Ann/../x" and loc.user_dir.startswith("_")
+    loc = Location(store, "Ann.X", "fp-1")
+    assert loc.user == "Ann.X" and loc.user_dir.startswith("_")
     assert loc.dir == f"{store.root}/users/{loc.user_dir}/fp-1"
     v = "0" * 32
     assert loc.file(v, "kv.arrow") == f"{loc.dir}/{v}/kv.arrow"
     assert loc.latest == f"{loc.dir}/LATEST" and loc.lance_uri == f"{loc.dir}/lance"
-    assert loc.describe(v) == f"user 'Ann/../x', model fp-1, version {v}"
+    assert loc.describe(v) == f"user 'Ann.X', model fp-1, version {v}"
     with pytest.raises(ArtifactNotFound):
         loc.version_dir("../escape")
-    with pytest.raises(InvalidUserId):
-        Location(store, "", "fp-1")
+    for bad in ("", "Ann/../x"):
+        with pytest.raises(InvalidUserId):
+            Location(store, bad, "fp-1")

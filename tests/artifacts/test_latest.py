@@ -8,7 +8,6 @@ import pytest
 
 from builders import make_inputs
 from inferscale.artifacts.blobs import Location
-from inferscale.artifacts.latest import set_latest
 from inferscale.artifacts.layout import InvalidArtifactInput, latest_bytes
 from inferscale.artifacts.publish import publish
 from inferscale.artifacts.read import latest_version, verify_version
@@ -26,8 +25,8 @@ def test_latest_follows_the_newest_inputs(store):
     # the old inputs read again, later (a log reverted): LATEST moves back to them
     back = publish(store, "lena", *old, inputs_at=t + timedelta(hours=2))
     assert (back.version, back.created, back.latest) == (ro.version, False, ro.version)
-    # a rollback by hand wins over every earlier publish
-    assert set_latest(store, "lena", FP, rn.version) == rn.version
+    # a rollback (the newer inputs read again, later) wins over every earlier publish
+    assert publish(store, "lena", *new, inputs_at=t + timedelta(hours=4)).latest == rn.version
     assert publish(store, "lena", *old, inputs_at=t + timedelta(hours=3)).latest == rn.version
     with pytest.raises(InvalidArtifactInput, match="timezone"):
         publish(store, "lena", *old, inputs_at=datetime(2026, 3, 1))

@@ -5,12 +5,17 @@ import json
 import torch
 
 from inferscale.encode.content_keys import content_key, key_identity
-from inferscale.encode.encoder import EncoderConfig
+from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from tests.conftest import tiny_llama
 
 
+def of(model, fp: str = "fp", **encoder) -> EncodingIdentity:
+    return EncodingIdentity.of_model(EncoderConfig(**encoder), fp, model)
+
+
 def identity(**encoder) -> str:
-    return key_identity(EncoderConfig(**{"window": 2, **encoder}).to_dict(), "fp", tiny_llama())
+    model = tiny_llama()
+    return key_identity(of(model, **{"window": 2, **encoder}), model)
 
 
 def test_content_key_covers_every_input():
@@ -26,7 +31,7 @@ def test_content_key_covers_every_input():
         content_key(identity(instruction="x"), [1, 2, 3], [4, 5]),
         content_key(identity(context="transcript"), [1, 2, 3], [4, 5]),
         content_key(identity(key_temperature=2.0), [1, 2, 3], [4, 5]),
-        content_key(key_identity(EncoderConfig(window=2).to_dict(), "fp2", tiny_llama()),
+        content_key(key_identity(of(tiny_llama(), "fp2", window=2), tiny_llama()),
                     [1, 2, 3], [4, 5]),  # another model
     ]
     assert len({base, *others}) == len(others) + 1
@@ -36,15 +41,16 @@ def test_key_identity_names_the_numerics():
     """CPU thread count changes how kernels split sums (measured: different bits), so it
     is part of the identity, as are the compute dtype and the attention kernel."""
     model = tiny_llama()
-    ident = json.loads(key_identity(EncoderConfig().to_dict(), "fp", model))
+    ident = json.loads(key_identity(of(model), model))
     assert ident["numerics"]["dtype"] == "float32" and ident["numerics"]["device"] == "cpu"
     assert ident["numerics"]["attention"] == "sdpa"
     assert ident["encoder"] == EncoderConfig().to_dict() and ident["model"] == "fp"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        other = key_identity(EncoderConfig().to_dict(), "fp", model)
+        other = key_identity(of(model), model)
     finally:
         torch.set_num_threads(threads)
-    assert other != key_identity(EncoderConfig().to_dict(), "fp", model)
-    assert key_identity(EncoderConfig().to_dict(), "fp", model.to(torch.bfloat16)) != other
+    assert other != key_identity(of(model), model)
+    bf16 = model.to(torch.bfloat16)
+    assert key_identity(of(bf16), bf16) != other

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches
-from inferscale.encode.compose import ComposeError, Composer
+from inferscale.compose import ComposeError, Composer
 from inferscale.encode.encoder import (
-    EncodeError, EncoderConfig, FactSpec, TurnText, encode_facts, encode_segments,
-    window_segments,
+    FactSpec, TurnText, encode_facts, encode_segments, window_segments,
 )
+from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.types import PREFIX_ID
 from tests.conftest import tiny_llama, tiny_qwen3
@@ -234,21 +234,27 @@ def test_config_validation():
 def test_encode_facts_end_to_end(smollm2):
     cfg = EncoderConfig(window=2, dtype="bfloat16")
     facts = [FactSpec("f1", "A has a dog named Rex.", 2), FactSpec("f0", "A got a dog.", 0)]
-    mem = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, cfg,
-                       smollm2.fingerprint, progress=False)
+    identity = EncodingIdentity.of_model(cfg, smollm2.fingerprint, smollm2.model)
+    mem = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, identity, progress=False)
     assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID, "f1", "f0"]
     for c in mem.chunks:
         assert c.keys.shape == (30, len(c.token_ids), 3, 64)
         assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
-    assert mem.encoder_config == cfg.identity("float32", "cpu")  # what version ids hash
+    assert mem.encoder_config == identity.record() == {  # what version ids hash
+        **cfg.to_dict(), "compute_dtype": "float32", "compute_device": "cpu"}
     assert mem.stats["facts"] == 2 and (mem.stats["encoded"], mem.stats["reused"]) == (2, 0)
     assert len({c.content_key for c in mem.chunks}) == 3 and None not in {
         c.content_key for c in mem.chunks}
     batched = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
-                           replace(cfg, batch_invariant=False), smollm2.fingerprint,
+                           replace(identity, encoder=replace(cfg, batch_invariant=False)),
                            progress=False)
     assert [c.content_key for c in batched.chunks] == [None] * 3  # never reused
+    # a model that does not compute as the identity says is refused before any pass
+    for other in (replace(identity, compute_dtype="bfloat16"),
+                  replace(identity, compute_device="cuda")):
+        with pytest.raises(EncodeError, match="as planned"):
+            encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, other, progress=False)
 
 
 def test_version_ids_cover_the_compute_dtype_and_device():
@@ -256,17 +262,18 @@ def test_version_ids_cover_the_compute_dtype_and_device():
     the same inputs, so other version ids (never one id for two contents)."""
     from pathlib import Path
 
-    from inferscale.pipeline import PipelineConfig, expected_version
+    from inferscale.pipeline.config import PipelineConfig
+    from inferscale.pipeline.steps import expected_version
 
     cpu = PipelineConfig(home=Path("/h"), model="embedded", device="cpu", model_dtype="float32",
                          encoder=EncoderConfig(), artifact_root="/a", storage_options={})
     gpu = replace(cpu, device="cuda", model_dtype="bfloat16")
-    ids = {name: expected_version(c, "maya", "log-h", "facts-h", "fp1") for name, c in {
+    ids = {name: expected_version(c.identity("fp1"), "maya", "log-h", "facts-h") for name, c in {
         "cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
         "gpu-fp32": replace(gpu, model_dtype="float32")}.items()}
     assert ids["cpu"] != ids["gpu"] and ids["gpu"] != ids["gpu-fp32"] != ids["cpu"]
     assert ids["gpu"] == ids["gpu1"]  # the device kind counts, not which one
-    assert EncoderConfig().identity(torch.bfloat16, "cuda:0") == {
+    assert EncodingIdentity(EncoderConfig(), "fp1", torch.bfloat16, "cuda:0").record() == {
         **EncoderConfig().to_dict(), "compute_dtype": "bfloat16", "compute_device": "cuda"}
 
 
@@ -327,7 +334,7 @@ DATED = [TurnText("A", "I got a dog.", "2023-05-08T10:00:00"),
 def test_window_contexts(smol_tokenizer):
     """transcript: raw turns; prefix: serving prefix + raw turns; memory: serving prefix +
     the window's turns written exactly as the served memory list writes facts."""
-    from inferscale.encode.compose import memory_text
+    from inferscale.compose import memory_text
 
     composer = Composer(smol_tokenizer)
     fact = [FactSpec("f", "A named the dog Rex.", 2)]
@@ -351,15 +358,15 @@ def test_window_contexts(smol_tokenizer):
 def test_memory_context_with_a_full_window_is_the_joint_prefill(smollm2):
     """Raw-turn facts encoded after the prefix and every earlier turn as memory lines
     have exactly the K/V of one prefill of the whole memory list (the limiting case)."""
-    from inferscale.encode.compose import memory_text
+    from inferscale.compose import memory_text
 
     model, tok = smollm2.model, smollm2.tokenizer
     composer = Composer(tok)
     texts = [memory_text(t.speaker, t.text, t.timestamp) for t in DATED]
     facts = [FactSpec(f"f{i}", x, i) for i, x in enumerate(texts)]
-    mem = encode_facts(model, tok, DATED, facts,
-                       EncoderConfig(window=10, context="memory", dtype="float32"),
-                       smollm2.fingerprint, progress=False)
+    mem = encode_facts(model, tok, DATED, facts, EncodingIdentity.of_model(
+        EncoderConfig(window=10, context="memory", dtype="float32"), smollm2.fingerprint, model),
+        progress=False)
     ids = composer.prefix_ids() + [t for x in texts for t in composer.fact_ids(x)]
     keys, values = joint_prefill_kv(model, ids)
     tables = RotaryTables.from_model(model)
@@ -378,11 +385,12 @@ def test_memory_context_with_a_full_window_is_the_joint_prefill(smollm2):
 def test_key_temperature_scales_fact_keys_only(smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
     facts = [FactSpec("f1", "A has a dog named Rex.", 2)]
-    base = encode_facts(model, tok, TURNS, facts, EncoderConfig(window=1, dtype="float32"),
-                        smollm2.fingerprint, progress=False)
-    hot = encode_facts(model, tok, TURNS, facts,
-                       EncoderConfig(window=1, dtype="float32", key_temperature=0.5),
-                       smollm2.fingerprint, progress=False)
+    def identity(**kw) -> EncodingIdentity:
+        return EncodingIdentity.of_model(EncoderConfig(window=1, dtype="float32", **kw),
+                                         smollm2.fingerprint, model)
+
+    base = encode_facts(model, tok, TURNS, facts, identity(), progress=False)
+    hot = encode_facts(model, tok, TURNS, facts, identity(key_temperature=0.5), progress=False)
     torch.testing.assert_close(hot.chunks[0].keys, base.chunks[0].keys)  # the prefix: never
     torch.testing.assert_close(hot.chunks[1].keys, base.chunks[1].keys * 2)
     torch.testing.assert_close(hot.chunks[1].values, base.chunks[1].values)

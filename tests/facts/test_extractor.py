@@ -12,12 +12,12 @@ from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
-from inferscale.encode.compose import Composer  # noqa: E402
+from inferscale.compose import Composer  # noqa: E402
 from inferscale.facts.extractor import FactExtractor, FactsConfig, fact_id, facts_hash  # noqa: E402
 from inferscale.facts.llm_server import LLMServerConfig, LLMServerError, LocalLLMServer  # noqa: E402
 from inferscale.ingest.logs import read_logs, sample_conversations  # noqa: E402
 from inferscale.facts.mem0_llm import GuidedLLM, GuidedLLMConfig, facts_schema, parse_facts_reply  # noqa: E402
-from inferscale.encode.models import resolve_checkpoint  # noqa: E402
+from inferscale.models import resolve_checkpoint  # noqa: E402
 from storage_schemas import facts as facts_schema_mod  # noqa: E402
 
 

@@ -16,7 +16,7 @@ def new_model(tmp_path_factory, inferscale_home):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from inferscale.encode.models import resolve_checkpoint
+    from inferscale.models import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("embedded", inferscale_home))
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def test_backfill_isolates_failures_and_resumes(flow_env, tmp_path, new_model):
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
     from inferscale.artifacts.read import list_versions, verify_version
-    from inferscale.encode.models import checkpoint_fingerprint
+    from inferscale.models import checkpoint_fingerprint
     from tasks.user import COMPUTE_LIMIT
 
     root = tmp_path / "artifacts"

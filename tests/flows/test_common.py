@@ -42,3 +42,15 @@ def test_only_listed_ray_clusters_are_used(monkeypatch):
         check_ray_address("auto", ["ray://head.internal:10001"])
     monkeypatch.setenv("INFERSCALE_RAY_ADDRESSES", '["ray://10.1.2.3:10001"]')
     assert _runner("ray", 2, "ray://10.1.2.3:10001") is not None  # nothing connects yet
+
+
+def test_ray_workers_get_every_offline_switch(monkeypatch):
+    """The offline environment has one list (``inferscale.settings.OFFLINE_ENV``); a Ray
+    worker gets all of it, as this process has it."""
+    from flows.common import _ray_init_kwargs
+    from inferscale.settings import OFFLINE_ENV
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = _ray_init_kwargs(None)["runtime_env"]["env_vars"]
+    assert set(OFFLINE_ENV) <= set(env)
+    assert env["HF_HUB_OFFLINE"] == "1"

@@ -152,7 +152,7 @@ def test_encode_deployment_lineage_in_api_and_ui(deployed, tmp_path, inferscale_
 
 
 def _embedded_fp(home) -> str:
-    from inferscale.encode.models import checkpoint_fingerprint, resolve_checkpoint
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
 
     return checkpoint_fingerprint(resolve_checkpoint("embedded", home), home)
 

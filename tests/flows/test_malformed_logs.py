@@ -23,6 +23,8 @@ BAD_LINES = [
     '{"user": "ghost", "session": 1, "turn": "G1", "speaker": "Ghost", "text": "boo", '
     '"timestamp": null}',                                                # wrong_type
     '[1, 2, 3]',                                                         # not_an_object
+    '{"user": "ann smith", "session": "1", "turn": "A1", "speaker": "Ann", "text": "hi", '
+    '"timestamp": null}',                                # bad_user (Mem0 refuses spaces)
 ]
 IVY = [
     {"user": "ivy", "session": "1", "turn": "I1", "speaker": "Ivy",
@@ -59,9 +61,9 @@ def test_bad_records_quarantined_others_published(flow_env, tmp_path):
     assert report["users"]["ivy"]["turns"] == 3
     ingest = report["ingest"]
     assert ingest["quarantined"] == len(BAD_LINES)
-    assert ingest["reasons"] == {"bad_timestamp": 1, "duplicate_turn_id": 1, "empty_text": 1,
-                                 "invalid_json": 1, "missing_field": 1, "not_an_object": 1,
-                                 "wrong_type": 1}
+    assert ingest["reasons"] == {"bad_timestamp": 1, "bad_user": 1, "duplicate_turn_id": 1,
+                                 "empty_text": 1, "invalid_json": 1, "missing_field": 1,
+                                 "not_an_object": 1, "wrong_type": 1}
     # written next to the artifacts, one JSON record per bad line, with its reason
     qpath = report["quarantine_uri"]
     assert qpath.startswith(str(root / "quarantine"))

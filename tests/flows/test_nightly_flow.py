@@ -84,7 +84,8 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.read import data_path, read_facts, read_manifest
     from inferscale.ingest.logs import read_logs
-    from inferscale.pipeline import configs_from_settings, encode_user_kv, publish_user
+    from inferscale.pipeline.config import configs_from_settings
+    from inferscale.pipeline.steps import encode_user_kv, publish_user
     from inferscale.settings import Settings
 
     cfg, _ = configs_from_settings(Settings(), fact_mode="raw", artifact_root=str(scratch))
@@ -92,7 +93,7 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     facts = read_facts(store, "tomas", fp, version)
     m = read_manifest(store, "tomas", fp, version)
     turns = read_logs(str(logs)).turns["tomas"]
-    full = encode_user_kv(cfg, turns, facts, progress=False)
+    full = encode_user_kv(cfg, "tomas", turns, facts, cfg.identity(fp))
     assert full.stats["reused"] == 0
     ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"])
     assert ref.version == version

@@ -16,6 +16,11 @@ def bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
+def user_for(policy: AccessPolicy, headers: dict[str, str], body_user: str | None):
+    """Whose memory a request uses, as the app decides it."""
+    return policy.identify(headers).resolve(body_user)
+
+
 def test_beyond_loopback_without_keys_refuses_to_start():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
     with pytest.raises(ServeError, match="API_KEYS"):
@@ -27,23 +32,23 @@ def test_beyond_loopback_without_keys_refuses_to_start():
 
 def test_keys_only_decide_the_user():
     policy = AccessPolicy(KEYS, "admin", None, loopback=False)
-    assert policy.user_for(bearer("key-ann"), None) == "ann"
-    assert policy.user_for(bearer("key-ann"), "ann") == "ann"
+    assert user_for(policy, bearer("key-ann"), None) == "ann"
+    assert user_for(policy, bearer("key-ann"), "ann") == "ann"
     with pytest.raises(PermissionError, match="another user"):
-        policy.user_for(bearer("key-ann"), "bob")
+        user_for(policy, bearer("key-ann"), "bob")
     for headers in (bearer("nope"), {}, bearer(""), bearer("key-ann-x"), bearer("é")):
         with pytest.raises(PermissionError, match="unknown API key"):
-            policy.user_for(headers, "ann")
+            user_for(policy, headers, "ann")
 
 
 def test_header_only_on_loopback_needs_no_secret():
     policy = AccessPolicy({}, None, "X-User", loopback=True)
-    assert policy.user_for({"x-user": "bob"}, None) == "bob"
-    assert policy.user_for({"x-user": "bob"}, "bob") == "bob"
+    assert user_for(policy, {"x-user": "bob"}, None) == "bob"
+    assert user_for(policy, {"x-user": "bob"}, "bob") == "bob"
     with pytest.raises(PermissionError, match="another user"):
-        policy.user_for({"x-user": "bob"}, "ann")  # the body cannot borrow ann's memory
+        user_for(policy, {"x-user": "bob"}, "ann")  # the body cannot borrow ann's memory
     with pytest.raises(PermissionError, match="X-User"):
-        policy.user_for({}, "bob")
+        user_for(policy, {}, "bob")
 
 
 def test_header_beyond_loopback_without_secret_refuses_to_start():
@@ -58,33 +63,33 @@ def test_header_beyond_loopback_without_secret_refuses_to_start():
 
 def test_wrong_or_missing_gateway_secret_is_refused():
     policy = AccessPolicy({}, "admin", "X-User", loopback=False, gateway_secret="s3cret")
-    assert policy.user_for({"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret"}, None) == "ann"
+    assert user_for(policy, {"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret"}, None) == "ann"
     for secret in (None, "", "s3cre", "s3cret ", "S3CRET", "sécret"):
         headers = {"x-user": "ann"}
         if secret is not None:
             headers[GATEWAY_SECRET_HEADER] = secret
         with pytest.raises(PermissionError, match="gateway secret"):
-            policy.user_for(headers, None)
+            user_for(policy, headers, None)
     # the secret is needed on loopback too once it is configured
     local = AccessPolicy({}, None, "X-User", loopback=True, gateway_secret="s3cret")
     with pytest.raises(PermissionError, match="gateway secret"):
-        local.user_for({"x-user": "ann"}, None)
+        user_for(local, {"x-user": "ann"}, None)
 
 
 def test_header_and_keys_the_key_is_always_checked():
     policy = AccessPolicy(KEYS, "admin", "X-User", loopback=True)
     with pytest.raises(PermissionError, match="unknown API key"):
-        policy.user_for({"x-user": "ann"}, None)  # no key: the header alone gets nothing
+        user_for(policy, {"x-user": "ann"}, None)  # no key: the header alone gets nothing
     with pytest.raises(PermissionError, match="unknown API key"):
-        policy.user_for({"x-user": "ann", **bearer("nope")}, None)
+        user_for(policy, {"x-user": "ann", **bearer("nope")}, None)
     with pytest.raises(PermissionError, match="another user than the API key"):
-        policy.user_for({"x-user": "bob", **bearer("key-ann")}, None)  # key-ann + X-User: bob
-    assert policy.user_for({"x-user": "ann", **bearer("key-ann")}, None) == "ann"
-    assert policy.user_for(bearer("key-ann"), None) == "ann"
+        user_for(policy, {"x-user": "bob", **bearer("key-ann")}, None)  # key-ann + X-User: bob
+    assert user_for(policy, {"x-user": "ann", **bearer("key-ann")}, None) == "ann"
+    assert user_for(policy, bearer("key-ann"), None) == "ann"
     remote = AccessPolicy(KEYS, "admin", "X-User", loopback=False, gateway_secret="s3cret")
     with pytest.raises(PermissionError, match="gateway secret"):
-        remote.user_for({"x-user": "ann", **bearer("key-ann")}, None)
-    assert remote.user_for({"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret",
+        user_for(remote, {"x-user": "ann", **bearer("key-ann")}, None)
+    assert user_for(remote, {"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret",
                             **bearer("key-ann")}, None) == "ann"
 
 
@@ -93,10 +98,10 @@ def test_malformed_user_ids_are_refused():
 
     header = AccessPolicy({}, None, "X-User", loopback=True)
     with pytest.raises(InvalidUserIdError):
-        header.user_for({"x-user": "bob\n"}, None)
+        user_for(header, {"x-user": "bob\n"}, None)
     body = AccessPolicy({}, None, None, loopback=True)
     with pytest.raises(InvalidUserIdError):
-        body.user_for({}, "\u202ebob")
+        user_for(body, {}, "\u202ebob")
     with pytest.raises(ServeError, match="API_KEYS"):
         AccessPolicy({"k": "bob\n"}, "admin", None, loopback=False)
     with pytest.raises(ServeError, match="empty key"):
@@ -105,8 +110,8 @@ def test_malformed_user_ids_are_refused():
 
 def test_loopback_without_keys_trusts_the_body():
     policy = AccessPolicy({}, None, None, loopback=True)
-    assert policy.user_for({}, "ann") == "ann"
-    assert policy.user_for({}, None) is None
+    assert user_for(policy, {}, "ann") == "ann"
+    assert user_for(policy, {}, None) is None
     policy.check_admin({})  # admin open on loopback only
 
 
@@ -130,7 +135,7 @@ def test_keys_and_admin_key_are_compared_in_constant_time(monkeypatch):
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     policy = AccessPolicy(KEYS, "admin", None, loopback=False)
-    assert policy.user_for(bearer("key-bob"), None) == "bob"
+    assert user_for(policy, bearer("key-bob"), None) == "bob"
     assert {b for _, b in seen} == {b"key-ann", b"key-bob"}  # every key compared
     seen.clear()
     policy.check_admin(bearer("admin"))

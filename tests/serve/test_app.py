@@ -260,7 +260,7 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     question); the baseline stays every fact as text, best first."""
     from engine_helpers import limiting_memory
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.encode.compose import Composer, memory_layout
+    from inferscale.compose import Composer, memory_layout
     from inferscale.serve.server import MemoryServer
     from inferscale.types import PREFIX_ID
 
@@ -279,7 +279,8 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     source = dict(zip(table.column("fact_id").to_pylist(),
                       table.column("source_index").to_pylist()))
     q = "Where does Pip sleep?"
-    ids, ref, info = server.prepare("layout-user", q, mode="kv")
+    p = engine_env.loop.run(server.request("layout-user", q, mode="kv"))
+    ids, ref, info = p.ids, p.ref, p.info
     injected, tail = memory_layout(info["facts"], "chronological", 2, source)
     assert len(injected) == 2 and tail == info["facts"][:2][::-1]
     assert [source[f] for f in injected] == sorted(source[f] for f in injected)
@@ -287,7 +288,8 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert ids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in injected], q,
                                    [tokens[f] for f in tail])[0]
     assert info["text_tail_tokens"] == sum(len(tokens[f]) for f in tail)
-    pids, pref, pinfo = server.prepare("layout-user", q, mode="prompt")
+    p = engine_env.loop.run(server.request("layout-user", q, mode="prompt"))
+    pids, pref, pinfo = p.ids, p.ref, p.info
     assert pref is None and pinfo["facts"] == info["facts"]
     assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info["facts"]],
                                     q)[0]
@@ -333,9 +335,10 @@ def test_users_never_share_prefix_cache_blocks(engine_env, embedder):
 
     for word, user in (("Marigold", "twin-a"), ("Marigold", "twin-b")):
         publish_secret(engine_env, embedder, user, word, f"log-{user}")
-    same = {u: server.prepare(u, question, mode="prompt")[0] for u in ("twin-a", "twin-b")}
+    same = {u: engine_env.loop.run(server.request(u, question, mode="prompt")).ids
+            for u in ("twin-a", "twin-b")}
     assert same["twin-a"] == same["twin-b"] and len(same["twin-a"]) > 2 * 128
-    assert len(server.prepare("nomem-x", question)[0]) > 128  # one full CPU block at least
+    assert len(engine_env.loop.run(server.request("nomem-x", question)).ids) > 128  # a block
     for first, second, mode in (("nomem-x", "nomem-y", None), ("twin-a", "twin-b", "prompt")):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         ask(first, mode)

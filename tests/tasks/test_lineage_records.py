@@ -21,15 +21,15 @@ def test_record_each_version_once(prefect_server, tmp_path):
     )
     from inferscale.artifacts.publish import publish
     from inferscale.artifacts.read import read_manifest
-    from inferscale.encode.encoder import EncoderConfig
-    from inferscale.pipeline import PipelineConfig
+    from inferscale.encode.identity import EncoderConfig
+    from inferscale.pipeline.config import PipelineConfig
     from tasks.lineage import record_lineage
 
     cfg = PipelineConfig(home=tmp_path, model="m", device="cpu", model_dtype="float32",
                          encoder=EncoderConfig(), artifact_root=str(tmp_path / "store"),
                          storage_options={})
     store = cfg.store()
-    user, fp = "Zoë Q", "fp-lineage-test"  # not a plain slug: the key gets a hash suffix
+    user, fp = "Zoë.Q", "fp-lineage-test"  # not a plain slug: the key gets a hash suffix
     key = artifact_key(user, fp)
     log_src = str(tmp_path / "logs" / "day 1.jsonl")  # a space: not allowed in asset keys
 

@@ -96,7 +96,7 @@ def test_a_load_reads_back_as_the_independent_rotation(engine_env, caroline):
 def test_only_the_query_is_prefilled(engine_env, caroline):
     """vLLM's own counters: every memory token comes from external KV transfer and
     only the query's tokens are computed."""
-    from inferscale.encode.compose import Composer
+    from inferscale.compose import Composer
 
     version, table = caroline
     tok = engine_env.model.tokenizer
@@ -385,7 +385,7 @@ def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
 def test_text_tail_after_injected_memory(engine_env, embedder):
     """Memory injected for the first facts, the last facts prefilled as text after it:
     only the injected part comes from the connector, and the answer is the prefill's."""
-    from inferscale.encode.compose import Composer
+    from inferscale.compose import Composer
     from inferscale.types import PREFIX_ID
 
     version, table = publish_user(engine_env, embedder, "tail-user", FACTS)

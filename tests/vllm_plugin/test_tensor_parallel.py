@@ -48,7 +48,7 @@ def test_vllm_gives_each_rank_that_many_kv_heads():
     ``max(1, H // tp)``)."""
     from vllm.config import ModelConfig, ParallelConfig
 
-    from inferscale.encode.models import embedded_checkpoint
+    from inferscale.models import embedded_checkpoint
     from inferscale.settings import Settings
 
     model = ModelConfig(model=str(embedded_checkpoint(Settings().home)), dtype="float32")
@@ -184,7 +184,7 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
     from benchmarks.shapes import write_random_checkpoint
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.encode.models import embedded_checkpoint, load_model
+    from inferscale.models import embedded_checkpoint, load_model
     from inferscale.serve.engine import EngineConfig, MemoryEngine
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -246,7 +246,7 @@ def test_each_rank_hydrates_and_reports_its_own_heads(tp2):
 @pytest.mark.slow
 @pytest.mark.engine
 def test_limiting_case_at_tp2_is_token_identical_to_prefill(tp2):
-    from inferscale.encode.compose import Composer
+    from inferscale.compose import Composer
 
     _, table, _ = tp2.users["dana"]
     identical, counted = 0, False

@@ -11,9 +11,8 @@ configuration: KV written under one fingerprint is never read for another model.
 encoder's output carries it into each artifact; the server computes it for the model it
 serves and hands it to the vLLM connector; hydration compares the two.
 
-Callers: the pipeline (the encoder's model), the CLI and flows (to load the model), the
-fact extractor's local LLM server and :mod:`inferscale.serve.server` (fingerprint of the
-served checkpoint).
+Every stage uses the serving model (facts: token ids and the local LLM server; encode:
+the weights; serve: the fingerprint), so this module sits below them all.
 """
 
 from __future__ import annotations
@@ -201,30 +200,6 @@ def checkpoint_fingerprint(checkpoint: Path, home: Path | None = None) -> str:
                       for n in _TOKENIZER_FILES if (checkpoint / n).exists()},
         "rotary": rotary_signature(config),
     })
-
-
-def model_fingerprint(model: Any, tokenizer: Any | None = None) -> str:
-    """Fingerprint of an in-memory model (e.g. random weights from ``from_config``).
-
-    Hashes every parameter's bytes; for checkpoints on disk prefer
-    :func:`checkpoint_fingerprint`, which is cached.
-    """
-    h = xxhash.xxh3_128()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().contiguous().view(-1).view(dtype=_byte_dtype()).cpu().numpy())
-    tok = None
-    if tokenizer is not None:
-        vocab = sorted(tokenizer.get_vocab().items())
-        tok = hashlib.sha256(json.dumps([vocab, tokenizer.chat_template]).encode()).hexdigest()
-    return _fingerprint({"weights": h.hexdigest(), "tokenizer": tok,
-                         "rotary": rotary_signature(model.config.to_dict())})
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
 
 
 def dummy_fingerprint(checkpoint: Path) -> str:

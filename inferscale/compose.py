@@ -10,8 +10,8 @@ template emits before the system message content plus the instruction; the query
 segment closes the system message, opens the user turn, holds the question and opens
 the assistant turn. Models without a chat template get a plain-text layout.
 
-Callers: the encoder (prefix and fact token ids), the fact extractor (fact token ids),
-:mod:`inferscale.serve.server` (the request prompt), the connector's tests, benchmarks.
+The fact extractor (fact token ids), the encoder and the server share it, so it sits
+below every stage.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: in
     ``tail``: the ``text_tail`` best facts, best last (right before the question), which
     the request prefills as text; ``injected``: the others in ``order`` ("relevance":
     best first, "relevance_last": best last, "chronological": by ``source_index``).
-    Callers: the server's request composition, benchmarks.
     """
     if order not in MEMORY_ORDERS:
         raise ComposeError(f"memory order must be one of {MEMORY_ORDERS}, got {order!r}")

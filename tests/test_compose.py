@@ -2,7 +2,7 @@
 
 import pytest
 
-from inferscale.encode.compose import ComposeError, Composer, memory_layout, memory_text
+from inferscale.compose import ComposeError, Composer, memory_layout, memory_text
 
 
 def test_memory_text():

@@ -5,9 +5,7 @@ its inputs were already published, ``LATEST`` names that version; ``up-to-date``
 without encoding, see :mod:`inferscale.artifacts.staleness`; ``failed``: with the error),
 with how many of its facts were reused from its previous version and how many encoded. A
 :class:`RunReport` collects them with the ingest counts and renders the run summary as a
-dict (what a flow returns), as markdown and as table rows.
-
-Callers: the flows in ``flows/`` (which turn these into Prefect artifacts) and the demo.
+dict (what a flow and ``inferscale encode`` return), as markdown and as table rows.
 """
 
 from __future__ import annotations
@@ -33,6 +31,13 @@ class UserOutcome:
     artifact_key: str | None = None
     error: str | None = None
     worker: str | None = None  # host:pid of the process that ran the user's chain
+
+    @classmethod
+    def failed(cls, user: str, reason: str, error: BaseException | str,
+               artifact_key: str | None = None) -> "UserOutcome":
+        """A user whose chain raised ``error`` (or ended with that message)."""
+        msg = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+        return cls(user, "failed", reason=reason, error=msg, artifact_key=artifact_key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

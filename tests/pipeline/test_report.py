@@ -1,6 +1,6 @@
 """Run reports: counts, failures first in the table, markdown links to lineage keys."""
 
-from inferscale.run_report import RunReport, UserOutcome
+from inferscale.pipeline.report import RunReport, UserOutcome
 
 
 def test_report():

@@ -1,0 +1,142 @@
+"""What an encoding is: the encoder config, and the one identity every decision derives from.
+
+:class:`EncoderConfig` is how facts are encoded (window, context, stored dtype...).
+:class:`EncodingIdentity` is everything besides a user's turns and facts that decides
+the bytes of their encoded KV: that config, the model fingerprint, and the dtype and
+device kind the model computes in (bf16 on CUDA rounds differently from float32 on
+CPU). From it alone come
+
+- the encoder's record (:meth:`EncodingIdentity.record`): stored in every manifest as
+  ``encoder_config`` and hashed into the version id
+  (:func:`inferscale.artifacts.publish.version_id`), so the version a run expects and
+  the version it publishes are one computation;
+- the task cache key of the KV step (:meth:`EncodingIdentity.to_dict`);
+- the staleness decision (:meth:`EncodingIdentity.changed_settings`: the encoder
+  settings only; KV computed on another device is as current);
+- the content keys of reusable facts (:func:`inferscale.encode.content_keys.key_identity`,
+  which adds the exact numerics of the model that runs).
+
+The encoder checks that the model it is given computes in the identity's dtype and
+device kind (:meth:`EncodingIdentity.check_model`), so a version can never be recorded
+under another identity than the one its bytes come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from inferscale.compose import DEFAULT_INSTRUCTION
+from inferscale.types import (
+    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
+    KV_DTYPES, MEMORY_ORDERS, torch_dtype)
+
+
+class EncodeError(ValueError):
+    """Bad encoder input or a model the encoder cannot capture K/V from."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """How facts are encoded; part of an artifact's identity (its version hash)."""
+
+    window: int = DEFAULT_WINDOW
+    dtype: str = "bfloat16"  # stored K/V dtype; compute happens in the model's dtype
+    max_fact_tokens: int = 256
+    max_window_tokens: int = 4096
+    batch_tokens: int = 16384  # padded tokens per forward pass (batch_invariant=False)
+    instruction: str = DEFAULT_INSTRUCTION
+    turn_template: str = "{speaker}: {text}\n"
+    # What each fact is encoded after (inferscale.encode.encoder): "memory" (serving
+    # prefix, then the window as memory lines), "transcript" (the raw window,
+    # ``turn_template``, alone), "prefix" (serving prefix, then the raw window).
+    context: str = DEFAULT_CONTEXT
+    # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
+    key_temperature: float = 1.0
+    # How the server lays out a request's memory (composer settings kept with the artifact):
+    # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
+    # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
+    # facts are prefilled as text right before the question instead of injected.
+    memory_order: str = DEFAULT_MEMORY_ORDER
+    text_tail: int = DEFAULT_TEXT_TAIL
+    batch_invariant: bool = True  # one pass per fact: content keys, reuse
+
+    def __post_init__(self) -> None:
+        if self.context not in ENCODER_CONTEXTS:
+            raise EncodeError(f"context must be one of {ENCODER_CONTEXTS}, "
+                              f"got {self.context!r}")
+        if not self.key_temperature > 0:
+            raise EncodeError(f"key_temperature must be > 0, got {self.key_temperature}")
+        if self.memory_order not in MEMORY_ORDERS:
+            raise EncodeError(f"memory_order must be one of {MEMORY_ORDERS}, "
+                              f"got {self.memory_order!r}")
+        if self.text_tail < 0:
+            raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
+        if self.window < 0:
+            raise EncodeError(f"window must be >= 0, got {self.window}")
+        if self.dtype not in KV_DTYPES:
+            raise EncodeError(f"dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
+        if self.max_fact_tokens < 1 or self.max_window_tokens < 0:
+            raise EncodeError("max_fact_tokens must be >= 1 and max_window_tokens >= 0")
+        if self.batch_tokens < self.max_fact_tokens:
+            raise EncodeError("batch_tokens must hold at least one fact")
+
+    @property
+    def torch_dtype(self) -> Any:
+        return torch_dtype(self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EncodingIdentity:
+    """The encoder config, the model fingerprint and the compute dtype and device kind
+    (``"cuda:1"`` is kept as ``"cuda"``: which GPU does not change the bits)."""
+
+    encoder: EncoderConfig
+    model_fingerprint: str
+    compute_dtype: str
+    compute_device: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compute_dtype",
+                           str(self.compute_dtype).removeprefix("torch."))
+        object.__setattr__(self, "compute_device", str(self.compute_device).split(":")[0])
+        if not self.model_fingerprint:
+            raise EncodeError("an encoding identity needs the model fingerprint")
+
+    @classmethod
+    def of_model(cls, encoder: EncoderConfig, model_fingerprint: str,
+                 model: Any) -> "EncodingIdentity":
+        """The identity of encoding with ``model`` as it is loaded (its parameters' dtype
+        and device)."""
+        p = next(model.parameters())
+        return cls(encoder, model_fingerprint, str(p.dtype), p.device.type)
+
+    def record(self) -> dict:
+        """The encoder config plus the compute dtype and device kind: what the manifest
+        records as ``encoder_config`` and the version id hashes."""
+        return {**self.encoder.to_dict(), "compute_dtype": self.compute_dtype,
+                "compute_device": self.compute_device}
+
+    def to_dict(self) -> dict:
+        """Everything in the identity (a cache key's part)."""
+        return {"encoding": self.record(), "model": self.model_fingerprint}
+
+    def changed_settings(self, recorded: Mapping[str, Any]) -> list[str]:
+        """The encoder settings in which a version's recorded ``encoder_config`` differs
+        from this identity's (the compute dtype and device are not compared)."""
+        mine = self.encoder.to_dict()
+        return sorted(k for k in mine if recorded.get(k) != mine[k])
+
+    def check_model(self, model: Any, fingerprint: str | None = None) -> None:
+        """:class:`EncodeError` unless ``model`` computes in this identity's dtype and
+        device kind (and, when given, has this identity's fingerprint)."""
+        actual = EncodingIdentity.of_model(self.encoder, fingerprint or self.model_fingerprint,
+                                           model)
+        if actual != self:
+            raise EncodeError(
+                f"the model computes in {actual.compute_dtype} on {actual.compute_device} "
+                f"(fingerprint {actual.model_fingerprint}), not in {self.compute_dtype} on "
+                f"{self.compute_device} (fingerprint {self.model_fingerprint}) as planned")
