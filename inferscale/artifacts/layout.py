@@ -44,13 +44,12 @@ from typing import Any
 import fsspec
 
 from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import DATA_FILES
 
-FACTS_FILE = "facts.arrow"
-KV_FILE = "kv.arrow"
+FACTS_FILE, KV_FILE = DATA_FILES
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
 LANCE_DIR = "lance"
-DATA_FILES = (FACTS_FILE, KV_FILE)
 
 MAX_USER_BYTES = 1024
 _PLAIN_USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
