@@ -32,7 +32,9 @@ from typing import Any, AsyncIterator
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.serve.access import AccessPolicy, ServeError, is_loopback  # noqa: F401
+from inferscale.serve.access import (  # noqa: F401
+    AccessPolicy, DuplicateHeader, ServeError, is_loopback,
+)
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
@@ -62,7 +64,11 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
     def headers_of(req: Request) -> dict[str, str]:
-        return {k.lower(): v for k, v in req.headers.items()}
+        """Lower-cased headers; 400 when an identity header comes twice."""
+        try:
+            return policy.single_headers(req.headers.items())
+        except DuplicateHeader as exc:
+            raise RequestError(400, str(exc)) from exc
 
     def checked(fn, *args):
         """``fn(*args)`` with PermissionError -> 401 and a malformed user id -> 400."""

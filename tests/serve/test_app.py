@@ -74,6 +74,27 @@ def test_the_key_decides_whatever_header_or_body_say():
     assert r.status_code == 200 and [c["user"] for _, c in server.calls] == ["ann"]
 
 
+def test_a_repeated_identity_header_is_a_400_before_the_body_is_read():
+    """Duplicate X-User (or Authorization, or gateway secret) headers: the last one used
+    to win; now the request is refused, whichever values they carry."""
+    client, server = http(AccessPolicy(KEYS, "admin", "X-User", loopback=True))
+    for headers in ([("Authorization", "Bearer key-ann"), ("X-User", "ann"), ("X-User", "bob")],
+                    [("Authorization", "Bearer key-bob"), ("X-User", "ann"), ("X-User", "bob")],
+                    [("Authorization", "Bearer key-ann"), ("Authorization", "Bearer key-bob")],
+                    [("Authorization", "Bearer key-ann"), ("X-User", "ann"), ("x-user", "ann")]):
+        r = client.post("/v1/chat/completions", content=b"{not json", headers=headers)
+        assert r.status_code == 400 and "more than once" in r.json()["detail"], (headers, r.text)
+    admin = [("Authorization", "Bearer admin"), ("Authorization", "Bearer admin")]
+    assert client.get("/admin/status", headers=admin).status_code == 400
+    assert server.calls == []
+    gateway = AccessPolicy({}, None, "X-User", loopback=True, gateway_secret="s3cret")
+    client, server = http(gateway)
+    r = client.post("/v1/chat/completions", json=ASK, headers=[
+        ("X-InferScale-Gateway-Secret", "s3cret"), ("X-InferScale-Gateway-Secret", "wrong"),
+        ("X-User", "ann")])
+    assert r.status_code == 400 and server.calls == []
+
+
 BAD_FIELDS = [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
