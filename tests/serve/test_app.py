@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from inferscale.serve.access import AccessPolicy
@@ -129,13 +131,25 @@ BAD_FIELDS = [
     ({"user": "bob\n"}, "user"),
     ({"user": "\u202eann"}, "user"),
     ({"model": ["m"]}, "model"),
+    ({"messages": [{"role": "user", "content": "why\ud800?"}]}, "content"),
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]},
+     "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "content"),
+    ({"messages": [{"role": "user", "content": ["text"]}]}, "content"),
+    ({"messages": [{"role": "user", "content": []}]}, "user message"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": None}]},
+     "user message"),
 ]
 
 
 @pytest.mark.parametrize("patch,field", BAD_FIELDS)
 def test_malformed_fields_are_400_naming_the_field(patch, field):
     client, server = http(AccessPolicy({}, None, None, loopback=True))
-    r = client.post("/v1/chat/completions", json={**ASK, **patch})
+    r = client.post("/v1/chat/completions", content=json.dumps({**ASK, **patch}),  # ASCII:
+                    headers={"Content-Type": "application/json"})  # lone surrogates escaped
     assert r.status_code == 400, (patch, r.status_code, r.text)
     assert field in r.json()["detail"], r.text
     assert server.calls == []
@@ -185,6 +199,25 @@ def test_a_valid_request_reaches_the_server_with_its_options():
     assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
                                             max_tokens=9, temperature=0.5, mode="prompt",
                                             ignore_eos=True))]
+
+
+def test_the_last_user_message_is_answered_in_either_form():
+    """The last user message is the question, whether a string or OpenAI content parts
+    (text parts joined by newlines); an earlier string message is never taken instead."""
+    client, server = http(AccessPolicy({}, None, None, loopback=True))
+    for content, question in (
+            ([{"type": "text", "text": "What is my dog called?"}], "What is my dog called?"),
+            ([{"type": "text", "text": "Two parts:"}, {"type": "text", "text": "the dog?"}],
+             "Two parts:\nthe dog?"),
+            ("A plain string.", "A plain string.")):
+        server.calls.clear()
+        body = {"messages": [{"role": "user", "content": "An earlier question."},
+                             {"role": "assistant", "content": "An answer."},
+                             {"role": "user", "content": content},
+                             {"role": "assistant", "content": "A prefill."}]}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert [c["question"] for _, c in server.calls] == [question]
 
 
 def test_admin_bodies_are_validated():
