@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    ArtifactError, ArtifactSchemaError, CorruptArtifact, InvalidArtifactInput, StoreConfig,
-    latest_bytes, parse_latest,
+    ArtifactError, ArtifactNotFound, ArtifactSchemaError, CorruptArtifact, InvalidArtifactInput,
+    StoreConfig, latest_bytes, parse_latest,
 )
 from inferscale.artifacts.read import manifest_at, verify_version
 
@@ -34,13 +34,19 @@ def set_latest(store: StoreConfig, user: str, model_fp: str, version: str,
     ``inputs_at`` of now it wins over every earlier publish). Returns what LATEST names."""
     loc = Location(store, user, model_fp)
     verify_version(store, user, model_fp, version)
-    return point_latest(loc, version, inputs_time(inputs_at))
+    named = point_latest(loc, version, inputs_time(inputs_at))
+    if named != version and not readable(loc, version):
+        raise ArtifactNotFound(f"{loc.describe(version)} was removed (by a concurrent gc) "
+                               f"before LATEST moved to it; LATEST still names {named}")
+    return named
 
 
 def point_latest(loc: Location, version: str, inputs_at: datetime) -> str:
     """Compare-and-swap ``LATEST`` to ``version`` unless it names ``version`` already or
     the publish of newer inputs (a later ``inputs_at``; equal times: the larger version
-    id) that is still readable. Returns the version LATEST names afterwards."""
+    id) that is still readable, or ``version``'s own manifest no longer reads (a gc
+    removing it: :mod:`inferscale.artifacts.gc`, checked inside the swap). Returns the
+    version LATEST names afterwards."""
     def decide(current: bytes | None) -> bytes | None:
         if current is not None:
             try:
@@ -52,6 +58,8 @@ def point_latest(loc: Location, version: str, inputs_at: datetime) -> str:
             if cur is not None and cur_at is not None and (cur_at, cur) > (inputs_at, version):
                 if readable(loc, cur):
                     return None
+        if not readable(loc, version):
+            return None  # being removed by a gc: the caller writes it again or gives up
         return latest_bytes(version, inputs_at)
 
     final = loc.blobs.swap(loc.latest, decide)
