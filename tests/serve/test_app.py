@@ -349,6 +349,52 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder):
+    """A non-streaming request (and a streaming one) whose client disconnects is aborted
+    in the engine: it stops generating long before its ``max_tokens`` (vLLM's own
+    generation-token counter tells how far it got)."""
+    import socket
+    import time
+
+    from engine_helpers import served_app
+    from inferscale.serve.server import MemoryServer
+    from inferscale.vllm_plugin.compat import engine_metrics_registry
+
+    def generated() -> float:
+        return sum(s.value for fam in engine_metrics_registry().collect()
+                   for s in fam.samples if s.name == "vllm:generation_tokens_total")
+
+    def wait_for(condition, what: str, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    llm = engine_env.engine.llm
+    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store)
+    max_tokens = 400  # minutes on this CPU when not aborted
+    with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for stream in (False, True):
+            body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "ignore_eos": True,
+                               "stream": stream, "messages": [
+                                   {"role": "user", "content": "Tell me a long story."}]})
+            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "idle engine")
+            before = generated()
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
+            wait_for(lambda: generated() > before, "the request to start generating")
+            sock.close()
+            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            time.sleep(1.0)  # vLLM records a finished request's last tokens just after it
+            assert generated() - before < max_tokens, stream
+
+
 # ------------------------------------------------------------------ on the real engine
 
 
