@@ -54,7 +54,8 @@ class RequestLimits:
 async def read_body(chunks: AsyncIterator[bytes], content_length: str | None,
                     limit: int) -> dict:
     """The JSON object of a body streamed as ``chunks``; RequestError 413 / 400."""
-    if content_length and content_length.isdigit() and int(content_length) > limit:
+    if content_length and content_length.isascii() and content_length.isdigit() \
+            and int(content_length) > limit:  # (str.isdigit holds for "²" too)
         raise RequestError(413, f"the body is {content_length} bytes; at most {limit}")
     parts, size = [], 0
     async for part in chunks:

@@ -168,6 +168,22 @@ def test_bodies_that_are_not_a_json_object_are_400(body):
     assert server.calls == []
 
 
+@pytest.mark.parametrize("length", ["\u00b2", "\u0661\u0662", "+5", " 5", "-1", "5" * 400, "x"])
+def test_any_content_length_header_is_a_4xx_at_worst(length):
+    """Servers pass the Content-Length header through as latin-1 text: "\\xb2" arrives
+    as "²", which ``str.isdigit`` accepts and ``int`` refuses (it was a 500)."""
+    import asyncio
+
+    from inferscale.serve.api_models import RequestError, read_body
+
+    async def body():
+        yield b'{"a": 1}'
+    try:
+        assert asyncio.run(read_body(body(), length, 100)) == {"a": 1}
+    except RequestError as exc:
+        assert exc.status == 413 and length == "5" * 400
+
+
 def test_size_limits():
     from inferscale.serve.api_models import RequestLimits
 
