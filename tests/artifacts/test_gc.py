@@ -217,7 +217,7 @@ def test_a_rollback_inside_gc_fence_makes_it_decide_again(s3_store, monkeypatch)
     assert {m.version for m in list_versions(store, "rhea", FP)} == {v1, v3}
 
 
-def test_gc_without_a_readable_latest_removes_no_complete_version(local_store):
+def test_gc_without_a_readable_latest_removes_nothing(local_store):
     inputs, versions, _ = three_versions(local_store, "nola")
     loc = Location(local_store, "nola", FP)
     for content in (b"not a version\n", None):
