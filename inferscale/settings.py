@@ -120,6 +120,14 @@ class Settings(BaseSettings):
     serve_memory_budget_bytes: int = Field(
         default=2 << 30, ge=0, description="facts and retrieval indexes the server keeps; "
         "least recently used users are dropped beyond it")
+    serve_max_negative_entries: int = Field(
+        default=10_000, ge=1, description="users the server remembers as having no usable "
+        "memory (least recently used forgotten first)")
+    serve_storage_misses_per_s: float = Field(
+        default=20.0, ge=0, description="storage lookups per second of users the server "
+        "holds nothing for (beyond it, answered without memory)")
+    serve_storage_miss_burst: int = Field(
+        default=100, ge=1, description="such lookups allowed at once")
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="chat body limit")
     max_question_chars: int = Field(default=8192, ge=1)
     max_output_tokens: int = Field(default=4096, ge=1, description="largest max_tokens")

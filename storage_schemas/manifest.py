@@ -27,6 +27,10 @@ from storage_schemas.common import SchemaVersionError
 NAME = "manifest"
 VERSION = 2  # 2: files carry ``stored_as`` (publish-unique data file names)
 
+# The logical names of a version's data files: the only keys ``files`` may have (schema-1
+# manifests store the files under these names, so a key is a path: nothing else is read).
+DATA_FILES = ("facts.arrow", "kv.arrow")
+
 _STORED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -109,6 +113,9 @@ class Manifest:
         body.pop("schema")
         try:
             files = {name: FileEntry(**entry) for name, entry in body.pop("files").items()}
+            if sorted(files) != sorted(DATA_FILES):
+                names = ", ".join(repr(n)[:80] for n in sorted(files)[:5])
+                raise ManifestError(f"files must be exactly {list(DATA_FILES)}, not [{names}]")
             manifest = cls(files=files, **body)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"manifest fields missing or unexpected: {exc}") from exc

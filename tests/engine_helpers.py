@@ -58,9 +58,10 @@ def artifact_root(tmp: Path) -> str:
 
 
 @contextmanager
-def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2"):
-    """``inferscale.serve``'s app for ``server`` on 127.0.0.1 and a free port, run by
-    uvicorn on ``loop`` (the engine's loop); yields the base URL."""
+def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2", limits=None):
+    """``inferscale.serve``'s app for ``server`` (request ``limits``: the default
+    RequestLimits when None) on 127.0.0.1 and a free port, run by uvicorn on ``loop``
+    (the engine's loop); yields the base URL."""
     import socket
     import time
 
@@ -72,7 +73,7 @@ def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(create_app(server, policy, model_name),
+    web = uvicorn.Server(uvicorn.Config(create_app(server, policy, model_name, limits),
                                         host="127.0.0.1", port=port, log_level="warning"))
     done = asyncio.run_coroutine_threadsafe(web.serve(), loop.loop)
     url = f"http://127.0.0.1:{port}"

@@ -89,6 +89,8 @@ class Blobs:
     def listdir(self, path: str) -> list[str]: raise NotImplementedError
     def remove_tree(self, path: str) -> None: raise NotImplementedError
     def remove_file(self, path: str) -> None: raise NotImplementedError
+    def remove_empty_dir(self, path: str) -> None:
+        """Remove folder ``path`` if it is empty (object stores have no folders: nothing)."""
     def replace(self, path: str, data: bytes) -> None: raise NotImplementedError
     def create_exclusive(self, path: str, data: bytes) -> bool: raise NotImplementedError
     def swap(self, path: str, decide: Callable[[bytes | None], bytes | None]) -> bytes | None:

@@ -74,6 +74,12 @@ class LocalBlobs(Blobs):
     def remove_file(self, path: str) -> None:
         _unlink(path)
 
+    def remove_empty_dir(self, path: str) -> None:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (a file written meanwhile stays), or gone
+            pass
+
     def _tmp(self, path: str) -> str:
         d, name = os.path.split(path)
         os.makedirs(d, exist_ok=True)

@@ -29,7 +29,9 @@ from inferscale.artifacts.read import manifest_at
 def point_latest(loc: Location, version: str, inputs_at: datetime) -> str:
     """Compare-and-swap ``LATEST`` to ``version`` unless it names ``version`` already or
     the publish of newer inputs (a later ``inputs_at``; equal times: the larger version
-    id) that is still readable. Returns the version LATEST names afterwards."""
+    id) that is still readable, or ``version``'s own manifest no longer reads (a gc
+    removing it: :mod:`inferscale.artifacts.gc`, checked inside the swap). Returns the
+    version LATEST names afterwards."""
     def decide(current: bytes | None) -> bytes | None:
         if current is not None:
             try:
@@ -41,6 +43,8 @@ def point_latest(loc: Location, version: str, inputs_at: datetime) -> str:
             if cur is not None and cur_at is not None and (cur_at, cur) > (inputs_at, version):
                 if readable(loc, cur):
                     return None
+        if not readable(loc, version):
+            return None  # being removed by a gc: the caller writes it again or gives up
         return latest_bytes(version, inputs_at)
 
     final = loc.blobs.swap(loc.latest, decide)

@@ -40,13 +40,12 @@ import fsspec
 
 from inferscale.types import VERSION_RE, InvalidUserIdError, check_user_id
 from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import DATA_FILES
 
-FACTS_FILE = "facts.arrow"
-KV_FILE = "kv.arrow"
+FACTS_FILE, KV_FILE = DATA_FILES
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
 LANCE_DIR = "lance"
-DATA_FILES = (FACTS_FILE, KV_FILE)
 
 _PLAIN_USER = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 _B32_MAX_BYTES = 120  # base32 of 120 bytes = 192 characters

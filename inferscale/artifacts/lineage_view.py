@@ -25,6 +25,7 @@ import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
+from urllib.parse import quote
 
 from storage_schemas.manifest import Manifest
 from inferscale.artifacts.layout import StoreConfig, user_dirname
@@ -33,6 +34,7 @@ _SLUG = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 _MAX_SLUG = 40
 # characters an asset key may not hold (Prefect's list), and '%': keys stay unescaped
 _ASSET_BAD = re.compile(r"[\s#?&%\"'<>\[\]{}|\\^`\x00]")
+_PUNCT = re.compile(r"[!-/:-@\[-`{-~]")  # every ASCII punctuation character
 
 
 def artifact_key(user: str, model_fp: str) -> str:
@@ -122,17 +124,53 @@ def version_of_rows(rows: Sequence[dict[str, Any]] | str) -> str | None:
 
 def version_markdown(store: StoreConfig, manifest: Manifest, previous: str | None = None,
                      run_link: str | None = None) -> str:
-    """Short markdown lineage of one version (the table's description)."""
+    """Short markdown lineage of one version (the table's description).
+
+    Every value from data (user id, fingerprint, version ids, parents, the folder URL) is
+    escaped: it reads as its own text and never becomes markup, a link or HTML.
+    ``run_link`` is the caller's own markdown, used as is."""
     m = manifest
-    folder = location_uri(store, m.user, m.model_fingerprint, m.version)
+    folder = _url(location_uri(store, m.user, m.model_fingerprint, m.version))
     lines = [
-        f"**{m.user}** · model `{m.model_fingerprint[:12]}` · version `{m.version}`",
+        f"**{_text(m.user)}** · model {_code(m.model_fingerprint[:12])} · version "
+        f"{_code(m.version)}",
         "",
-        f"- parents: log `{m.parents.get('log', '')[:16]}`, facts "
-        f"`{m.parents.get('facts', '')[:16]}`",
-        f"- previous version: `{previous}`" if previous else "- first version for this model",
-        f"- files: [{m.version}]({folder}) ([manifest]({folder}/manifest.json))",
+        f"- parents: log {_code(m.parents.get('log', '')[:16])}, facts "
+        f"{_code(m.parents.get('facts', '')[:16])}",
+        f"- previous version: {_code(previous)}" if previous else "- first version for this model",
+        f"- files: [{_text(m.version)}]({folder}) ([manifest]({folder}/manifest.json))",
     ]
     if run_link:
         lines.append(f"- {run_link}")
     return "\n".join(lines)
+
+
+def _one_line(value: Any) -> str:
+    return " ".join(str(value).splitlines())
+
+
+def _text(value: Any) -> str:
+    """``value`` as literal markdown text: one line, every ASCII punctuation character
+    backslash-escaped (CommonMark then makes no emphasis, link, heading or HTML of it)."""
+    return _PUNCT.sub(r"\\\g<0>", _one_line(value))
+
+
+def _code(value: Any) -> str:
+    """``value`` as a code span: fenced by more backticks than any run inside it (inside
+    a code span nothing is markup); ``(none)`` when empty."""
+    text = _one_line(value)
+    if not text.strip():
+        return "(none)"
+    fence = "`" * (max(map(len, re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[0] in "` " or text[-1] in "` " else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _url(uri: str) -> str:
+    """``uri`` with everything but its scheme, ``/``, ``-.~`` and existing ``%`` escapes
+    percent-encoded: a link destination no data can break out of, with nothing that makes
+    markup where a renderer refuses the scheme (``file:``) and shows it as text."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        scheme, rest = "", uri
+    return f"{scheme}{sep}{quote(rest, safe='/%').replace('_', '%5F')}"

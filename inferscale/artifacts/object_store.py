@@ -100,6 +100,15 @@ class FsspecBlobs(Blobs):
         except FileNotFoundError:
             pass
 
+    def remove_empty_dir(self, path: str) -> None:
+        if hasattr(self.fs, "call_s3"):
+            return  # a prefix vanishes with its last object
+        try:
+            if not self.fs.ls(path, detail=False):
+                self.fs.rmdir(path)
+        except OSError:
+            pass
+
     def replace(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)  # one PUT: readers see the old or the new object
 

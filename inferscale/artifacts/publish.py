@@ -136,12 +136,11 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
         if embeddings:
             fact_table.ensure_tag(store, loc, version, facts)
         latest = point_latest(loc, version, inputs_at)
-        if latest != version or readable(loc, version):
+        if readable(loc, version):
             return PublishResult(version, False, existing,
                                  _maybe_gc(store, user, model_fp, keep), latest)
-        # a concurrent gc removed it (an old version) while LATEST moved back to it
-        log.warning("%s was removed while LATEST moved to it; writing it again",
-                    loc.describe(version))
+        # a concurrent gc is removing it (an old version): LATEST did not move to it
+        log.warning("%s is being removed by a gc; writing it again", loc.describe(version))
     if damage is not None:
         log.warning("%s does not verify; publishing it again: %s", loc.describe(version), damage)
 

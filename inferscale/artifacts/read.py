@@ -13,6 +13,7 @@ one through the manifest (schema-1 manifests: the logical name itself).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -29,6 +30,7 @@ from storage_schemas.common import SchemaVersionError, check_schema
 from storage_schemas.manifest import Manifest, ManifestChecksumError, ManifestError
 
 log = logging.getLogger(__name__)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def latest_version(store: StoreConfig, user: str, model_fp: str) -> str | None:
@@ -114,11 +116,13 @@ def verify_version(store: StoreConfig, user: str, model_fp: str, version: str = 
 
 
 def verify_files(loc: Location, m: Manifest) -> None:
-    """Sizes, then full xxh3-128 checksums of every data file of ``m``."""
-    for name in m.files:
+    """Sizes, then full xxh3-128 checksums of every data file of ``m`` (the known logical
+    names only, each stored inside the version folder: :func:`data_path`)."""
+    for name in DATA_FILES:
         check_size(loc, m, name)
-    for name, entry in m.files.items():
-        check_digest(loc, m, name, loc.blobs.hash_file(data_path(loc, m, name), entry.bytes))
+    for name in DATA_FILES:
+        check_digest(loc, m, name,
+                     loc.blobs.hash_file(data_path(loc, m, name), m.files[name].bytes))
 
 
 def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> pa.Table:
@@ -147,8 +151,14 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
 
 
 def data_path(loc: Location, m: Manifest, name: str) -> str:
-    """Where file ``name`` (``kv.arrow``, ``facts.arrow``) of version ``m`` is stored."""
-    return loc.file(m.version, m.files[name].stored_name(name))
+    """Where file ``name`` (``kv.arrow``, ``facts.arrow``) of version ``m`` is stored: a
+    plain file name inside the version folder, whatever the manifest says (its keys and
+    stored names are checked when it is parsed; checked again here)."""
+    stored = m.files[name].stored_name(name) if name in DATA_FILES else ""
+    if not _PLAIN_NAME.fullmatch(stored) or ".." in stored:
+        raise CorruptArtifact(f"{loc.describe(m.version)}: the manifest stores {name!r:.80} "
+                              f"as {stored!r:.80}, not a file of the version folder")
+    return loc.file(m.version, stored)
 
 
 def check_size(loc: Location, m: Manifest, name: str) -> None:

@@ -11,14 +11,16 @@ The rules (:class:`AccessPolicy`):
   (beyond loopback it refuses to start). With keys as well, the key decides and the
   header must agree.
 - neither: the body's ``user`` decides, on loopback only.
-- admin endpoints: ``INFERSCALE_ADMIN_KEY`` as a bearer token when set; open on loopback
-  when not; beyond loopback without one the server refuses to start.
+- admin endpoints: ``INFERSCALE_ADMIN_KEY`` as a bearer token when set. Without one
+  they are open on loopback, and only when no API keys are set: with API keys, or beyond
+  loopback, the server refuses to start without an admin key.
+- a request that repeats an identity header (``Authorization``, the trusted user header,
+  the gateway secret) is refused (:meth:`AccessPolicy.single_headers`): which copy a proxy
+  checked and which one the server would read is a guess.
 
 Credentials are checked from the headers before the body is read (:meth:`identify`),
 compared in constant time (``hmac.compare_digest``), and every user id is checked by
 :func:`inferscale.types.check_user_id`.
-
-Callers: ``inferscale.serve`` (start-up and each request).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from dataclasses import dataclass
+from typing import Iterable
 
 from inferscale.types import InvalidUserIdError, check_user_id
 
@@ -34,6 +37,10 @@ GATEWAY_SECRET_HEADER = "x-inferscale-gateway-secret"
 
 class ServeError(RuntimeError):
     """A configuration the server refuses to start with."""
+
+
+class DuplicateHeader(ValueError):
+    """A request that carries an identity header more than once (answered 400)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -92,6 +99,10 @@ class AccessPolicy:
         if not self.loopback and not self.admin_key:
             raise ServeError("binding beyond loopback needs INFERSCALE_ADMIN_KEY: "
                              "refusing to start")
+        if self.api_keys and not self.admin_key:
+            raise ServeError("INFERSCALE_API_KEYS is set but INFERSCALE_ADMIN_KEY is not: the "
+                             "admin endpoints would be open to anything on this host; "
+                             "refusing to start")
         for key, user in self.api_keys.items():
             if not key:
                 raise ServeError("INFERSCALE_API_KEYS holds an empty key")
@@ -99,6 +110,27 @@ class AccessPolicy:
                 check_user_id(user)
             except InvalidUserIdError as exc:
                 raise ServeError(f"INFERSCALE_API_KEYS: {exc}") from exc
+
+    @property
+    def identity_headers(self) -> tuple[str, ...]:
+        """The (lower-case) headers that carry credentials or a user under this policy."""
+        names = ["authorization", GATEWAY_SECRET_HEADER]
+        if self.trusted_user_header:
+            names.append(self.trusted_user_header.lower())
+        return tuple(names)
+
+    def single_headers(self, pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+        """A request's headers as a dict of lower-case names (the last of a repeated
+        header that carries no identity wins); :class:`DuplicateHeader` when an identity
+        header (:attr:`identity_headers`) comes more than once."""
+        out: dict[str, str] = {}
+        identity = self.identity_headers
+        for name, value in pairs:
+            key = name.lower()
+            if key in identity and key in out:
+                raise DuplicateHeader(f"the {name} header is sent more than once")
+            out[key] = value
+        return out
 
     def identify(self, headers: dict[str, str]) -> Identity:
         """Check the request's credentials (lower-cased ``headers`` only, before any body

@@ -53,7 +53,8 @@ class RequestLimits:
 async def read_body(chunks: AsyncIterator[bytes], content_length: str | None,
                     limit: int) -> dict:
     """The JSON object of a body streamed as ``chunks``; RequestError 413 / 400."""
-    if content_length and content_length.isdigit() and int(content_length) > limit:
+    if content_length and content_length.isascii() and content_length.isdigit() \
+            and int(content_length) > limit:  # (str.isdigit holds for "²" too)
         raise RequestError(413, f"the body is {content_length} bytes; at most {limit}")
     parts, size = [], 0
     async for part in chunks:
@@ -134,12 +135,17 @@ def chat_model(limits: RequestLimits) -> type[BaseModel]:
         inferscale: Options | None = None
 
         def question(self) -> str:
-            """The last user message's text; RequestError 400 when there is none or it
-            is longer than the limit."""
-            text = next((m.content for m in reversed(self.messages)
-                         if m.role == "user" and isinstance(m.content, str)), None)
-            if not text or not text.strip():
-                raise RequestError(400, "messages need a non-empty user message (a string)")
+            """The last user message's text, a string or OpenAI content parts (text
+            parts joined by newlines); RequestError 400 when there is none, it is
+            empty, longer than the limit, not valid Unicode text (a lone surrogate) or
+            holds a part that is not text."""
+            last = next((i for i in range(len(self.messages) - 1, -1, -1)
+                         if self.messages[i].role == "user"), None)
+            if last is None:
+                raise RequestError(400, "messages need a user message")
+            text = _message_text(self.messages[last].content, f"messages.{last}.content")
+            if not text.strip():
+                raise RequestError(400, f"messages.{last}: the last user message is empty")
             if len(text) > limits.max_question_chars:
                 raise RequestError(400, f"the user message is {len(text)} characters; at "
                                         f"most {limits.max_question_chars}")
@@ -153,6 +159,31 @@ def chat_model(limits: RequestLimits) -> type[BaseModel]:
                     self.max_tokens or self.max_completion_tokens, self.temperature or 0.0)
 
     return ChatRequest
+
+
+def _message_text(content: Any, where: str) -> str:
+    """The text of a message's ``content``: a string, or a list of ``{"type": "text",
+    "text": str}`` parts joined by newlines. RequestError 400 naming ``where`` for any
+    other part, and for text that is not valid Unicode (it could not be tokenized)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        parts = [content]
+    else:
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"{where}.{j}: only text parts "
+                                        '({"type": "text", "text": "..."}) are supported')
+            parts.append(part["text"])
+    text = "\n".join(parts)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(400, f"{where}: not valid Unicode text (a lone surrogate at "
+                                f"character {exc.start})") from None
+    return text
 
 
 class HydrateRequest(_Model):

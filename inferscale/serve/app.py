@@ -26,13 +26,15 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.serve.access import AccessPolicy, ServeError, is_loopback  # noqa: F401
+from inferscale.serve.access import (  # noqa: F401
+    AccessPolicy, DuplicateHeader, ServeError, is_loopback,
+)
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
@@ -62,7 +64,11 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
     def headers_of(req: Request) -> dict[str, str]:
-        return {k.lower(): v for k, v in req.headers.items()}
+        """Lower-cased headers; 400 when an identity header comes twice."""
+        try:
+            return policy.single_headers(req.headers.items())
+        except DuplicateHeader as exc:
+            raise RequestError(400, str(exc)) from exc
 
     def checked(fn, *args):
         """``fn(*args)`` with PermissionError -> 401 and a malformed user id -> 400."""
@@ -114,10 +120,13 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                 usage = bool(body.stream_options and body.stream_options.include_usage)
                 return StreamingResponse(_sse(answer, rid, created, model_name, usage),
                                          media_type="text/event-stream")
-            out = await server.answer(user, question, k=k, max_tokens=max_tokens,
-                                      temperature=temperature, mode=mode, ignore_eos=ignore_eos)
+            out = await _unless_disconnected(req, server.answer(
+                user, question, k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
+                ignore_eos=ignore_eos))
         except PromptTooLong as exc:
             raise RequestError(400, str(exc)) from exc
+        if out is None:  # the client went away: its request was aborted in the engine
+            return Response(status_code=499)
         gen, info = out["generation"], out["info"]
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -155,6 +164,28 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                 "engine": await server.engine.status()}
 
     return app
+
+
+async def _unless_disconnected(req: Any, work: Awaitable[Any]) -> Any:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled
+    (the engine aborts its request: vLLM's ``generate`` aborts on cancellation) and None
+    is returned. The body has been read: the next ASGI message is the disconnect.
+    (A streaming response is cancelled by the server itself when its client goes.)"""
+    async def disconnected() -> None:
+        while (await req.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
 
 
 async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_name: str,

@@ -3,7 +3,7 @@
 :class:`MemoryCache` is what ``inferscale.serve.MemoryServer`` asks for a user's memory
 on every request:
 
-- **First loads never block the event loop**: reading a user's facts and building the
+- **First loads never block the event loop**: reading a user's LATEST, facts and
   retrieval index run on a small thread pool, and concurrent first requests of one user
   share one load.
 - **New versions arrive by themselves**: when a user's entry was last checked at least
@@ -12,10 +12,22 @@ on every request:
   is loaded in the background and replaces the old one (its requests then name the new
   version, and the connector reloads the workers' KV). So a new LATEST serves from the
   first request that comes ``refresh_s`` after the previous check, plus the time to load
-  it. A user with no usable memory is remembered as such and checked again the same way.
+  it. A user with nothing published is remembered as such and checked again the same way.
+- **Refused versions**: a version this server cannot serve (:class:`MemoryRefused`: fact
+  embeddings of another dimension than the serving embedder's) is logged, counted and
+  remembered; the user is answered without memory (or from the version held before)
+  until LATEST names another version.
+- **Failures are not "no memory"**: a load that fails (storage unreachable, a version
+  removed between reading LATEST and reading it) answers that request without memory
+  and is tried again, LATEST first, by the first request after a back-off (``retry_s``,
+  doubling per failure up to ``refresh_s``).
 - **Bounded**: the entries' bytes (embeddings on the index's device, token ids, texts)
-  stay under ``budget_bytes``; the least recently used users are dropped first (a later
-  request loads them again).
+  stay under ``budget_bytes``, least recently used users dropped first (a later request
+  loads them again); entries without memory (nothing published, refused, failed) are at
+  most ``max_negative``, least recently used evicted first; and storage lookups of users
+  the cache holds nothing for are rate-limited (``misses_per_s``, bursts of
+  ``miss_burst``): beyond it such a request is answered without memory and nothing is
+  read or remembered. All of it is counted (:meth:`MemoryCache.stats`, in ``/metrics``).
 - **Pins**: an admin hydrate of an explicit version pins the user to it (no refresh)
   until a hydrate of ``"latest"`` or an eviction.
 
@@ -59,47 +71,99 @@ class UserMemory:
                        + sum(len(t.encode()) for t in self.texts))
 
 
+class MemoryRefused(Exception):
+    """A version this server will not serve (``reason``: ``embedding_dim``), raised by the
+    cache's ``read``: remembered and counted, not retried until LATEST moves."""
+
+    def __init__(self, version: str, reason: str, message: str):
+        super().__init__(message)
+        self.version, self.reason = version, reason
+
+
 @dataclass(frozen=True)
 class MemoryCacheConfig:
     """``refresh_s``: INFERSCALE_SERVE_REFRESH_S; ``budget_bytes``:
-    INFERSCALE_SERVE_MEMORY_BUDGET_BYTES; ``load_threads``: concurrent loads."""
+    INFERSCALE_SERVE_MEMORY_BUDGET_BYTES; ``load_threads``: concurrent loads;
+    ``max_negative``: INFERSCALE_SERVE_MAX_NEGATIVE_ENTRIES (entries without memory);
+    ``misses_per_s`` / ``miss_burst``: INFERSCALE_SERVE_STORAGE_MISSES_PER_S / ``_BURST``
+    (lookups of users the cache holds nothing for); ``retry_s``: the first back-off after
+    a failed load."""
 
     refresh_s: float = 60.0
     budget_bytes: int = 2 << 30
     load_threads: int = 4
+    max_negative: int = 10_000
+    misses_per_s: float = 20.0
+    miss_burst: int = 100
+    retry_s: float = 1.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "MemoryCacheConfig":
+        return cls(refresh_s=settings.serve_refresh_s,
+                   budget_bytes=settings.serve_memory_budget_bytes,
+                   max_negative=settings.serve_max_negative_entries,
+                   misses_per_s=settings.serve_storage_misses_per_s,
+                   miss_burst=settings.serve_storage_miss_burst)
 
     def __post_init__(self) -> None:
-        if self.refresh_s < 0:
-            raise ValueError(f"refresh_s must be >= 0, got {self.refresh_s}")
-        if self.budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
-        if self.load_threads < 1:
-            raise ValueError(f"load_threads must be >= 1, got {self.load_threads}")
+        for name in ("refresh_s", "budget_bytes", "misses_per_s", "retry_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("load_threads", "max_negative", "miss_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
 class _Entry:
-    memory: UserMemory | None  # None: the user has no usable memory (checked at ``checked``)
+    memory: UserMemory | None  # None: no usable memory (nothing published, refused, failed)
     checked: float  # monotonic time of the LATEST read this entry reflects
+    refused: str | None = None  # the version LATEST named that was refused
+    failures: int = 0  # consecutive failed loads (memory is None)
+    retry_at: float = 0.0  # failed: monotonic time from which a request loads again
+
+
+class _Bucket:
+    """A token bucket: ``take()`` is True at most ``burst`` times at once and ``rate``
+    times a second on average (event-loop thread only)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 class MemoryCache:
     """Per-user memories for the server (see the module docstring).
 
-    ``read(user, version)`` (blocking; ``version`` may be ``"latest"``) loads one version;
-    ``latest(user)`` (blocking) returns the id LATEST names, or None.
+    ``latest(user)`` (blocking) returns the version id LATEST names, or None when nothing
+    is published; ``read(user, version)`` (blocking) loads that version, raising
+    :class:`MemoryRefused` for a version the server will not serve.
     """
 
     def __init__(self, read: Callable[[str, str], UserMemory],
                  latest: Callable[[str], str | None], config: MemoryCacheConfig | None = None):
         self.read, self.latest = read, latest
         self.config = config or MemoryCacheConfig()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # with memory; LRU first
+        self._negative: OrderedDict[str, _Entry] = OrderedDict()  # without; LRU first
         self._pins: dict[str, str] = {}  # user -> version an admin pinned
         self._bytes = 0
         self._loading: dict[str, asyncio.Future] = {}
         self._refreshing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._misses = _Bucket(self.config.misses_per_s, self.config.miss_burst)
+        self._stats = {"storage_lookups": 0, "lookups_limited": 0, "load_failures": 0,
+                       "negative_evictions": 0}
+        self._refused: dict[str, int] = {}  # reason -> versions refused
         self._pool = ThreadPoolExecutor(self.config.load_threads,
                                         thread_name_prefix="inferscale-load")
 
@@ -109,9 +173,20 @@ class MemoryCache:
         """The user's memory (None: none usable); loads it off the event loop the first
         time and starts a background refresh when the last check is ``refresh_s`` old."""
         entry = self._entries.get(user)
-        if entry is None:
-            return await self._first_load(user)
-        self._entries.move_to_end(user)
+        if entry is not None:
+            self._entries.move_to_end(user)
+        else:
+            entry = self._negative.get(user)
+            if entry is None:  # a storage miss: rate-limited
+                if user not in self._loading and not self._misses.take():
+                    self._stats["lookups_limited"] += 1
+                    return None
+                return await self._first_load(user)
+            self._negative.move_to_end(user)
+            if entry.failures:  # a failed load: again once its back-off is over
+                if time.monotonic() >= entry.retry_at:
+                    return await self._first_load(user)
+                return None
         if user not in self._pins and user not in self._refreshing and \
                 time.monotonic() - entry.checked >= self.config.refresh_s:
             self._refreshing.add(user)
@@ -126,44 +201,71 @@ class MemoryCache:
     async def _first_load(self, user: str) -> UserMemory | None:
         fut = self._loading.get(user)
         if fut is None:
-            fut = asyncio.ensure_future(self._load(user, self._pins.get(user, "latest")))
+            fut = asyncio.ensure_future(self._load(user, self._pins.get(user)))
             self._loading[user] = fut
             fut.add_done_callback(lambda _: self._loading.pop(user, None))
         return await asyncio.shield(fut)
 
-    async def _load(self, user: str, version: str) -> UserMemory | None:
+    async def _load(self, user: str, pinned: str | None) -> UserMemory | None:
         checked = time.monotonic()
+        self._stats["storage_lookups"] += 1
+        version = pinned
         try:
+            if version is None:
+                version = await self._run(self.latest, user)
+                if version is None:  # nothing published: no memory, checked again later
+                    self._put(user, _Entry(None, checked))
+                    return None
             memory = await self._run(self.read, user, version)
-        except Exception as exc:  # noqa: BLE001 - no memory: answered without it
-            log.info("user %s has no usable memory (%s: %s); answering without it until "
-                     "the next check", user, type(exc).__name__, exc)
-            memory = None
+        except MemoryRefused as exc:
+            self._refuse(user, exc)
+            self._put(user, _Entry(None, checked, refused=exc.version))
+            return None
+        except Exception as exc:  # noqa: BLE001 - answered without memory, tried again soon
+            old = self._negative.get(user)
+            failures = (old.failures if old else 0) + 1
+            delay = min(self.config.retry_s * 2 ** (failures - 1),
+                        max(self.config.retry_s, self.config.refresh_s))
+            self._stats["load_failures"] += 1
+            log.warning("user %s: loading memory failed (%s: %s); answering without it, "
+                        "trying again in %.1f s", user, type(exc).__name__, exc, delay)
+            self._put(user, _Entry(None, checked, failures=failures,
+                                   retry_at=time.monotonic() + delay))
+            return None
         self._put(user, _Entry(memory, checked))
         return memory
 
     async def _refresh(self, user: str, entry: _Entry) -> None:
         checked = time.monotonic()
+        held = entry.memory.version if entry.memory else None
         try:
             latest = await self._run(self.latest, user)
-            held = entry.memory.version if entry.memory else None
-            if latest is None or latest == held:
+            if latest is None or latest in (held, entry.refused):
                 entry.checked = checked
                 return
             memory = await self._run(self.read, user, latest)
-        except Exception as exc:  # noqa: BLE001 - keep serving what is held; retry later
+        except MemoryRefused as exc:
+            self._refuse(user, exc)
+            entry.refused, entry.checked = exc.version, checked
+            return
+        except Exception as exc:  # noqa: BLE001 - keep what is held; check again soon
             log.warning("user %s: refreshing memory failed (%s: %s); keeping version %s",
-                        user, type(exc).__name__, exc,
-                        entry.memory.version[:12] if entry.memory else None)
-            entry.checked = checked
+                        user, type(exc).__name__, exc, held[:12] if held else None)
+            entry.checked = checked - self.config.refresh_s + self.config.retry_s
             return
         finally:
             self._refreshing.discard(user)
-        if self._entries.get(user) is not entry or user in self._pins:
+        current = self._entries.get(user) or self._negative.get(user)
+        if current is not entry or user in self._pins:
             return  # evicted, pinned or replaced by an admin meanwhile
         log.info("user %s: serving version %s (was %s)", user, memory.version[:12],
                  held[:12] if held else None)
         self._put(user, _Entry(memory, checked))
+
+    def _refuse(self, user: str, exc: MemoryRefused) -> None:
+        self._refused[exc.reason] = self._refused.get(exc.reason, 0) + 1
+        log.warning("user %s: version %s refused (%s): %s; answering without it until "
+                    "LATEST names another version", user, exc.version[:12], exc.reason, exc)
 
     # ------------------------------------------------------------------ admin
 
@@ -191,8 +293,18 @@ class MemoryCache:
         self._pop(user)
 
     def held(self) -> dict[str, str | None]:
-        """user -> version held (None: no usable memory), least recently used first."""
-        return {u: e.memory.version if e.memory else None for u, e in self._entries.items()}
+        """user -> version held (None: no usable memory), least recently used first
+        (those with memory, then those without)."""
+        out = {u: e.memory.version for u, e in self._entries.items() if e.memory}
+        out.update(dict.fromkeys(self._negative))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start (``/metrics``): users and bytes held, entries without
+        memory and their evictions, storage lookups of uncached users and those refused
+        by the rate limit, failed loads, versions refused by reason."""
+        return {**self._stats, "users": len(self._entries), "bytes": self._bytes,
+                "negative_entries": len(self._negative), "refused": dict(self._refused)}
 
     @property
     def nbytes(self) -> int:
@@ -210,20 +322,24 @@ class MemoryCache:
 
     def _put(self, user: str, entry: _Entry) -> None:
         self._pop(user)
+        if entry.memory is None:
+            self._negative[user] = entry
+            while len(self._negative) > self.config.max_negative:
+                self._negative.popitem(last=False)
+                self._stats["negative_evictions"] += 1
+            return
         self._entries[user] = entry
-        self._entries.move_to_end(user)
-        if entry.memory is not None:
-            self._bytes += entry.memory.nbytes
+        self._bytes += entry.memory.nbytes
         while self._bytes > self.config.budget_bytes and len(self._entries) > 1:
             victim, old = next(iter(self._entries.items()))
             if victim == user:
                 break
             self._pop(victim)
-            if old.memory is not None:
-                log.info("dropped user %s's facts (%d bytes) under the serving budget",
-                         victim, old.memory.nbytes)
+            log.info("dropped user %s's facts (%d bytes) under the serving budget",
+                     victim, old.memory.nbytes)
 
     def _pop(self, user: str) -> None:
+        self._negative.pop(user, None)
         old = self._entries.pop(user, None)
         if old is not None and old.memory is not None:
             self._bytes -= old.memory.nbytes

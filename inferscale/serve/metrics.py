@@ -9,6 +9,10 @@ One scrape is three parts, in this order:
 - the server's per-request counters and histograms (:class:`ServingMetrics`), updated
   in the API process when a request finishes, from what came back with it (the
   connector's ``kv_transfer_params``: injected tokens, the fallback and its reason);
+- the server's memory cache (:class:`CacheCollector`: users and bytes held, entries
+  without memory, storage lookups refused by the rate limit, failed loads, refused
+  versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
+  scrape time;
 - the workers' counters and residency (:class:`WorkerCollector`), read from every
   worker through the engine's collective RPC at scrape time
   (:meth:`~inferscale.serve.engine.MemoryEngine.worker_metrics`), labelled by rank.
@@ -24,6 +28,13 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     retrieval_seconds                       query embedding + exact top-k
     composition_seconds                     prompt composition from stored token ids
     query_to_first_token_seconds{mode}      request start -> first token
+    memory_users, memory_bytes              users whose facts the server holds, their bytes
+    memory_negative_entries                 users remembered without usable memory
+    memory_negative_evictions_total         of those, forgotten under max_negative
+    memory_storage_lookups_total            loads of users the server held nothing for
+    memory_lookups_limited_total            such lookups refused by the rate limit
+    memory_load_failures_total              loads that failed (tried again after a back-off)
+    memory_refused_total{reason}            versions refused at load (embedding_dim)
     resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
     worker_loaded_tokens_total{rank}        tokens written into the paged cache
     worker_load_failures_total{rank}        loads refused or failed (recomputed)
@@ -36,8 +47,6 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     storage_read_bytes_total{rank}, fetch_seconds{rank}, fetch_failures_total{rank}
                                             reads of facts from storage for requests
 
-Callers: :class:`~inferscale.serve.server.MemoryServer` (``observe`` per request) and
-the app's ``/metrics`` (:meth:`ServingMetrics.render`).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from inferscale.vllm_plugin.failures import FALLBACK_REASONS
 
 if TYPE_CHECKING:
     from inferscale.serve.engine import Generation, MemoryEngine
+    from inferscale.serve.memory_cache import MemoryCache
 
 MODES = ("kv", "prompt", "none")
 _FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -135,12 +145,48 @@ def _histogram(name: str, doc: str, per_rank: list[tuple[str, dict]]) -> Histogr
     return hist
 
 
+REFUSAL_REASONS = ("embedding_dim",)
+
+
+class CacheCollector:
+    """The memory cache's counters (:meth:`MemoryCache.stats`) as Prometheus families."""
+
+    def __init__(self, cache: "MemoryCache") -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.cache.stats()
+        for name, key, doc in (
+                ("memory_users", "users", "Users whose facts and index the server holds"),
+                ("memory_bytes", "bytes", "Bytes of the facts and indexes the server holds"),
+                ("memory_negative_entries", "negative_entries",
+                 "Users remembered without usable memory (nothing published, refused, failed)")):
+            yield GaugeMetricFamily(f"inferscale_{name}", doc, value=stats[key])
+        for name, key, doc in (
+                ("memory_negative_evictions", "negative_evictions",
+                 "Entries without memory forgotten under the entry bound"),
+                ("memory_storage_lookups", "storage_lookups",
+                 "Loads of users the server held nothing for"),
+                ("memory_lookups_limited", "lookups_limited",
+                 "Lookups of users the server held nothing for refused by the rate limit "
+                 "(answered without memory)"),
+                ("memory_load_failures", "load_failures",
+                 "Memory loads that failed (answered without memory, tried again)")):
+            yield CounterMetricFamily(f"inferscale_{name}", doc, value=stats[key])
+        refused = CounterMetricFamily("inferscale_memory_refused",
+                                      "Versions refused at load (answered without memory)",
+                                      labels=["reason"])
+        for reason in sorted({*REFUSAL_REASONS, *stats["refused"]}):
+            refused.add_metric([reason], stats["refused"].get(reason, 0))
+        yield refused
+
+
 class ServingMetrics:
     """The server's metrics: per-request counters it updates (:meth:`observe`) and the
     workers' counters it reads at scrape time (:meth:`render`). Its own registry, so
     every server instance counts from zero."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: "MemoryCache | None" = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("inferscale_requests", "Answered chat requests by memory mode",
@@ -173,6 +219,8 @@ class ServingMetrics:
             self.fallbacks.labels(reason)
         self.workers = WorkerCollector()
         r.register(self.workers)
+        if cache is not None:
+            r.register(CacheCollector(cache))
 
     def observe(self, info: dict, gen: "Generation") -> None:
         """Count one finished request: ``info`` from the server's ``prepare`` (mode,

@@ -26,7 +26,9 @@ from typing import Any, AsyncIterator, Literal
 
 from inferscale.compose import Composer, memory_layout
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
-from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.memory_cache import (
+    MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
+)
 from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 from inferscale.vllm_plugin.config import ConnectorConfig
@@ -64,7 +66,7 @@ class MemoryServer:
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
-        self.metrics = ServingMetrics()  # what it answered; the app's /metrics renders it
+        self.metrics = ServingMetrics(self.memories)  # the app's /metrics renders it
 
     @property
     def users(self) -> dict[str, str | None]:
@@ -80,12 +82,18 @@ class MemoryServer:
 
     def read_user(self, user: str, version: str = "latest") -> UserMemory:
         """Read a user's facts (texts, token ids, embeddings) for retrieval and
-        composition. Blocking: the cache runs it on its thread pool."""
+        composition. Blocking: the cache runs it on its thread pool. MemoryRefused for
+        facts embedded in another dimension than the serving embedder's."""
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
         manifest = read_manifest(self.store, user, self.fp, version)
         facts = read_facts(self.store, user, self.fp, manifest.version)
+        dim = facts.schema.field("embedding").type.list_size
+        if dim != self.embedder.dim:  # every query of this user would fail in the top-k
+            raise MemoryRefused(manifest.version, "embedding_dim",
+                                f"its facts are embedded in {dim} dimensions; the serving "
+                                f"embedder ({self.embedder.path}) makes {self.embedder.dim}")
         fact_ids = facts.column("fact_id").to_pylist()
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
         composer = self._composer(manifest.encoder_config.get("instruction"))
@@ -247,6 +255,5 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     embedder.prewarm()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
-                          cache=MemoryCacheConfig(settings.serve_refresh_s,
-                                                  settings.serve_memory_budget_bytes))
+                          cache=MemoryCacheConfig.from_settings(settings))
     return server, settings.model

@@ -103,3 +103,142 @@ def test_gc_removes_stray_files_of_kept_versions_only_when_stale(local_store):
     assert left == {"manifest.json", "facts.ffff.arrow",
                     *(e.stored_as for e in r.manifest.files.values())}
     verify_version(store, "sven", FP)
+
+
+# ------------------------------------------------------------------ gc racing a rollback
+
+def three_versions(store, user: str):
+    """v1, v2, v3 published from inputs taken an hour apart: LATEST names v3, and gc
+    with keep=1 would remove v1 and v2. Returns the inputs and versions."""
+    from datetime import datetime, timedelta, timezone
+
+    t = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    inputs = [make_inputs(user, 2, seed=s) for s in range(3)]
+    versions = [publish(store, user, *inp, inputs_at=t + timedelta(hours=i)).version
+                for i, inp in enumerate(inputs)]
+    return inputs, versions, t
+
+
+def rollback(store, user: str, how: str, inputs, version: str, t) -> str:
+    """Move LATEST back to ``version``: by publishing its inputs again, read later (a log
+    reverted), or by hand (``point_latest`` with the time now). Returns what happened."""
+    from datetime import timedelta
+
+    from inferscale.artifacts.latest import inputs_time, point_latest
+    from inferscale.artifacts.layout import ArtifactError
+
+    try:
+        if how == "publish":
+            r = publish(store, user, *inputs, inputs_at=t + timedelta(hours=9))
+            return f"published created={r.created} latest={r.latest == version}"
+        named = point_latest(Location(store, user, FP), version, inputs_time(None))
+        return "set True" if named == version else f"refused (LATEST names {named})"
+    except ArtifactError as exc:
+        return f"refused {type(exc).__name__}"
+
+
+def check_latest_reads(store, user: str) -> str:
+    """LATEST names a version that verifies; returns it."""
+    latest = latest_version(store, user, FP)
+    assert verify_version(store, user, FP).version == latest
+    return latest
+
+
+@pytest.mark.parametrize("how", ["publish", "by_hand"])
+def test_a_rollback_right_after_gc_read_latest_is_kept(store, how, monkeypatch):
+    """gc reads LATEST (v3) and decides to remove v1; a rollback to v1 lands right then.
+    gc must notice (its fence reads LATEST again) and keep v1."""
+    import inferscale.artifacts.gc as G
+
+    inputs, (v1, v2, v3), t = three_versions(store, "rhea")
+    real, outcome = G.latest_version, []
+
+    def read_then_rollback(*args):
+        seen = real(*args)
+        if not outcome:
+            outcome.append(rollback(store, "rhea", how, inputs[0], v1, t))
+        return seen
+
+    monkeypatch.setattr(G, "latest_version", read_then_rollback)
+    removed = gc(store, "rhea", FP, keep=1)
+    assert outcome in (["published created=False latest=True"], ["set True"]), outcome
+    assert check_latest_reads(store, "rhea") == v1
+    assert removed == [v2]
+    assert {m.version for m in list_versions(store, "rhea", FP)} == {v1, v3}
+
+
+@pytest.mark.parametrize("how", ["publish", "by_hand"])
+def test_a_rollback_between_gc_decision_and_its_deletes(store, how, monkeypatch):
+    """gc has decided (v1 and v2 go) and is about to delete; a rollback to v1 lands now.
+    LATEST must not end on a deleted version: a publish writes v1 again (new files that
+    gc's deletes do not touch), a rollback by hand is refused and LATEST stays on v3."""
+    import inferscale.artifacts.gc as G
+
+    inputs, (v1, v2, v3), t = three_versions(store, "rhea")
+    real, outcome = G._remove_stray_files, []
+
+    def rollback_then_continue(*args):
+        if not outcome:
+            outcome.append(rollback(store, "rhea", how, inputs[0], v1, t))
+        return real(*args)
+
+    monkeypatch.setattr(G, "_remove_stray_files", rollback_then_continue)
+    removed = gc(store, "rhea", FP, keep=1)
+    latest = check_latest_reads(store, "rhea")
+    if how == "publish":
+        assert outcome == ["published created=True latest=True"] and latest == v1
+        assert {m.version for m in list_versions(store, "rhea", FP)} == {v1, v3}
+    else:
+        assert outcome[0].startswith("refused") and latest == v3  # verified, or in the swap
+        assert {m.version for m in list_versions(store, "rhea", FP)} == {v3}
+    assert sorted(removed) == sorted([v1, v2])
+
+
+def test_a_rollback_inside_gc_fence_makes_it_decide_again(s3_store, monkeypatch):
+    """On S3 (no lock) a rollback can land between the fence's read of LATEST and its
+    conditional write: the write fails, the manifest gc took away is put back and gc
+    decides again on the new LATEST. (On local disk the fence holds LATEST's lock, so a
+    rollback waits for it: the two tests above cover both sides of it.)"""
+    import inferscale.artifacts.gc as G
+
+    store = s3_store
+    inputs, (v1, v2, v3), t = three_versions(store, "rhea")
+    real, outcome = G._unpublish, []
+
+    def rollback_then_unpublish(loc, m):
+        if not outcome:
+            outcome.append(rollback(store, "rhea", "by_hand", inputs[0], v1, t))
+        return real(loc, m)
+
+    monkeypatch.setattr(G, "_unpublish", rollback_then_unpublish)
+    removed = gc(store, "rhea", FP, keep=1)
+    assert outcome == ["set True"]
+    assert check_latest_reads(store, "rhea") == v1
+    assert removed == [v2]
+    assert {m.version for m in list_versions(store, "rhea", FP)} == {v1, v3}
+
+
+def test_gc_without_a_readable_latest_removes_nothing(local_store):
+    inputs, versions, _ = three_versions(local_store, "nola")
+    loc = Location(local_store, "nola", FP)
+    for content in (b"not a version\n", None):
+        if content is None:
+            os.remove(loc.latest)
+        else:
+            loc.blobs.replace(loc.latest, content)
+        assert gc(local_store, "nola", FP, keep=1) == []
+        assert [m.version for m in list_versions(local_store, "nola", FP)] == versions
+
+
+def test_latest_never_moves_to_a_version_whose_manifest_is_gone(local_store):
+    """The other side of gc's fence: moving LATEST checks, inside its compare-and-swap,
+    that the version still reads; gc removes a manifest before anything else."""
+    from datetime import timedelta
+
+    from inferscale.artifacts.latest import point_latest
+
+    inputs, (v1, v2, v3), t = three_versions(local_store, "rhea")
+    loc = Location(local_store, "rhea", FP)
+    os.remove(loc.file(v1, "manifest.json"))
+    assert point_latest(loc, v1, t + timedelta(days=1)) == v3
+    assert check_latest_reads(local_store, "rhea") == v3

@@ -64,3 +64,41 @@ def test_location_uri_s3():
     assert location_uri(store, "maya", "fp1") == "s3://bucket/prefix/users/maya/fp1"
     assert location_uri(store, "Zoë", "fp1", "v1") == \
         f"s3://bucket/prefix/users/{user_dirname('Zoë')}/fp1/v1"
+
+
+HOSTILE = ["**bold** _it_ <script>alert(1)</script>", "[click](javascript:alert(1))",
+           "x`y``z` <img src=x onerror=alert(1)>", "![i](http://e/x.png) &amp; # h",
+           "line\n# heading\n- item", "| a | b |", "\\*not*"]
+
+
+def test_version_markdown_escapes_every_value_from_data():
+    """User ids, parents, fingerprints, versions and the previous version come from data:
+    rendered (CommonMark), none of them makes markup (HTML, links, images, emphasis,
+    headings) and each reads back as its own text."""
+    from markdown_it import MarkdownIt
+
+    from inferscale.artifacts.layout import StoreConfig
+    from storage_schemas.manifest import FileEntry, Manifest
+
+    md = MarkdownIt("commonmark")
+    md.validateLink = lambda url: True  # a permissive renderer: file: and javascript: links too
+    for store in (StoreConfig("s3://bucket/prefix"), StoreConfig("/tmp/store")):
+        for value in HOSTILE:
+            # a user id passes the one user-id rule (no whitespace, no slashes), so the
+            # hostile ones keep every other character
+            user = re.sub(r"[\s/\\]+", "", value)
+            m = Manifest(user=user, model_fingerprint=value, version=value,
+                         encoder_config={}, parents={"log": value, "facts": value},
+                         files={"facts.arrow": FileEntry(1, "0" * 32),
+                                "kv.arrow": FileEntry(1, "0" * 32)},
+                         counts={}, kv={}, created="2026-01-01T00:00:00+00:00")
+            html = md.render(version_markdown(store, m, previous=value))
+            for tag in ("<script", "<img", "<em>", "<h1", "<table", "href=\"javascript"):
+                assert tag not in html, (value, html)
+            assert html.count("<strong>") == 1 and html.count("<a ") == 2, (value, html)
+            assert html.count("<ul>") == 1 and html.count("<li>") == 3, (value, html)
+            text = re.sub(r"<[^>]+>", "", html)
+            import html as html_lib
+
+            plain = html_lib.unescape(text)
+            assert value.replace("\n", " ") in plain, (value, plain)

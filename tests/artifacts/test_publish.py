@@ -230,3 +230,40 @@ def test_republish_repairs_a_version_that_does_not_verify(store, damage):
     assert torch.equal(hydrate(store, "rita", FP).slab, expected_slab(memory))
     assert read_facts(store, "rita", FP).equals(facts)
     assert publish(store, "rita", memory, facts, lineage).created is False  # verifies now
+
+
+def test_verification_never_reads_outside_the_version_folder(local_store, tmp_path):
+    """A re-signed schema-1 manifest (files stored under their logical names) whose
+    ``files`` name a path outside the version folder is refused as corrupt: the outside
+    file is never opened, and no error tells its size or checksum."""
+    from storage_schemas.manifest import _checksum
+
+    from inferscale.artifacts.layout import CorruptArtifact
+
+    r = publish(local_store, "otto", *make_inputs("otto", 2), embeddings=False)
+    loc = Location(local_store, "otto", FP)
+    secret = tmp_path / "outside.bin"
+    secret.write_bytes(b"s" * 1234)
+    rel = os.path.relpath(secret, loc.version_dir(r.version))
+    body = json.loads(r.manifest.to_json())
+    body.pop("checksum")
+    body["schema_version"] = 1
+    for entry in body["files"].values():  # schema 1: the logical names are the paths
+        entry.pop("stored_as")
+    for name, entry in r.manifest.files.items():
+        os.replace(loc.file(r.version, entry.stored_as), loc.file(r.version, name))
+    body["files"][rel] = {"bytes": 1, "xxh3_128": "0" * 32}
+    body["checksum"] = _checksum(body)
+    with open(loc.file(r.version, "manifest.json"), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CorruptArtifact) as err:
+        verify_version(local_store, "otto", FP)
+    assert "1234" not in str(err.value) and "files" in str(err.value)
+    import xxhash
+
+    assert xxhash.xxh3_128_hexdigest(secret.read_bytes()) not in str(err.value)
+    body["files"].pop(rel)  # the same manifest without the outside key verifies
+    body["checksum"] = _checksum({k: v for k, v in body.items() if k != "checksum"})
+    with open(loc.file(r.version, "manifest.json"), "w") as f:
+        json.dump(body, f)
+    verify_version(local_store, "otto", FP)

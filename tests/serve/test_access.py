@@ -7,7 +7,9 @@ import hmac
 
 import pytest
 
-from inferscale.serve.access import GATEWAY_SECRET_HEADER, AccessPolicy, ServeError, is_loopback
+from inferscale.serve.access import (
+    GATEWAY_SECRET_HEADER, AccessPolicy, DuplicateHeader, ServeError, is_loopback,
+)
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
 
@@ -140,3 +142,32 @@ def test_keys_and_admin_key_are_compared_in_constant_time(monkeypatch):
     seen.clear()
     policy.check_admin(bearer("admin"))
     assert seen == [(b"admin", b"admin")]
+
+
+def test_api_keys_without_an_admin_key_refuse_to_start_on_loopback_too():
+    """With API keys the operator wants every caller authenticated: admin endpoints open
+    to anything on the host (a reverse proxy in front of a loopback server) would hand
+    out the user list. Keys without an admin key do not start, wherever they bind."""
+    for loopback in (True, False):
+        with pytest.raises(ServeError, match="ADMIN_KEY"):
+            AccessPolicy(KEYS, None, None, loopback=loopback)
+        with pytest.raises(ServeError, match="ADMIN_KEY"):
+            AccessPolicy(KEYS, None, "X-User", loopback=loopback, gateway_secret="s3cret")
+    keyed = AccessPolicy(KEYS, "admin", None, loopback=True)
+    with pytest.raises(PermissionError, match="admin key"):
+        keyed.check_admin({})  # on loopback too
+    AccessPolicy({}, None, None, loopback=True).check_admin({})  # no keys: open on loopback
+
+
+def test_a_repeated_identity_header_is_refused():
+    """Two Authorization, trusted-header or gateway-secret headers: which one a proxy or
+    the server reads is a guess, so the request is refused (whatever the values)."""
+    policy = AccessPolicy(KEYS, "admin", "X-User", loopback=True, gateway_secret="s3cret")
+    good = [("authorization", "Bearer key-ann"), ("x-user", "ann"),
+            (GATEWAY_SECRET_HEADER, "s3cret")]
+    assert policy.single_headers(good + [("x-other", "1"), ("x-other", "2")]) == {
+        **dict(good), "x-other": "2"}
+    for name, value in good:
+        for extra in (value, "bob", ""):
+            with pytest.raises(DuplicateHeader, match=f"(?i){name}"):
+                policy.single_headers([*good, (name.upper(), extra)])

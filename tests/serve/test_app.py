@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from inferscale.serve.access import AccessPolicy
@@ -74,6 +76,27 @@ def test_the_key_decides_whatever_header_or_body_say():
     assert r.status_code == 200 and [c["user"] for _, c in server.calls] == ["ann"]
 
 
+def test_a_repeated_identity_header_is_a_400_before_the_body_is_read():
+    """Duplicate X-User (or Authorization, or gateway secret) headers: the last one used
+    to win; now the request is refused, whichever values they carry."""
+    client, server = http(AccessPolicy(KEYS, "admin", "X-User", loopback=True))
+    for headers in ([("Authorization", "Bearer key-ann"), ("X-User", "ann"), ("X-User", "bob")],
+                    [("Authorization", "Bearer key-bob"), ("X-User", "ann"), ("X-User", "bob")],
+                    [("Authorization", "Bearer key-ann"), ("Authorization", "Bearer key-bob")],
+                    [("Authorization", "Bearer key-ann"), ("X-User", "ann"), ("x-user", "ann")]):
+        r = client.post("/v1/chat/completions", content=b"{not json", headers=headers)
+        assert r.status_code == 400 and "more than once" in r.json()["detail"], (headers, r.text)
+    admin = [("Authorization", "Bearer admin"), ("Authorization", "Bearer admin")]
+    assert client.get("/admin/status", headers=admin).status_code == 400
+    assert server.calls == []
+    gateway = AccessPolicy({}, None, "X-User", loopback=True, gateway_secret="s3cret")
+    client, server = http(gateway)
+    r = client.post("/v1/chat/completions", json=ASK, headers=[
+        ("X-InferScale-Gateway-Secret", "s3cret"), ("X-InferScale-Gateway-Secret", "wrong"),
+        ("X-User", "ann")])
+    assert r.status_code == 400 and server.calls == []
+
+
 BAD_FIELDS = [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
@@ -108,13 +131,25 @@ BAD_FIELDS = [
     ({"user": "bob\n"}, "user"),
     ({"user": "\u202eann"}, "user"),
     ({"model": ["m"]}, "model"),
+    ({"messages": [{"role": "user", "content": "why\ud800?"}]}, "content"),
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]},
+     "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "content"),
+    ({"messages": [{"role": "user", "content": ["text"]}]}, "content"),
+    ({"messages": [{"role": "user", "content": []}]}, "user message"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": None}]},
+     "user message"),
 ]
 
 
 @pytest.mark.parametrize("patch,field", BAD_FIELDS)
 def test_malformed_fields_are_400_naming_the_field(patch, field):
     client, server = http(AccessPolicy({}, None, None, loopback=True))
-    r = client.post("/v1/chat/completions", json={**ASK, **patch})
+    r = client.post("/v1/chat/completions", content=json.dumps({**ASK, **patch}),  # ASCII:
+                    headers={"Content-Type": "application/json"})  # lone surrogates escaped
     assert r.status_code == 400, (patch, r.status_code, r.text)
     assert field in r.json()["detail"], r.text
     assert server.calls == []
@@ -131,6 +166,22 @@ def test_bodies_that_are_not_a_json_object_are_400(body):
                     headers={"Content-Type": "application/json"})
     assert r.status_code == 400, (body[:30], r.status_code, r.text)
     assert server.calls == []
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "\u0661\u0662", "+5", " 5", "-1", "5" * 400, "x"])
+def test_any_content_length_header_is_a_4xx_at_worst(length):
+    """Servers pass the Content-Length header through as latin-1 text: "\\xb2" arrives
+    as "²", which ``str.isdigit`` accepts and ``int`` refuses (it was a 500)."""
+    import asyncio
+
+    from inferscale.serve.api_models import RequestError, read_body
+
+    async def body():
+        yield b'{"a": 1}'
+    try:
+        assert asyncio.run(read_body(body(), length, 100)) == {"a": 1}
+    except RequestError as exc:
+        assert exc.status == 413 and length == "5" * 400
 
 
 def test_size_limits():
@@ -164,6 +215,25 @@ def test_a_valid_request_reaches_the_server_with_its_options():
     assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
                                             max_tokens=9, temperature=0.5, mode="prompt",
                                             ignore_eos=True))]
+
+
+def test_the_last_user_message_is_answered_in_either_form():
+    """The last user message is the question, whether a string or OpenAI content parts
+    (text parts joined by newlines); an earlier string message is never taken instead."""
+    client, server = http(AccessPolicy({}, None, None, loopback=True))
+    for content, question in (
+            ([{"type": "text", "text": "What is my dog called?"}], "What is my dog called?"),
+            ([{"type": "text", "text": "Two parts:"}, {"type": "text", "text": "the dog?"}],
+             "Two parts:\nthe dog?"),
+            ("A plain string.", "A plain string.")):
+        server.calls.clear()
+        body = {"messages": [{"role": "user", "content": "An earlier question."},
+                             {"role": "assistant", "content": "An answer."},
+                             {"role": "user", "content": content},
+                             {"role": "assistant", "content": "A prefill."}]}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert [c["question"] for _, c in server.calls] == [question]
 
 
 def test_admin_bodies_are_validated():
@@ -295,6 +365,52 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
                                     q)[0]
     out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder):
+    """A non-streaming request (and a streaming one) whose client disconnects is aborted
+    in the engine: it stops generating long before its ``max_tokens`` (vLLM's own
+    generation-token counter tells how far it got)."""
+    import socket
+    import time
+
+    from engine_helpers import served_app
+    from inferscale.serve.server import MemoryServer
+    from inferscale.vllm_plugin.compat import engine_metrics_registry
+
+    def generated() -> float:
+        return sum(s.value for fam in engine_metrics_registry().collect()
+                   for s in fam.samples if s.name == "vllm:generation_tokens_total")
+
+    def wait_for(condition, what: str, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    llm = engine_env.engine.llm
+    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store)
+    max_tokens = 400  # minutes on this CPU when not aborted
+    with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for stream in (False, True):
+            body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "ignore_eos": True,
+                               "stream": stream, "messages": [
+                                   {"role": "user", "content": "Tell me a long story."}]})
+            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "idle engine")
+            before = generated()
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
+            wait_for(lambda: generated() > before, "the request to start generating")
+            sock.close()
+            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            time.sleep(1.0)  # vLLM records a finished request's last tokens just after it
+            assert generated() - before < max_tokens, stream
 
 
 # ------------------------------------------------------------------ on the real engine

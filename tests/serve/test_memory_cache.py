@@ -24,7 +24,7 @@ class Reader:
     thread each ran on."""
 
     def __init__(self, store):
-        self.store, self.reads, self.threads = store, [], set()
+        self.store, self.reads, self.latests, self.threads = store, [], [], set()
 
     def read(self, user: str, version: str) -> UserMemory:
         self.threads.add(threading.get_ident())
@@ -38,6 +38,7 @@ class Reader:
 
     def latest(self, user: str) -> str | None:
         self.threads.add(threading.get_ident())
+        self.latests.append(user)
         return R.latest_version(self.store, user, FP)
 
 
@@ -71,7 +72,8 @@ def test_first_load_runs_off_the_event_loop_once_per_user(local_store):
 
     loop_thread, ticks, got = asyncio.run(main())
     assert {m.version for m in got} == {v1} and len({id(m) for m in got}) == 1
-    assert reader.reads == [("ann", "latest")]  # eight concurrent first requests, one read
+    assert reader.reads == [("ann", v1)]  # eight concurrent first requests, one read
+    assert reader.latests == ["ann"]  # of LATEST, then of the version it names
     assert loop_thread not in reader.threads  # read on the pool, not the event loop's thread
     assert ticks > 0  # the loop went on meanwhile
 
@@ -91,10 +93,10 @@ def test_a_new_latest_is_served_after_the_refresh_interval(local_store):
 
     first, v2, during, after, reads = asyncio.run(main(refresh_s=0.0))
     assert (first, during, after) == (v1, v1, v2)
-    assert reads == [("ann", "latest"), ("ann", v2)]
+    assert reads == [("ann", v1), ("ann", v2)]
     # within the interval nothing is re-read
     first, v3, during, after, reads = asyncio.run(main(refresh_s=3600.0))
-    assert first == during == after == v2 and reads == [("ann", "latest")]
+    assert first == during == after == v2 and reads == [("ann", v2)]
 
 
 def test_a_held_version_removed_by_gc_keeps_serving_then_moves_to_latest(local_store):
@@ -129,7 +131,7 @@ def test_least_recently_used_users_are_dropped_under_the_budget(local_store):
     memories, reader, size = asyncio.run(main())
     assert size > 0 and list(memories.held()) == ["ann", "cid"]
     assert memories.nbytes <= 2.5 * size
-    assert reader.reads == [("ann", "latest"), ("bob", "latest"), ("cid", "latest")]
+    assert [user for user, _ in reader.reads] == ["ann", "bob", "cid"]
 
 
 def test_admin_pins_and_unpins_a_version(local_store):
@@ -159,10 +161,11 @@ def test_a_user_without_memory_is_remembered_until_the_next_check(local_store):
         memories, reader = cache(local_store, refresh_s=refresh_s)
         got = [await memories.get("nobody") for _ in range(5)]
         await memories.settle()
-        return got, reader.reads, memories
+        return got, reader, memories
 
-    got, reads, _ = asyncio.run(main(3600.0))
-    assert got == [None] * 5 and reads == [("nobody", "latest")]  # not one read per request
+    got, reader, _ = asyncio.run(main(3600.0))
+    assert got == [None] * 5 and reader.reads == []  # nothing published: no version read
+    assert reader.latests == ["nobody"]  # and not one LATEST read per request
     v1 = publish(local_store, "nobody", 1)
 
     async def later():
@@ -173,6 +176,130 @@ def test_a_user_without_memory_is_remembered_until_the_next_check(local_store):
 
 
 def test_config_is_validated():
-    for bad in ({"refresh_s": -1}, {"budget_bytes": -1}, {"load_threads": 0}):
+    for bad in ({"refresh_s": -1}, {"budget_bytes": -1}, {"load_threads": 0},
+                {"max_negative": 0}, {"misses_per_s": -1}, {"miss_burst": 0}, {"retry_s": -1}):
         with pytest.raises(ValueError):
             MemoryCacheConfig(**bad)
+
+
+class Flaky(Reader):
+    """The real reads, the first ``fail`` of which raise an OSError (a storage hiccup)."""
+
+    def __init__(self, store, fail: int):
+        super().__init__(store)
+        self.fail = fail
+
+    def read(self, user: str, version: str) -> UserMemory:
+        if self.fail > 0:
+            self.fail -= 1
+            self.reads.append((user, "failed"))
+            raise OSError("storage timed out")
+        return super().read(user, version)
+
+
+def test_a_failed_first_load_is_retried_not_cached_as_no_memory(local_store):
+    """A transient failure of a user's first load answers that request without memory,
+    but is not remembered as "no memory" for the refresh interval: the next request
+    after a short back-off loads again, re-reading LATEST (which moved meanwhile)."""
+    v1 = publish(local_store, "ann", 1)
+
+    async def main():
+        reader = Flaky(local_store, fail=2)
+        memories = MemoryCache(reader.read, reader.latest,
+                               MemoryCacheConfig(refresh_s=3600.0, retry_s=0.05))
+        got = [await memories.get("ann")]  # fails: answered without memory
+        got.append(await memories.get("ann"))  # within the back-off: no storage read
+        await asyncio.sleep(0.06)
+        got.append(await memories.get("ann"))  # fails again: the back-off doubles
+        await asyncio.sleep(0.06)
+        got.append(await memories.get("ann"))  # still within 0.1 s
+        v2 = publish(local_store, "ann", 2)
+        await asyncio.sleep(0.1)
+        got.append(await memories.get("ann"))
+        return got, reader.reads, v2, memories.stats()
+
+    got, reads, v2, stats = asyncio.run(main())
+    assert got[:4] == [None] * 4 and got[4].version == v2 and v1 != v2
+    assert reads == [("ann", "failed"), ("ann", "failed"), ("ann", v2)]
+    assert stats["load_failures"] == 2
+
+
+def test_unknown_users_are_bounded_in_entries_and_storage_reads(local_store):
+    """A flood of unknown user ids: storage lookups are rate-limited (beyond the burst
+    they are answered without memory, uncached) and the entries without memory are
+    bounded (the least recently used go first); both are counted."""
+    publish(local_store, "ann", 1)
+
+    async def main():
+        reader, calls = Reader(local_store), []
+        memories = MemoryCache(reader.read, lambda u: calls.append(u) or reader.latest(u),
+                               MemoryCacheConfig(max_negative=50, misses_per_s=0.001,
+                                                 miss_burst=200))
+        assert (await memories.get("ann")) is not None  # one of the burst
+        got = [await memories.get(f"nobody-{i}") for i in range(2000)]
+        return got, calls, memories
+
+    got, calls, memories = asyncio.run(main())
+    stats = memories.stats()
+    assert got == [None] * 2000
+    assert len(calls) == stats["storage_lookups"] == 200  # the burst, then limited
+    assert stats["lookups_limited"] == 1801
+    held = memories.held()
+    assert held["ann"] is not None and len(held) == 51  # ann + 50 without memory
+    assert stats["negative_entries"] == 50 and stats["negative_evictions"] == 149
+
+
+def test_the_default_config_bounds_storage_reads_of_unknown_users(local_store):
+    import time
+
+    async def main():
+        reader = Reader(local_store)
+        calls = []
+        memories = MemoryCache(reader.read, lambda u: calls.append(u) or reader.latest(u))
+        start = time.monotonic()
+        for i in range(3000):
+            await memories.get(f"nobody-{i}")
+        return calls, time.monotonic() - start
+
+    calls, elapsed = asyncio.run(main())
+    config = MemoryCacheConfig()
+    assert len(calls) <= config.miss_burst + config.misses_per_s * elapsed + 1, (len(calls),
+                                                                               elapsed)
+
+
+def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, smollm2,
+                                                                   embedder, caplog):
+    """Facts embedded at another dimension than the serving embedder's (here 4, not
+    384): the version is refused when it is loaded (logged and counted in the server's
+    metrics), the user is answered without memory, and the refused version is not read
+    again on every request."""
+    import logging
+
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.server import MemoryServer
+
+    v1 = publish(local_store, "dora", 1)
+    # a real engine object, never started: the server reads only its configuration here
+    engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
+    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
+                          cache=MemoryCacheConfig(refresh_s=0.0))
+    reads = []
+    real = server.memories.read
+    server.memories.read = lambda user, version: reads.append(version) or real(user, version)
+
+    async def main():
+        out = []
+        for _ in range(3):
+            out.append(await server.request("dora", "What is my dog called?"))
+            await server.memories.settle()
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="inferscale.serve"):
+        prepared = asyncio.run(main())
+    server.memories.close()
+    assert [p.info["mode"] for p in prepared] == ["none"] * 3
+    assert all(p.ref is None for p in prepared)
+    assert reads == [v1]  # refused once; the refresh sees LATEST unchanged
+    assert server.metrics.registry.get_sample_value(
+        "inferscale_memory_refused_total", {"reason": "embedding_dim"}) == 1
+    assert any("384" in r.getMessage() and v1[:12] in r.getMessage() for r in caplog.records)

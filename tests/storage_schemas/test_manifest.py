@@ -62,3 +62,30 @@ def test_malformed():
     body["checksum"] = _checksum(body)
     with pytest.raises(ManifestError, match="missing"):
         Manifest.from_json(json.dumps(body))
+
+
+def resigned(body: dict) -> str:
+    """``body`` with its checksum recomputed: what an attacker who can write the store
+    (but not change the reader) produces."""
+    from storage_schemas.manifest import _checksum
+
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    return json.dumps({**body, "checksum": _checksum(body)})
+
+
+@pytest.mark.parametrize("key", ["../../etc/hostname", "/etc/hostname", "kv.arrow/../x",
+                                 "manifest.json", "LATEST", "", "facts.arrow\x00",
+                                 "KV.ARROW", "other.arrow"])
+def test_every_files_key_is_a_known_file_name(key):
+    """The ``files`` keys are the logical names of a version's data files and nothing
+    else: a re-signed manifest with any other key (a path out of the version folder
+    above all) is refused as malformed, whatever its schema version."""
+    for schema_version in (1, VERSION):
+        body = json.loads(manifest(schema_version=schema_version).to_json())
+        body["files"][key] = {"bytes": 3, "xxh3_128": "ef" * 16}
+        with pytest.raises(ManifestError, match="files"):
+            Manifest.from_json(resigned(body))
+    body = json.loads(manifest().to_json())  # a known key taken away
+    del body["files"]["kv.arrow"]
+    with pytest.raises(ManifestError, match="kv.arrow"):
+        Manifest.from_json(resigned(body))
