@@ -146,6 +146,89 @@ def test_the_config_file_builds_the_application():
     assert memory._deployment_config.num_replicas == spec.args["replicas"]
 
 
+# ------------------------------------------------------------------ the router in real Ray Serve
+
+
+@pytest.mark.slow
+def test_the_router_keeps_users_home_spills_only_to_the_second_choice_and_follows_slots():
+    """Light replicas (no engine) under :class:`MemoryAffinityRouter` in real Ray Serve:
+    homes, the spill rule with ``max_ongoing_requests=2``, slot keys, and a killed
+    replica's users on their second choice until Ray restarts it in the same slot."""
+    import asyncio
+    import signal
+
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from inferscale.serve.replicas import ROUTER
+
+    class Light:
+        def _slot(self):
+            return serve.get_replica_context().rank.rank
+
+        def record_replica_metadata(self):
+            return {"slot": self._slot()}
+
+        def record_routing_stats(self):
+            return {"slot": self._slot()}
+
+        async def where(self, hold_s: float = 0.0):
+            await asyncio.sleep(hold_s)
+            return self._slot(), os.getpid()
+
+    dep = serve.deployment(Light).options(
+        name="Light", num_replicas=3, max_ongoing_requests=2,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+                                                  request_routing_stats_period_s=1))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 << 20, num_cpus=2)
+    try:
+        handle = serve.run(dep.bind(), name="router-test", route_prefix=None)
+
+        async def where(key, hold_s=0.0):
+            return await handle.options(multiplexed_model_id=key).where.remote(hold_s)
+
+        async def scenario():
+            users = random_users(random.Random(11), 30)
+            for user in users:  # one at a time: always the home
+                assert (await where(user))[0] == home(user, range(3))
+            for slot in range(3):
+                assert (await where(slot_key(slot)))[0] == slot
+            user = users[0]
+            first, second, third = ranking(user, range(3))
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(where(user, 1.5) for _ in range(5)))
+            slots = [s for s, _ in got]
+            # home full -> the second choice; both full -> wait for one, never the third
+            assert set(slots) == {first, second} and third not in slots, got
+            assert slots.count(first) >= 2 and slots.count(second) >= 2, got
+            assert time.monotonic() - t0 >= 2.9
+            assert [(await where(home_key(user), 0.5))[0] for _ in range(2)] == [first] * 2
+            pid = (await where(slot_key(first)))[1]
+            os.kill(pid, signal.SIGKILL)  # a replica process this test started
+            deadline = time.monotonic() + 120
+            seen = []
+            while time.monotonic() < deadline:
+                try:
+                    slot, now = await asyncio.wait_for(where(user), 30)
+                except Exception as exc:  # noqa: BLE001 - the dead replica, once
+                    seen.append(type(exc).__name__)
+                    continue
+                seen.append(slot)
+                if slot == first and now != pid:
+                    break
+                assert slot in (first, second) and now != pid or slot == second, seen
+                await asyncio.sleep(0.5)
+            assert second in seen and seen[-1] == first, seen  # failed over, then home
+
+        asyncio.run(scenario())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 # ------------------------------------------------------------------ real vLLM replicas
 
 ADMIN = "admin-secret"
