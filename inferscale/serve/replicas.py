@@ -296,9 +296,11 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
 
     policy_from(settings, host)  # ServeError: refused before Ray starts
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
+        ray.init(address="local", include_dashboard=False)
+        # after ray.init, whose own SIGTERM handler aborts the process
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         start_replicas({"replicas": replicas, "mode": mode, "host": host, **overrides}, port)
         print(f"inferscale: {replicas} memory replicas serving on http://{host}:{port}",
               flush=True)

@@ -229,6 +229,61 @@ def test_the_router_keeps_users_home_spills_only_to_the_second_choice_and_follow
         ray.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_cli_serves_replicas_until_sigterm(tmp_path):
+    """``inferscale serve --replicas 1`` end to end: serving on the given port, then
+    SIGTERM stops Serve, Ray and the engine (no process of it left)."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    from benchmarks.replica_cluster import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("INFERSCALE_API_KEYS", "INFERSCALE_ADMIN_KEY")}
+    env.update({"INFERSCALE_ARTIFACT_ROOT": str(tmp_path / "artifacts"),
+           "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(1 << 30),
+           "INFERSCALE_MAX_MODEL_LEN": "2048", "RAY_memory_monitor_refresh_ms": "0"})
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve", "--replicas", "1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5, trust_env=False)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the replicas never came up"
+            time.sleep(2)
+        assert r.json()["mode"] == "kv"
+        status = httpx.get(f"http://127.0.0.1:{port}/admin/status", timeout=60,
+                           trust_env=False).json()
+        assert [x["state"] for x in status["replicas"]] == ["running"]
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert status["replicas"][0]["pid"] in tree
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0
+        deadline = time.monotonic() + 60
+        while (alive := [p for p in tree if psutil.pid_exists(p)
+                         and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]):
+            assert time.monotonic() < deadline, f"left running: {alive}"
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
 # ------------------------------------------------------------------ real vLLM replicas
 
 ADMIN = "admin-secret"
@@ -402,55 +457,3 @@ def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(clus
         assert time.monotonic() < deadline, "rp-ann never injected after coming home"
         time.sleep(2)
 
-
-@pytest.mark.slow
-@pytest.mark.engine
-def test_the_cli_serves_replicas_until_sigterm(tmp_path):
-    """``inferscale serve --replicas 1`` end to end: serving on the given port, then
-    SIGTERM stops Serve, Ray and the engine (no process of it left)."""
-    import signal
-    import subprocess
-    import sys
-
-    import httpx
-    import psutil
-
-    from benchmarks.replica_cluster import free_port
-
-    port = free_port()
-    env = {**os.environ, "INFERSCALE_ARTIFACT_ROOT": str(tmp_path / "artifacts"),
-           "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(1 << 30),
-           "INFERSCALE_MAX_MODEL_LEN": "2048", "RAY_memory_monitor_refresh_ms": "0"}
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve", "--replicas", "1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5, trust_env=False)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the replicas never came up"
-            time.sleep(2)
-        assert r.json()["mode"] == "kv"
-        status = httpx.get(f"http://127.0.0.1:{port}/admin/status", timeout=60,
-                           trust_env=False).json()
-        assert [x["state"] for x in status["replicas"]] == ["running"]
-        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        assert status["replicas"][0]["pid"] in tree
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(180) == 0
-        deadline = time.monotonic() + 60
-        while (alive := [p for p in tree if psutil.pid_exists(p)
-                         and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]):
-            assert time.monotonic() < deadline, f"left running: {alive}"
-            time.sleep(1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
