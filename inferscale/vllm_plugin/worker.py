@@ -1,30 +1,24 @@
 """The connector's worker half (worker process): memory KV into the paged cache.
 
-:class:`ConnectorWorker` owns the worker's
-:class:`~inferscale.hydrate.resident.ResidentStore` and its
-:class:`~inferscale.hydrate.loader.ResidentLoader`. Each step,
-:meth:`~ConnectorWorker.start_load_kv` starts the background reloads the scheduler
-ordered, checks every load against the worker's own store (never trusting the
-scheduler's view), gathers the needed tokens of all requests of the step and writes their
-rotated K and V into every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`:
-the fused kernel where it passed its check, else the model's rotary op and the backend's
-own writer). A load that cannot be served — not resident here, or any exception while
-loading — is reported through :meth:`~ConnectorWorker.get_block_ids_with_load_errors`
-and vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never wrong
-KV, and nothing escapes into vLLM's step. The failure is logged once with its cause,
-counted (``load_failures`` in :meth:`~ConnectorWorker.status`) and reported to the
-scheduler, whose answer for that request then says ``fallback: memory load failed``.
-Residency changes, failed reloads and failed loads go back to the scheduler in
-:meth:`~ConnectorWorker.build_connector_worker_meta`.
+:class:`ConnectorWorker` owns the worker's resident store
+(:class:`~inferscale.hydrate.store.ResidentStore`), its loader and its reads of
+non-resident users' facts (:class:`~inferscale.vllm_plugin.fetches.Fetches`). Each step,
+:meth:`~ConnectorWorker.start_load_kv` starts the reloads and reads the scheduler ordered,
+checks every load against the worker's own store (never trusting the scheduler's view),
+and writes the rotated K and V of the step's loads and of the reads that completed into
+every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`), holding the store's
+read lock only while the writes are enqueued. A load that cannot be served is reported
+through :meth:`~ConnectorWorker.get_block_ids_with_load_errors` and vLLM recomputes those
+blocks (``kv_load_failure_policy="recompute"``): never wrong KV, and nothing escapes into
+vLLM's step; a completed read is reported through :meth:`~ConnectorWorker.get_finished`.
+Failures are logged once, counted and reported to the scheduler (the answer then says
+``fallback: memory load failed``). The worker also keeps the histograms of busy engine
+steps (timed by the scheduler half) and of its injections that the server's /metrics
+reads.
 
 Under tensor parallelism there is one :class:`ConnectorWorker` per rank: its store keeps
-only the rank's KV heads of every slab (:class:`~inferscale.hydrate.resident.HeadShard`,
-from :func:`~inferscale.vllm_plugin.compat.kv_head_shard`), its loads write them into the
-rank's paged cache (which holds exactly those heads) and its reports name its rank.
-
-Called by :class:`inferscale.vllm_plugin.connector.InferScaleConnector` (vLLM's hooks)
-and by the worker extension's collective-RPC endpoints
-(:mod:`inferscale.vllm_plugin.worker_ext`).
+only the rank's KV heads of every slab (:class:`~inferscale.hydrate.resident.HeadShard`),
+its loads write them into the rank's paged cache and its reports name its rank.
 """
 
 from __future__ import annotations
