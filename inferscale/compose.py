@@ -93,7 +93,6 @@ class Composer:
     instruction: str = DEFAULT_INSTRUCTION
     fact_template: str = "- {text}\n"
     _pieces: tuple[str, str, str] = field(init=False, repr=False, compare=False)
-    _text: Callable[[str], list[int]] = field(init=False, repr=False, compare=False)
     _controls: dict[str, int] = field(init=False, repr=False, compare=False)
     _control_re: re.Pattern | None = field(init=False, repr=False, compare=False)
 
@@ -104,7 +103,7 @@ class Composer:
         object.__setattr__(self, "_control_re", re.compile(
             "(" + "|".join(map(re.escape, sorted(controls, key=len, reverse=True))) + ")")
             if controls else None)
-        object.__setattr__(self, "_text", _text_encoder(self.tokenizer))
+        _text_encoder(self.tokenizer)  # made now, not on the first request
 
     def _template_pieces(self) -> tuple[str, str, str]:
         tok = self.tokenizer
@@ -123,7 +122,7 @@ class Composer:
     def _encode(self, text: str) -> list[int]:
         """Token ids of ``text`` that never holds a control token (the text of one is
         tokenized as plain text)."""
-        return self._text(text)
+        return _text_encoder(self.tokenizer)(text)
 
     def _join(self, *parts: tuple[str, bool]) -> list[int]:
         """Token ids of the concatenated ``(text, is_template)`` parts: control tokens
@@ -209,11 +208,13 @@ def _text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
         return lambda text: list(tokenizer.encode(text, add_special_tokens=False,
                                                   split_special_tokens=True))
     size = len(tokenizer)
-    with _text_encoders_lock:
-        cached = _text_encoders.get(tokenizer)
-        if cached is None or cached[0] != size:
-            cached = (size, _private_text_encoder(tokenizer.backend_tokenizer))
-            _text_encoders[tokenizer] = cached
+    cached = _text_encoders.get(tokenizer)
+    if cached is None or cached[0] != size:
+        with _text_encoders_lock:
+            cached = _text_encoders.get(tokenizer)
+            if cached is None or cached[0] != size:
+                cached = (size, _private_text_encoder(tokenizer.backend_tokenizer))
+                _text_encoders[tokenizer] = cached
     return cached[1]
 
 

@@ -1,5 +1,7 @@
 """Request composition: memory-line text, the layout of injected facts and text tail."""
 
+import pickle
+
 import pytest
 
 from inferscale.compose import ComposeError, Composer, memory_layout, memory_text
@@ -97,6 +99,8 @@ def test_text_never_becomes_a_control_token(smol_tok):
     assert hostile in smol_tok.decode(composer.query_ids(hostile))
     # the instruction is configuration, not template: its control-token text stays text too
     assert controls(Composer(smol_tok, hostile).prefix_ids()) == [control["<|im_start|>"]]
+    # a composer still pickles (the private tokenizer is not part of it)
+    assert pickle.loads(pickle.dumps(composer)).fact_ids(hostile) == fact
 
 
 @pytest.mark.parametrize("context", ["memory", "transcript", "prefix"])
@@ -108,7 +112,8 @@ def test_encoder_windows_never_hold_a_control_token(smol_tok, context):
     control = set(_controls(smol_tok).values())
     hostile = _injection(smol_tok)
     composer = Composer(smol_tok)
-    turns = [TurnText(hostile, hostile, "2024-01-02"), TurnText("Eve", hostile), TurnText("Ann", "ok")]
+    turns = [TurnText(hostile, hostile, "2024-01-02"), TurnText("Eve", hostile),
+             TurnText("Ann", "ok")]
     facts = [FactSpec("f1", hostile, 2)]
     (segment,) = window_segments(turns, facts, composer, EncoderConfig(context=context))
     head = len(composer.prefix_ids()) if context != "transcript" else 0
