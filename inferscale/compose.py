@@ -127,8 +127,8 @@ class Composer:
     def _join(self, *parts: tuple[str, bool]) -> list[int]:
         """Token ids of the concatenated ``(text, is_template)`` parts: control tokens
         are read from template parts only. Text between two control tokens is tokenized
-        as one run across parts, as the tokenizer would (same ids as before for text
-        without control-token text)."""
+        as one run across parts, as the tokenizer does with the whole string (so text
+        without control-token text gets the ids of a plain ``encode``)."""
         ids: list[int] = []
         run: list[str] = []
         for text, template in parts:
