@@ -25,6 +25,9 @@
   unassigned code points (Unicode categories Cc, Cf, Zl, Zp, Cs, Co, Cn: newlines, NUL,
   bidi overrides, zero-width characters), no ``/`` or ``\\``, not ``.`` or ``..``. The
   whole string is checked (no regular expression whose ``$`` accepts a trailing newline).
+  Pattern characters (``*``, ``%``, ``?``, quotes) stay valid: an id is never a pattern,
+  since the facts store compares every filter value literally as a bound value
+  (:mod:`inferscale.facts.mem0_lancedb`), so user ``*`` is one more user, not everyone.
 - :data:`VERSION_RE`: an artifact version id (32 lowercase hex digits).
 
 Imports only the standard library and ``storage_schemas`` (torch when a dtype is

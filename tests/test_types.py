@@ -9,7 +9,8 @@ from inferscale.types import InvalidUserIdError, check_user_id, user_id_problem
 
 
 @pytest.mark.parametrize("user", ["ann", "Zoë", "conv-26", "bob.smith", "名前", "a.b_c-d",
-                                  "x" * 128, "o'brien", "user@example.com"])
+                                  "x" * 128, "o'brien", "user@example.com",
+                                  "*", "%", "_", "?", "a*"])  # never patterns (facts store)
 def test_valid_user_ids(user):
     assert check_user_id(user) == user and user_id_problem(user) is None
 

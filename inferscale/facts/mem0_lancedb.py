@@ -19,13 +19,17 @@ the collection's metric; scores are similarities, higher = closer: cosine and do
 ``1 - distance`` (the cosine similarity, resp. the inner product), l2 gives
 ``1 / (1 + distance)``.
 
-Filters: Mem0's forms — ``{key: value}``, ``{key: [values]}`` (any of), ``{key: "*"}`` (key
-present), ``{key: {"eq"|"ne"|"gt"|"gte"|"lt"|"lte"|"in"|"nin"|"contains"|"icontains": v}}``,
+Filters: Mem0's forms — ``{key: value}``, ``{key: [values]}`` (any of),
+``{key: {"eq"|"ne"|"gt"|"gte"|"lt"|"lte"|"in"|"nin"|"contains"|"icontains": v}}``,
 ``{"$or": [...]}``, ``{"$not": [...]}`` and ``AND``/``OR``/``NOT`` lists — on any payload key.
-Equalities on scope columns become SQL; anything else is evaluated on the payload.
+Every value compares literally: Mem0's ``{key: "*"}`` wildcard is not supported, because
+a user id is data (a log's user ``*`` must see and delete only its own memories, never
+everyone's), so ``"*"`` matches the value ``"*"`` like any other string. Equalities on
+scope columns run in LanceDB as typed expressions (:mod:`lancedb.expr`) whose values are
+bound literals, never SQL text built from data; so do lookups by row id. Anything else
+is evaluated on the payload in Python.
 
-Callers: Mem0 ``Memory`` (through the factory) in :mod:`inferscale.facts.extractor`;
-tests. Mem0 is imported with ``MEM0_TELEMETRY=False`` and
+Mem0 is imported with ``MEM0_TELEMETRY=False`` and
 ``MEM0_DIR=$TMPDIR/inferscale-mem0`` unless the caller set them (Mem0 reads both at import
 and writes ``config.json`` there).
 """
@@ -42,6 +46,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+from lancedb.expr import Expr, col, lit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 os.environ.setdefault("MEM0_TELEMETRY", "False")  # both read by mem0 at import time
@@ -181,11 +186,11 @@ class LanceDBStore(VectorStoreBase):
          .when_not_matched_insert_all().execute(rows))
 
     def delete(self, vector_id):
-        self.table.delete(f"id = {_sql_str(vector_id)}")
+        self.table.delete(_id_is(vector_id))
 
     def update(self, vector_id, vector=None, payload=None):
         """Replace the vector and/or the payload of an existing row."""
-        row = self._fetch(f"id = {_sql_str(vector_id)}", limit=1, with_vectors=True)
+        row = self._fetch(_id_is(vector_id), limit=1, with_vectors=True)
         if not row:
             raise ValueError(f"vector {vector_id!r} not found in {self.collection_name}")
         _, old_payload, old_vec = row[0]
@@ -193,7 +198,7 @@ class LanceDBStore(VectorStoreBase):
                     [old_payload if payload is None else payload], [vector_id])
 
     def get(self, vector_id):
-        row = self._fetch(f"id = {_sql_str(vector_id)}", limit=1)
+        row = self._fetch(_id_is(vector_id), limit=1)
         if not row:
             return None
         return OutputData(id=row[0][0], score=None, payload=row[0][1])
@@ -203,14 +208,14 @@ class LanceDBStore(VectorStoreBase):
         ids = list(ids)
         if not ids:
             return {}
-        where = f"id IN ({', '.join(_sql_str(i) for i in ids)})"
+        where = col("id").isin([lit(str(i)) for i in ids])
         return {i: v for i, _, v in self._fetch(where, limit=None, with_vectors=True)}
 
     def list(self, filters=None, top_k=None):
         """Rows matching ``filters`` (at most ``top_k``), wrapped as ``[[rows]]`` like Mem0's
         other stores."""
-        sql, rest = _split_filters(filters)
-        rows = self._fetch(sql, limit=None if rest else top_k)
+        where, rest = _split_filters(filters)
+        rows = self._fetch(where, limit=None if rest else top_k)
         out = [OutputData(id=i, score=None, payload=p) for i, p, _ in rows
                if _matches(p, rest)]
         return [out[:top_k] if top_k is not None else out]
@@ -221,11 +226,12 @@ class LanceDBStore(VectorStoreBase):
         if self.table is None or top_k <= 0:
             return []
         q = np.asarray(vectors, dtype=np.float32).reshape(-1)  # [D]
-        sql, rest = _split_filters(filters)
+        where, rest = _split_filters(filters)
         builder = self.table.search(q, vector_column_name="vector").distance_type(self.distance)
-        if sql:
-            builder = builder.where(sql, prefilter=True)
-        limit = top_k if not rest else max(self.table.count_rows(sql or None), 1)
+        if where is not None:
+            builder = builder.where(where, prefilter=True)
+        # payload filters run after the search: fetch every row (an upper bound on matches)
+        limit = top_k if not rest else max(self.table.count_rows(), 1)
         tbl = builder.select(["id", "payload", "_distance"]).limit(limit).to_arrow()
         out = []
         for i, p, d in zip(tbl["id"].to_pylist(), tbl["payload"].to_pylist(),
@@ -243,10 +249,10 @@ class LanceDBStore(VectorStoreBase):
             return 1.0 / (1.0 + float(distance))
         return 1.0 - float(distance)
 
-    def _fetch(self, where: str | None, limit: int | None, with_vectors: bool = False):
+    def _fetch(self, where: Expr | None, limit: int | None, with_vectors: bool = False):
         cols = ["id", "payload"] + (["vector"] if with_vectors else [])
         q = self.table.search().select(cols)
-        if where:
+        if where is not None:
             q = q.where(where)
         tbl = q.limit(limit).to_arrow()
         vecs = tbl["vector"].to_pylist() if with_vectors else [None] * tbl.num_rows
@@ -262,21 +268,23 @@ def _scope_value(payload: dict | None, key: str) -> str | None:
     return None if v is None else str(v)
 
 
-def _sql_str(value: Any) -> str:
-    return "'" + str(value).replace("'", "''") + "'"
+def _id_is(vector_id: Any) -> Expr:
+    return col("id") == lit(str(vector_id))
 
 
-def _split_filters(filters: dict | None) -> tuple[str | None, dict]:
-    """Mem0 filters -> (SQL over scope columns, what must still be checked on payloads)."""
+def _split_filters(filters: dict | None) -> tuple[Expr | None, dict]:
+    """Mem0 filters -> (a LanceDB expression over the scope columns, its values bound
+    literals; what must still be checked on payloads). Both compare literally."""
     if not filters:
         return None, {}
-    sql, rest = [], {}
+    where, rest = None, {}
     for key, value in filters.items():
-        if key in SCOPE_KEYS and isinstance(value, (str, int)) and value != "*":
-            sql.append(f"{key} = {_sql_str(value)}")
+        if key in SCOPE_KEYS and isinstance(value, (str, int)) and not isinstance(value, bool):
+            term = col(key) == lit(str(value))
+            where = term if where is None else where & term
         else:
             rest[key] = value
-    return (" AND ".join(sql) or None), rest
+    return where, rest
 
 
 def _matches(payload: dict, filters: dict) -> bool:
@@ -299,8 +307,6 @@ def _matches(payload: dict, filters: dict) -> bool:
 def _holds(payload: dict, key: str, cond: Any) -> bool:
     present = key in payload
     value = payload.get(key)
-    if cond == "*":
-        return present
     if isinstance(cond, list):
         return present and value in cond
     if isinstance(cond, dict) and cond and set(cond) <= _OPS:

@@ -5,12 +5,19 @@ turn ids) and its :class:`Quarantined` records; the format readers
 (:mod:`inferscale.ingest.formats`) feed it one record at a time through
 :meth:`Accumulator.add`, whose ``build`` raises :class:`Reject` for a bad record. User ids
 follow the one rule of :func:`inferscale.types.check_user_id`; the other ids (session,
-turn, speaker) are any non-blank text up to the same length.
+turn, speaker) are any non-blank text up to the same length. Every text field must be
+encodable as UTF-8: JSON can carry a lone surrogate (``"\\ud800"``), which no Arrow
+table or UTF-8 file can hold, so such a record is quarantined (``invalid_unicode``)
+rather than stopping the table it would have joined. A quarantined record is written as
+valid UTF-8 whatever it holds, one line per record: lone surrogates (and U+0085,
+U+2028, U+2029, which some line readers split on) become JSON ``\\uXXXX`` escapes, which
+read back as the same record.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
@@ -42,13 +49,22 @@ class Quarantined:
     raw: Any  # the parsed record, or the raw line as text when it did not parse
 
     def to_json(self) -> str:
+        """One JSON line, always valid UTF-8 and one line (see the module docstring)."""
         body = {"source": self.source, "location": self.location, "reason": self.reason,
                 "detail": self.detail, "raw": self.raw}
         try:
-            return json.dumps(body, ensure_ascii=False, default=str)
+            line = json.dumps(body, ensure_ascii=False, default=str)
         except (ValueError, TypeError, RecursionError):  # a raw record JSON cannot hold
             body["raw"] = _preview(self.raw)
-            return json.dumps(body, ensure_ascii=False)
+            line = json.dumps(body, ensure_ascii=False)
+        # outside strings JSON is ASCII, so these are inside one: escape them there
+        return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# lone surrogates (not UTF-8), and the line breaks JSON leaves raw that some line readers
+# (Python's str.splitlines) split on: one record stays one line
+_UNSAFE = re.compile("[\ud800-\udfff\x85\u2028\u2029]")
 
 
 def _preview(raw: Any, limit: int = 2000) -> str:
@@ -132,6 +148,13 @@ def make_turn(user: Any, session: Any, turn_id: Any, speaker: Any, text: Any,
         raise Reject("empty_text", "text is empty or blank")
     if len(text) > limits.max_text_chars:
         raise Reject("oversized_text", f"{len(text)} characters > {limits.max_text_chars}")
+    for name, value in (("session", session), ("turn", turn_id), ("speaker", speaker),
+                        ("text", text)):
+        bad = _SURROGATE.search(value)
+        if bad is not None:
+            raise Reject("invalid_unicode", f"field {name!r} holds a lone surrogate "
+                         f"(U+{ord(bad.group()):04X}) at character {bad.start()}, which UTF-8 "
+                         f"cannot encode: {value[:40]!r}")
     return Turn(user, session, turn_id, speaker, text, timestamp)
 
 

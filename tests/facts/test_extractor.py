@@ -98,6 +98,33 @@ def test_raw_mode_one_fact_per_turn_and_idempotent(tmp_path, tokenizer, sample_t
             == results["tomas"].facts_hash
 
 
+def test_star_user_and_star_turn_are_literals(tmp_path, tokenizer, sample_turns):
+    """User ``*`` and turn ``*`` are ids like any other: extracting user ``*`` (which
+    rebuilds its memories with ``delete_all``) keeps every other user's memories, and
+    re-extracting turn ``*`` replaces that turn's memories only."""
+    import pyarrow as pa
+
+    maya = sample_turns["maya"].slice(0, 3)
+    star = maya.set_column(0, "user", pa.array(["*"] * 3))
+    star = star.set_column(2, "turn_id", pa.array(["*", "t2", "t3"]))
+    config = FactsConfig(mode="raw", store_uri=str(tmp_path / "db"),
+                         history_dir=tmp_path / "history")
+    with FactExtractor.open(config) as ex:
+        ex.extract_user(maya, tokenizer)
+        ex.extract_user(star, tokenizer)
+
+        def memories(user):
+            return sorted(m["metadata"]["source_turn_id"] for m in
+                          ex.memory.get_all(filters={"user_id": user}, top_k=100)["results"])
+
+        assert memories("maya") == sorted(maya["turn_id"].to_pylist())
+        assert memories("*") == ["*", "t2", "t3"]
+        one = ex.extract_user(star, tokenizer, turn_ids=["*"])
+        assert one.table["source_turn_id"].to_pylist() == ["*"]
+        assert memories("*") == ["*", "t2", "t3"]
+        assert memories("maya") == sorted(maya["turn_id"].to_pylist())
+
+
 def test_fact_id_and_hash():
     assert fact_id("u", "t1", "Maya has a  dog.") == fact_id("u", "t1", " maya has a dog.")
     assert fact_id("u", "t1", "Maya has a dog.") != fact_id("u", "t2", "Maya has a dog.")

@@ -6,6 +6,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
 
 from inferscale.settings import offline_environment
 
@@ -91,7 +93,7 @@ def test_filters(store):
 
     assert ids({"user_id": "u", "source_turn_id": "t1"}) == {"p1"}
     assert ids({"source_turn_id": ["t1", "t3"]}) == {"p1", "p3", "p4"}
-    assert ids({"tag": "*"}) == {"p1", "p2", "p4"}
+    assert ids({"tag": "*"}) == set()  # a value like any other, never a wildcard
     assert ids({"n": {"gte": 5, "lt": 9}}) == {"p2", "p4"}
     assert ids({"n": {"in": [1, 9]}}) == {"p1", "p3"}
     assert ids({"n": {"nin": [1, 9]}, "user_id": "u"}) == {"p2"}
@@ -149,12 +151,10 @@ def test_s3_storage(tmp_path):
         server.stop()
 
 
-def test_mem0_round_trip(tmp_path):
-    from mem0 import Memory
-
-    config = {
+def _mem0_config(tmp_path, collection: str) -> dict:
+    return {
         "vector_store": {"provider": PROVIDER, "config": {
-            "uri": str(tmp_path / "db"), "collection_name": "roundtrip",
+            "uri": str(tmp_path / "db"), "collection_name": collection,
             "embedding_model_dims": 384}},
         "embedder": {"provider": "huggingface", "config": {
             "model": str(embedded_embedder_path()), "embedding_dims": 384}},
@@ -163,7 +163,12 @@ def test_mem0_round_trip(tmp_path):
             "api_key": "unused", "openai_base_url": "http://127.0.0.1:9/v1", "model": "unused"}},
         "history_db_path": str(tmp_path / "history.db"),
     }
-    memory = Memory.from_config(config)
+
+
+def test_mem0_round_trip(tmp_path):
+    from mem0 import Memory
+
+    memory = Memory.from_config(_mem0_config(tmp_path, "roundtrip"))
     assert isinstance(memory.vector_store, LanceDBStore)
     added = memory.add([{"role": "user", "content": "My beagle is called Biscuit."},
                         {"role": "user", "content": "I work night shifts as a nurse in Leeds."}],
@@ -190,4 +195,62 @@ def test_mem0_round_trip(tmp_path):
 
     memory.reset()
     assert memory.get_all(filters={"user_id": "tomas"})["results"] == []
+    memory.close()
+
+
+# ------------------------------------------------------------- filters compare literally
+
+# values that are patterns, wildcards, quotes or escapes in some query language
+HOSTILE_IDS = ["*", "%", "_", "a%", "?", ".*", "x' OR '1'='1", "'", '"', "\\", "a\\'b", "--",
+               "user_id", "NULL", "null", "[a]", "{a}", "$or", "ann"]
+
+
+def _fresh(tmp_path_factory) -> LanceDBStore:
+    return LanceDBStore("scoped", uri=str(tmp_path_factory.mktemp("db")), embedding_model_dims=4)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(victim=st.sampled_from(HOSTILE_IDS) | st.text(min_size=1, max_size=12),
+       attacker=st.sampled_from(HOSTILE_IDS) | st.text(min_size=1, max_size=12))
+@example(victim="ann", attacker="*")
+def test_a_scope_filter_is_a_literal_never_a_pattern(tmp_path_factory, victim, attacker):
+    """A search, list or delete scoped to one user id touches exactly that id's rows,
+    whatever characters either id holds (``*`` included: Mem0's wildcard is not ours)."""
+    assume(victim != attacker)
+    store = _fresh(tmp_path_factory)
+    rng = np.random.default_rng(3)
+    store.insert(_unit(rng, 3, 4), [{"user_id": victim, "data": "My bank PIN is 4921."},
+                                    {"user_id": victim, "data": "x"},
+                                    {"user_id": attacker, "data": "y"}], ["v1", "v2", "a1"])
+    q = _unit(rng, 1, 4)[0]
+    for scope in ({"user_id": attacker}, {"user_id": attacker, "data": "y"},
+                  {"$or": [{"user_id": attacker}]}, {"user_id": [attacker]}):
+        assert {r.id for r in store.list(filters=scope)[0]} == {"a1"}, scope
+        assert {r.id for r in store.search("q", q, top_k=10, filters=scope)} == {"a1"}, scope
+    assert {r.id for r in store.list(filters={"data": {"eq": "x"}, "user_id": victim})[0]} \
+        == {"v2"}
+    for r in store.list(filters={"user_id": attacker})[0]:
+        store.delete(r.id)
+    assert {r.id for r in store.list()[0]} == {"v1", "v2"}
+
+
+def test_star_user_neither_sees_nor_deletes_another_users_memories(tmp_path):
+    """Through the real Mem0 ``Memory``: user ``*`` is a user like any other."""
+    from mem0 import Memory
+
+    memory = Memory.from_config(_mem0_config(tmp_path, "star"))
+    memory.add("My bank PIN is 4921.", user_id="maya", infer=False)
+    memory.add("I like green tea.", user_id="*", infer=False)
+    for question in ("What is my bank PIN?", "What do I like to drink?"):
+        found = memory.search(question, filters={"user_id": "*"}, top_k=10, threshold=0.0)
+        assert "My bank PIN is 4921." not in [r["memory"] for r in found["results"]]
+        assert {r["user_id"] for r in found["results"]} <= {"*"}
+    assert [r["memory"] for r in found["results"]] == ["I like green tea."]
+    assert [m["memory"] for m in memory.get_all(filters={"user_id": "*"})["results"]] \
+        == ["I like green tea."]
+    memory.delete_all(user_id="*")
+    assert memory.get_all(filters={"user_id": "*"})["results"] == []
+    assert [m["memory"] for m in memory.get_all(filters={"user_id": "maya"})["results"]] \
+        == ["My bank PIN is 4921."]
     memory.close()

@@ -25,6 +25,8 @@ BAD_LINES = [
     '[1, 2, 3]',                                                         # not_an_object
     '{"user": "ann smith", "session": "1", "turn": "A1", "speaker": "Ann", "text": "hi", '
     '"timestamp": null}',                                # bad_user (Mem0 refuses spaces)
+    '{"user": "ivy", "session": "1", "turn": "I6", "speaker": "I\\udfffvy", '
+    '"text": "bees \\ud800", "timestamp": null}',      # invalid_unicode (lone surrogates)
 ]
 IVY = [
     {"user": "ivy", "session": "1", "turn": "I1", "speaker": "Ivy",
@@ -62,12 +64,12 @@ def test_bad_records_quarantined_others_published(flow_env, tmp_path):
     ingest = report["ingest"]
     assert ingest["quarantined"] == len(BAD_LINES)
     assert ingest["reasons"] == {"bad_timestamp": 1, "bad_user": 1, "duplicate_turn_id": 1,
-                                 "empty_text": 1, "invalid_json": 1, "missing_field": 1,
-                                 "not_an_object": 1, "wrong_type": 1}
+                                 "empty_text": 1, "invalid_json": 1, "invalid_unicode": 1,
+                                 "missing_field": 1, "not_an_object": 1, "wrong_type": 1}
     # written next to the artifacts, one JSON record per bad line, with its reason
     qpath = report["quarantine_uri"]
     assert qpath.startswith(str(root / "quarantine"))
-    records = [json.loads(x) for x in open(qpath).read().splitlines()]
+    records = [json.loads(x) for x in open(qpath, "rb").read().decode("utf-8").splitlines()]
     assert sorted(r["reason"] for r in records) == sorted(ingest["reasons"])
     assert {r["location"] for r in records} >= {"line 6", "line 7", "line 8"}
     # and reported in the run's summary

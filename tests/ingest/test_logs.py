@@ -268,3 +268,34 @@ def test_user_ids_with_control_or_invisible_characters_are_quarantined(tmp_path,
     res = read_logs(str(log), quarantine_uri=str(tmp_path / "q.jsonl"))
     assert list(res.turns) == ["bob"] and res.turns["bob"].num_rows == 1
     assert res.reasons == Counter({"bad_user": 1})
+
+
+@pytest.mark.parametrize("field", ["text", "speaker", "session", "turn"])
+def test_a_lone_surrogate_is_quarantined_and_the_others_read(tmp_path, field):
+    """``"\\ud800"`` (valid JSON, not encodable as UTF-8) in any text field: that record is
+    quarantined, every other one is read, and the quarantine file stays valid UTF-8 with
+    the record's characters escaped (it reads back as the same record)."""
+    bad = {**_good("ana", "t2"), field: "x\ud800y" if field != "text" else "I \udfff it"}
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(_line(**_good("ana", "t1")) + (json.dumps(bad) + "\n").encode()
+                    + _line(**_good("ana", "t3")))
+    quarantine = tmp_path / "q.jsonl"
+    res = read_logs(str(log), quarantine_uri=str(quarantine))
+    assert res.turns["ana"]["turn_id"].to_pylist() == ["t1", "t3"]
+    assert res.reasons == Counter({"invalid_unicode": 1})
+    assert repr(bad[field][:3])[1:-1] in res.quarantined[0].detail  # where, and which
+    (line,) = quarantine.read_bytes().decode("utf-8").splitlines()
+    assert json.loads(line)["raw"] == bad and json.loads(line)["location"] == "line 2"
+
+    doc = _locomo_doc()
+    doc["session_1"][0]["speaker"] = "In\ud800es"
+    doc["session_2"][0]["text"] = "\udc00"
+    (tmp_path / "conv.json").write_text(json.dumps(doc))
+    res = read_logs(str(tmp_path / "conv.json"), quarantine_uri=str(quarantine))
+    assert res.turns["conv"]["turn_id"].to_pylist() == ["D1:2"]
+    assert [(q.location, q.reason) for q in res.quarantined] == [
+        ("session_1[0]", "invalid_unicode"), ("session_1[2]", "missing_field"),
+        ("session_2[0]", "invalid_unicode")]
+    lines = quarantine.read_bytes().decode("utf-8").splitlines()
+    assert [json.loads(x)["raw"] for x in lines] == [doc["session_1"][0], doc["session_1"][2],
+                                                      doc["session_2"][0]]
