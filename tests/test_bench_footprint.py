@@ -19,8 +19,8 @@ class ByteTokenizer:
     chat_template = None
     bos_token = "<s>"
 
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
+    def encode(self, text, add_special_tokens=False, split_special_tokens=False):
+        return list(text.encode())  # no special tokens: nothing to split
 
 
 class RandomEmbedder:
