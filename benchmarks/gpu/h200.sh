@@ -294,6 +294,33 @@ case "${1:-}" in
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
+  fp8)  # issue 25: fp8 memory against bf16 memory on one bf16 engine; `fp8 quality`,
+    # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md)
+    rc=0
+    case "${2:-}" in
+      quality)  # (a) LoCoMo, both development conversations, the default layout (window
+        # 20, text tail 5), the same bf16 encoding stored bf16 and fp8, paired per question
+        run locomo-h200-fp8 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+          --windows --variant bf16:dtype=bfloat16 --variant fp8:dtype=float8_e4m3fn \
+          --default-variant bf16 --compare fp8 bf16 --concurrency 128 \
+          --out "$OUT/locomo-h200-fp8.json" || rc=1
+        python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["summary"]
+print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
+          "$OUT/locomo-h200-fp8.json" ;;
+      ttft)  # (b) Llama-3.1-8B shape, fp8 memory and (ref_*) bf16 memory in the same run
+        run ttft-h200-llama31-8b-fp8 540 python benchmarks/ttft.py --model llama-3.1-8b-shape \
+          --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
+          --kv-dtype float8_e4m3fn --reference-dtype bfloat16 --ks ${KS:-5 10 20 50} \
+          --out "$OUT/ttft-h200-llama31-8b-fp8.json" || rc=1
+        grep -h "fused injection" "$OUT/ttft-h200-llama31-8b-fp8.log" | tail -n 1 ;;
+      equivalence)  # (c) greedy outputs, bf16 engine: fp8 memory against bf16 memory
+        run equivalence-h200-fp8 420 python benchmarks/equivalence.py --device cuda \
+          --dtypes bfloat16 --memory-dtype float8_e4m3fn \
+          --out "$OUT/equivalence-h200-fp8.json" || rc=1 ;;
+      *) echo "fp8 quality | fp8 ttft | fp8 equivalence"; rc=2 ;;
+    esac
+    exit $rc
+    ;;
   load)  # issues 15 and 26: start the load sequence detached, then wait up to $2 s
     load_start load-sequence && load_poll "${2:-0}" ;;
   load-tail0)  # only the text-tail-0 run (u48, KV only), detached; G from u48's file or PROMPT_G
@@ -332,7 +359,8 @@ case "${1:-}" in
     exit $rc
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load [S] | load-poll [S] |" \
+          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | fp8 quality|ttft|equivalence |" \
+          "load [S] | load-poll [S] |" \
           "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac
