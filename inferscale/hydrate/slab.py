@@ -7,7 +7,9 @@ chunk index and token ids, the manifest), ready for the worker's resident store.
 and the file size first, then reads the KV file in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
 second pass), refuses anything whose checksum differs, and only then parses the Arrow
-file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
+file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory
+(an fp8 slab with its scales ``[C, 2, L, H]``; a KV dtype or scale rule this reader does
+not know is refused from the manifest before anything else is read).
 
 Where the bytes go:
 

@@ -31,6 +31,28 @@ def test_slot_tiles_split_at_blocks_and_gaps():
     assert slot_tiles(np.array([], dtype=np.int64), 16).shape == (0, 4)
 
 
+def test_launch_batches_respect_token_and_scale_capacities():
+    """A step's sources are cut into launches of at most ``capacity`` tokens and scale
+    values (distinct chunk rows x 2 * L * H floats), splitting a source by rows."""
+    from inferscale.vllm_plugin.kernels.indices import batches
+
+    slab = torch.zeros(40, 2, 2, 3, 4)
+    scales = torch.ones(10, 2, 2, 3)  # 12 floats per chunk row
+    n = 30
+    fp8 = Source(slab, np.arange(n), np.arange(n), np.arange(n), scales,
+                 np.repeat(np.arange(10), 3))  # 10 chunks of 3 tokens
+    plain = Source(slab, np.arange(5), np.arange(5), np.arange(5))
+    cut = batches([plain, fp8], capacity=16, scale_capacity=4 * 12)
+    # chunk 3 straddles the first cut: its scales travel in both launches
+    assert [sum(len(s.rows) for s in b) for b in cut] == [5 + 11, 10, 9]
+    for b in cut:  # at most 4 distinct chunk rows of scales per launch
+        assert sum(len(np.unique(s.scale_rows)) for s in b if s.scales is not None) <= 4
+    got = np.concatenate([s.scale_rows for b in cut for s in b if s.scales is not None])
+    assert got.tolist() == fp8.scale_rows.tolist()  # nothing lost, in order
+    with pytest.raises(ValueError, match="exceed"):
+        batches([fp8], capacity=16, scale_capacity=8)
+
+
 def test_flat_numpy_views_layer_major_slabs_without_copying():
     slab = torch.randn(5, 2, 3, 2, 4)
     lm = layer_major(slab)

@@ -53,6 +53,8 @@ def batches(sources: list[Source], capacity: int, scale_capacity: int) -> list[l
             if per_row:  # tokens of at most scale_room // per_row distinct chunks
                 k = min(k, _fitting(src.scale_rows[at:at + k], scale_room // per_row))
             if k == 0:
+                if not out[-1]:
+                    raise ValueError(f"one chunk's {per_row} scales exceed the capacity")
                 out.append([])
                 room, scale_room = capacity, scale_capacity
                 continue

@@ -28,7 +28,6 @@ connector on the generic path and says why (``FusedWriter.reason``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
