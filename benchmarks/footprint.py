@@ -9,7 +9,8 @@ model (no other tokenizer is available offline; a model's own tokenizer changes 
 token count by its compression ratio, and the KV size in proportion).
 
 - SmolLM2-135M (the embedded model): its real encoding (window ``--window``, float32,
-  stored in each ``--dtypes``);
+  stored in each ``--dtypes``), or random K/V of its shape with ``--random-kv`` (the
+  sizes do not depend on the values; the CPU encoding takes minutes per conversation);
 - Llama-3.1-8B, Qwen2.5-7B, Mistral-7B, Qwen3-14B (``benchmarks.shapes``): random K/V of
   the model's shape (``memory_setup.random_memory``), which has exactly the real size.
 
@@ -113,7 +114,8 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
 
 
 def conversation_rows(conversation: str, models: list[str], window: int, work: Path,
-                      lancedb: bool, dtypes: list[str] = DTYPES) -> list[dict]:
+                      lancedb: bool, dtypes: list[str] = DTYPES,
+                      random_kv: bool = False) -> list[dict]:
     from benchmarks.memory_setup import (
         as_stored, encoded_memory, load_turns, random_memory, turn_facts)
     from inferscale.artifacts.layout import StoreConfig
@@ -139,13 +141,17 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
             root = work / model / "artifacts"
             store = StoreConfig(str(root))
             t0 = time.perf_counter()
-            if model == "smollm2-135m":  # encoded once (float32), stored in each dtype
+            if model == "smollm2-135m" and not random_kv:  # encoded once, stored per dtype
                 shape = kv_shape(json.loads((Path(smol.checkpoint) / "config.json").read_text()))
                 if encoded is None:
                     encoded = encoded_memory(smol.model, tok, turns, facts, EncoderConfig(
                         window=window, dtype="float32"), smol.fingerprint)
                 mem = as_stored(encoded, dtype)
                 kv_note = f"real encoding, window {window}"
+            elif model == "smollm2-135m":  # its geometry, random values
+                shape = kv_shape(json.loads((Path(smol.checkpoint) / "config.json").read_text()))
+                mem = random_memory(facts, tok, shape, getattr(torch, dtype), smol.fingerprint)
+                kv_note = "random K/V of the model's shape"
             else:
                 shape = kv_shape(SHAPES[model])
                 fp = dummy_fingerprint(write_dummy_checkpoint(model, smol.checkpoint,
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="SmolLM2's encoding window (the size does not depend on it)")
     ap.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES,
                     help="stored KV dtypes, each published for every conversation and model")
+    ap.add_argument("--random-kv", action="store_true",
+                    help="random K/V of SmolLM2's shape too (no CPU encoding; same sizes)")
     ap.add_argument("--no-lancedb", action="store_true", help="skip the LanceDB fact table")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for conv in args.conversations:
         rows += conversation_rows(conv, args.models, args.window, work, not args.no_lancedb,
-                                  args.dtypes)
+                                  args.dtypes, args.random_kv)
     encode = encode_times()
     table = markdown(rows, encode)
     print(table)
