@@ -70,6 +70,7 @@ def test_an_fp8_artifact_answers_on_the_float32_engine(engine_env, fp8_users):
             assert out[user].facts_by_tier == {"gpu": len(FACTS)}
         identical += out["fp8"].token_ids == out["f32"].token_ids
         answers[q] = out["fp8"].text
+    print(f"fp8 memory: {identical}/{len(QUESTIONS)} answers token-identical to float32's")
     for q, key in FACTUAL.items():
         assert key.lower() in answers[q].lower(), (q, answers[q])
     assert identical >= 8, f"{identical}/{len(QUESTIONS)} fp8 answers token-identical"
