@@ -12,6 +12,12 @@ composed in stored order, ``[prefix | fact_1 .. fact_n | query]``, and answered 
 - ``window``: the memory injected from the ordinary encoding (each fact with its own
   ``--window`` preceding turns, ``inferscale.encode.encoder.encode_facts``).
 
+With ``--memory-dtype float8_e4m3fn`` both encodings are also published stored in that
+dtype (the same encoding, quantized) and answered on the same engine; those answers are
+compared with the engine-dtype memory's answers of the same encoding
+(``limiting_float8_e4m3fn_vs_memory``, ``window_float8_e4m3fn_vs_memory``): fp8 memory
+against bf16 memory, on the bf16 engine, as greedy outputs.
+
 Each injected answer is compared with the prefill answer: ``token_identical``;
 ``equivalent`` (not identical, but the same normalized first line, or mentioning the
 same key facts of the query); ``differs``. Factual accuracy: a factual answer is right
@@ -134,10 +140,11 @@ def compare(injected: str, prefill: str, inj_ids: list[int], pre_ids: list[int],
     return "differs"
 
 
-def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, root: Path
-                ) -> dict[str, dict]:
-    """Publish every user twice (limiting, window) -> per user: versions and its table."""
-    from benchmarks.memory_setup import facts_table, limiting_memory
+def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, root: Path,
+                memory_dtype: str | None = None) -> dict[str, dict]:
+    """Publish every user twice (limiting, window), and twice more stored in
+    ``memory_dtype`` when given -> per user: versions and its table."""
+    from benchmarks.memory_setup import as_stored, facts_table, limiting_memory
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.compose import Composer
@@ -164,6 +171,16 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
                       embeddings=False).version
         out[user] = {"table": table, "wtable": wtable, "limiting": (lim_user, lim),
                      "window": (win_user, win)}
+        if memory_dtype:  # the same encodings, stored in memory_dtype
+            for enc, name, m, t in (("limiting", lim_user, mem, table),
+                                    ("window", win_user, wmem, wtable)):
+                other = f"{name}-{memory_dtype.replace('_', '-')}"
+                t = t.set_column(t.schema.get_field_index("user"), "user",
+                                 [[other] * t.num_rows])
+                out[user][f"{enc}_{memory_dtype}"] = (other, publish(
+                    store, other, as_stored(m, memory_dtype), t,
+                    Lineage(f"eq-{user}", f"{enc}-{dname}-{memory_dtype}"),
+                    embeddings=False).version)
         assert composer.prefix_ids() == list(mem.chunks[0].token_ids)
     return out
 
@@ -189,7 +206,9 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     embedder = Embedder(Settings().embedder, device=device)
     t0 = time.perf_counter()
     users = build_users(loaded.model, loaded.tokenizer, loaded.fingerprint, embedder, dtype,
-                        args.window, root)
+                        args.window, root, args.memory_dtype)
+    extra = [f"limiting_{args.memory_dtype}", f"window_{args.memory_dtype}"] \
+        if args.memory_dtype else []
     encode_s = time.perf_counter() - t0
     cuda = device.startswith("cuda")
     engine = await MemoryEngine(EngineConfig.of(
@@ -203,7 +222,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
     t0 = time.perf_counter()
     try:
         for user, u in users.items():
-            for enc in ("limiting", "window"):
+            for enc in ("limiting", "window", *extra):
                 await engine.hydrate(u[enc][0], version=u[enc][1], tier="gpu")
             for kind, question, keys in USERS[user]["queries"]:
                 ids, chunks = memory_prompt(tok, u["table"], question)
@@ -227,6 +246,26 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
                                                        pre.token_ids, keys)
                     row[f"{enc}_correct"] = (bool(mentioned(inj.text, keys))
                                              if kind == "factual" else None)
+                    row[f"_{enc}_ids"] = inj.token_ids
+                for enc in extra:  # the other stored dtype, against this encoding's memory
+                    base = enc.split("_")[0]
+                    name, version = u[enc]
+                    wchunks = chunks if base == "limiting" else (
+                        chunks[0], *u["wtable"].column("fact_id").to_pylist())
+                    await engine.llm.reset_prefix_cache()
+                    inj = await engine.generate(ids, MemoryRef(name, version, wchunks),
+                                                max_tokens=args.max_tokens)
+                    row[enc] = inj.text.strip()
+                    row[f"{enc}_injected_tokens"] = inj.injected_tokens
+                    row[f"{enc}_fallback"] = inj.fallback
+                    row[f"{enc}_vs_memory"] = compare(inj.text, row[base], inj.token_ids,
+                                                      row[f"_{base}_ids"], keys)
+                    row[f"{enc}_vs_prefill"] = compare(inj.text, pre.text, inj.token_ids,
+                                                       pre.token_ids, keys)
+                    row[f"{enc}_correct"] = (bool(mentioned(inj.text, keys))
+                                             if kind == "factual" else None)
+                for enc in ("limiting", "window"):
+                    del row[f"_{enc}_ids"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -237,13 +276,16 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
 
 def tally(rows: list[dict]) -> dict:
     out = {}
-    for enc in ("limiting", "window"):
-        counts = {c: sum(r[f"{enc}_vs_prefill"] == c for r in rows)
-                  for c in ("token_identical", "equivalent", "differs")}
+    kinds = ("token_identical", "equivalent", "differs")
+    for enc in [e.removesuffix("_vs_prefill") for e in rows[0] if e.endswith("_vs_prefill")]:
+        counts = {c: sum(r[f"{enc}_vs_prefill"] == c for r in rows) for c in kinds}
         fact = [r for r in rows if r["kind"] == "factual"]
         out[enc] = {**counts, "queries": len(rows),
                     "factual_correct": sum(r[f"{enc}_correct"] for r in fact),
                     "fallbacks": sum(r[f"{enc}_fallback"] is not None for r in rows)}
+        if f"{enc}_vs_memory" in rows[0]:  # another stored dtype against the engine's
+            out[enc]["vs_memory"] = {c: sum(r[f"{enc}_vs_memory"] == c for r in rows)
+                                     for c in kinds}
     fact = [r for r in rows if r["kind"] == "factual"]
     out["prefill"] = {"factual_correct": sum(r["prefill_correct"] for r in fact),
                       "factual_queries": len(fact)}
@@ -258,6 +300,7 @@ def run_isolated(args, name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--dtypes", name,
+               *(["--memory-dtype", args.memory_dtype] if args.memory_dtype else []),
                "--device", args.device, "--window", str(args.window),
                "--max-tokens", str(args.max_tokens), "--model", args.model, "--out", str(out),
                "--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -281,6 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="model, engine and KV dtypes to compare (each in its own process "
                          "when several are given)")
+    ap.add_argument("--memory-dtype", default=None,
+                    help="also serve both encodings stored in this dtype (float8_e4m3fn) "
+                         "and compare with the engine-dtype memory's answers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the encoder and the engine run")
     ap.add_argument("--window", type=int, default=5, help="window of the ordinary encoding")
@@ -314,6 +360,10 @@ def main(argv: list[str] | None = None) -> dict:
                 summary[f"{col}_{enc}_identical"] = c[enc]["token_identical"]
                 summary[f"{col}_{enc}_equivalent"] = c[enc]["equivalent"]
                 summary[f"{col}_{enc}_differs"] = c[enc]["differs"]
+            for enc, got in c.items():
+                if isinstance(got, dict) and "vs_memory" in got:
+                    for kind, n in got["vs_memory"].items():
+                        summary[f"{col}_{enc}_vs_memory_{kind}"] = n
             if col.endswith("float32"):
                 summary["fp32_limiting_identical_share"] = round(
                     c["limiting"]["token_identical"] / c["limiting"]["queries"], 4)
@@ -321,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command_line(argv),
         "device": f"{device} (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "window": args.window, "max_tokens": args.max_tokens,
+        "memory_dtype": args.memory_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "encoder_defaults": EncoderConfig().to_dict(),
         "users": len(USERS), "queries": sum(len(u["queries"]) for u in USERS.values()),

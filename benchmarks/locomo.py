@@ -160,9 +160,11 @@ def prepare(args, path: str, loaded, embedder) -> Conversation:
                         questions, top, sorted(set(turns.column("speaker").to_pylist())))
 
 
-# Fields that change the layout of a request only: variants differing in these alone
-# share one encoding (each still gets its own artifact version).
-LAYOUT_FIELDS = ("memory_order", "text_tail")
+# Fields that change the layout of a request (or the stored format) only: variants
+# differing in these alone share one encoding (each still gets its own artifact version;
+# a stored dtype other than the engine's is the shared encoding converted, or quantized
+# for fp8, as the encoder itself would: benchmarks.memory_setup.as_stored).
+LAYOUT_FIELDS = ("memory_order", "text_tail", "dtype")
 _last_encoding: dict = {}  # conversation -> (encoding key, EncodedMemory)
 
 
@@ -171,7 +173,9 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     ``{user}-{variant}``: (user, version, encoder config, stats)."""
     from dataclasses import asdict
 
-    from benchmarks.memory_setup import encoded_memory, publish_memory
+    from dataclasses import replace
+
+    from benchmarks.memory_setup import as_stored, encoded_memory, kv_errors, publish_memory
 
     used = sorted({f for t in conv.top for f in t})
     facts = conv.facts.filter(pc.is_in(conv.facts["fact_id"], pa.array(used)))
@@ -180,15 +184,20 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
                      sort_keys=True)
     t0 = time.perf_counter()
     if _last_encoding.get(conv.name, (None,))[0] != key:  # one encoding kept per conversation
-        _last_encoding[conv.name] = (key, encoded_memory(
-            loaded.model, loaded.tokenizer, conv.turns, facts, cfg, loaded.fingerprint))
+        _last_encoding[conv.name] = (key, encoded_memory(  # in the engine's (compute) dtype
+            loaded.model, loaded.tokenizer, conv.turns, facts, replace(cfg, dtype=args.kv_dtype),
+            loaded.fingerprint))
     mem = _last_encoding[conv.name][1]
+    errors = {}
+    if cfg.dtype != args.kv_dtype:
+        errors = {"kv_rel_rms_error": kv_errors(mem)}  # bf16 and both fp8 scale rules
+        mem = as_stored(mem, cfg.dtype)
     mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats)
     seconds = time.perf_counter() - t0
     vuser = f"{conv.user}-{variant.name}".replace("_", "-")
     version = publish_memory(root, vuser, conv.turns, for_user(facts, vuser), mem)
     return vuser, version, cfg, {"facts": facts.num_rows, "encode_seconds": round(seconds, 1),
-                                 **mem.stats}
+                                 **mem.stats, **errors}
 
 
 async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation,
@@ -269,7 +278,8 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
 
     try:
         # mode by mode, every conversation at once: an interrupted run loses whole modes
-        for mode in ["prompt", "nomem", *[v.name for v in variants]]:
+        baselines = [] if args.skip_baselines else ["prompt", "nomem"]
+        for mode in [*baselines, *[v.name for v in variants]]:
             hydrated = {c.name: None for c in convs}
             if mode not in ("prompt", "nomem"):
                 variant = next(v for v in variants if v.name == mode)
@@ -324,6 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--default-variant", default=None,
                     help="the variant the summary compares with the prompt baseline "
                          "(f1_default_minus_prompt_min)")
+    ap.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
+                    help="also compare mode A with mode B (paired, per k): summary "
+                         "f1_A_minus_B_min, ci_A_minus_B_k{k}, same_prediction_A_B_k{k}")
+    ap.add_argument("--skip-baselines", action="store_true",
+                    help="answer only the KV variants (no prompt baseline, no nomem)")
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
                          "benchmarks/locomo_select.py and compare it with the baseline")
@@ -366,6 +381,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("variant names must be unique")
     if args.default_variant and args.default_variant not in {v.name for v in variants}:
         ap.error(f"--default-variant {args.default_variant!r} is not a variant")
+    if args.compare and not set(args.compare) <= {v.name for v in variants} | {"prompt"}:
+        ap.error(f"--compare {args.compare}: both must be variants (or prompt)")
+    if args.skip_baselines and (args.select_default or args.default_variant or (
+            args.compare and "prompt" in args.compare)):
+        ap.error("--skip-baselines leaves nothing to compare a default with")
     t_start = time.perf_counter()
     command = command_line(argv)
 
@@ -390,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_dtype": args.kv_dtype, "compiled": args.compile, "ks": args.ks,
         "variants": {v.name: dict(v.fields) for v in variants},
         "encoder_defaults": EncoderConfig().to_dict(),
-        "default_variant": args.default_variant, "phases": phases,
+        "default_variant": args.default_variant, "phases": phases, "compare": args.compare,
     }
 
     grid = [f"kv_w{w}" for w in args.windows]

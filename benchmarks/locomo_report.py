@@ -119,9 +119,35 @@ def _summary(rows: list[dict], modes: list[str], ks: list[int], default: str | N
     return out
 
 
+def compare(records: list[dict], a: str, b: str, ks: list[int]) -> dict:
+    """Mode ``a`` against mode ``b`` on the same questions (e.g. fp8 memory against bf16
+    memory): per k the F1 difference, its paired bootstrap 95% interval and the share of
+    identical predictions; ``f1_{a}_minus_{b}_min`` is the worst k. Empty while a k lacks
+    either mode's answers."""
+    cell: dict[tuple[str, int], dict] = {}
+    for r in records:
+        cell.setdefault((r["mode"], r["k"]), {})[(r["conversation"], r["q"])] = r
+    out: dict[str, Any] = {}
+    diffs = []
+    for k in ks:
+        x, y = cell.get((a, k), {}), cell.get((b, k), {})
+        keys = sorted(set(x) & set(y))
+        if not keys or len(keys) < max(len(x), len(y)):
+            return {}
+        ci = qa_metrics.paired_bootstrap([x[q]["f1"] for q in keys], [y[q]["f1"] for q in keys])
+        out[f"f1_{a}_minus_{b}_k{k}"] = ci["mean"]
+        out[f"ci_{a}_minus_{b}_k{k}"] = [ci["lo"], ci["hi"]]
+        out[f"same_prediction_{a}_{b}_k{k}"] = round(
+            sum(x[q]["prediction"] == y[q]["prediction"] for q in keys) / len(keys), 4)
+        diffs.append(ci["mean"])
+    out[f"f1_{a}_minus_{b}_min"] = round(min(diffs), 4)
+    return out
+
+
 def report(meta: dict, convs: Sequence[Any], answers: dict, modes: list[str], ks: list[int],
            default: str | None) -> dict:
-    """The whole result: rows and summaries per conversation and pooled, every answer."""
+    """The whole result: rows and summaries per conversation and pooled, every answer
+    (and, with ``meta["compare"] = [a, b]``, mode a against mode b in the summaries)."""
     records = score_answers(convs, answers)
     pooled = _rows("pooled", records, modes, ks, sum(len(c.questions) for c in convs))
     per_conv = {}
@@ -130,11 +156,18 @@ def report(meta: dict, convs: Sequence[Any], answers: dict, modes: list[str], ks
                      len(c.questions))
         per_conv[c.name] = {"facts": c.facts.num_rows, "questions": len(c.questions),
                             "rows": rows, "summary": _summary(rows, modes, ks, default, [c])}
+    summary = _summary(pooled, modes, ks, default, convs)
+    if meta.get("compare"):
+        a, b = meta["compare"]
+        summary.update(compare(records, a, b, ks))
+        for c in convs:
+            per_conv[c.name]["summary"].update(compare(
+                [r for r in records if r["conversation"] == c.name], a, b, ks))
     return {
         **meta,
         "conversations": per_conv,
         "rows": pooled,
-        "summary": _summary(pooled, modes, ks, default, convs),
+        "summary": summary,
         "records": records,
         "questions_list": {c.name: [{k: q[k] for k in ("id", "question", "answer", "category")}
                                     for q in c.questions] for c in convs},

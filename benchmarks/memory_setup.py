@@ -26,6 +26,7 @@ from inferscale.encode.encoder import EncodedChunk, EncodedMemory, encode_facts,
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash
+from inferscale.kv_quant import is_quantized, quantize
 from inferscale.pipeline.steps import turns_and_facts
 from inferscale.types import PREFIX_ID
 from storage_schemas import facts as facts_schema
@@ -77,17 +78,71 @@ def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype
                   fingerprint: str, seed: int = 0, layout: dict | None = None) -> EncodedMemory:
     """Random K/V ``[L, T, H, D]`` per chunk (for dummy-weight models, whose real KV would
     be as meaningless): right sizes, right token ids, no forward pass. ``layout``: the
-    composer settings (``memory_order``, ``text_tail``) the artifact carries."""
+    composer settings (``memory_order``, ``text_tail``) the artifact carries. An fp8
+    ``dtype`` quantizes each chunk (``inferscale.kv_quant``)."""
     L, H, D = shape
     g = torch.Generator().manual_seed(seed)
+    fp8 = is_quantized(dtype)
     chunks = [(PREFIX_ID, Composer(tokenizer).prefix_ids())]
     chunks += list(zip(facts.column("fact_id").to_pylist(), facts.column("token_ids").to_pylist()))
     out = []
     for cid, ids in chunks:
-        kv = torch.randn((2, L, len(ids), H, D), generator=g).to(dtype)
-        out.append(EncodedChunk(cid, list(ids), kv[0], kv[1]))
+        kv = torch.randn((2, L, len(ids), H, D), generator=g)
+        if fp8:
+            k, v, sc = quantize(kv[0], kv[1])
+            out.append(EncodedChunk(cid, list(ids), k, v, scales=sc))
+        else:
+            kv = kv.to(dtype)
+            out.append(EncodedChunk(cid, list(ids), kv[0], kv[1]))
     return EncodedMemory(out, fingerprint, {"random_kv": True, "dtype": str(dtype),
                                             **(layout or {})})
+
+
+def as_stored(memory: EncodedMemory, dtype: str) -> EncodedMemory:
+    """``memory`` (encoded in a float dtype) stored in ``dtype`` instead: converted, or
+    quantized per chunk for fp8 (what the encoder itself does with that stored dtype:
+    capture in the compute dtype, then convert), with the encoder config's ``dtype`` set
+    accordingly. One encoding, several storage formats."""
+    chunks = []
+    for c in memory.chunks:
+        if c.scales is not None:
+            raise ValueError("as_stored converts float encodings only")
+        if is_quantized(dtype):
+            k, v, sc = quantize(c.keys, c.values)
+        else:
+            k, v, sc = c.keys.to(getattr(torch, dtype)), c.values.to(getattr(torch, dtype)), None
+        chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, c.content_key, sc))
+    return EncodedMemory(chunks, memory.model_fingerprint,
+                         {**memory.encoder_config, "dtype": dtype}, memory.stats)
+
+
+def kv_errors(memory: EncodedMemory) -> dict:
+    """How far stored K/V are from a float encoding (``memory``, float32 or bf16), for
+    bf16 storage and two fp8 scale granularities: the stored format's (per chunk, K/V,
+    layer, KV head) and per token (one scale per token, layer, head: what the format
+    would need if chunk scales were too coarse). Relative RMS error over all chunks,
+    K and V apart: sqrt(sum (x' - x)^2 / sum x^2)."""
+    from inferscale.kv_quant import FP8_DTYPE, FP8_MAX, dequantize
+
+    err: dict[str, list[float]] = {}
+
+    def add(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        e = err.setdefault(name, [0.0, 0.0])
+        e[0] += float((y - x).pow(2).sum())
+        e[1] += float(x.pow(2).sum())
+
+    for c in memory.chunks:
+        for kind, x in (("k", c.keys.float()), ("v", c.values.float())):  # [L, T, H, D]
+            add(f"bf16_{kind}", x, x.to(torch.bfloat16).float())
+            k, v, sc = quantize(x, x)  # per chunk, layer, head
+            rows = torch.stack([k, v]).permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D]
+            add(f"fp8_chunk_{kind}", x, dequantize(rows, sc.expand(rows.shape[0], -1, -1, -1))
+                [:, 0].permute(1, 0, 2, 3))
+            amax = x.abs().amax(dim=-1, keepdim=True)  # per token, layer, head
+            s_tok = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            add(f"fp8_token_{kind}", x, (x / s_tok).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+                .float() * s_tok)
+    return {name: round((e[0] / max(e[1], 1e-30)) ** 0.5, 5) for name, e in err.items()}
 
 
 def encoded_memory(model, tokenizer, turns: pa.Table, facts: pa.Table, cfg: EncoderConfig,

@@ -11,7 +11,12 @@ the user's facts), on the same vLLM engine with the InferScale connector:
   the same memory and another question, so none of this query's tokens hit the cache:
   the floor computes the query like the other modes (at most the last partial block of
   memory, less than one block, is injected);
-- ``q2ft``: query-to-first-token of the injected path: embed + retrieve + compose + TTFT.
+- ``q2ft``: query-to-first-token of the injected path: embed + retrieve + compose + TTFT;
+- ``ref_gpu`` / ``ref_host`` (with ``--reference-dtype``): the same memory stored in the
+  reference dtype, injected from each tier, in the same run (fp8 memory against bf16).
+
+``--kv-dtype`` is the stored KV dtype of the measured memory (default: the engine's);
+the engine itself runs in bf16 on CUDA (float32 on the CPU) whatever the memory's dtype.
 
 Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).
 vLLM's prefix cache is reset before every uncached measurement, so no k or query feeds
@@ -22,6 +27,8 @@ summary is taken at the largest k.
     python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
     python benchmarks/ttft.py --model qwen3-14b-shape --tensor-parallel-size 2 \
         --out .../ttft-h200x2-qwen3-14b.json   # two GPUs: each rank injects its KV heads
+    python benchmarks/ttft.py --model llama-3.1-8b-shape --kv-dtype float8_e4m3fn \
+        --reference-dtype bfloat16 --out .../ttft-h200-llama31-8b-fp8.json  # fp8 memory
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from inferscale.encode.identity import EncoderConfig  # noqa: E402
 
 
 MODES = ("prompt", "inject_gpu", "cached", "inject_host")
+REF_MODES = ("ref_gpu", "ref_host")  # --reference-dtype
 
 
 def questions(conversation: str, n: int) -> list[str]:
@@ -62,7 +70,7 @@ async def measure(args) -> dict:
     from transformers import AutoTokenizer
 
     from benchmarks.memory_setup import (
-        encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
+        as_stored, encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.compose import Composer
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
@@ -77,6 +85,11 @@ async def measure(args) -> dict:
                         dtype=torch.float16 if cuda else None)
     turns = load_turns(args.conversation)
     users = {"gpu": "bench-gpu", "host": "bench-host"}
+    dtypes = {"gpu": args.kv_dtype, "host": args.kv_dtype}  # the stored KV dtype per user
+    if args.reference_dtype:
+        users.update(ref_gpu="bench-gpu-ref", ref_host="bench-host-ref")
+        dtypes.update(ref_gpu=args.reference_dtype, ref_host=args.reference_dtype)
+    modes = MODES + (REF_MODES if args.reference_dtype else ())
     # the composer settings the artifacts carry (what the server lays out per request)
     layout = {"memory_order": args.memory_order, "text_tail": args.text_tail}
     t0 = time.perf_counter()
@@ -90,9 +103,9 @@ async def measure(args) -> dict:
         versions = {}
         for tier, user in users.items():
             facts = turn_facts(turns, user, tok, embedder)
-            kv_dtype = torch.bfloat16 if cuda else torch.float32
             versions[tier] = publish_memory(work / "artifacts", user, turns, facts,
-                                            random_memory(facts, tok, shape, kv_dtype, fp,
+                                            random_memory(facts, tok, shape,
+                                                          getattr(torch, dtypes[tier]), fp,
                                                           layout=layout))
         engine_cfg = dict(model=str(ckpt), load_format="dummy",
                           dtype="bfloat16" if cuda else "float32")
@@ -105,6 +118,8 @@ async def measure(args) -> dict:
         for tier, user in users.items():
             facts = turn_facts(turns, user, tok, embedder)
             mem = encoded_memory(loaded.model, tok, turns, facts, enc_cfg, fp)
+            if dtypes[tier] != "float32":  # the float32 encoding, stored in that dtype
+                mem = as_stored(mem, dtypes[tier])
             versions[tier] = publish_memory(work / "artifacts", user, turns, facts, mem)
         del loaded
         engine_cfg = dict(model=str(ckpt), dtype="float32")
@@ -120,7 +135,7 @@ async def measure(args) -> dict:
     kv = MemoryServer(engine, tok, embedder, store, mode="kv")
     prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
     for tier, user in users.items():
-        await kv.hydrate(user, version=versions[tier], tier=tier)
+        await kv.hydrate(user, version=versions[tier], tier=tier.removeprefix("ref_"))
         load_user(prompt, user, versions[tier])
     qs = questions(args.conversation, args.queries + 1)
     llm = engine.llm
@@ -154,7 +169,7 @@ async def measure(args) -> dict:
             # request's own query can hit, so the floor computes the query like the others
             await engine.generate(ids[:m] + other_query, ref, max_tokens=1)
             return await ttft(kv, users["gpu"], q, k, reset=False)
-        return await ttft(kv, users["gpu" if mode == "inject_gpu" else "host"], q, k)
+        return await ttft(kv, users[mode.removeprefix("inject_")], q, k)
 
     # what the loads write, checked against an independent computation (known layouts)
     verify = {}
@@ -171,11 +186,12 @@ async def measure(args) -> dict:
         await ttft(prompt, users["gpu"], qs[0], max(args.ks), warm_prefix=True)
     rows = []
     for k in args.ks:
-        samples: dict[str, list[dict]] = {m: [] for m in MODES}
+        samples: dict[str, list[dict]] = {m: [] for m in modes}
         for i, q in enumerate(qs[1:]):
             # the modes' order rotates per query, so no mode always follows the long
             # prompt prefill (the request right after it measured up to 35 ms slower on CPU)
-            for mode in MODES[i % 4:] + MODES[:i % 4]:
+            r = i % len(modes)
+            for mode in modes[r:] + modes[:r]:
                 samples[mode].append(await measure_mode(mode, q, k))
         med = {m: {f: statistics.median(s[f] for s in v) for f in v[0]}
                for m, v in samples.items()}
@@ -196,18 +212,29 @@ async def measure(args) -> dict:
             "embed_ms": med["inject_gpu"]["embed_ms"],
             "retrieve_ms": med["inject_gpu"]["retrieve_ms"],
         }
+        if args.reference_dtype:
+            row.update(ref_gpu_ttft_ms=med["ref_gpu"]["ttft_ms"],
+                       ref_host_ttft_ms=med["ref_host"]["ttft_ms"],
+                       ref_injected_tokens=med["ref_gpu"]["injected"])
         row = {a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     status = await engine.status()
     engine.shutdown()
     top = rows[-1]
+    reference = {}
+    if args.reference_dtype:  # the same summary for the reference dtype's memory
+        reference = {
+            "reference_dtype": args.reference_dtype,
+            "ref_engine_ttft_vs_cached": round(top["ref_gpu_ttft_ms"] / top["cached_ttft_ms"], 3),
+            "ref_host_tier_extra_ms": round(top["ref_host_ttft_ms"] - top["ref_gpu_ttft_ms"], 3),
+            "gpu_ttft_vs_ref": round(top["inject_gpu_ttft_ms"] / top["ref_gpu_ttft_ms"], 3)}
     return {
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "kv": kv_note, "engine": "eager" if args.eager else "compiled",
         "tensor_parallel_size": args.tensor_parallel_size,
-        "layout": layout,
+        "layout": layout, "kv_dtype": args.kv_dtype, "reference_dtype": args.reference_dtype,
         "setup_seconds": round(setup_s, 1), "verify": verify, "rows": rows,
         "loaded_tokens_total": status["loaded_tokens"],
         "inject_ms_mean": round(status["inject_ms_mean"], 3),
@@ -217,6 +244,7 @@ async def measure(args) -> dict:
             "q2ft_vs_engine_ttft": round(top["inject_gpu_q2ft_ms"] / top["inject_gpu_ttft_ms"], 3),
             "host_tier_extra_ms": round(top["inject_host_ttft_ms"] - top["inject_gpu_ttft_ms"], 3),
             "speedup_vs_prompt": round(top["prompt_ttft_ms"] / top["inject_gpu_ttft_ms"], 3),
+            "kv_dtype": args.kv_dtype, **reference,
         },
     }
 
@@ -236,6 +264,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--memory-order", default=EncoderConfig.memory_order,
                     help="order of the injected facts (relevance, relevance_last, "
                          "chronological; default: the encoder default)")
+    ap.add_argument("--kv-dtype", default=None,
+                    help="stored KV dtype of the memory (bfloat16, float32, float8_e4m3fn; "
+                         "default: the engine's, bf16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--reference-dtype", default=None,
+                    help="also inject the same memory stored in this dtype (ref_gpu, "
+                         "ref_host), in the same run")
     ap.add_argument("--embedder", default="embedded", help="sentence-transformers dir")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir for the -shape models")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
@@ -251,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     args.eager = (not cuda) if args.eager is None else args.eager
+    args.kv_dtype = args.kv_dtype or ("bfloat16" if cuda else "float32")
     args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
     result = asyncio.run(measure(args))
     return write_result({"command": command_line(argv), **result}, args.out)

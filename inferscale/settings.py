@@ -64,7 +64,10 @@ class Settings(BaseSettings):
     # -- the serving model and the encoder
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    kv_dtype: KVDtype = "bfloat16"
+    kv_dtype: KVDtype = Field(
+        default="bfloat16", description="stored K/V dtype: bfloat16 (default), float16, "
+        "float32, or float8_e4m3fn (fp8 memory: half of bf16, scales per chunk, K/V, layer "
+        "and KV head; kept fp8 on CUDA, dequantized once on the CPU)")
     window: int = Field(default=DEFAULT_WINDOW, ge=0,
                         description="turns of context before each fact")
     encoder_context: Literal[ENCODER_CONTEXTS] = Field(  # type: ignore[valid-type]

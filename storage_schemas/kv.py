@@ -20,15 +20,23 @@ The file holds one record batch, one row per chunk:
   reader that fetches single chunks by byte range (a request's retrieved facts, without
   the rest of the slab) can verify each one; the manifest records :func:`index_digest`
   of these index columns, so the index itself is verified too;
+- ``scales`` fixed_size_list<float32>[2 * L * H] (since version 4; quantized dtypes
+  only): the chunk's dequantization scales ``[2, L, H]`` (K then V, per layer and KV
+  head; :data:`SCALES` names the rule, ``inferscale.kv_quant`` implements it). They are
+  index columns: :func:`index_digest` covers them, so a reader of single chunks gets
+  verified scales with the index;
 - ``kv`` large_list<storage>: the chunk's rows flattened. Its child values buffer is
   the whole slab, one contiguous buffer, so a memory-mapped or in-memory file yields
-  the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32;
-  the true dtype, the layout and L/H/D are in the schema metadata. Every other column's
-  buffers precede it in the file: a reader projecting the index columns reads a few KB.
+  the slab zero-copy. bf16 and fp16 are stored as uint16 bit patterns, fp32 as float32,
+  float8_e4m3fn as uint8; the true dtype, the layout, L/H/D and the scale rule are in
+  the schema metadata. Every other column's buffers precede it in the file: a reader
+  projecting the index columns reads a few KB.
 
-Versions: 1 had no ``content_key`` column, 2 no ``digest``; readers accept 1 to 3 (a
-version-1 file has no keys, so nothing is reused from it; a file before version 3 is
-only read whole).
+Versions: 1 had no ``content_key`` column, 2 no ``digest``, 3 no quantized dtypes;
+readers accept 1 to 4 (a version-1 file has no keys, so nothing is reused from it; a
+file before version 3 is only read whole). Writers write version 4 for quantized dtypes
+and 3 otherwise (:func:`written_version`), so an unquantized file stays readable by
+older readers, and an older reader meeting an fp8 file refuses it as a newer version.
 
 Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
 """
@@ -44,13 +52,17 @@ import xxhash
 from storage_schemas.common import check_schema, schema_meta
 
 NAME = "kv"
-VERSION = 3
+VERSION = 4
 PREFIX = "prefix"
 LAYOUT = "token-major [T, 2, L, H, D]"
 
 # true dtype -> Arrow storage type of the slab's elements
-STORAGE_TYPES = {"bfloat16": pa.uint16(), "float16": pa.uint16(), "float32": pa.float32()}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+STORAGE_TYPES = {"bfloat16": pa.uint16(), "float16": pa.uint16(), "float32": pa.float32(),
+                 "float8_e4m3fn": pa.uint8()}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# the scale rule of each quantized dtype (schema metadata ``inferscale.kv.scales`` and the
+# manifest's ``kv.scales``); a reader refuses a rule it does not know
+SCALES = {"float8_e4m3fn": "float32 per chunk, K/V, layer, KV head: amax / 448"}
 
 _M = "inferscale.kv."
 _FP = "inferscale.model_fingerprint"
@@ -58,6 +70,28 @@ _FP = "inferscale.model_fingerprint"
 
 class KVFormatError(ValueError):
     """A kv file whose schema version is known but whose content breaks the layout."""
+
+
+class UnknownKVFormat(KVFormatError):
+    """A KV dtype or scale rule this reader does not know (written by a newer InferScale)."""
+
+
+def written_version(dtype: str) -> int:
+    """The kv schema version a file of ``dtype`` is written in: 4 with scales, else 3."""
+    return VERSION if dtype in SCALES else 3
+
+
+def check_format(kv: dict) -> None:
+    """A manifest's ``kv`` record names a dtype and scale rule this reader knows, or
+    :class:`UnknownKVFormat` says which and that a newer InferScale wrote it."""
+    dtype, scales = kv.get("dtype"), kv.get("scales")
+    if dtype not in ITEMSIZE:
+        raise UnknownKVFormat(f"KV dtype {dtype!r} is not one this InferScale reads "
+                              f"({sorted(ITEMSIZE)}); upgrade InferScale to read it")
+    if scales != SCALES.get(dtype):
+        raise UnknownKVFormat(f"KV dtype {dtype!r} with scale rule {scales!r} is not a format "
+                              f"this InferScale reads (it knows {SCALES.get(dtype)!r}); "
+                              "upgrade InferScale to read it")
 
 
 @dataclass(frozen=True)
@@ -73,7 +107,8 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_TYPES:
-            raise KVFormatError(f"unsupported KV dtype {self.dtype!r}; one of {sorted(STORAGE_TYPES)}")
+            raise UnknownKVFormat(f"unsupported KV dtype {self.dtype!r}; one of "
+                                  f"{sorted(STORAGE_TYPES)} (upgrade InferScale to read it)")
         for name in ("layers", "kv_heads", "head_dim"):
             if int(getattr(self, name)) < 1:
                 raise KVFormatError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -96,16 +131,34 @@ class KVLayout:
         return self.tokens * self.row_elems * ITEMSIZE[self.dtype]
 
     @property
+    def quantized(self) -> bool:
+        """Whether chunks carry scales (``scales`` column)."""
+        return self.dtype in SCALES
+
+    @property
+    def scale_elems(self) -> int:
+        """Scales per chunk: 2 * L * H (0 when unquantized)."""
+        return 2 * self.layers * self.kv_heads if self.quantized else 0
+
+    @property
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.tokens, 2, self.layers, self.kv_heads, self.head_dim)
 
-    def schema(self, version: int = VERSION) -> pa.Schema:
-        """The kv file's schema as written by schema ``version`` (1 to 3)."""
-        if version not in (1, 2, 3):
+    def schema(self, version: int | None = None) -> pa.Schema:
+        """The kv file's schema as written by schema ``version`` (1 to 4; default: the
+        version this layout is written in, :func:`written_version`)."""
+        version = written_version(self.dtype) if version is None else version
+        if version not in (1, 2, 3, 4):
             raise KVFormatError(f"no kv schema version {version}")
+        if self.quantized != (version >= 4):
+            raise KVFormatError(f"KV dtype {self.dtype!r} is not stored in kv schema "
+                                f"version {version}")
         keyed = [pa.field("content_key", pa.string(), nullable=True)] if version >= 2 else []
         if version >= 3:
             keyed.append(pa.field("digest", pa.uint64(), nullable=False))
+        if self.quantized:
+            keyed.append(pa.field("scales", pa.list_(pa.float32(), self.scale_elems),
+                                  nullable=False))
         return pa.schema(
             [
                 pa.field("chunk_id", pa.string(), nullable=False),
@@ -124,6 +177,7 @@ class KVLayout:
                 _M + "head_dim": str(self.head_dim),
                 _M + "tokens": str(self.tokens),
                 _FP: self.model_fingerprint,
+                **({_M + "scales": SCALES[self.dtype]} if self.quantized else {}),
             }),
         )
 
@@ -151,6 +205,7 @@ class KVLayout:
             if isinstance(exc, KVFormatError):
                 raise
             raise KVFormatError(f"kv schema metadata incomplete or unreadable: {exc!r}") from exc
+        check_format({"dtype": layout.dtype, "scales": meta.get(_M + "scales")})
         expected = layout.schema(version)
         if schema.remove_metadata() != expected.remove_metadata():
             raise KVFormatError(f"kv columns {schema.remove_metadata()} differ from the layout's "
@@ -180,19 +235,29 @@ def check_index(chunk_ids: list[str], offsets: list[int], lengths: list[int],
 INDEX_COLUMNS = ("chunk_id", "offset", "length", "token_ids", "digest")
 
 
+def index_columns(layout: KVLayout) -> tuple[str, ...]:
+    """The index columns of a file of ``layout`` (with ``scales`` when quantized)."""
+    return INDEX_COLUMNS + (("scales",) if layout.quantized else ())
+
+
 def chunk_digest(rows: memoryview | bytes) -> int:
     """xxh3-64 of one chunk's rows as stored (the ``digest`` column)."""
     return xxhash.xxh3_64_intdigest(rows)
 
 
 def index_digest(chunk_ids: list[str], offsets: list[int], lengths: list[int],
-                 token_ids: list[list[int]], digests: list[int]) -> str:
+                 token_ids: list[list[int]], digests: list[int],
+                 scales: list[list[float]] | None = None) -> str:
     """xxh3-128 over the index columns in order (what a manifest records as
-    ``kv.index_xxh3``): a reader of single chunks checks the index it read with it."""
+    ``kv.index_xxh3``; with each chunk's ``scales`` as float32 when quantized): a reader
+    of single chunks checks the index it read with it."""
     h = xxhash.xxh3_128()
-    for cid, off, n, toks, d in zip(chunk_ids, offsets, lengths, token_ids, digests,
-                                    strict=True):
+    rows = zip(chunk_ids, offsets, lengths, token_ids, digests,
+               scales if scales is not None else [None] * len(chunk_ids), strict=True)
+    for cid, off, n, toks, d, sc in rows:
         h.update(cid.encode() + b"\0")
         h.update(struct.pack("<qqQq", off, n, d, len(toks)))
         h.update(struct.pack(f"<{len(toks)}i", *toks))
+        if sc is not None:
+            h.update(struct.pack(f"<{len(sc)}f", *sc))
     return h.hexdigest()

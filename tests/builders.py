@@ -23,6 +23,7 @@ class Chunk:
     keys: torch.Tensor  # [L, T, H, D]
     values: torch.Tensor  # [L, T, H, D]
     content_key: str | None = None
+    scales: torch.Tensor | None = None  # [2, L, H] float32 (fp8 K/V)
 
 
 @dataclass
@@ -39,20 +40,30 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
     """Random encoder output (prefix + one chunk per fact), its facts table, lineage.
 
     ``kv_noise``: perturb K/V with noise of this seed: other bytes for the same inputs
-    (the same version id), as another device or compute dtype would produce."""
+    (the same version id), as another device or compute dtype would produce. An fp8
+    ``dtype`` quantizes each chunk (``inferscale.kv_quant``) and keys get a few large
+    channels per head, as real keys have."""
+    from inferscale.kv_quant import is_quantized, quantize
+
+    fp8 = is_quantized(dtype)
+    work = torch.float32 if fp8 else dtype
     g = torch.Generator().manual_seed(seed)
     noise = torch.Generator().manual_seed(kv_noise) if kv_noise is not None else None
     fact_ids = [f"f{seed}-{i:04d}" for i in range(n_facts)]
     chunks = []
     for cid in ["prefix", *fact_ids]:
         t = prefix_tokens if cid == "prefix" else int(torch.randint(1, max_tokens + 1, (1,), generator=g))
-        keys = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
-        values = torch.randn(layers, t, heads, head_dim, generator=g).to(dtype)
+        keys = torch.randn(layers, t, heads, head_dim, generator=g).to(work)
+        values = torch.randn(layers, t, heads, head_dim, generator=g).to(work)
         if noise is not None:
-            keys = keys + (0.01 * torch.randn(keys.shape, generator=noise)).to(dtype)
-            values = values + (0.01 * torch.randn(values.shape, generator=noise)).to(dtype)
+            keys = keys + (0.01 * torch.randn(keys.shape, generator=noise)).to(work)
+            values = values + (0.01 * torch.randn(values.shape, generator=noise)).to(work)
         tokens = torch.randint(0, 50000, (t,), generator=g).tolist()
-        chunks.append(Chunk(cid, tokens, keys, values))
+        scales = None
+        if fp8:
+            keys[..., :2] *= 20  # outlier channels
+            keys, values, scales = quantize(keys, values)
+        chunks.append(Chunk(cid, tokens, keys, values, scales=scales))
     memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),
                                  "instruction": "remember"})
     facts = facts_table(user, fact_ids, [c.token_ids for c in chunks[1:]], seed)
@@ -74,8 +85,19 @@ def facts_table(user: str, fact_ids: list[str], token_ids: list[list[int]], seed
 
 
 def expected_slab(memory: Memory) -> torch.Tensor:
-    """The [T, 2, L, H, D] slab the store must hand back for ``memory``."""
+    """The [T, 2, L, H, D] slab the store must hand back for ``memory`` (as stored)."""
     rows = [torch.stack([c.keys, c.values]).permute(2, 0, 1, 3, 4) for c in memory.chunks]
+    return torch.cat(rows)
+
+
+def expected_float(memory: Memory) -> torch.Tensor:
+    """:func:`expected_slab` as float32, fp8 rows dequantized with their chunk's scales."""
+    rows = []
+    for c in memory.chunks:
+        kv = torch.stack([c.keys, c.values]).float()  # [2, L, t, H, D]
+        if c.scales is not None:
+            kv = kv * c.scales[:, :, None, :, None]
+        rows.append(kv.permute(2, 0, 1, 3, 4))
     return torch.cat(rows)
 
 

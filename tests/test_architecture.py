@@ -29,8 +29,8 @@ PACKAGE = REPO / "inferscale"
 # first holds what every stage shares: the contracts, the settings, the serving model
 # (checkpoints, fingerprints) and the prompt format (memory lines, fact token ids).
 STAGES: list[tuple[str, ...]] = [
-    ("inferscale", "inferscale.types", "inferscale.settings", "inferscale.models",
-     "inferscale.compose"),
+    ("inferscale", "inferscale.types", "inferscale.kv_quant", "inferscale.settings",
+     "inferscale.models", "inferscale.compose"),
     ("inferscale.ingest",),
     ("inferscale.facts",),
     ("inferscale.encode",),

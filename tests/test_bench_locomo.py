@@ -79,3 +79,24 @@ def test_select_rule_and_apply():
     assert result["earlier_defaults"][0]["default_variant"] == "hot"
     assert result["summary"]["f1_default_minus_prompt_min"] == -0.005
     assert result["summary"]["continues_default_minus_prompt"] == 0.05
+
+
+def test_compare_two_modes_paired():
+    """--compare fp8 bf16: per k the paired difference, its interval, identical shares,
+    and the worst k; nothing while a k lacks answers of either mode."""
+    convs = [_conv("a", 3), _conv("b", 2)]
+    answers = {**_answers(convs, "prompt", "Rex"), **_answers(convs, "bf16", "Rex"),
+               **_answers(convs, "fp8", "Rex")}
+    answers[("a", "fp8", 0, 50)] = {**answers[("a", "fp8", 0, 50)], "text": "Max"}
+    res = locomo_report.report({"ks": KS, "compare": ["fp8", "bf16"]}, convs, answers,
+                               ["bf16", "fp8"], KS, None)
+    s = res["summary"]
+    assert s["f1_fp8_minus_bf16_k5"] == 0.0 and s["ci_fp8_minus_bf16_k5"] == [0.0, 0.0]
+    assert s["f1_fp8_minus_bf16_k50"] == -0.2 and s["f1_fp8_minus_bf16_min"] == -0.2
+    assert s["same_prediction_fp8_bf16_k50"] == 0.8 and s["same_prediction_fp8_bf16_k5"] == 1.0
+    lo, hi = s["ci_fp8_minus_bf16_k50"]
+    assert lo <= -0.2 <= hi and lo < 0
+    assert res["conversations"]["b"]["summary"]["f1_fp8_minus_bf16_min"] == 0.0
+    del answers[("b", "fp8", 1, 5)]
+    assert locomo_report.compare(locomo_report.score_answers(convs, answers),
+                                 "fp8", "bf16", KS) == {}

@@ -265,10 +265,10 @@ case "${1:-}" in
     ;;
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    run gpu-tests 200 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
+    run gpu-tests 420 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
       tests/hydrate/test_resident.py tests/hydrate/test_slab.py tests/vllm_plugin/test_kernels.py \
       tests/vllm_plugin/test_fetches.py \
-      tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"
+      tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"  # ~4 min: 6 Triton compiles for the fp8 kernel cases
     ;;
   encode-hydrate)
     run encode-h200 300 python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \
@@ -293,6 +293,33 @@ case "${1:-}" in
     run ttft-h200-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
+    ;;
+  fp8)  # issue 25: fp8 memory against bf16 memory on one bf16 engine; `fp8 quality`,
+    # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md)
+    rc=0
+    case "${2:-}" in
+      quality)  # (a) LoCoMo, both development conversations, the default layout (window
+        # 20, text tail 5), the same bf16 encoding stored bf16 and fp8, paired per question
+        run locomo-h200-fp8 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+          --windows --variant bf16:dtype=bfloat16 --variant fp8:dtype=float8_e4m3fn \
+          --default-variant bf16 --compare fp8 bf16 --concurrency 128 \
+          --out "$OUT/locomo-h200-fp8.json" || rc=1
+        python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["summary"]
+print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
+          "$OUT/locomo-h200-fp8.json" ;;
+      ttft)  # (b) Llama-3.1-8B shape, fp8 memory and (ref_*) bf16 memory in the same run
+        run ttft-h200-llama31-8b-fp8 540 python benchmarks/ttft.py --model llama-3.1-8b-shape \
+          --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
+          --kv-dtype float8_e4m3fn --reference-dtype bfloat16 --ks ${KS:-5 10 20 50} \
+          --out "$OUT/ttft-h200-llama31-8b-fp8.json" || rc=1
+        grep -h "fused injection" "$OUT/ttft-h200-llama31-8b-fp8.log" | tail -n 1 ;;
+      equivalence)  # (c) greedy outputs, bf16 engine: fp8 memory against bf16 memory
+        run equivalence-h200-fp8 420 python benchmarks/equivalence.py --device cuda \
+          --dtypes bfloat16 --memory-dtype float8_e4m3fn \
+          --out "$OUT/equivalence-h200-fp8.json" || rc=1 ;;
+      *) echo "fp8 quality | fp8 ttft | fp8 equivalence"; rc=2 ;;
+    esac
+    exit $rc
     ;;
   load)  # issues 15 and 26: start the load sequence detached, then wait up to $2 s
     load_start load-sequence && load_poll "${2:-0}" ;;
@@ -332,7 +359,8 @@ case "${1:-}" in
     exit $rc
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | load [S] | load-poll [S] |" \
+          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | fp8 quality|ttft|equivalence |" \
+          "load [S] | load-poll [S] |" \
           "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac

@@ -27,7 +27,8 @@ class EncodedChunkLike(Protocol):
     keys: torch.Tensor  # [L, T, H, D] pre-RoPE, CPU
     values: torch.Tensor  # [L, T, H, D]
     # optional: ``content_key`` (str | None), what the K/V is a function of (stored; a
-    # chunk without one is never reused by a later version)
+    # chunk without one is never reused by a later version); ``scales`` ([2, L, H]
+    # float32), required for quantized dtypes (``inferscale.kv_quant``)
 
 
 class EncodedMemoryLike(Protocol):
@@ -56,7 +57,8 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     if dtype is None:
         raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(KV_DTYPES)}")
     n_layers, _, n_heads, head_dim = k0.shape
-    ids, lengths, content_keys = [], [], []
+    quantized = dtype in kv_schema.SCALES
+    ids, lengths, content_keys, scales = [], [], [], []
     for c in chunks:
         k, v = c.keys, c.values
         if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -77,6 +79,16 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         if key is not None and (not isinstance(key, str) or not key):
             raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: content key must be a non-empty "
                                        f"string or None, got {key!r}")
+        sc = getattr(c, "scales", None)
+        if quantized:
+            if not isinstance(sc, torch.Tensor) or tuple(sc.shape) != (2, n_layers, n_heads) \
+                    or sc.dtype != torch.float32 or not bool(torch.isfinite(sc).all()) \
+                    or not bool((sc > 0).all()):
+                raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {dtype} K/V need positive "
+                                           f"float32 scales [2, {n_layers}, {n_heads}]")
+            scales.append(sc.reshape(-1).tolist())
+        elif sc is not None:
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: scales given for {dtype} K/V")
         ids.append(c.chunk_id)
         lengths.append(int(k.shape[1]))
         content_keys.append(key)
@@ -94,7 +106,12 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         slab[o:o + n, 0].copy_(c.keys.permute(1, 0, 2, 3))  # [L, t, H, D] -> [t, L, H, D]
         slab[o:o + n, 1].copy_(c.values.permute(1, 0, 2, 3))
     flat = slab.reshape(-1)
-    flat_np = flat.numpy() if layout.dtype == "float32" else flat.view(torch.int16).numpy().view(np.uint16)
+    if layout.dtype == "float32":
+        flat_np = flat.numpy()
+    elif quantized:
+        flat_np = flat.view(torch.uint8).numpy()
+    else:
+        flat_np = flat.view(torch.int16).numpy().view(np.uint16)
     slab_buffer = pa.py_buffer(flat_np)
     values = pa.Array.from_buffers(layout.storage_type, flat_np.size, [None, slab_buffer])
     schema = layout.schema()
@@ -108,6 +125,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     raw = memoryview(flat_np).cast("B")
     digests = [kv_schema.chunk_digest(raw[o * row_bytes:(o + n) * row_bytes])
                for o, n in zip(offsets[:-1], lengths)]
+    scale_col = [pa.array(scales, type=schema.field("scales").type)] if quantized else []
     batch = pa.record_batch([
         pa.array(ids, type=pa.string()),
         pa.array(offsets[:-1], type=pa.int64()),
@@ -115,6 +133,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         token_ids,
         pa.array(content_keys, type=pa.string()),
         pa.array(digests, type=pa.uint64()),
+        *scale_col,
         kv_arr,
     ], schema=schema)
     return layout, batch, slab_buffer

@@ -89,9 +89,12 @@ class PublishResult:
 
 
 def version_id(user: str, lineage: Lineage, model_fp: str, encoder_config: Mapping[str, Any]) -> str:
-    """Content hash of a publish's inputs: 32 hex digits."""
+    """Content hash of a publish's inputs: 32 hex digits. The kv format version hashed is
+    the one the encoder config's stored ``dtype`` is written in (an fp8 version differs
+    from a bf16 one through its dtype anyway; unquantized ids stay what they were)."""
     blob = json.dumps({
-        "formats": {"kv": kv_schema.VERSION, "manifest": manifest_schema.VERSION,
+        "formats": {"kv": kv_schema.written_version(str(encoder_config.get("dtype", ""))),
+                    "manifest": manifest_schema.VERSION,
                     "facts": facts_schema.VERSION},
         "user": user, "log": lineage.log_hash, "facts": lineage.facts_hash,
         "model": model_fp, "encoder": _jsonable(encoder_config),
@@ -192,8 +195,9 @@ def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts:
         kv={"layout": kv_schema.LAYOUT, "dtype": layout.dtype, "layers": layout.layers,
             "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
             "slab_offset": slab_offset, "slab_bytes": layout.slab_bytes,
+            **({"scales": kv_schema.SCALES[layout.dtype]} if layout.quantized else {}),
             "index_xxh3": kv_schema.index_digest(*(
-                batch.column(c).to_pylist() for c in kv_schema.INDEX_COLUMNS))},
+                batch.column(c).to_pylist() for c in kv_schema.index_columns(layout)))},
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         producer=f"inferscale {__version__}",
     )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from inferscale.encode.identity import EncodingIdentity
+from inferscale.kv_quant import is_quantized
 
 KEY_FORMAT = "inferscale.content-key.v1"
 log = logging.getLogger(__name__)
@@ -73,16 +74,21 @@ def content_key(identity: str, context: Sequence[int], token_ids: Sequence[int])
     return h.hexdigest()
 
 
-def matching_rows(chunk_id: str, hit: tuple[torch.Tensor, torch.Tensor] | None,
+def matching_rows(chunk_id: str, hit: tuple[torch.Tensor, ...] | None,
                   shape: tuple[int, ...], dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``hit`` (a previous version's K and V under a chunk's key) if both have the chunk's
-    ``shape`` ``[L, T, H, D]`` and the stored ``dtype``; a key match implies both, so a
-    mismatch means a damaged or foreign previous version: the chunk is encoded instead
-    (``None``) and a warning says so."""
+                  ) -> tuple[torch.Tensor, ...] | None:
+    """``hit`` (a previous version's K and V under a chunk's key, and their scales
+    ``[2, L, H]`` for a quantized dtype) if K and V have the chunk's ``shape``
+    ``[L, T, H, D]`` and the stored ``dtype`` (and the scales theirs); a key match implies
+    that, so a mismatch means a damaged or foreign previous version: the chunk is
+    encoded instead (``None``) and a warning says so."""
     if hit is None:
         return None
-    if all(tuple(t.shape) == tuple(shape) and t.dtype == dtype for t in hit):
+    L, _, H, _ = shape
+    scaled = is_quantized(dtype)
+    if len(hit) == 2 + scaled and all(
+            tuple(t.shape) == tuple(shape) and t.dtype == dtype for t in hit[:2]) and (
+            not scaled or (tuple(hit[2].shape) == (2, L, H) and hit[2].dtype == torch.float32)):
         return hit
     log.warning("chunk %s: the previous version's rows under its content key are %s %s, not "
                 "%s %s; encoding it", chunk_id, tuple(hit[0].shape), hit[0].dtype,

@@ -56,6 +56,7 @@ from inferscale.compose import Composer, memory_text
 from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.encode.content_keys import content_key, key_identity, matching_rows
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
+from inferscale.kv_quant import is_quantized, quantize
 from inferscale.types import PREFIX_ID
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class EncodedChunk:
     keys: torch.Tensor  # [L, T, H, D] pre-RoPE
     values: torch.Tensor  # [L, T, H, D]
     content_key: str | None = None  # set by encode_facts in batch-invariant mode
+    scales: torch.Tensor | None = None  # [2, L, H] float32: fp8 K/V's (inferscale.kv_quant)
 
 
 @dataclass
@@ -301,6 +303,10 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     ignored unless ``batch_invariant``. Returns chunks in order: the prefix first,
     then facts in the order given; ``stats`` count facts ``reused`` and ``encoded`` and
     the ``forward_tokens`` actually run.
+
+    A quantized stored dtype (``float8_e4m3fn``) captures K/V in the model's compute dtype
+    and quantizes each chunk after the key temperature (:func:`inferscale.kv_quant.quantize`:
+    the same bits as quantizing that dtype's artifact).
     """
     from tqdm.auto import tqdm
 
@@ -324,15 +330,20 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
             if hit is None:
                 todo.append(seg)
             else:
-                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), *hit, content_key=key)
+                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), hit[0], hit[1],
+                                                content_key=key, scales=(hit + (None,))[2])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=sum(len(s.chunks) for s in todo), desc="encoding facts", unit="fact",
                disable=not progress)
-    for c in encode_segments(model, todo, out_dtype=cfg.torch_dtype, pad_id=pad_id,
+    quantized = is_quantized(cfg.dtype)
+    out_dtype = next(model.parameters()).dtype if quantized else cfg.torch_dtype
+    for c in encode_segments(model, todo, out_dtype=out_dtype, pad_id=pad_id,
                              batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
                              progress=bar):
         if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
             c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
+        if quantized:
+            c.keys, c.values, c.scales = quantize(c.keys, c.values)
         c.content_key = keys.get(c.chunk_id)
         chunks[c.chunk_id] = c
     bar.close()

@@ -186,6 +186,23 @@ class HeapArena:
             self.used -= region.nbytes
 
 
+def copy_into(src: torch.Tensor, dst: torch.Tensor, region: Region) -> torch.Tensor:
+    """``dst.copy_(src)`` after ``region``'s fence, on a side stream when a CUDA device is
+    involved (finished before returning: the caller is a loader thread); returns ``dst``."""
+    if dst.device.type == "cuda" or src.device.type == "cuda":
+        device = dst.device if dst.device.type == "cuda" else src.device
+        side = torch.cuda.Stream(device)
+        region.wait_stream(side)
+        region.wait_host()  # a host region may still feed an enqueued host -> device copy
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        side.synchronize()
+    else:
+        region.wait_host()
+        dst.copy_(src)
+    return dst
+
+
 def _pinned(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-locked host memory, exactly: plain pages, touched by torch's
     threads, then registered with CUDA (``pin_memory=True`` would round the size up to a

@@ -7,7 +7,8 @@ against the manifest's ``kv.index_xxh3``), then one byte range per chunk
 (``slab_offset + row * row_bytes``; a ``pread`` on local disk, a ranged GET on S3), in
 parallel, each chunk checked against its stored xxh3-64. Files written before kv schema 3
 have no per-chunk digests and are refused (:class:`NotFetchable`): such users are only
-loaded whole.
+loaded whole. fp8 files carry each chunk's scales in the index (verified with it), so a
+fact read alone is dequantized exactly as the whole slab would be.
 
 The bulk work (reads, hashing) releases the GIL, so it runs on a thread pool inside the
 engine's process without holding up the engine's thread.
@@ -25,7 +26,7 @@ import torch
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    KV_FILE, ArtifactError, ChecksumError, CorruptArtifact, StoreConfig,
+    KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact, StoreConfig,
 )
 from inferscale.artifacts.read import check_size, data_path, manifest_at
 from inferscale.types import torch_dtype
@@ -48,6 +49,7 @@ class ChunkIndex:
     slab_offset: int  # byte offset of row 0 in the file
     rows: dict[str, tuple[int, int, int]]  # chunk id -> (first row, rows, xxh3-64)
     token_ids: dict[str, tuple[int, ...]]
+    scales: dict[str, torch.Tensor] | None = None  # fp8: chunk id -> [2, L, H] float32
 
     @property
     def row_bytes(self) -> int:
@@ -56,6 +58,12 @@ class ChunkIndex:
 
     def tokens(self, chunks: list[str]) -> int:
         return sum(self.rows[c][1] for c in chunks)
+
+    def chunk_scales(self, chunks: list[str]) -> torch.Tensor | None:
+        """The chunks' fp8 scales ``[len(chunks), 2, L, H]`` in that order (None: unscaled)."""
+        if self.scales is None:
+            return None
+        return torch.stack([self.scales[c] for c in chunks])
 
 
 class FactReader:
@@ -93,24 +101,34 @@ class FactReader:
                                "(kv schema < 3); it is loaded whole")
         check_size(loc, manifest, KV_FILE)
         path = data_path(loc, manifest, KV_FILE)
+        try:
+            kv_schema.check_format(manifest.kv)
+        except kv_schema.UnknownKVFormat as exc:
+            raise ArtifactSchemaError(f"{loc.describe(version)}: {exc}") from exc
         with loc.blobs.open_read(path) as f:
             reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
             names = reader.schema.names
+            layout = kv_schema.KVLayout.from_schema(reader.schema)
+            columns = kv_schema.index_columns(layout)
             try:
-                picked = [names.index(c) for c in kv_schema.INDEX_COLUMNS]
+                picked = [names.index(c) for c in columns]
             except ValueError:
                 raise NotFetchable(f"{path}: no per-chunk digests; it is loaded whole") from None
-            layout = kv_schema.KVLayout.from_schema(reader.schema)
             projected = pa.ipc.open_file(pa.PythonFile(f, mode="r"),
                                          options=pa.ipc.IpcReadOptions(included_fields=picked))
             if projected.num_record_batches != 1:
                 raise CorruptArtifact(f"{path}: {projected.num_record_batches} record batches")
             batch = projected.get_batch(0)
-        cols = [batch.column(c).to_pylist() for c in kv_schema.INDEX_COLUMNS]
+        cols = [batch.column(c).to_pylist() for c in columns]
         if kv_schema.index_digest(*cols) != want:
             raise ChecksumError(f"{path}: its chunk index differs from the manifest's "
                                 "(the file is damaged)")
-        ids, offsets, lengths, tokens, digests = cols
+        ids, offsets, lengths, tokens, digests = cols[:5]
+        scales = None
+        if layout.quantized:
+            shape = (2, layout.layers, layout.kv_heads)
+            scales = {c: torch.tensor(sc, dtype=torch.float32).view(shape)
+                      for c, sc in zip(ids, cols[5])}
         try:
             kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
         except kv_schema.KVFormatError as exc:
@@ -119,7 +137,7 @@ class FactReader:
                           (layout.layers, layout.kv_heads, layout.head_dim),
                           int(manifest.kv["slab_offset"]),
                           {c: (o, n, d) for c, o, n, d in zip(ids, offsets, lengths, digests)},
-                          {c: tuple(t) for c, t in zip(ids, tokens)})
+                          {c: tuple(t) for c, t in zip(ids, tokens)}, scales)
 
     def read(self, index: ChunkIndex, chunks: list[str], out: torch.Tensor) -> torch.Tensor:
         """The chunks' rows, in ``chunks`` order, read into ``out`` (host uint8 with room

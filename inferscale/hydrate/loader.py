@@ -33,8 +33,9 @@ from typing import Callable
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
-from inferscale.hydrate.slab import hydrate, slab_nbytes
+from inferscale.hydrate.slab import check_kv_format, hydrate, slab_nbytes
 from inferscale.stats import Histogram
+from inferscale.types import torch_dtype
 from storage_schemas.manifest import Manifest
 
 # Under vLLM's logger namespace, so its handlers print these in the worker process.
@@ -90,11 +91,13 @@ class ResidentLoader:
 
     def admission(self, tier: str) -> Callable[[Manifest], None]:
         """``admit(manifest)`` for hydration: refuses, before any KV byte is read, a slab
-        larger (in the store's dtype) than every budget ``tier`` may use
+        larger (in the dtype the store keeps it in) than every budget ``tier`` may use
         (:meth:`~inferscale.hydrate.resident.ResidentStore.fit_tier`; under tensor
         parallelism the rank's share of its heads)."""
         def admit(manifest: Manifest) -> None:
-            nbytes = self.store.share_of(slab_nbytes(manifest, self.store.dtype))
+            check_kv_format(manifest)  # a format this reader knows, or refused
+            stored = torch_dtype(manifest.kv["dtype"])
+            nbytes = self.store.share_of(slab_nbytes(manifest, self.store.kept_dtype(stored)))
             self.store.fit_tier(manifest.user, nbytes, tier)
         return admit
 

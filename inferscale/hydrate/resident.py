@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from inferscale.hydrate.arena import NO_FENCE, Fence, Region
+from inferscale.kv_quant import dequantize
 
 if TYPE_CHECKING:
     from storage_schemas.manifest import Manifest
@@ -55,6 +57,10 @@ class HeadShard:
                                  "KV heads in dimension 3 of [T, 2, L, H, D]")
         return slab[:, :, :, self.start:self.start + self.count]
 
+    def take_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """This shard's heads of fp8 scales ``[C, 2, L, H]`` -> ``[C, 2, L, count]``."""
+        return scales[:, :, :, self.start:self.start + self.count].contiguous()
+
 
 @dataclass
 class Resident:
@@ -72,25 +78,97 @@ class Resident:
     content_keys: dict[str, str] = field(default_factory=dict)  # chunk_id -> key (kv v2+)
     region: Region | None = None  # the arena memory the slab lives in (a store's or staging)
     last_use: Fence = NO_FENCE  # after the last enqueued read of the slab
+    # fp8 slabs: each chunk's scales [C, 2, L, H] float32 in host memory, one row per chunk
+    # in ``index`` order (inferscale.kv_quant); None when the slab is in a float dtype
+    scales: torch.Tensor | None = None
+    _pos: dict[str, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return self.slab.numel() * self.slab.element_size()
+        extra = self.scales.numel() * 4 if self.scales is not None else 0
+        return self.slab.numel() * self.slab.element_size() + extra
+
+    def scale_pos(self, chunk_id: str) -> int:
+        """The row of ``chunk_id``'s scales in :attr:`scales`."""
+        if self._pos is None:
+            self._pos = {c: i for i, c in enumerate(self.index)}
+        return self._pos[chunk_id]
+
+    def row_scales(self) -> torch.Tensor:
+        """Every slab row's scales ``[T, 2, L, H]`` (rows lie in ``index`` order)."""
+        lengths = torch.tensor([n for _, n in self.index.values()], dtype=torch.int64)
+        return torch.repeat_interleave(self.scales, lengths, dim=0)
+
+    def scale_rows(self, chunk_ids: list[str], start: int, end: int) -> np.ndarray:
+        """Per memory token ``[start, end)`` of the chunks' concatenation, the row of its
+        chunk's scales (``[N]`` int64; what :meth:`runs` is for the slab's rows)."""
+        out, pos = [], 0
+        for c in chunk_ids:
+            n = self.index[c][1]
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                out.append(np.full(hi - lo, self.scale_pos(c), dtype=np.int64))
+            pos += n
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def rows_float(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slab rows ``rows [N]`` as float32 ``[N, 2, L, H, D]`` (fp8 rows dequantized)."""
+        got = self.slab[rows.to(self.slab.device)]
+        if self.scales is None:
+            return got.float()
+        pos = {o: self.scale_pos(c) for c, (o, _) in self.index.items()}
+        starts = torch.tensor(sorted(pos), dtype=torch.int64)
+        which = torch.tensor([pos[int(o)] for o in starts])[
+            torch.searchsorted(starts, rows.cpu(), right=True) - 1]
+        return dequantize(got, self.scales[which])
 
     def chunk(self, chunk_id: str) -> torch.Tensor:
         """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
 
-    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
-        encoder's chunk layout), for every chunk stored with a key. Called by the pipeline
-        to reuse a previous version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
+        encoder's chunk layout), and the chunk's scales ``[2, L, H]`` for fp8 slabs, for
+        every chunk stored with a key. Called by the pipeline to reuse a previous
+        version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
         out = {}
         for chunk_id, key in self.content_keys.items():
             rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
-            out[key] = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
+            kv = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
+            if self.scales is not None:
+                kv += (self.scales[self.scale_pos(chunk_id)],)
+            out[key] = kv
         return out
+
+    def gather(self, chunk_ids: list[str], start: int, end: int, out: torch.Tensor) -> None:
+        """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``
+        (``[end - start, 2, L, H, D]`` on the compute device, any dtype): one
+        ``index_select`` from a token-major slab on that device, else one non-blocking
+        copy per contiguous run of needed rows (pinned host -> device). fp8 rows gathered
+        into a float ``out`` are dequantized (the generic path's staging)."""
+        slab = self.slab
+        if self.scales is not None and out.dtype != slab.dtype:
+            raw = torch.empty(out.shape, dtype=slab.dtype, device=out.device)
+            self.gather(chunk_ids, start, end, raw)
+            rows = torch.from_numpy(self.scale_rows(chunk_ids, start, end))
+            out.copy_(dequantize(raw, self.scales[rows]))
+            return
+        runs = self.runs(chunk_ids, start, end)
+        if slab.device == out.device and slab.is_contiguous():
+            if len(runs) == 1:
+                out.copy_(slab[runs[0][0]:runs[0][0] + runs[0][1]])
+                return
+            idx = torch.cat([torch.arange(r, r + n) for r, n in runs]).to(slab.device)
+            if slab.dtype == out.dtype:
+                torch.index_select(slab, 0, idx, out=out)
+            else:
+                out.copy_(torch.index_select(slab, 0, idx))
+            return
+        at = 0
+        for row, n in runs:
+            out[at:at + n].copy_(slab[row:row + n], non_blocking=True)
+            at += n
 
     def rows(self, chunk_ids: list[str]) -> list[tuple[int, int]]:
         """(offset, length) of each chunk, in request order; KeyError if unknown."""

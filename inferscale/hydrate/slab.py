@@ -7,7 +7,9 @@ chunk index and token ids, the manifest), ready for the worker's resident store.
 and the file size first, then reads the KV file in ONE sequential pass with the
 xxh3-128 checksum fused into it (each part is hashed as it lands, so verifying costs no
 second pass), refuses anything whose checksum differs, and only then parses the Arrow
-file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory.
+file (zero-copy) and returns the slab ``[T, 2, L, H, D]`` as a view into that memory
+(an fp8 slab with its scales ``[C, 2, L, H]``; a KV dtype or scale rule this reader does
+not know is refused from the manifest before anything else is read).
 
 Where the bytes go:
 
@@ -59,17 +61,32 @@ if TYPE_CHECKING:
     from inferscale.hydrate.store import ResidentStore
 
 
+def check_kv_format(manifest: Manifest) -> None:
+    """:class:`ArtifactSchemaError` when the version's KV dtype or scale rule is not one
+    this InferScale reads (a newer one wrote it)."""
+    try:
+        kv_schema.check_format(manifest.kv)
+    except kv_schema.UnknownKVFormat as exc:
+        raise ArtifactSchemaError(f"user {manifest.user} version {manifest.version}: "
+                                  f"{exc}") from exc
+
+
 def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored, or once converted to
-    ``dtype``, from its manifest alone (nothing of ``kv.arrow`` is read)."""
+    """Bytes of the version's KV slab ``[T, 2, L, H, D]`` as stored (with its fp8 scales),
+    or once converted to ``dtype`` (a float dtype: no scales), from its manifest alone
+    (nothing of ``kv.arrow`` is read)."""
+    check_kv_format(manifest)
     kv, tokens = manifest.kv, int(manifest.counts.get("tokens") or 0)
-    itemsize = kv_schema.ITEMSIZE.get(str(kv.get("dtype")))
-    if itemsize is None:
-        raise CorruptArtifact(f"manifest of version {manifest.version}: unknown KV dtype "
-                              f"{kv.get('dtype')!r}")
-    if dtype is not None:
+    stored = str(kv.get("dtype"))
+    itemsize = kv_schema.ITEMSIZE[stored]
+    scales = 0
+    if dtype is not None and str(dtype).removeprefix("torch.") != stored:
         itemsize = dtype.itemsize
-    return tokens * 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * itemsize
+    elif stored in kv_schema.SCALES:
+        scales = int(manifest.counts.get("chunks") or 0) * 2 * int(kv["layers"]) * \
+            int(kv["kv_heads"]) * 4
+    return tokens * 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * \
+        itemsize + scales
 
 
 # kv.arrow reads started in this process (the worker's status reports them)
@@ -115,6 +132,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
                                   f"holds artifacts of model {model_fp}")
     version = resolve_version(store, user, model_fp, version)
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
+    check_kv_format(manifest)
     if admit is not None:
         admit(manifest)
     check_size(loc, manifest, KV_FILE)
@@ -139,8 +157,8 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
             raise TruncatedArtifact(f"{path} disappeared while being read "
                                     f"({loc.describe(version)})") from exc
         check_digest(loc, manifest, KV_FILE, digest)
-        layout, index, token_ids, keys, slab_offset = _parse(host.numpy(), path, manifest,
-                                                             expected)
+        layout, index, token_ids, keys, slab_offset, scales = _parse(host.numpy(), path,
+                                                                     manifest, expected)
     except BaseException:
         if region is not None:
             staging.release(region)
@@ -152,7 +170,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     else:
         slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
     return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
-                    token_ids, tier, manifest, keys, region=region)
+                    token_ids, tier, manifest, keys, region=region, scales=scales)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
@@ -277,7 +295,7 @@ def _advise(mm: mmap.mmap, name: str) -> None:
 
 def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
     """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
-    in ``buf``)."""
+    in ``buf``, fp8 scales ``[C, 2, L, H]`` float32 or None)."""
     base = pa.py_buffer(buf)
     try:
         reader = pa.ipc.open_file(base)
@@ -292,11 +310,18 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
         keys = (batch.column("content_key").to_pylist()
                 if "content_key" in batch.schema.names else [None] * len(ids))
         kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+        scales = None
+        if layout.quantized:
+            flat = batch.column("scales").flatten().to_numpy(zero_copy_only=False)
+            scales = torch.from_numpy(flat.copy()).view(
+                len(ids), 2, layout.layers, layout.kv_heads)
+            if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+                raise kv_schema.KVFormatError("fp8 scales must be finite and positive")
         kv = batch.column("kv")
         want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
         if not np.array_equal(kv.offsets.to_numpy(), want):
             raise kv_schema.KVFormatError("kv list offsets disagree with the offsets table")
-    except SchemaVersionError as exc:
+    except (SchemaVersionError, kv_schema.UnknownKVFormat) as exc:
         raise ArtifactSchemaError(f"{path}: {exc}") from exc
     except kv_schema.KVFormatError as exc:
         raise CorruptArtifact(f"{path}: {exc}") from exc
@@ -305,9 +330,10 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
     if layout.model_fingerprint != expected_fp:
         raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
                                   f"expected {expected_fp}")
-    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim")}
+    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim",
+                                                  "scales")}
     actual = {"dtype": layout.dtype, "layers": layout.layers, "kv_heads": layout.kv_heads,
-              "head_dim": layout.head_dim}
+              "head_dim": layout.head_dim, "scales": kv_schema.SCALES.get(layout.dtype)}
     if described != actual or manifest.counts.get("tokens") != layout.tokens:
         raise CorruptArtifact(f"{path}: layout {actual}, {layout.tokens} tokens disagrees with "
                               f"the manifest's {described}, {manifest.counts.get('tokens')}")
@@ -323,4 +349,4 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
     index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
     content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
     return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys, \
-        slab_offset
+        slab_offset, scales

@@ -18,7 +18,9 @@ of host rows is one contiguous copy.
 
 Every slab is converted once, when placed, to the store's ``dtype`` (the engine's) and cut
 to its :class:`~inferscale.hydrate.resident.HeadShard` under tensor parallelism; budgets
-count those bytes.
+count those bytes. fp8 slabs (``inferscale.kv_quant``) stay fp8 on CUDA, their scales
+beside them in host memory (the injection kernel dequantizes the rows it reads); a CPU
+engine dequantizes them once, when placed, to its float32.
 
 Reuse safety: the engine enqueues its reads of slabs while holding the store's lock
 (:meth:`ResidentStore.reading`) and stamps the residents it read with a fence recorded on
@@ -38,33 +40,19 @@ from typing import Iterator
 
 import torch
 
-from inferscale.hydrate.arena import NO_FENCE, Arena, ArenaFull, Fence, HeapArena, Region
+from inferscale.hydrate.arena import (
+    NO_FENCE, Arena, ArenaFull, Fence, HeapArena, Region, copy_into,
+)
 from inferscale.hydrate.resident import (
     HeadShard, ResidencyError, Resident, StoreEvent, layer_major,
 )
+from inferscale.kv_quant import dequantize, dequantize_into, is_quantized
 from inferscale.types import TIERS
 
 log = logging.getLogger("vllm.inferscale.store")
 
 _SLACK = 64 << 20  # arena bytes beyond the budget: alignment and fragmentation
 LAYER_MAJOR = (1, 2, 0, 3, 4)  # [T, 2, L, H, D] stored as [2, L, T, H, D] (CPU engines)
-
-
-def _copy(src: torch.Tensor, dst: torch.Tensor, region: Region) -> torch.Tensor:
-    """``dst.copy_(src)`` after ``region``'s fence, on a side stream when a CUDA device is
-    involved (finished before returning: the caller is a loader thread); returns ``dst``."""
-    if dst.device.type == "cuda" or src.device.type == "cuda":
-        device = dst.device if dst.device.type == "cuda" else src.device
-        side = torch.cuda.Stream(device)
-        region.wait_stream(side)
-        region.wait_host()  # a host region may still feed an enqueued host -> device copy
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
-        side.synchronize()
-    else:
-        region.wait_host()
-        dst.copy_(src)
-    return dst
 
 
 class ResidentStore:
@@ -182,24 +170,55 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ placement
 
+    def kept_dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The dtype a slab stored in ``stored`` is kept in: fp8 stays fp8 on CUDA (the
+        kernel dequantizes), on the CPU it becomes the store's dtype (float32 by default);
+        any other dtype becomes the store's dtype (the engine's)."""
+        if is_quantized(stored):
+            return stored if self.cuda else (self.dtype or torch.float32)
+        return self.dtype or stored
+
     def place(self, slab: torch.Tensor, tier: str = "gpu", all_heads: bool = True,
-              region: Region | None = None) -> torch.Tensor:
+              region: Region | None = None, row_scales: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """``slab`` in the memory format of ``tier`` (device, dtype, layout, heads) in one
         copy, into ``region`` (after its fence) or a new tensor (the kernel's start-up
-        probe); ``all_heads=False``: it holds only the store's heads already."""
-        dtype = self.dtype or slab.dtype
+        probe); ``all_heads=False``: it holds only the store's heads already (and so do
+        ``row_scales``). An fp8 slab converted to a float dtype needs its ``row_scales``
+        ``[T, 2, L, H]`` (:meth:`Resident.row_scales`)."""
+        dtype = self.kept_dtype(slab.dtype)
         if self.heads is not None and all_heads:  # a strided view: the copy reads only these
             slab = self.heads.take(slab)
+            row_scales = self.heads.take(row_scales[..., None])[..., 0] \
+                if row_scales is not None else None
+        order = LAYER_MAJOR if not self.cuda else None
+        if is_quantized(slab.dtype) and dtype != slab.dtype:  # the CPU: dequantized, once
+            if row_scales is None:
+                raise ResidencyError("an fp8 slab needs its scales to be converted")
+            if region is None:
+                return layer_major(dequantize(slab, row_scales), dtype)
+            region.wait_host()
+            return dequantize_into(region.view(tuple(slab.shape), dtype, order), slab,
+                                   row_scales)
         if region is None:
             if not self.cuda:
                 return layer_major(slab, dtype)
             return slab.to(self.device if tier == "gpu" else "cpu", dtype)
-        order = LAYER_MAJOR if not self.cuda else None
-        return _copy(slab, region.view(tuple(slab.shape), dtype, order), region)
+        return copy_into(slab, region.view(tuple(slab.shape), dtype, order), region)
 
-    def placed_bytes(self, slab: torch.Tensor) -> int:
-        """Bytes ``slab`` takes once placed (in the store's dtype, the store's heads)."""
-        return self.share_of(slab.numel() * (self.dtype or slab.dtype).itemsize)
+    def kept_scales(self, resident: Resident) -> torch.Tensor | None:
+        """The scales a placed ``resident`` keeps (its heads): None unless it stays fp8."""
+        if resident.scales is None or not is_quantized(self.kept_dtype(resident.slab.dtype)):
+            return None
+        return self.heads.take_scales(resident.scales) if self.heads is not None \
+            else resident.scales
+
+    def placed_bytes(self, slab: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        """Bytes ``slab`` takes once placed (in the dtype it is kept in, the store's
+        heads), with its fp8 ``scales`` ``[C, 2, L, H]`` when it stays fp8."""
+        dtype = self.kept_dtype(slab.dtype)
+        extra = scales.numel() * 4 if scales is not None and is_quantized(dtype) else 0
+        return self.share_of(slab.numel() * dtype.itemsize + extra)
 
     def share_of(self, nbytes: int) -> int:
         """The bytes of the store's heads in a whole slab of ``nbytes``."""
@@ -236,7 +255,7 @@ class ResidentStore:
         try:
             with self._placing:
                 self.allocate()
-                nbytes = self.placed_bytes(slab)
+                nbytes = self.placed_bytes(slab, resident.scales)
                 tier = self.fit_tier(resident.user, nbytes, tier)
                 while self._over(tier, nbytes):
                     if not self._make_room(tier):
@@ -247,9 +266,13 @@ class ResidentStore:
                     self._unstage("host", resident.region.staged)
                     resident.region.staged = 0
                 else:
-                    region = self._alloc(tier, nbytes)
-                    resident.slab = self.place(slab, tier, region=region)
+                    region = self._alloc(tier, self.placed_bytes(slab))
+                    dequant = resident.scales is not None and \
+                        self.kept_dtype(slab.dtype) != slab.dtype
+                    resident.slab = self.place(slab, tier, region=region, row_scales=(
+                        resident.row_scales() if dequant else None))
                     resident.region = region
+                resident.scales = self.kept_scales(resident)
                 resident.tier = tier
                 self._insert(resident)
         finally:
@@ -259,7 +282,7 @@ class ResidentStore:
 
     def _adoptable(self, r: Resident, tier: str) -> bool:
         return (self.cuda and tier == "host" and r.region is not None and self.heads is None
-                and r.slab.dtype == (self.dtype or r.slab.dtype) and r.slab.is_contiguous())
+                and r.slab.dtype == self.kept_dtype(r.slab.dtype) and r.slab.is_contiguous())
 
     def _insert(self, resident: Resident) -> None:
         with self._lock:
@@ -301,10 +324,10 @@ class ResidentStore:
         while self._over("host", victim.nbytes):
             if not self._make_room("host"):
                 return self._drop(victim)
-        region = self._alloc("host", victim.nbytes)
         src = victim.slab
+        region = self._alloc("host", src.numel() * src.element_size())
         order = tuple(sorted(range(src.dim()), key=lambda i: -src.stride(i)))
-        dst = _copy(src, region.view(tuple(src.shape), src.dtype, order), region)
+        dst = copy_into(src, region.view(tuple(src.shape), src.dtype, order), region)
         with self._lock:
             if self._lru.get(victim.user) is not victim:  # replaced or evicted meanwhile
                 self._arenas["host"].free(region)
@@ -381,23 +404,5 @@ class ResidentStore:
 
     def gather(self, resident: Resident, chunk_ids: list[str], start: int, end: int,
                out: torch.Tensor) -> None:
-        """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``
-        (``[end - start, 2, L, H, D]`` on the compute device, any dtype): one
-        ``index_select`` from a token-major slab on that device, else one non-blocking
-        copy per contiguous run of needed rows (pinned host -> device)."""
-        runs = resident.runs(chunk_ids, start, end)
-        slab = resident.slab
-        if slab.device == out.device and slab.is_contiguous():
-            if len(runs) == 1:
-                out.copy_(slab[runs[0][0]:runs[0][0] + runs[0][1]])
-                return
-            idx = torch.cat([torch.arange(r, r + n) for r, n in runs]).to(slab.device)
-            if slab.dtype == out.dtype:
-                torch.index_select(slab, 0, idx, out=out)
-            else:
-                out.copy_(torch.index_select(slab, 0, idx))
-            return
-        at = 0
-        for row, n in runs:
-            out[at:at + n].copy_(slab[row:row + n], non_blocking=True)
-            at += n
+        """:meth:`Resident.gather` (memory tokens ``[start, end)`` into ``out``)."""
+        resident.gather(chunk_ids, start, end, out)

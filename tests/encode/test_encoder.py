@@ -257,6 +257,40 @@ def test_encode_facts_end_to_end(smollm2):
             encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, other, progress=False)
 
 
+def test_encode_facts_fp8_quantizes_the_captured_kv_and_reuses_it_exactly(smollm2):
+    """An fp8 stored dtype: each chunk is the compute dtype's capture quantized per chunk
+    (bit for bit what quantizing a float32 encoding gives), with its scales; a later
+    encoding takes a chunk with its key from the previous K/V and scales unchanged."""
+    from inferscale.kv_quant import quantize
+
+    facts = [FactSpec("f1", "A has a dog named Rex.", 2), FactSpec("f0", "A got a dog.", 0)]
+    run = {}
+    for dtype in ("float32", "float8_e4m3fn"):
+        identity = EncodingIdentity.of_model(EncoderConfig(window=2, dtype=dtype),
+                                             smollm2.fingerprint, smollm2.model)
+        run[dtype] = (identity, encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
+                                             identity, progress=False))
+    (ident, fp8), (_, f32) = run["float8_e4m3fn"], run["float32"]
+    for q, f in zip(fp8.chunks, f32.chunks):
+        k, v, sc = quantize(f.keys, f.values)
+        assert q.keys.dtype == torch.float8_e4m3fn and q.scales.shape == (2, 30, 3)
+        assert torch.equal(q.keys.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(q.values.view(torch.uint8), v.view(torch.uint8))
+        assert torch.equal(q.scales, sc) and q.content_key != f.content_key
+    assert fp8.encoder_config["dtype"] == "float8_e4m3fn"
+    reuse = {c.content_key: (c.keys, c.values, c.scales) for c in fp8.chunks[:2]}
+    again = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, ident,
+                         progress=False, reuse=reuse)
+    assert (again.stats["reused"], again.stats["encoded"]) == (1, 1) and again.stats["prefix_reused"]
+    for a, b in zip(again.chunks, fp8.chunks):
+        assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
+        assert torch.equal(a.scales, b.scales)
+    # K/V without scales under an fp8 key (a damaged previous version): encoded instead
+    bad = {k: v[:2] for k, v in reuse.items()}
+    assert encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, ident, progress=False,
+                        reuse=bad).stats["encoded"] == 2
+
+
 def test_version_ids_cover_the_compute_dtype_and_device():
     """The Ray path encodes with CUDA/bf16, the CPU path with float32: other bytes for
     the same inputs, so other version ids (never one id for two contents)."""

@@ -41,6 +41,35 @@ def test_reads_the_named_chunks_in_request_order(published):
     assert reader.index("dana", r.version) is index  # cached
 
 
+def test_fp8_chunks_come_with_their_verified_scales(store):
+    """An fp8 version's facts read alone: the rows as stored and each chunk's scales from
+    the index, which the manifest's index digest covers (a changed scale is refused)."""
+    memory, facts, lineage = make_inputs("dana", 8, dtype=torch.float8_e4m3fn)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    whole = hydrate(store, "dana", FP)
+    reader = FactReader(store, FP)
+    index = reader.index("dana", r.version)
+    picked = [list(whole.index)[5], "prefix", list(whole.index)[2]]
+    out = torch.empty(index.tokens(picked) * index.row_bytes, dtype=torch.uint8)
+    rows = reader.read(index, picked, out)
+    assert index.dtype == "float8_e4m3fn" and rows.dtype == torch.float8_e4m3fn
+    assert torch.equal(rows.view(torch.uint8),
+                       torch.cat([whole.chunk(c) for c in picked]).view(torch.uint8))
+    assert torch.equal(index.chunk_scales(picked),
+                       torch.stack([whole.scales[whole.scale_pos(c)] for c in picked]))
+    # scales changed on storage (and their file checksum fixed): the index digest refuses
+    loc = Location(store, "dana", FP)
+    path = data_path(loc, r.manifest, "kv.arrow")
+    fs = store.filesystem()
+    data = bytearray(fs.cat_file(path))
+    one = pa.array([float(whole.scales[1, 0, 0, 0])], pa.float32()).buffers()[1].to_pybytes()
+    at = bytes(data).index(one)
+    data[at:at + 4] = pa.array([2.0], pa.float32()).buffers()[1].to_pybytes()
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(ChecksumError, match="chunk index differs"):
+        FactReader(store, FP).index("dana", r.version)
+
+
 def test_a_damaged_chunk_fails_only_when_read(published):
     """Bytes of one chunk are flipped on storage: other chunks still read (nothing but
     the requested rows is read or hashed); the damaged one raises ChecksumError."""

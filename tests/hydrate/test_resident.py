@@ -236,3 +236,83 @@ def test_cuda_memory_freed_after_a_read_waits_for_its_fence():
     again.view((1 << 18,), torch.float32).fill_(2.0)
     torch.cuda.synchronize()
     assert torch.all(dst == 1.0)
+
+
+def fp8_resident(user: str = "q", seed: int = 3, L=2, H=2, D=4) -> Resident:
+    """``make_resident``'s slab quantized per chunk (scales ``[C, 2, L, H]``)."""
+    from inferscale.kv_quant import quantize
+
+    r = make_resident(user, seed=seed, L=L, H=H, D=D)
+    rows, scales = [], []
+    for c, (o, n) in r.index.items():
+        k, v, sc = quantize(r.slab[o:o + n, 0].permute(1, 0, 2, 3),
+                            r.slab[o:o + n, 1].permute(1, 0, 2, 3))
+        rows.append(torch.stack([k, v]).permute(2, 0, 1, 3, 4))
+        scales.append(sc)
+    r.slab, r.scales = torch.cat(rows), torch.stack(scales)
+    return r
+
+
+def dequantized(r: Resident) -> torch.Tensor:
+    return r.slab.float() * r.row_scales()[..., None]
+
+
+def test_fp8_slabs_are_dequantized_once_on_the_cpu():
+    """A CPU store converts an fp8 slab to float32 with each row's chunk scales when it
+    places it (the scales are then dropped); budgets count the float32 bytes; under
+    tensor parallelism the rank's heads of both."""
+    from inferscale.hydrate.resident import HeadShard
+
+    r = fp8_resident()
+    want = dequantized(r)
+    store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32)
+    assert store.kept_dtype(torch.float8_e4m3fn) == torch.float32
+    assert store.placed_bytes(r.slab, r.scales) == r.slab.numel() * 4
+    placed = store.put(r, "gpu")
+    assert placed.scales is None and placed.slab.dtype == torch.float32
+    assert torch.equal(placed.slab, want)
+    assert placed.slab.permute(1, 2, 0, 3, 4).is_contiguous()  # layer-major, as any CPU slab
+    out = torch.empty(9, 2, 2, 2, 4)
+    store.gather(placed, ["a", "prefix", "b"], 0, 9, out)
+    assert torch.equal(out[:4], want[3:7]) and torch.equal(out[4:7], want[:3])
+    shard = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32, heads=HeadShard(1, 1, 2))
+    mine = shard.put(fp8_resident(), "gpu")
+    assert torch.equal(mine.slab, want[:, :, :, 1:2])
+
+
+def test_fp8_rows_gathered_into_a_float_buffer_are_dequantized():
+    """The generic path's staging (a float buffer): fp8 rows dequantized with their
+    chunks' scales, in request order, across chunk boundaries."""
+    r = fp8_resident()
+    want = dequantized(r)
+    out = torch.empty(6, 2, 2, 2, 4, dtype=torch.float32)
+    r.gather(["b", "a", "prefix"], 1, 7, out)  # b[1:], a, prefix[:1]
+    assert torch.equal(out, torch.cat([want[8:9], want[3:7], want[0:1]]))
+    assert r.scale_rows(["b", "a", "prefix"], 1, 7).tolist() == [2, 1, 1, 1, 1, 0]
+    assert torch.equal(r.rows_float(torch.tensor([8, 0, 4])), want[[8, 0, 4]])
+    assert r.nbytes == r.slab.numel() + r.scales.numel() * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_keeps_fp8_in_both_tiers_with_its_scales():
+    """On CUDA an fp8 slab stays fp8 in the gpu and the host tier (half the bytes of
+    bf16, no conversion of the whole resident), its scales beside it; a demotion moves
+    the fp8 bytes; the generic path's gather dequantizes on the device."""
+    r = fp8_resident(L=2, H=2, D=64)
+    want = dequantized(r)
+    raw = r.slab.clone()
+    size = r.slab.numel() + r.scales.numel() * 4
+    store = ResidentStore("cuda", gpu_budget_bytes=size, host_budget_bytes=4 * size,
+                          dtype=torch.bfloat16)
+    assert store.kept_dtype(torch.float8_e4m3fn) == torch.float8_e4m3fn
+    placed = store.put(r, "gpu")
+    assert placed.slab.is_cuda and placed.slab.dtype == torch.float8_e4m3fn
+    assert torch.equal(placed.slab.cpu().view(torch.uint8), raw.view(torch.uint8))
+    assert placed.scales is not None and store.used("gpu") == size
+    out = torch.empty(9, 2, 2, 2, 64, dtype=torch.bfloat16, device="cuda")
+    store.gather(placed, ["prefix", "a", "b"], 0, 9, out)
+    assert torch.equal(out.cpu(), want.to(torch.bfloat16))
+    store.put(fp8_resident("other", seed=5, D=64), "gpu")  # demotes q to the host tier
+    moved = store.held("q")
+    assert moved.tier == "host" and moved.slab.dtype == torch.float8_e4m3fn
+    assert torch.equal(moved.slab.view(torch.uint8), raw.view(torch.uint8))

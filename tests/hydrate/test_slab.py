@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from builders import expected_slab, make_inputs
+from builders import expected_float, expected_slab, make_inputs
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
     ArtifactError, ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact,
@@ -20,7 +20,8 @@ from inferscale.artifacts.publish import publish
 from inferscale.artifacts.read import (
     data_path, list_versions, read_facts, read_manifest, verify_version,
 )
-from inferscale.hydrate.slab import hydrate
+from inferscale.hydrate.slab import hydrate, slab_nbytes
+from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import VERSION, FileEntry, Manifest
 
@@ -53,6 +54,52 @@ def test_round_trip(store, dtype):
                 use_mmap=False, part_bytes=1000, workers=3)
     assert g.slab.device.type == "cpu"
     check(g, memory)
+
+
+def test_fp8_round_trip_with_scales(store):
+    """fp8 K/V and their scales per chunk come back as published; the manifest records
+    the format; the size from the manifest alone counts the scales."""
+    memory, facts, lineage = make_inputs("erin", 9, dtype=torch.float8_e4m3fn, layers=3,
+                                         heads=2, head_dim=4)
+    r = publish(store, "erin", memory, facts, lineage, embeddings=False)
+    kv = r.manifest.kv
+    assert kv["dtype"] == "float8_e4m3fn" and kv["scales"] == kv_schema.SCALES[kv["dtype"]]
+    h = hydrate(store, "erin", FP)
+    assert h.slab.dtype == torch.float8_e4m3fn
+    assert torch.equal(h.slab.view(torch.uint8), expected_slab(memory).view(torch.uint8))
+    assert torch.equal(h.scales, torch.stack([c.scales for c in memory.chunks]))
+    chunks = len(memory.chunks)
+    assert h.nbytes == slab_nbytes(r.manifest) == kv["slab_bytes"] + chunks * 2 * 3 * 2 * 4
+    assert slab_nbytes(r.manifest, torch.float32) == 4 * kv["slab_bytes"]
+    assert torch.equal(h.rows_float(torch.arange(h.slab.shape[0])), expected_float(memory))
+    reuse = h.kv_by_content_key()  # builders set no keys; a keyed one gives triples
+    assert reuse == {}
+    h.content_keys = {memory.chunks[2].chunk_id: "k"}
+    k, v, sc = h.kv_by_content_key()["k"]
+    assert torch.equal(sc, memory.chunks[2].scales) and k.dtype == torch.float8_e4m3fn
+
+
+def test_an_unknown_kv_format_is_refused_with_a_clear_error(store):
+    """A dtype or scale rule this reader does not know (a newer InferScale wrote it) is
+    refused from the manifest before the kv file is read, and from the kv file itself."""
+    memory, facts, lineage = make_inputs("dana", 4, dtype=torch.float8_e4m3fn)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    loc = Location(store, "dana", FP)
+    rewrite_manifest(store, loc, r.version, kv={**r.manifest.kv, "dtype": "float4_e2m1"})
+    with pytest.raises(ArtifactSchemaError, match="'float4_e2m1'.*upgrade InferScale"):
+        hydrate(store, "dana", FP)
+    with pytest.raises(ArtifactSchemaError, match="'float4_e2m1'"):
+        slab_nbytes(read_manifest(store, "dana", FP, r.version))
+    rule = "float32 per token"
+    rewrite_manifest(store, loc, r.version, kv={**r.manifest.kv, "scales": rule})
+    with pytest.raises(ArtifactSchemaError, match="scale rule 'float32 per token'"):
+        hydrate(store, "dana", FP)
+    # the kv file's own record (the manifest put back as published)
+    table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata,
+                                      b"inferscale.kv.scales": rule.encode()})
+    with pytest.raises(ArtifactSchemaError, match=r"kv\.\w+\.arrow: .*scale rule"):
+        hydrate(store, "dana", FP)
 
 
 def test_local_mmap_and_copy_agree(local_store):
@@ -239,9 +286,9 @@ def rewrite_kv(store, loc, r, table: pa.Table, metadata: dict) -> None:
 def test_newer_kv_schema(published):
     store, loc, r = published
     table = pa.ipc.open_file(pa.py_buffer(read(store, kv_path(loc, r)))).read_all()
-    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"4"})
+    rewrite_kv(store, loc, r, table, {**table.schema.metadata, b"inferscale.schema_version": b"5"})
     with pytest.raises(ArtifactSchemaError,
-                       match=r"kv\.\w+\.arrow: kv schema version 4 is newer") as err:
+                       match=r"kv\.\w+\.arrow: kv schema version 5 is newer") as err:
         hydrate(store, "dana", FP)
     assert isinstance(err.value, SchemaVersionError)
 

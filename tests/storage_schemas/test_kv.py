@@ -25,7 +25,8 @@ def test_schema_round_trip():
 def test_older_versions_still_read():
     """1 had no content_key, 2 no digest; both still parse (and are read whole)."""
     lay = layout()
-    assert kv.VERSION == 3 and lay.schema().field("content_key").nullable
+    assert kv.VERSION == 4 and lay.schema().field("content_key").nullable
+    assert lay.schema().metadata[VERSION_KEY] == b"3"  # unquantized files stay version 3
     assert lay.schema().field("digest").type == pa.uint64()
     v1, v2 = lay.schema(1), lay.schema(2)
     assert "content_key" not in v1.names and v1.metadata[VERSION_KEY] == b"1"
@@ -35,8 +36,43 @@ def test_older_versions_still_read():
     with pytest.raises(kv.KVFormatError, match="columns"):
         kv.KVLayout.from_schema(lay.schema().with_metadata({**lay.schema().metadata,
                                                             VERSION_KEY: b"2"}))
-    with pytest.raises(kv.KVFormatError, match="no kv schema version"):
+    with pytest.raises(kv.KVFormatError, match="not stored in kv schema version 4"):
         lay.schema(4)
+    with pytest.raises(kv.KVFormatError, match="no kv schema version"):
+        lay.schema(5)
+
+
+def test_fp8_layout_carries_scales_in_version_4():
+    lay = layout(dtype="float8_e4m3fn")
+    s = lay.schema()
+    assert lay.quantized and lay.scale_elems == 2 * 2 * 3 and lay.slab_bytes == 10 * 48
+    assert s.metadata[VERSION_KEY] == b"4" and kv.written_version("float8_e4m3fn") == 4
+    assert s.field("kv").type.value_type == pa.uint8()
+    assert s.field("scales").type == pa.list_(pa.float32(), 12)
+    assert s.names.index("scales") < s.names.index("kv")  # an index column, before the slab
+    assert s.metadata[b"inferscale.kv.scales"] == kv.SCALES["float8_e4m3fn"].encode()
+    assert kv.KVLayout.from_schema(s) == lay
+    assert kv.index_columns(lay)[-1] == "scales" and "scales" not in kv.index_columns(layout())
+    with pytest.raises(kv.KVFormatError, match="not stored in kv schema version 3"):
+        lay.schema(3)
+
+
+@pytest.mark.parametrize("rule", [None, "float16 per token"])
+def test_an_unknown_scale_rule_is_refused(rule):
+    s = _with_meta(layout(dtype="float8_e4m3fn").schema(), **{"inferscale.kv.scales": rule})
+    with pytest.raises(kv.UnknownKVFormat, match="upgrade InferScale"):
+        kv.KVLayout.from_schema(s)
+    with pytest.raises(kv.UnknownKVFormat, match="scale rule"):
+        kv.check_format({"dtype": "float8_e4m3fn", "scales": rule})
+
+
+def test_check_format_of_a_manifest_record():
+    kv.check_format({"dtype": "bfloat16"})
+    kv.check_format({"dtype": "float8_e4m3fn", "scales": kv.SCALES["float8_e4m3fn"]})
+    with pytest.raises(kv.UnknownKVFormat, match="'float4'.*upgrade"):
+        kv.check_format({"dtype": "float4"})
+    with pytest.raises(kv.UnknownKVFormat, match="scale rule"):
+        kv.check_format({"dtype": "bfloat16", "scales": "per token"})
 
 
 def test_index_digest_covers_every_index_column():
@@ -46,6 +82,10 @@ def test_index_digest_covers_every_index_column():
         changed = [list(c) for c in base]
         changed[i][1] = [9, 9] if i == 3 else ("f2" if i == 0 else 1 + changed[i][1])
         assert kv.index_digest(*changed) != d, i
+    scales = [[0.5, 0.25], [1.0, 2.0]]
+    with_scales = kv.index_digest(*base, scales)
+    assert with_scales != d
+    assert kv.index_digest(*base, [[0.5, 0.25], [1.0, 2.5]]) != with_scales
 
 
 def _with_meta(schema, **changes):
@@ -61,7 +101,7 @@ def _with_meta(schema, **changes):
 def test_newer_or_foreign_schema_is_a_schema_version_error():
     s = layout().schema()
     with pytest.raises(SchemaVersionError, match="newer"):
-        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"4"}))
+        kv.KVLayout.from_schema(s.with_metadata({**s.metadata, VERSION_KEY: b"5"}))
     with pytest.raises(SchemaVersionError, match="expected a 'kv' table"):
         kv.KVLayout.from_schema(s.with_metadata({**s.metadata, NAME_KEY: b"facts"}))
 

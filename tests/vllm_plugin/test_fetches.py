@@ -21,8 +21,8 @@ from inferscale.vllm_plugin.metadata import FetchSpec
 FP = "fp-test"
 
 
-def setup(local_store, **store_kw):
-    memory, facts, lineage = make_inputs("ann", 6, dtype=torch.bfloat16)
+def setup(local_store, dtype=torch.bfloat16, **store_kw):
+    memory, facts, lineage = make_inputs("ann", 6, dtype=dtype)
     version = publish(local_store, "ann", memory, facts, lineage, embeddings=False).version
     store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32, **store_kw)
     fetches = Fetches(store, FactReader(local_store, FP), FP, timeout_s=5)
@@ -58,6 +58,22 @@ def test_a_read_gives_the_chunks_in_the_engine_dtype_and_layout(local_store):
     assert got.resident.slab.permute(1, 2, 0, 3, 4).is_contiguous()  # CPU: layer-major
     assert got.nbytes == sum(whole.chunk(c).numel() * 2 for c in chunks)
     assert fetches.reads == 1 and fetches.bytes_read == got.nbytes
+    store.release(got.resident.region)
+    assert store._staging_used == {"host": 0, "gpu": 0}
+
+
+def test_fp8_facts_are_dequantized_once_on_the_cpu(local_store):
+    """fp8 facts read alone become the CPU engine's float32 with their own chunks'
+    scales: exactly what the whole user dequantizes to."""
+    store, fetches, whole, version = setup(local_store, torch.float8_e4m3fn)
+    chunks = ["prefix", list(whole.index)[5], list(whole.index)[1]]
+    fetches.submit(spec(whole, version, chunks))
+    (got,) = wait_done(fetches)
+    assert got.error is None and got.resident.scales is None
+    want = torch.cat([whole.rows_float(torch.arange(o, o + n))
+                      for o, n in (whole.index[c] for c in chunks)])
+    assert got.resident.slab.dtype == torch.float32 and torch.equal(got.resident.slab, want)
+    assert got.nbytes == sum(whole.chunk(c).numel() for c in chunks)  # one byte each
     store.release(got.resident.region)
     assert store._staging_used == {"host": 0, "gpu": 0}
 
@@ -117,3 +133,22 @@ def test_cuda_reads_land_in_device_staging_memory(local_store):
     assert torch.equal(slab.cpu(), torch.cat([whole.chunk(c) for c in chunks]))
     store.release(got.resident.region)
     assert store._staging_used == {"host": 0, "gpu": 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_reads_stay_fp8_with_their_scales(local_store):
+    memory, facts, lineage = make_inputs("ann", 6, dtype=torch.float8_e4m3fn)
+    version = publish(local_store, "ann", memory, facts, lineage, embeddings=False).version
+    store = ResidentStore("cuda", 1 << 20, 1 << 20, dtype=torch.bfloat16)
+    fetches = Fetches(store, FactReader(local_store, FP), FP)
+    whole = hydrate(local_store, "ann", FP)
+    chunks = [list(whole.index)[4], "prefix"]
+    fetches.submit(spec(whole, version, chunks))
+    (got,) = wait_done(fetches)
+    r = got.resident
+    assert got.error is None and r.slab.is_cuda and r.slab.dtype == torch.float8_e4m3fn
+    assert torch.equal(r.slab.cpu().view(torch.uint8),
+                       torch.cat([whole.chunk(c) for c in chunks]).view(torch.uint8))
+    assert torch.equal(r.scales, torch.stack([whole.scales[whole.scale_pos(c)] for c in chunks]))
+    assert r.scale_rows(chunks, 0, 3).tolist() == [0] * min(3, whole.index[chunks[0]][1])
+    store.release(r.region)

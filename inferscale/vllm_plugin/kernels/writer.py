@@ -9,7 +9,10 @@ one kernel does it all in a single pass, reading each needed slab row once:
 
 - CUDA: a Triton kernel (:mod:`inferscale.vllm_plugin.kernels.cuda`), one program per
   (token, layer); rotation in float32, rounded once to the cache dtype (as the compiled
-  model's fused rotary does).
+  model's fused rotary does). fp8 slabs are dequantized in the same pass (their scales
+  travel with the step's indices, :mod:`~inferscale.vllm_plugin.kernels.indices`), and
+  an fp8 cache (``kv_cache_dtype="fp8"``) is written as vLLM's writer does: divided by
+  the layer's scales and saturated to fp8.
 - CPU: a Numba kernel (:mod:`inferscale.vllm_plugin.kernels.cpu`, code in
   :mod:`~inferscale.vllm_plugin.kernels.cpu_jit`) over (layer, block tile); rotation with
   the same fused multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical
@@ -25,14 +28,17 @@ connector on the generic path and says why (``FusedWriter.reason``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from inferscale.kv_quant import FP8_DTYPE, dequantize, quantize
 from inferscale.vllm_plugin.compat import (
-    CacheLayout, cache_layout, rotate_with_model, write_layer_kv,
+    CacheLayout, cache_layout, cache_scales, rotate_with_model, write_layer_kv,
+)
+from inferscale.vllm_plugin.kernels.indices import (
+    INDEX_CAPACITY, SCALE_CAPACITY, IndexBuffers, Source, batches,
 )
 
 log = logging.getLogger("vllm.inferscale.kernels")
@@ -62,80 +68,6 @@ def flat_numpy(t: torch.Tensor) -> np.ndarray | None:
 
 
 # ----------------------------------------------------------------------------- writer
-
-
-@dataclass
-class Source:
-    """One kernel launch's input: a slab (logical ``[T, 2, L, H, D]``, any dense stride
-    order) and, per token, its slab row, virtual position and cache slot."""
-
-    slab: torch.Tensor
-    rows: np.ndarray  # [N] int64
-    positions: np.ndarray  # [N] int64
-    slots: np.ndarray  # [N] int64
-
-
-# Tokens whose (row, position, slot) one index copy carries; a step that loads more is
-# written in several launches rather than growing pinned memory (allocating pinned memory
-# synchronizes the device: a stall for every request in the step).
-INDEX_CAPACITY = 1 << 16
-
-
-class IndexBuffers:
-    """Two fixed pinned host buffers and their device copies, used in turn by successive
-    steps: a step's indices go over in one non-blocking copy, and a host buffer is only
-    rewritten once the copy that last read it has finished (two steps earlier, so
-    normally without waiting)."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.capacity = capacity
-        self.host = [torch.empty(3 * capacity, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.dev = [torch.empty(3 * capacity, dtype=torch.int64, device=device)
-                    for _ in range(2)]
-        self.done: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-
-    def fill(self, sources: list[Source]) -> tuple[torch.Tensor, int]:
-        """``([3, n] device view of rows/positions/slots, n)`` for ``sources`` (at most
-        ``capacity`` tokens in all), enqueued on the current stream."""
-        n = sum(len(s.rows) for s in sources)
-        if n > self.capacity:
-            raise ValueError(f"{n} tokens exceed the index capacity {self.capacity}")
-        i, self.turn = self.turn, 1 - self.turn
-        if self.done[i] is not None:
-            self.done[i].synchronize()
-        host = self.host[i][:3 * n].view(3, n)
-        out = host.numpy()
-        at = 0
-        for s in sources:
-            k = len(s.rows)
-            out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
-            at += k
-        dev = self.dev[i][:3 * n].view(3, n)  # starts at the buffer's (aligned) base
-        dev.copy_(host, non_blocking=True)
-        event = self.done[i] or torch.cuda.Event()
-        event.record()
-        self.done[i] = event
-        return self.dev[i], n
-
-
-def _batches(sources: list[Source], capacity: int) -> list[list[Source]]:
-    """``sources`` cut into lists of at most ``capacity`` tokens (a source split by rows
-    where needed)."""
-    out: list[list[Source]] = [[]]
-    room = capacity
-    for src in sources:
-        at = 0
-        while at < len(src.rows):
-            if room == 0:
-                out.append([])
-                room = capacity
-            k = min(room, len(src.rows) - at)
-            sl = slice(at, at + k)
-            out[-1].append(Source(src.slab, src.rows[sl], src.positions[sl], src.slots[sl]))
-            at += k
-            room -= k
-    return [b for b in out if b]
 
 
 class FusedWriter:
@@ -193,7 +125,7 @@ class FusedWriter:
         if getattr(rot, "rotary_dim", layout.head_size) != layout.head_size or \
                 not hasattr(rot, "cos_sin_cache"):
             raise RuntimeError("only full-dimension rotary embeddings with a cos/sin cache")
-        if first.kv_cache.dtype != self.dtype:
+        if not layout.quantized and first.kv_cache.dtype != self.dtype:
             raise RuntimeError(f"cache dtype {first.kv_cache.dtype} is not the model's")
         self.layout = layout
         self.neox = bool(getattr(rot, "is_neox_style", True))
@@ -211,8 +143,12 @@ class FusedWriter:
                     for idx, layer in self.layers]
             self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
             self._indices = IndexBuffers(INDEX_CAPACITY, device)
+            # the cache's own scales per layer row [L, 2, H] (fp8 caches; else unused)
+            self._out_scales = (cache_scales([layer for _, layer in self.layers],
+                                             layout.num_heads) if layout.quantized
+                                else torch.ones(1, dtype=torch.float32, device=device))
         else:
-            if self.dtype != torch.float32:
+            if layout.quantized or self.dtype != torch.float32:
                 raise RuntimeError("the CPU kernel handles float32 models only")
             self.kind = "numba"
             arrays = [flat_numpy(layer.kv_cache) for _, layer in self.layers]
@@ -236,6 +172,8 @@ class FusedWriter:
 
     def _write_cpu(self, src: Source, caches: Any, layer_idx: np.ndarray) -> None:
         lay = self.layout
+        if src.scales is not None:  # a CPU store dequantizes fp8 slabs when it places them
+            raise RuntimeError("the CPU kernel reads float slabs only")
         flat = flat_numpy(src.slab)
         if flat is None:
             raise RuntimeError("slab is not dense")
@@ -247,37 +185,49 @@ class FusedWriter:
                      heads, dim, self.neox)
 
     def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
-                    layer_off: torch.Tensor | None = None) -> None:
-        for batch in _batches(sources, INDEX_CAPACITY):
-            self._launch(batch, cache0, layer_off)
+                    layer_off: torch.Tensor | None = None,
+                    out_scales: torch.Tensor | None = None) -> None:
+        for batch in batches(sources, INDEX_CAPACITY, SCALE_CAPACITY):
+            self._launch(batch, cache0, layer_off, out_scales)
 
     def _launch(self, sources: list[Source], cache0: torch.Tensor | None,
-                layer_off: torch.Tensor | None) -> None:
+                layer_off: torch.Tensor | None, out_scales: torch.Tensor | None) -> None:
         import triton
 
         lay = self.layout
         cache0 = self.layers[0][1].kv_cache if cache0 is None else cache0
+        if lay.quantized:  # vLLM keeps fp8 caches as uint8 and views them as fp8
+            cache0 = cache0.view(FP8_DTYPE)
         layer_off = self._layer_off if layer_off is None else layer_off
-        idx, n_all = self._indices.fill(sources)  # [3, n_all] int64 on the device, aligned
+        out_scales = self._out_scales if out_scales is None else out_scales
+        # [4, n_all] int64 on the device, aligned; the packed scales of fp8 sources
+        idx, n_all, scales = self._indices.fill(sources)
         at = 0
         for src in sources:
             n = len(src.rows)
-            _, _, _, heads, dim = src.slab.shape
+            _, _, layers, heads, dim = src.slab.shape
             self._kernel[(n, layer_off.shape[0])](
                 src.slab, src.slab.stride(0), src.slab.stride(1), src.slab.stride(2),
-                idx, at, n_all, self.cos_sin, self.cos_sin.stride(0), cache0, layer_off,
+                idx, at, n_all, scales, 2 * layers * heads, layers * heads,
+                self.cos_sin, self.cos_sin.stride(0), cache0, layer_off, out_scales,
                 *lay.k_strides, *lay.v_strides, lay.k_offset, lay.v_offset, lay.block_size,
                 HEADS=heads, DIM=dim, BH=triton.next_power_of_2(heads),
                 BHALF=triton.next_power_of_2(dim // 2), BDIM=triton.next_power_of_2(dim),
-                NEOX=self.neox)
+                NEOX=self.neox, SCALED=src.scales is not None, QUANT_OUT=lay.quantized)
             at += n
 
     # -------------------------------------------------------------- self-check
 
     def _self_check(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Write one probe with the kernel and with the generic path (the model's rotary
-        op + the backend's writer) into scratch blocks of the first layer's cache shape;
-        they must agree (exactly on CPU; within one rounding of the cache dtype on CUDA)."""
+        """Write probes with the kernel and with the generic path (the model's rotary op +
+        the backend's writer) into scratch blocks of the first layer's cache shape; they
+        must agree (exactly on CPU; within one rounding of the cache dtype on CUDA). On
+        CUDA a second probe is an fp8 slab (dequantized in float32 for the generic path)."""
+        self._probe(place, fp8=False)
+        if self.kind == "triton":
+            self._probe(place, fp8=True)
+
+    def _probe(self, place: Callable[[torch.Tensor], torch.Tensor], fp8: bool) -> None:
         idx, layer = self.layers[0]
         lay = self.layout
         kv = layer.kv_cache
@@ -285,20 +235,29 @@ class FusedWriter:
         gen = torch.Generator().manual_seed(0)
         n = 2 * bs + 3
         shape = (n + 5, 2, idx + 1, lay.num_heads, lay.head_size)
-        slab = place(torch.randn(shape, generator=gen).to(self.dtype)).to(device)
+        slab = torch.randn(shape, generator=gen)
         rows = torch.randperm(slab.shape[0], generator=gen)[:n].sort().values.numpy()
         positions = (np.arange(n) + 7).astype(np.int64)
         blocks = 4
         slots = np.concatenate([np.arange(bs - 3, bs), 2 * bs + np.arange(n - 3)]).astype(
             np.int64)
         want, got = _scratch_like(kv, blocks), _scratch_like(kv, blocks)
+        scales = None
+        if fp8:  # the whole probe one chunk: [1, 2, L, H] scales
+            qk, qv, sc = quantize(slab[:, 0].permute(1, 0, 2, 3), slab[:, 1].permute(1, 0, 2, 3))
+            slab, scales = torch.stack([qk, qv]).permute(2, 0, 1, 3, 4).to(device), sc[None]
+            pre = dequantize(slab[torch.from_numpy(rows).to(device)],
+                             scales.expand(n, -1, -1, -1), self.dtype)[:, :, idx]
+        else:
+            slab = place(slab.to(self.dtype)).to(device)
+            pre = slab[torch.from_numpy(rows).to(slab.device)][:, :, idx].to(device, self.dtype)
         # generic: gather, rotate with the model's op, write with the backend's writer
-        pre = slab[torch.from_numpy(rows).to(slab.device)][:, :, idx].to(device, self.dtype)
         k = pre[:, 0].contiguous()  # [n, H, D]
         rotate_with_model(self.rotary, torch.from_numpy(positions).to(device), k)
         write_layer_kv(layer, k, pre[:, 1].contiguous(),
                        torch.from_numpy(slots).to(device), kv_cache=want)
-        src = Source(slab, rows, positions, slots)
+        src = Source(slab, rows, positions, slots, scales,
+                     np.zeros(n, dtype=np.int64) if fp8 else None)
         if self.kind == "numba":
             from inferscale.vllm_plugin.kernels.cpu import load
 
@@ -312,17 +271,28 @@ class FusedWriter:
             load(first_call)
         else:
             self._write_cuda([src], cache0=got, layer_off=torch.tensor(
-                [[idx, 0]], dtype=torch.int64, device=device))
+                [[idx, 0]], dtype=torch.int64, device=device),
+                out_scales=self._out_scales[idx:idx + 1] if lay.quantized else None)
             torch.cuda.synchronize(device)
+        if lay.quantized:  # compare fp8 codes as numbers: within one fp8 rounding
+            want, got = want.view(FP8_DTYPE), got.view(FP8_DTYPE)
         (wk, wv), (gk, gv) = lay.views(want), lay.views(got)
         b, o = torch.from_numpy(slots // bs).to(device), torch.from_numpy(slots % bs).to(device)
-        if not torch.equal(wv[b, o], gv[b, o]):
-            raise RuntimeError("values differ from the backend writer's")
-        err = (wk[b, o].float() - gk[b, o].float()).abs().max().item()
-        tol = 0.0 if self.kind == "numba" else \
-            2 * torch.finfo(self.dtype).eps * wk[b, o].float().abs().max().item()
-        if err > tol:
-            raise RuntimeError(f"keys differ from the backend writer's by {err:g} (> {tol:g})")
+        what = "fp8 probe: " if fp8 else ""
+        if lay.quantized:
+            _close(wv[b, o], gv[b, o], 0.125, what + "values")
+        elif not torch.equal(wv[b, o], gv[b, o]):
+            raise RuntimeError(what + "values differ from the backend writer's")
+        rel = 0.0 if self.kind == "numba" else \
+            0.125 if lay.quantized else 2 * torch.finfo(self.dtype).eps
+        _close(wk[b, o], gk[b, o], rel, what + "keys")
+
+
+def _close(want: torch.Tensor, got: torch.Tensor, rel: float, what: str) -> None:
+    err = (want.float() - got.float()).abs().max().item()
+    tol = rel * want.float().abs().max().item()
+    if err > tol:
+        raise RuntimeError(f"{what} differ from the backend writer's by {err:g} (> {tol:g})")
 
 
 def _scratch_like(kv: torch.Tensor, blocks: int) -> torch.Tensor:

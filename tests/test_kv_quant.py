@@ -1,0 +1,40 @@
+"""fp8 quantization of a chunk's K/V (inferscale.kv_quant): the error bound of e4m3 with
+per (K/V, layer, head) scales, for any values Hypothesis finds."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferscale.kv_quant import FP8_MAX, dequantize, is_quantized, quantize
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 3), T=st.integers(1, 9), H=st.integers(1, 3), D=st.integers(1, 8),
+       exponent=st.integers(-30, 30), seed=st.integers(0, 2 ** 16), zero_head=st.booleans())
+def test_quantize_round_trip_within_one_fp8_rounding(L, T, H, D, exponent, seed, zero_head):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, T, H, D, generator=g) * 2.0 ** exponent
+    v = torch.randn(L, T, H, D, generator=g).pow(3) * 2.0 ** -exponent  # heavy tails
+    if zero_head:
+        k[:, :, 0] = 0
+    qk, qv, sc = quantize(k, v)
+    assert qk.dtype == qv.dtype == torch.float8_e4m3fn and sc.shape == (2, L, H)
+    assert torch.isfinite(sc).all() and (sc > 0).all()
+    rows = torch.stack([qk, qv]).permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D]
+    back = dequantize(rows, sc.expand(T, -1, -1, -1))
+    for i, x in enumerate((k, v)):
+        got = back[:, i].permute(1, 0, 2, 3)
+        scale = sc[i][:, None, :, None]  # [L, 1, H, 1]
+        # e4m3: 3 mantissa bits (half a step: 2^-4 relative); subnormals below 2^-6
+        bound = torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)
+        assert ((got - x).abs() <= bound).all()
+        assert (got.abs() <= scale * FP8_MAX * (1 + 1e-6)).all()  # saturated at the amax
+    if zero_head:
+        assert (qk[:, :, 0].float() == 0).all() and (sc[0, :, 0] == 1).all()
+
+
+def test_is_quantized_names():
+    assert is_quantized("float8_e4m3fn") and is_quantized(torch.float8_e4m3fn)
+    assert not is_quantized("bfloat16") and not is_quantized(torch.float32)
