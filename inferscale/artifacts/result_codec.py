@@ -8,7 +8,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
 - :func:`encoded_to_ipc` / :func:`encoded_from_ipc`: the encoder's output
   (:class:`inferscale.encode.encoder.EncodedMemory`) as one record batch in the kv
   layout of :mod:`storage_schemas.kv` (chunk ids, token ids, content keys, the ``[T, 2, L, H, D]`` slab), with
-  the model fingerprint, encoder config and stats in the schema metadata;
+  the model fingerprint, encoder config, stats and key calibration in the schema metadata;
 - :func:`facts_to_ipc` / :func:`facts_from_ipc`: a
   :class:`inferscale.facts.extractor.FactsResult` as its facts table, the other fields
   in the schema metadata.
@@ -62,7 +62,9 @@ def encoded_to_ipc(encoded: Any) -> bytes:
     _, batch, _ = build_kv_batch(encoded, encoded.model_fingerprint)
     return _ipc(batch, "encoded-kv", {"model_fingerprint": encoded.model_fingerprint,
                                       "encoder_config": dict(encoded.encoder_config),
-                                      "stats": dict(getattr(encoded, "stats", {}) or {})})
+                                      "stats": dict(getattr(encoded, "stats", {}) or {}),
+                                      "calibration": dict(getattr(encoded, "calibration",
+                                                                  {}) or {})})
 
 
 def encoded_from_ipc(data: bytes) -> Any:
@@ -88,7 +90,7 @@ def encoded_from_ipc(data: bytes) -> Any:
                            slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key)
               for cid, tok, o, n, key in zip(ids, tokens, offsets, lengths, keys)]
     return EncodedMemory(chunks, fields["model_fingerprint"], fields["encoder_config"],
-                         fields["stats"])
+                         fields["stats"], fields.get("calibration") or {})
 
 
 def facts_to_ipc(result: Any) -> bytes:
