@@ -16,7 +16,9 @@ the user's facts), on the same vLLM engine with the InferScale connector:
 Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).
 vLLM's prefix cache is reset before every uncached measurement, so no k or query feeds
 another; the order of the four modes rotates from query to query. Medians per k; the
-summary is taken at the largest k.
+summary is taken at the largest k, plus ``speedup_vs_prompt_k<k>`` at every k. The
+artifacts carry the layout of ``--memory-order``, ``--text-tail`` and ``--tail-max-k``
+(the encoder defaults unless given), as the server lays requests out.
 
     python benchmarks/ttft.py --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
     python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
@@ -78,7 +80,8 @@ async def measure(args) -> dict:
     turns = load_turns(args.conversation)
     users = {"gpu": "bench-gpu", "host": "bench-host"}
     # the composer settings the artifacts carry (what the server lays out per request)
-    layout = {"memory_order": args.memory_order, "text_tail": args.text_tail}
+    layout = {"memory_order": args.memory_order, "text_tail": args.text_tail,
+              **({"tail_max_k": args.tail_max_k} if args.tail_max_k else {})}
     t0 = time.perf_counter()
     if args.model in SHAPES:
         tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
@@ -217,6 +220,8 @@ async def measure(args) -> dict:
             "q2ft_vs_engine_ttft": round(top["inject_gpu_q2ft_ms"] / top["inject_gpu_ttft_ms"], 3),
             "host_tier_extra_ms": round(top["inject_host_ttft_ms"] - top["inject_gpu_ttft_ms"], 3),
             "speedup_vs_prompt": round(top["prompt_ttft_ms"] / top["inject_gpu_ttft_ms"], 3),
+            **{f"speedup_vs_prompt_k{r['k']}":
+               round(r["prompt_ttft_ms"] / r["inject_gpu_ttft_ms"], 3) for r in rows},
         },
     }
 
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--text-tail", type=int, default=EncoderConfig.text_tail,
                     help="facts prefilled as text after the injected ones (the artifact's "
                          "layout; default: the encoder default)")
+    ap.add_argument("--tail-max-k", type=int, default=EncoderConfig.tail_max_k,
+                    help="the text tail only when at most this many facts are retrieved "
+                         "(0: at every k; default: the encoder default)")
     ap.add_argument("--memory-order", default=EncoderConfig.memory_order,
                     help="order of the injected facts (relevance, relevance_last, "
                          "chronological; default: the encoder default)")
