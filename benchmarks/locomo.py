@@ -18,13 +18,17 @@ vLLM engine, in these modes:
 Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encoder config
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
 ``inferscale.encode.identity.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
-``memory_order``, ``text_tail``). Retrieval runs once per question (exact top-``max(ks)``)
-and top-k is its first k facts, so every mode and k answers from the same facts.
+``key_calibration``, ``memory_order``, ``text_tail``, ``tail_max_k``);
+``--variants-file FILE [--section NAME]`` adds a file's (:mod:`benchmarks.locomo_specs`).
+Retrieval runs once per question (exact top-``max(ks)``) and top-k is its first k facts,
+so every mode and k answers from the same facts.
 
 Scores: LoCoMo's token F1 of the first line (:mod:`benchmarks.qa_metrics`) per mode, k
 and category; the paired bootstrap 95% interval of (mode - prompt) at each k; the share
 of answers that continue the transcript (they begin like a memory line or a speaker
-label); evidence recall of the shared retrieval. Per conversation and pooled over all.
+label); the injected share of the retrieved facts' tokens; evidence recall of the shared
+retrieval. Per conversation and pooled over all. ``--select-default --rule exact|injection``
+picks the default by :mod:`benchmarks.locomo_select`'s fixed rule.
 
     python benchmarks/locomo.py --conversation ../shared/data/locomo/conv-26.json \\
         ../shared/data/locomo/conv-30.json --out benchmarks/results/locomo-cpu-smollm2.json
@@ -40,7 +44,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,45 +59,10 @@ import torch  # noqa: E402
 
 from benchmarks import locomo_report  # noqa: E402
 from benchmarks.common import command_line  # noqa: E402
+from benchmarks.locomo_specs import (  # noqa: E402,F401 (parse_variant: the tests' entry)
+    Variant, encoding_key, parse_variant, read_specs)
 
 QUERY_TEMPLATE = "Question: {question} Short answer:"  # the same for every mode
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A KV mode: a name and the encoder-config fields it sets (the rest: defaults)."""
-
-    name: str
-    fields: tuple[tuple[str, object], ...]
-
-    def encoder_config(self, **base):
-        from inferscale.encode.identity import EncoderConfig
-
-        return EncoderConfig(**{**base, **dict(self.fields)})
-
-
-def parse_variant(spec: str) -> Variant:
-    """``NAME:field=value,field=value`` -> :class:`Variant` (values: int, float or text)."""
-    from inferscale.encode.identity import EncoderConfig
-
-    name, _, body = spec.partition(":")
-    known = {f.name: f.type for f in fields(EncoderConfig)}
-    out = []
-    for item in filter(None, body.split(",")):
-        key, _, raw = item.partition("=")
-        if key not in known:
-            raise ValueError(f"variant {name!r}: unknown encoder field {key!r}")
-        value: object = raw
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                pass
-        out.append((key, value))
-    if not name or name in ("prompt", "nomem"):
-        raise ValueError(f"bad variant name in {spec!r}")
-    return Variant(name, tuple(out))
 
 
 def load_questions(conversation: str, categories=(1, 2, 3, 4),
@@ -160,19 +129,12 @@ def prepare(args, path: str, loaded, embedder) -> Conversation:
                         questions, top, sorted(set(turns.column("speaker").to_pylist())))
 
 
-# Fields that change the layout of a request (or the stored format) only: variants
-# differing in these alone share one encoding (each still gets its own artifact version;
-# a stored dtype other than the engine's is the shared encoding converted, or quantized
-# for fp8, as the encoder itself would: benchmarks.memory_setup.as_stored).
-LAYOUT_FIELDS = ("memory_order", "text_tail", "dtype")
 _last_encoding: dict = {}  # conversation -> (encoding key, EncodedMemory)
 
 
 def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Path):
     """Encode the facts the questions retrieve with ``variant`` and publish them as user
     ``{user}-{variant}``: (user, version, encoder config, stats)."""
-    from dataclasses import asdict
-
     from dataclasses import replace
 
     from benchmarks.memory_setup import as_stored, encoded_memory, kv_errors, publish_memory
@@ -180,8 +142,7 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     used = sorted({f for t in conv.top for f in t})
     facts = conv.facts.filter(pc.is_in(conv.facts["fact_id"], pa.array(used)))
     cfg = variant.encoder_config(dtype=args.kv_dtype, batch_tokens=args.batch_tokens)
-    key = json.dumps({k: v for k, v in asdict(cfg).items() if k not in LAYOUT_FIELDS},
-                     sort_keys=True)
+    key = encoding_key(cfg)
     t0 = time.perf_counter()
     if _last_encoding.get(conv.name, (None,))[0] != key:  # one encoding kept per conversation
         _last_encoding[conv.name] = (key, encoded_memory(  # in the engine's (compute) dtype
@@ -192,7 +153,8 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     if cfg.dtype != args.kv_dtype:
         errors = {"kv_rel_rms_error": kv_errors(mem)}  # bf16 and both fp8 scale rules
         mem = as_stored(mem, cfg.dtype)
-    mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats)
+    mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats,
+                    mem.calibration)
     seconds = time.perf_counter() - t0
     vuser = f"{conv.user}-{variant.name}".replace("_", "-")
     version = publish_memory(root, vuser, conv.turns, for_user(facts, vuser), mem)
@@ -216,7 +178,7 @@ async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation
         async with sem:
             for k in ([0] if mode == "nomem" else args.ks):  # increasing: prefix-cache reuse
                 ranked = conv.top[i][:k]
-                ref, tail = None, []
+                ref, tail, injected = None, [], []
                 if mode == "nomem":
                     memory = [prefix]
                 elif mode == "prompt":
@@ -228,6 +190,8 @@ async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation
                 gen = await engine.generate(ids, ref, max_tokens=args.max_tokens)
                 out[(i, k)] = {"text": gen.text, "memory_tokens": m, "prompt_tokens": len(ids),
                                "tail_tokens": sum(len(token_ids[f]) for f in tail),
+                               "fact_tokens": sum(len(token_ids[f]) for f in ranked),
+                               "injected_fact_tokens": sum(len(token_ids[f]) for f in injected),
                                "injected": gen.injected_tokens, "cached": gen.cached_tokens,
                                "fallback": gen.fallback}
 
@@ -264,7 +228,8 @@ async def run(args, loaded, convs: list[Conversation], variants: list[Variant], 
             vuser, version, cfg, phase["encode"] = hydrated
 
             def layout(ranked):
-                injected, tail = memory_layout(ranked, cfg.memory_order, cfg.text_tail, source)
+                injected, tail = memory_layout(ranked, cfg.memory_order, cfg.text_tail, source,
+                                               cfg.tail_max_k)
                 return injected, tail, MemoryRef(vuser, version, (PREFIX_ID, *injected))
             ref_of = layout
         t0 = time.perf_counter()
@@ -327,7 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=V,...",
                     help="add a KV variant with these encoder-config fields (repeatable)")
     ap.add_argument("--variants-file", default=None,
-                    help="a file of --variant specs, one per line (# comments)")
+                    help="a file of --variant specs, one per line (# comments, [section])")
+    ap.add_argument("--section", default=None,
+                    help="only the specs under this [section] header of --variants-file")
     ap.add_argument("--base", default=None, metavar="FIELD=V,...",
                     help="encoder-config fields of the kv_w{w} modes besides the window "
                          "(default: the pipeline's defaults)")
@@ -342,8 +309,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
                          "benchmarks/locomo_select.py and compare it with the baseline")
+    ap.add_argument("--rule", choices=["exact", "injection"], default="exact",
+                    help="--select-default's rule (benchmarks/locomo_select.py)")
     ap.add_argument("--max-tail", type=int, default=5,
-                    help="longest text tail --select-default may pick (serving cost)")
+                    help="longest text tail the exact rule may pick (serving cost)")
     ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
                     help="numbers of retrieved facts")
     ap.add_argument("--max-questions", type=int, default=None,
@@ -370,13 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [Variant(f"kv_w{w}", (*base, ("window", w))) for w in args.windows]
     specs = list(args.variant)
     if args.variants_file:
-        specs += [line.split("#")[0].strip() for line in Path(args.variants_file).read_text()
-                  .splitlines() if line.split("#")[0].strip()]
+        specs += read_specs(Path(args.variants_file).read_text(), args.section)
     variants += [parse_variant(s) for s in specs]
     # variants sharing an encoding run back to back (it is encoded once for them)
-    variants.sort(key=lambda v: json.dumps({k: x for k, x in v.encoder_config().to_dict()
-                                            .items() if k not in LAYOUT_FIELDS},
-                                           sort_keys=True))
+    variants.sort(key=lambda v: encoding_key(v.encoder_config()))
     if len({v.name for v in variants}) != len(variants):
         ap.error("variant names must be unique")
     if args.default_variant and args.default_variant not in {v.name for v in variants}:
@@ -435,11 +401,14 @@ def main(argv: list[str] | None = None) -> dict:
     asyncio.run(run(args, loaded, convs, variants, root, on_phase))
     res = write(complete=True)
     if args.select_default:
-        from benchmarks.locomo_select import select
+        from benchmarks.locomo_select import select, select_injection
 
-        name, _, score = select(res, args.max_tail)
-        meta.update(default_variant=name, default_rule=f"benchmarks/locomo_select.py "
-                    f"--max-tail {args.max_tail}", default_score=score)
+        if args.rule == "injection":
+            (name, _, score), rule = select_injection(res), "--rule injection"
+        else:
+            (name, _, score), rule = select(res, args.max_tail), f"--max-tail {args.max_tail}"
+        meta.update(default_variant=name, default_rule=f"benchmarks/locomo_select.py {rule}",
+                    default_score=score)
         args.default_variant = name
         res = write(complete=True)
     print(json.dumps(res["summary"]))

@@ -1,6 +1,7 @@
 """Scores and tables of ``benchmarks/locomo.py``: F1 per mode, k and category, paired
-bootstrap intervals against the prompt baseline, transcript-continuation shares and
-evidence recall, per conversation and pooled.
+bootstrap intervals against the prompt baseline, transcript-continuation shares, the
+injected share of the retrieved facts' tokens and evidence recall, per conversation and
+pooled.
 
 Callers: ``benchmarks/locomo.py`` (after every phase), ``tests/test_bench_locomo.py``.
 """
@@ -12,6 +13,8 @@ import platform
 from typing import Any, Iterable, Sequence
 
 from benchmarks import qa_metrics
+
+SHARE_FROM_K = 10  # injected_share_min_k10: the default's smallest share over k >= this
 
 
 def dumps(result: dict) -> str:
@@ -60,6 +63,8 @@ def score_answers(convs: Iterable[Any], answers: dict) -> list[dict]:
             "f1": round(qa_metrics.locomo_f1(pred, q["answer"], q["category"]), 4),
             "continues": qa_metrics.continues_transcript(a["text"], conv.speakers),
             "memory_tokens": a["memory_tokens"], "tail_tokens": a["tail_tokens"],
+            "fact_tokens": a.get("fact_tokens", 0),
+            "injected_fact_tokens": a.get("injected_fact_tokens", 0),
             "injected": a["injected"], "fallback": a["fallback"]})
     return records
 
@@ -84,7 +89,8 @@ def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int],
                    **{f"f1_{c}": v["mean"] for c, v in s["by_category"].items()},
                    "continues": _mean([float(r["continues"]) for r in recs]),
                    "memory_tokens": _mean([r["memory_tokens"] for r in recs]),
-                   "tail_tokens": _mean([r["tail_tokens"] for r in recs])}
+                   "tail_tokens": _mean([r["tail_tokens"] for r in recs]),
+                   "injected_share": _share(recs)}
             base = cell.get(("prompt", k))
             if mode not in ("prompt", "nomem") and base and set(base) >= set(got):
                 keys = sorted(got)
@@ -95,6 +101,13 @@ def _rows(scope: str, records: list[dict], modes: list[str], ks: list[int],
     return rows
 
 
+def _share(recs: list[dict]) -> float | None:
+    """The retrieved facts' tokens the layout injects (the rest are prefilled as text),
+    pooled over the answers: None where no fact was retrieved (no memory)."""
+    total = sum(r.get("fact_tokens", 0) for r in recs)
+    return round(sum(r.get("injected_fact_tokens", 0) for r in recs) / total, 4) if total else None
+
+
 def _summary(rows: list[dict], modes: list[str], ks: list[int], default: str | None,
              convs: Sequence[Any]) -> dict:
     out: dict[str, Any] = {"questions": sum(len(c.questions) for c in convs)}
@@ -103,6 +116,8 @@ def _summary(rows: list[dict], modes: list[str], ks: list[int], default: str | N
         out["f1_nomem" if mode == "nomem" else f"f1_{mode}_k{k}"] = r["f1"]
         if "vs_prompt" in r:
             out[f"ci_{mode}_minus_prompt_k{k}"] = [r["vs_prompt"]["lo"], r["vs_prompt"]["hi"]]
+        if r.get("injected_share") is not None:
+            out[f"injected_share_{mode}_k{k}"] = r["injected_share"]
     for mode in ["prompt", "nomem", *modes]:
         shares = [r["continues"] for (m, _), r in by.items() if m == mode]
         if shares:
@@ -116,6 +131,9 @@ def _summary(rows: list[dict], modes: list[str], ks: list[int], default: str | N
         out["f1_default_minus_prompt_min"] = round(min(diffs), 4)
         out["continues_default_minus_prompt"] = round(
             out[f"continues_{default}"] - out["continues_prompt"], 4)
+        shares = [out.get(f"injected_share_{default}_k{k}") for k in ks if k >= SHARE_FROM_K]
+        if shares and None not in shares:
+            out["injected_share_min_k10"] = min(shares)
     return out
 
 

@@ -113,7 +113,8 @@ def as_stored(memory: EncodedMemory, dtype: str) -> EncodedMemory:
             k, v, sc = c.keys.to(getattr(torch, dtype)), c.values.to(getattr(torch, dtype)), None
         chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, c.content_key, sc))
     return EncodedMemory(chunks, memory.model_fingerprint,
-                         {**memory.encoder_config, "dtype": dtype}, memory.stats)
+                         {**memory.encoder_config, "dtype": dtype}, memory.stats,
+                         memory.calibration)
 
 
 def kv_errors(memory: EncodedMemory) -> dict:

@@ -21,7 +21,9 @@ the engine itself runs in bf16 on CUDA (float32 on the CPU) whatever the memory'
 Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).
 vLLM's prefix cache is reset before every uncached measurement, so no k or query feeds
 another; the order of the four modes rotates from query to query. Medians per k; the
-summary is taken at the largest k.
+summary is taken at the largest k, plus ``speedup_vs_prompt_k<k>`` at every k. The
+artifacts carry the layout of ``--memory-order``, ``--text-tail`` and ``--tail-max-k``
+(the encoder defaults unless given), as the server lays requests out.
 
     python benchmarks/ttft.py --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
     python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
@@ -91,7 +93,8 @@ async def measure(args) -> dict:
         dtypes.update(ref_gpu=args.reference_dtype, ref_host=args.reference_dtype)
     modes = MODES + (REF_MODES if args.reference_dtype else ())
     # the composer settings the artifacts carry (what the server lays out per request)
-    layout = {"memory_order": args.memory_order, "text_tail": args.text_tail}
+    layout = {"memory_order": args.memory_order, "text_tail": args.text_tail,
+              **({"tail_max_k": args.tail_max_k} if args.tail_max_k else {})}
     t0 = time.perf_counter()
     if args.model in SHAPES:
         tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
@@ -245,6 +248,8 @@ async def measure(args) -> dict:
             "host_tier_extra_ms": round(top["inject_host_ttft_ms"] - top["inject_gpu_ttft_ms"], 3),
             "speedup_vs_prompt": round(top["prompt_ttft_ms"] / top["inject_gpu_ttft_ms"], 3),
             "kv_dtype": args.kv_dtype, **reference,
+            **{f"speedup_vs_prompt_k{r['k']}":
+               round(r["prompt_ttft_ms"] / r["inject_gpu_ttft_ms"], 3) for r in rows},
         },
     }
 
@@ -261,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--text-tail", type=int, default=EncoderConfig.text_tail,
                     help="facts prefilled as text after the injected ones (the artifact's "
                          "layout; default: the encoder default)")
+    ap.add_argument("--tail-max-k", type=int, default=EncoderConfig.tail_max_k,
+                    help="the text tail only when at most this many facts are retrieved "
+                         "(0: at every k; default: the encoder default)")
     ap.add_argument("--memory-order", default=EncoderConfig.memory_order,
                     help="order of the injected facts (relevance, relevance_last, "
                          "chronological; default: the encoder default)")

@@ -55,7 +55,7 @@ def memory_text(speaker: str, text: str, timestamp: str | None = None) -> str:
 
 
 def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: int = 0,
-                  source_index: Mapping[str, int] | None = None
+                  source_index: Mapping[str, int] | None = None, tail_max_k: int = 0
                   ) -> tuple[list[str], list[str]]:
     """Split retrieved facts (``ranked``: best first) into (injected, tail), both in the
     order they are served.
@@ -63,9 +63,13 @@ def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: in
     ``tail``: the ``text_tail`` best facts, best last (right before the question), which
     the request prefills as text; ``injected``: the others in ``order`` ("relevance":
     best first, "relevance_last": best last, "chronological": by ``source_index``).
+    ``tail_max_k`` > 0: the tail only when at most that many facts were retrieved (short
+    memory is cheap to prefill); above it every fact is injected.
     """
     if order not in MEMORY_ORDERS:
         raise ComposeError(f"memory order must be one of {MEMORY_ORDERS}, got {order!r}")
+    if tail_max_k and len(ranked) > tail_max_k:
+        text_tail = 0
     tail = list(reversed(ranked[:text_tail]))
     injected = list(ranked[text_tail:])
     if order == "relevance_last":

@@ -21,8 +21,9 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.types import (
-    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
-    GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, MEMORY_ORDERS, KVDtype, check_user_id)
+    DEFAULT_CONTEXT, DEFAULT_KEY_CALIBRATION, DEFAULT_MEMORY_ORDER, DEFAULT_TAIL_MAX_K,
+    DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS, GPU_BUDGET_BYTES, HOST_BUDGET_BYTES,
+    KEY_CALIBRATIONS, MEMORY_ORDERS, KVDtype, check_user_id)
 
 # The settings a Ray worker of the encode flows may receive in its environment
 # (``runtime_env``): an explicit allow-list of non-secret knobs. Keys, the admin key, the
@@ -30,7 +31,8 @@ from inferscale.types import (
 # their parameters).
 WORKER_ENV_SETTINGS = (
     "home", "artifact_root", "s3_endpoint_url", "s3_region", "log_uris", "model", "device",
-    "kv_dtype", "window", "encoder_context", "memory_order", "text_tail", "max_fact_tokens",
+    "kv_dtype", "window", "encoder_context", "memory_order", "text_tail", "tail_max_k",
+    "key_calibration", "max_fact_tokens",
     "max_window_tokens", "encode_batch_tokens", "fact_mode", "embedder", "llm_base_url",
     "llm_model", "openai_embedding_model",
 )
@@ -78,6 +80,11 @@ class Settings(BaseSettings):
         default=DEFAULT_MEMORY_ORDER, description="order of a request's injected facts")
     text_tail: int = Field(default=DEFAULT_TEXT_TAIL, ge=0, description="the best facts "
                            "prefilled as text right before the question instead of injected")
+    tail_max_k: int = Field(default=DEFAULT_TAIL_MAX_K, ge=0, description="the text tail "
+                            "only when at most this many facts are retrieved (0: always)")
+    key_calibration: Literal[KEY_CALIBRATIONS] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_KEY_CALIBRATION, description="stored fact keys tempered by "
+        "temperatures fitted offline to the user's own memory: 'none', 'layer' or 'head'")
     max_fact_tokens: int = Field(default=256, ge=1)
     max_window_tokens: int = Field(default=4096, ge=0)
     encode_batch_tokens: int = Field(default=16384, ge=64)

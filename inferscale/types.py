@@ -10,10 +10,11 @@
   where CUDA exists).
 - :data:`GPU_BUDGET_BYTES` / :data:`HOST_BUDGET_BYTES`: the default byte budgets of those
   tiers (``INFERSCALE_GPU_BUDGET_BYTES``, ``INFERSCALE_HOST_BUDGET_BYTES``).
-- :data:`ENCODER_CONTEXTS`, :data:`MEMORY_ORDERS` and the encoder's defaults
-  (:data:`DEFAULT_WINDOW`, :data:`DEFAULT_CONTEXT`, :data:`DEFAULT_MEMORY_ORDER`,
-  :data:`DEFAULT_TEXT_TAIL`): what each fact is encoded after and how a request lays out
-  its memory; the encoder config and the settings both default to these. They are the
+- :data:`ENCODER_CONTEXTS`, :data:`MEMORY_ORDERS`, :data:`KEY_CALIBRATIONS` and the
+  encoder's defaults (:data:`DEFAULT_WINDOW`, :data:`DEFAULT_CONTEXT`,
+  :data:`DEFAULT_MEMORY_ORDER`, :data:`DEFAULT_TEXT_TAIL`, :data:`DEFAULT_TAIL_MAX_K`,
+  :data:`DEFAULT_KEY_CALIBRATION`): what each fact is encoded after, how its stored keys
+  are tempered and how a request lays out its memory; the encoder config and the settings both default to these. They are the
   variant that answered as well as the prompt baseline on LoCoMo
   (``benchmarks/README.md``, "Answer quality").
 - :func:`check_user_id` / :func:`user_id_problem`: the one rule for user ids, applied
@@ -67,6 +68,11 @@ DEFAULT_WINDOW = 20
 DEFAULT_CONTEXT = "memory"
 DEFAULT_MEMORY_ORDER = "relevance"
 DEFAULT_TEXT_TAIL = 5  # the best facts prefilled as text right before the question
+DEFAULT_TAIL_MAX_K = 0  # the tail at every k (n > 0: only when at most n facts are retrieved)
+# Offline key-temperature calibration of the stored fact keys (inferscale.encode.calibration):
+# none, one temperature per layer, or one per layer and KV head.
+KEY_CALIBRATIONS = ("none", "layer", "head")
+DEFAULT_KEY_CALIBRATION = "none"
 
 
 def torch_dtype(name: str) -> "torch.dtype":

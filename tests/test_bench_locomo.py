@@ -100,3 +100,134 @@ def test_compare_two_modes_paired():
     del answers[("b", "fp8", 1, 5)]
     assert locomo_report.compare(locomo_report.score_answers(convs, answers),
                                  "fp8", "bf16", KS) == {}
+
+
+def test_report_injected_share_per_k():
+    convs = [_conv("a", 2)]
+
+    def answers(mode, injected):  # 40 fact tokens per answer, ``injected`` of them injected
+        return {("a", mode, i, k): {"text": "Rex", "memory_tokens": 10 + injected,
+                                    "tail_tokens": 40 - injected, "injected": 10 + injected,
+                                    "fallback": None, "fact_tokens": 40,
+                                    "injected_fact_tokens": injected if k > 5 else 0}
+                for i in range(2) for k in [5, 10, 50]}
+    got = {**answers("prompt", 0), **answers("tail", 20), **answers("pure", 40)}
+    res = locomo_report.report({"ks": [5, 10, 50]}, convs, got, ["tail", "pure"], [5, 10, 50],
+                               "pure")
+    s = res["summary"]
+    assert s["injected_share_pure_k10"] == 1.0 and s["injected_share_pure_k5"] == 0.0
+    assert s["injected_share_tail_k50"] == 0.5 and s["injected_share_prompt_k10"] == 0.0
+    assert s["injected_share_min_k10"] == 1.0  # the default's, over k >= 10
+    row = next(r for r in res["rows"] if r["mode"] == "tail" and r["k"] == 10)
+    assert row["injected_share"] == 0.5
+
+
+RULE_KS = [5, 10, 20, 50]
+
+
+def _rule_result(rows: dict) -> dict:
+    """A result whose variants have (F1 per k, injected share per k >= 10, continues)."""
+    s = {f"f1_prompt_k{k}": 0.10 for k in RULE_KS} | {"continues_prompt": 0.08}
+    variants = {}
+    for name, (f1, share, cont, fields) in rows.items():
+        variants[name] = fields
+        s |= {f"f1_{name}_k{k}": x for k, x in zip(RULE_KS, f1)}
+        s |= {f"injected_share_{name}_k{k}": x for k, x in zip(RULE_KS, share)}
+        s[f"continues_{name}"] = cont
+    return {"ks": RULE_KS, "summary": s, "variants": variants,
+            "encoder_defaults": {"text_tail": 5, "window": 20, "key_temperature": 1.0}}
+
+
+def test_injection_rule():
+    from benchmarks.locomo_select import apply, select_injection
+
+    result = _rule_result({
+        # the most accurate, but prefills half the memory at k = 10
+        "tail5": ([0.12] * 4, [0, 0.5, 0.75, 0.9], 0.06, {}),
+        # qualifies: worst k -0.008
+        "per_k": ([0.11, 0.092, 0.095, 0.12], [0, 1.0, 1.0, 1.0], 0.05,
+                  {"text_tail": 5, "tail_max_k": 5}),
+        # qualifies better: worst k -0.004 (calibrated keys are allowed)
+        "cal": ([0.105, 0.096, 0.10, 0.12], [0, 1.0, 1.0, 1.0], 0.07,
+                {"text_tail": 0, "key_calibration": "head"}),
+        # one k below prompt - 0.01
+        "pure": ([0.089, 0.11, 0.11, 0.12], [1.0] * 4, 0.03, {"text_tail": 0}),
+        # continues the transcript too often
+        "chatty": ([0.13] * 4, [1.0] * 4, 0.11, {"text_tail": 0}),
+        # 0.89 at k = 10: just short
+        "tail1": ([0.12] * 4, [0.8, 0.89, 0.95, 0.98], 0.05, {"text_tail": 1}),
+        # boundaries: share exactly 0.9, F1 exactly -0.01, continues exactly +0.02
+        "edge": ([0.09, 0.09, 0.09, 0.09], [0.8, 0.9, 0.9, 0.9], 0.10, {"text_tail": 1}),
+    })
+    name, _, score = select_injection(result)
+    assert name == "cal" and score["rule_met"] and score["min_diff"] == -0.004
+    assert score["meets"] == {"share": True, "f1": True, "continues": True}
+    del result["variants"]["cal"]
+    assert select_injection(result)[0] == "per_k"
+    del result["variants"]["per_k"]
+    assert select_injection(result)[0] == "edge"  # the bounds are inclusive
+    del result["variants"]["edge"]
+    # none qualifies: the most injected of the accurate ones (item 5), flagged
+    name, _, score = select_injection(result)
+    assert name == "tail1" and score["rule_met"] is False
+    assert score["fallback"] == "most injected accurate"
+    for gone in ("tail1", "tail5"):
+        del result["variants"][gone]
+    name, _, score = select_injection(result)
+    assert name == "chatty" and score["fallback"] == "no variant is accurate"
+    result["variants"]["per_k"] = {"text_tail": 5, "tail_max_k": 5}
+    apply(result, "per_k", "rule")
+    s = result["summary"]
+    assert s["f1_default_minus_prompt_min"] == -0.008 and s["injected_share_min_k10"] == 1.0
+    assert s["continues_default_minus_prompt"] == -0.03 and result["default_variant"] == "per_k"
+    with pytest.raises(SystemExit, match="needs k"):
+        select_injection({**result, "ks": [5, 50]})
+
+
+def test_select_layout_flags(tmp_path, capsys):
+    import json
+
+    from benchmarks.locomo_select import main
+
+    result = _rule_result({"per_k": ([0.11] * 4, [0, 1.0, 1.0, 1.0], 0.05,
+                                     {"memory_order": "relevance_last", "text_tail": 5,
+                                      "tail_max_k": 5})})
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    main([str(path), "--rule", "injection", "--layout"])
+    assert capsys.readouterr().out.split() == [
+        "--memory-order", "relevance_last", "--text-tail", "5", "--tail-max-k", "5"]
+    main([str(path), "--rule", "injection", "--apply"])
+    stored = json.loads(path.read_text())
+    assert stored["default_variant"] == "per_k" and stored["default_score"]["rule_met"]
+    assert stored["summary"]["injected_share_min_k10"] == 1.0
+
+
+def test_variants_file_sections_and_shared_encodings():
+    from benchmarks.locomo_specs import encoding_key, read_specs
+
+    text = "a:window=1\n[one]\nb:window=2  # note\n\n[two]\nc:window=3\n"
+    assert read_specs(text) == ["a:window=1", "b:window=2", "c:window=3"]
+    assert read_specs(text, "one") == ["b:window=2"]
+    with pytest.raises(ValueError, match="no \\[three\\] section"):
+        read_specs(text, "three")
+    plain = [parse_variant(f"x:text_tail={t}").encoder_config() for t in (0, 5)]
+    assert encoding_key(plain[0]) == encoding_key(plain[1])  # layout only: one encoding
+    cal = [parse_variant(f"x:text_tail={t},key_calibration=head").encoder_config()
+           for t in (0, 5)]
+    assert encoding_key(cal[0]) != encoding_key(cal[1])  # the probes follow the layout
+
+
+def test_the_issue_27_section_parses():
+    from pathlib import Path
+
+    from benchmarks.locomo_specs import read_specs
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks/locomo_variants.txt").read_text()
+    specs = [parse_variant(s) for s in read_specs(text, "issue-27")]
+    cfgs = [v.encoder_config() for v in specs]
+    assert len(specs) == len({v.name for v in specs}) <= 18  # one device call (README)
+    assert any(c.key_calibration == "head" for c in cfgs) and any(c.tail_max_k for c in cfgs)
+    assert all({"context", "window", "memory_order", "text_tail", "tail_max_k",
+                "key_calibration"} <= dict(v.fields).keys() for v in specs)
+    assert len(read_specs(text, "issue-18")) == 21

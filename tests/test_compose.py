@@ -29,6 +29,15 @@ def test_memory_layout(order, tail, injected, tail_out):
     assert memory_layout(RANKED, order, tail, SOURCE) == (injected, tail_out)
 
 
+@pytest.mark.parametrize("tail_max_k,injected,tail_out", [
+    (5, ["a", "e", "c"], ["b", "d"]),  # k = 5 <= 5: the tail
+    (4, ["d", "b", "a", "e", "c"], []),  # k = 5 > 4: every fact injected
+    (0, ["a", "e", "c"], ["b", "d"]),  # 0: the tail at every k
+])
+def test_memory_layout_tail_only_where_memory_is_short(tail_max_k, injected, tail_out):
+    assert memory_layout(RANKED, "relevance", 2, SOURCE, tail_max_k) == (injected, tail_out)
+
+
 def test_memory_layout_errors():
     with pytest.raises(ComposeError, match="order"):
         memory_layout(RANKED, "random")

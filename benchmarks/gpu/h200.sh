@@ -14,6 +14,11 @@
 #                   && bash benchmarks/gpu/h200.sh <phase>
 #   then any phase, while the machine stays warm:  bash benchmarks/gpu/h200.sh <phase>
 #
+# Issue 27 (LoCoMo needs the real SmolLM2 weights: the full `prepare`, not LEAN=1), calls
+# back to back on one machine: `receive 1` .. `receive N-1`; `receive N && install`;
+# `injection` (-> locomo-h200-injection.json, the rule's pick); `ttft-default` (-> its
+# TTFT, ttft-h200-llama31-8b-default.json). benchmarks/README.md has the estimates.
+#
 # Phase `tp2` needs the two-GPU kind (nvidia-h200-x2): the same receive/install calls
 # there, then `bash benchmarks/gpu/h200.sh tp2 equivalence` and `... tp2 ttft`, one device
 # call each (`tp2` alone runs both: longer than one 10-minute call).
@@ -252,12 +257,34 @@ case "${1:-}" in
   quality)  # issue 13's grid and issue 18's variant sweep in one run; the default picked
     # by the pre-registered rule (benchmarks/locomo_select.py)
     run locomo-h200 560 python benchmarks/locomo.py --conversation $CONVS --compile \
-      --windows 0 5 20 50 --variants-file benchmarks/locomo_variants.txt --select-default \
+      --windows 0 5 20 50 --variants-file benchmarks/locomo_variants.txt --section issue-18 \
+      --select-default \
       --concurrency 128 --out "$OUT/locomo-h200-variants.json" \
       --grid-out "$OUT/locomo-h200-smollm2.json"
     python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json"
     python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --tail \
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
+    ;;
+  injection)  # issue 27: the [issue-27] variants (no window grid) on both conversations;
+    # the default picked by the pre-registered injection rule (benchmarks/locomo_select.py)
+    run locomo-h200-injection 570 python benchmarks/locomo.py --conversation $CONVS \
+      --compile --windows --variants-file benchmarks/locomo_variants.txt --section issue-27 \
+      --select-default --rule injection --concurrency 128 \
+      --out "$OUT/locomo-h200-injection.json"
+    python benchmarks/locomo_select.py "$OUT/locomo-h200-injection.json" --rule injection
+    python benchmarks/locomo_select.py "$OUT/locomo-h200-injection.json" --rule injection \
+      --layout | tee /tmp/selected-layout.txt "$OUT/selected-layout.txt"
+    ;;
+  ttft-default)  # issue 27: TTFT of the layout the injection rule picked (or LAYOUT, as
+    # ttft.py flags), Llama-3.1-8B shape, k = 10 and 50
+    LAYOUT=${LAYOUT:-$(cat /tmp/selected-layout.txt 2>/dev/null)}
+    [ -n "$LAYOUT" ] || { echo "no layout: run the injection phase first or set LAYOUT"; exit 1; }
+    echo "layout: $LAYOUT"
+    run ttft-h200-llama31-8b-default 420 python benchmarks/ttft.py \
+      --model llama-3.1-8b-shape --conversation $D/conv-26.json --tokenizer "$SMOL" \
+      --embedder $D/minilm --ks ${KS:-10 50} $LAYOUT \
+      --out "$OUT/ttft-h200-llama31-8b-default.json"
+    grep -h "speedup_vs_prompt" "$OUT/ttft-h200-llama31-8b-default.log" | tail -n 1
     ;;
   equivalence)
     run equivalence-h200 540 python benchmarks/equivalence.py --device cuda \
@@ -358,9 +385,9 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     esac
     exit $rc
     ;;
-  *) echo "usage: $0 prepare | receive I | install | quality | equivalence | tests |" \
-          "encode-hydrate | retrieval | ttft-llama | ttft-qwen | fp8 quality|ttft|equivalence |" \
-          "load [S] | load-poll [S] |" \
+  *) echo "usage: $0 prepare | receive I | install | quality | injection | ttft-default |" \
+          "equivalence | tests | encode-hydrate | retrieval | ttft-llama | ttft-qwen |" \
+          "fp8 quality|ttft|equivalence | load [S] | load-poll [S] |" \
           "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac

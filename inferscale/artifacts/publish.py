@@ -161,6 +161,7 @@ def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts:
     """Write the data files under names of this attempt only, re-read and verify them;
     returns the manifest that describes them (not yet stored)."""
     layout, batch, slab_buffer = build_kv_batch(encoded, loc.model_fp)
+    calibration = getattr(encoded, "calibration", None)
     nonce = uuid.uuid4().hex[:16]  # racing publishers never write each other's files
 
     def write_facts(w: Any) -> None:
@@ -197,7 +198,9 @@ def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts:
             "slab_offset": slab_offset, "slab_bytes": layout.slab_bytes,
             **({"scales": kv_schema.SCALES[layout.dtype]} if layout.quantized else {}),
             "index_xxh3": kv_schema.index_digest(*(
-                batch.column(c).to_pylist() for c in kv_schema.index_columns(layout)))},
+                batch.column(c).to_pylist() for c in kv_schema.index_columns(layout))),
+            # the temperatures the stored fact keys are divided by (calibrated encodings)
+            **({"key_calibration": _jsonable(calibration)} if calibration else {})},
         created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         producer=f"inferscale {__version__}",
     )

@@ -8,7 +8,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
 - :func:`encoded_to_ipc` / :func:`encoded_from_ipc`: the encoder's output
   (:class:`inferscale.encode.encoder.EncodedMemory`) as one record batch in the kv
   layout of :mod:`storage_schemas.kv` (chunk ids, token ids, content keys, the ``[T, 2, L, H, D]`` slab), with
-  the model fingerprint, encoder config and stats in the schema metadata;
+  the model fingerprint, encoder config, stats and key calibration in the schema metadata;
 - :func:`facts_to_ipc` / :func:`facts_from_ipc`: a
   :class:`inferscale.facts.extractor.FactsResult` as its facts table, the other fields
   in the schema metadata.
@@ -62,7 +62,9 @@ def encoded_to_ipc(encoded: Any) -> bytes:
     _, batch, _ = build_kv_batch(encoded, encoded.model_fingerprint)
     return _ipc(batch, "encoded-kv", {"model_fingerprint": encoded.model_fingerprint,
                                       "encoder_config": dict(encoded.encoder_config),
-                                      "stats": dict(getattr(encoded, "stats", {}) or {})})
+                                      "stats": dict(getattr(encoded, "stats", {}) or {}),
+                                      "calibration": dict(getattr(encoded, "calibration",
+                                                                  {}) or {})})
 
 
 def encoded_from_ipc(data: bytes) -> Any:
@@ -80,15 +82,20 @@ def encoded_from_ipc(data: bytes) -> Any:
             else [None] * len(ids))
     kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
     flat = table.column("kv").chunk(0).flatten().to_numpy(zero_copy_only=False)
-    if layout.dtype != "float32":
-        flat = flat.view(np.int16)
-    slab = torch.from_numpy(flat.copy()).view(torch_dtype(layout.dtype)).view(layout.shape)
+    dtype = torch_dtype(layout.dtype)
+    if dtype != torch.float32:  # bf16 and fp8 travel as same-width integers
+        flat = flat.view({1: np.uint8, 2: np.int16}[dtype.itemsize])
+    slab = torch.from_numpy(flat.copy()).view(dtype).view(layout.shape)  # [T, 2, L, H, D]
+    scales = ([torch.tensor(s, dtype=torch.float32).view(2, layout.layers, layout.kv_heads)
+               for s in table.column("scales").to_pylist()]  # [2, L, H] per chunk
+              if layout.quantized else [None] * len(ids))
     chunks = [EncodedChunk(cid, tok,
                            slab[o:o + n, 0].permute(1, 0, 2, 3).contiguous(),  # [L, t, H, D]
-                           slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key)
-              for cid, tok, o, n, key in zip(ids, tokens, offsets, lengths, keys)]
+                           slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key,
+                           scales=sc)
+              for cid, tok, o, n, key, sc in zip(ids, tokens, offsets, lengths, keys, scales)]
     return EncodedMemory(chunks, fields["model_fingerprint"], fields["encoder_config"],
-                         fields["stats"])
+                         fields["stats"], fields.get("calibration") or {})
 
 
 def facts_to_ipc(result: Any) -> bytes:

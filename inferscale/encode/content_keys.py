@@ -52,13 +52,18 @@ def numerics(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def key_identity(identity: EncodingIdentity, model: torch.nn.Module) -> str:
+def key_identity(identity: EncodingIdentity, model: torch.nn.Module,
+                 key_scales: str | None = None) -> str:
     """The part of every content key that is not token ids: the key format, the
     identity's encoder config and model fingerprint, and :func:`numerics` of ``model``
-    (canonical JSON)."""
-    return json.dumps({"format": KEY_FORMAT, "encoder": identity.encoder.to_dict(),
-                       "model": identity.model_fingerprint, "numerics": numerics(model)},
-                      sort_keys=True, separators=(",", ":"))
+    (canonical JSON); ``key_scales``: the digest of calibrated key temperatures
+    (:meth:`~inferscale.encode.calibration.KeyCalibration.digest`), which the stored keys
+    are divided by, so rows are reused only under the same temperatures."""
+    body = {"format": KEY_FORMAT, "encoder": identity.encoder.to_dict(),
+            "model": identity.model_fingerprint, "numerics": numerics(model)}
+    if key_scales:
+        body["key_scales"] = key_scales
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
 def content_key(identity: str, context: Sequence[int], token_ids: Sequence[int]) -> str:

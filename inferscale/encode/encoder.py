@@ -14,9 +14,11 @@ before a raw window. With raw-turn facts and a window reaching back to the first
 K is exactly the tensor that enters the model's ``apply_rotary_pos_emb`` (after ``k_norm``
 where the architecture has one, e.g. Qwen3); V is the tensor that enters the attention
 function, exactly what a KV cache would store. ``key_temperature`` != 1 divides the
-stored keys of facts (an experiment; it breaks the limiting case's exactness).
-``memory_order`` and ``text_tail`` do not change the encoding: they are the composer
-settings the artifact carries for the server (:func:`inferscale.compose.memory_layout`).
+stored fact keys (breaking the limiting case's exactness); ``key_calibration`` divides
+them by temperatures fitted on the user's own facts (:mod:`inferscale.encode.calibration`,
+off by default). The layout fields (``memory_order``, ``text_tail``, ``tail_max_k``) are
+composer settings the artifact carries (:func:`inferscale.compose.memory_layout`); they
+change the encoding only through the calibration's probes.
 
 Batch invariance and reuse (``EncoderConfig.batch_invariant``, the default): every fact
 gets an unpadded forward pass of its own, ``[context | fact]``, so its K/V bits depend
@@ -44,16 +46,19 @@ truncated to its first ``max_fact_tokens`` tokens (:meth:`Composer.fact_ids`); a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from inferscale.compose import Composer, memory_text
 from inferscale.encode.batches import Segment, build_batch, plan_batches
+from inferscale.encode.calibration import KeyCalibration, calibrate, choose_probes
 from inferscale.encode.content_keys import content_key, key_identity, matching_rows
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.kv_quant import is_quantized, quantize
@@ -104,6 +109,7 @@ class EncodedMemory:
     model_fingerprint: str
     encoder_config: dict
     stats: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # KeyCalibration.record(), when on
 
 
 # ------------------------------------------------------------------ capturing K and V
@@ -126,8 +132,10 @@ class _KVCapture:
     """
 
     def __init__(self, model: torch.nn.Module, out_k: torch.Tensor, out_v: torch.Tensor,
-                 sel_b: torch.Tensor, sel_s: torch.Tensor):
+                 sel_b: torch.Tensor, sel_s: torch.Tensor, out_q: torch.Tensor | None = None,
+                 q_from: int = 0):
         self.out_k, self.out_v = out_k, out_v  # [L, N, H, D]
+        self.out_q, self.q_from = out_q, q_from  # [L, S - q_from, Hq, D] of batch row 0
         self.sel_b, self.sel_s = sel_b, sel_s
         self.k_calls = 0
         self.v_layers: set[int] = set()
@@ -151,6 +159,8 @@ class _KVCapture:
             raise EncodeError(f"the model rotates {k.shape[-1]} of {self.out_k.shape[-1]} key "
                               "channels outside apply_rotary_pos_emb: unsupported")
         self.out_k[self.k_calls] = self._select(k).to(self.out_k.dtype)
+        if self.out_q is not None:
+            self.out_q[self.k_calls] = q[0, :, self.q_from:].transpose(0, 1).to(self.out_q.dtype)
         self.k_calls += 1
         return self.original_rope(q, k, cos, sin, *args, **kwargs)
 
@@ -192,6 +202,26 @@ def _kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return cfg.num_hidden_layers, heads, head_dim
+
+
+@torch.no_grad()
+def prefill_qk(model: torch.nn.Module, ids: Sequence[int], rows_from: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain causal prefill of ``ids``: the pre-RoPE queries of tokens ``rows_from..``
+    ``[L, R, Hq, D]`` and the pre-RoPE keys of every token ``[L, S, H, D]``."""
+    p, (L, H, D), S = next(model.parameters()), _kv_shape(model), len(ids)
+    hq = (getattr(model.config, "text_config", None) or model.config).num_attention_heads
+    sel_s = torch.arange(S, device=p.device)
+    out_k = torch.empty((L, S, H, D), dtype=p.dtype, device=p.device)
+    out_v = torch.empty_like(out_k)
+    out_q = torch.empty((L, S - rows_from, hq, D), dtype=p.dtype, device=p.device)
+    with _KVCapture(model, out_k, out_v, torch.zeros_like(sel_s), sel_s, out_q,
+                    rows_from) as cap:
+        _decoder(model)(input_ids=torch.tensor([list(ids)], device=p.device),
+                        position_ids=sel_s[None], use_cache=False)
+    if cap.k_calls != L:
+        raise EncodeError(f"captured queries of {cap.k_calls} layers for {L}")
+    return out_q, out_k
 
 
 @torch.no_grad()
@@ -317,9 +347,16 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     segments = [prefix] + window_segments(turns, facts, composer, cfg)
     keys: dict[str, str] = {}
     chunks: dict[str, EncodedChunk] = {}
+    quantized = is_quantized(cfg.dtype)  # captured in the compute dtype, quantized last
+    out_dtype = next(model.parameters()).dtype if quantized else cfg.torch_dtype
+    t0 = time.perf_counter()
+    calibration, probed = (_calibrate(model, composer, turns, facts, cfg, out_dtype)
+                           if cfg.key_calibration != "none" else (None, {}))
+    calibration_s = time.perf_counter() - t0
+    fresh: list[EncodedChunk] = []  # encoded unscaled for the calibration: not again
     todo = segments
     if cfg.batch_invariant:
-        key_ident = key_identity(identity, model)
+        key_ident = key_identity(identity, model, calibration and calibration.digest())
         L, H, D = _kv_shape(model)
         todo = []
         for seg in segments:
@@ -327,36 +364,65 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
             keys[chunk_id] = key = content_key(key_ident, seg.context, ids)
             hit = matching_rows(chunk_id, (reuse or {}).get(key),
                                 (L, len(ids), H, D), cfg.torch_dtype)
-            if hit is None:
-                todo.append(seg)
-            else:
+            if chunk_id in probed:
+                fresh.append(probed[chunk_id])
+            elif hit is not None:
                 chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), hit[0], hit[1],
                                                 content_key=key, scales=(hit + (None,))[2])
+            else:
+                todo.append(seg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=sum(len(s.chunks) for s in todo), desc="encoding facts", unit="fact",
                disable=not progress)
-    quantized = is_quantized(cfg.dtype)
-    out_dtype = next(model.parameters()).dtype if quantized else cfg.torch_dtype
-    for c in encode_segments(model, todo, out_dtype=out_dtype, pad_id=pad_id,
-                             batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens,
-                             progress=bar):
+    for c in itertools.chain(fresh, encode_segments(
+            model, todo, out_dtype=out_dtype, pad_id=pad_id, progress=bar,
+            batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens)):
         if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
             c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
+        elif calibration is not None and c.chunk_id != PREFIX_ID:
+            c.keys = calibration.apply(c.keys)
         if quantized:
             c.keys, c.values, c.scales = quantize(c.keys, c.values)
         c.content_key = keys.get(c.chunk_id)
         chunks[c.chunk_id] = c
     bar.close()
     ordered = [chunks[PREFIX_ID]] + [chunks[f.fact_id] for f in facts]
-    ran = {cid for s in todo for cid, _ in s.chunks}
+    ran = {cid for s in todo for cid, _ in s.chunks} | {c.chunk_id for c in fresh}
     n_encoded = len(ran - {PREFIX_ID})
     stats = {
         "facts": len(facts), "fact_tokens": sum(len(c.token_ids) for c in ordered[1:]),
         "forward_tokens": sum(s.length for s in todo), "encoded": n_encoded,
         "reused": len(facts) - n_encoded, "prefix_reused": PREFIX_ID not in ran,
     }
+    if calibration is not None:
+        stats.update(calibration_seconds=round(calibration_s, 2), calibration_facts=len(probed),
+                     **{f"calibration_{k}": v for k, v in calibration.stats.items()})
     if reuse is not None and cfg.batch_invariant:
         log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
                  stats["encoded"], stats["reused"], len(reuse))
-    return EncodedMemory(ordered, identity.model_fingerprint, identity.record(), stats)
+    return EncodedMemory(ordered, identity.model_fingerprint, identity.record(), stats,
+                         calibration.record() if calibration is not None else {})
+
+
+def _calibrate(model: torch.nn.Module, composer: Composer, turns: Sequence[TurnText],
+               facts: Sequence[FactSpec], cfg: EncoderConfig, out_dtype: torch.dtype
+               ) -> tuple[KeyCalibration, dict[str, EncodedChunk]]:
+    """``cfg.key_calibration``'s temperatures for this memory, and the unscaled chunks of
+    the facts its probes inject (each encoded alone, as ``batch_invariant`` does)."""
+    ids = {f.fact_id: tuple(f.token_ids) if f.token_ids
+           else tuple(composer.fact_ids(f.text, cfg.max_fact_tokens)) for f in facts}
+    probes = choose_probes([f.fact_id for f in facts], ids,
+                           {f.fact_id: f.source_index for f in facts}, cfg)
+    if not probes:  # too little memory to probe: nothing to correct
+        L, H, _ = _kv_shape(model)
+        return KeyCalibration(cfg.key_calibration, [[1.0] * H for _ in range(L)],
+                              {"probes": 0}), {}
+    used = {f for p in probes for f in p.injected}
+    segs = window_segments(turns, [f for f in facts if f.fact_id in used], composer,
+                           replace(cfg, batch_invariant=True))
+    probed = {c.chunk_id: c for c in encode_segments(model, segs, out_dtype=out_dtype,
+                                                     batch_tokens=None)}
+    return calibrate(model, composer, probes, ids, {f.fact_id: f.text for f in facts},
+                     {f: c.keys for f, c in probed.items()}, cfg.key_calibration,
+                     lambda x, rows_from: prefill_qk(model, x, rows_from)), probed
 

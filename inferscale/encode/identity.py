@@ -28,8 +28,15 @@ from typing import Any, Mapping
 
 from inferscale.compose import DEFAULT_INSTRUCTION
 from inferscale.types import (
-    DEFAULT_CONTEXT, DEFAULT_MEMORY_ORDER, DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS,
-    KV_DTYPES, MEMORY_ORDERS, torch_dtype)
+    DEFAULT_CONTEXT, DEFAULT_KEY_CALIBRATION, DEFAULT_MEMORY_ORDER, DEFAULT_TAIL_MAX_K,
+    DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS, KEY_CALIBRATIONS, KV_DTYPES,
+    MEMORY_ORDERS, torch_dtype)
+
+# Fields added after versions were published, and the value every older version implicitly
+# has: left out of the record (manifest, version id, content keys) at that value, so a
+# version published before them keeps its id and stays current; any other value is
+# recorded and compared like every field.
+_NEUTRAL = {"key_calibration": "none", "tail_max_k": 0}
 
 
 class EncodeError(ValueError):
@@ -53,12 +60,18 @@ class EncoderConfig:
     context: str = DEFAULT_CONTEXT
     # Stored keys of facts are divided by this (1.0 = exact); the prefix is never scaled.
     key_temperature: float = 1.0
+    # Per-layer ("layer") or per-layer-and-KV-head ("head") temperatures computed from the
+    # user's own memory at encode time (inferscale.encode.calibration); "none": off (exact).
+    key_calibration: str = DEFAULT_KEY_CALIBRATION
     # How the server lays out a request's memory (composer settings kept with the artifact):
     # ``memory_order`` of the injected facts ("relevance": best first; "relevance_last":
     # best last; "chronological": by source turn), and ``text_tail``: the m most relevant
     # facts are prefilled as text right before the question instead of injected.
     memory_order: str = DEFAULT_MEMORY_ORDER
     text_tail: int = DEFAULT_TEXT_TAIL
+    # The tail only where memory is short: used when at most this many facts are retrieved
+    # (0: at every k); above it every retrieved fact is injected.
+    tail_max_k: int = DEFAULT_TAIL_MAX_K
     batch_invariant: bool = True  # one pass per fact: content keys, reuse
 
     def __post_init__(self) -> None:
@@ -72,6 +85,14 @@ class EncoderConfig:
                               f"got {self.memory_order!r}")
         if self.text_tail < 0:
             raise EncodeError(f"text_tail must be >= 0, got {self.text_tail}")
+        if self.tail_max_k < 0:
+            raise EncodeError(f"tail_max_k must be >= 0, got {self.tail_max_k}")
+        if self.key_calibration not in KEY_CALIBRATIONS:
+            raise EncodeError(f"key_calibration must be one of {KEY_CALIBRATIONS}, "
+                              f"got {self.key_calibration!r}")
+        if self.key_calibration != "none" and self.key_temperature != 1.0:
+            raise EncodeError("key_calibration computes the key temperatures: "
+                              "key_temperature must stay 1.0 with it")
         if self.window < 0:
             raise EncodeError(f"window must be >= 0, got {self.window}")
         if self.dtype not in KV_DTYPES:
@@ -86,7 +107,9 @@ class EncoderConfig:
         return torch_dtype(self.dtype)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field, except the later ones at their neutral value (:data:`_NEUTRAL`)."""
+        return {k: v for k, v in asdict(self).items()
+                if not (k in _NEUTRAL and v == _NEUTRAL[k])}
 
 
 @dataclass(frozen=True)
@@ -126,9 +149,11 @@ class EncodingIdentity:
 
     def changed_settings(self, recorded: Mapping[str, Any]) -> list[str]:
         """The encoder settings in which a version's recorded ``encoder_config`` differs
-        from this identity's (the compute dtype and device are not compared)."""
-        mine = self.encoder.to_dict()
-        return sorted(k for k in mine if recorded.get(k) != mine[k])
+        from this identity's (the compute dtype and device are not compared). A field a
+        record lacks has its neutral value (:data:`_NEUTRAL`), so a calibrated or per-k
+        config is a change against every version recorded without one, and back."""
+        mine = asdict(self.encoder)
+        return sorted(k for k in mine if recorded.get(k, _NEUTRAL.get(k)) != mine[k])
 
     def check_model(self, model: Any, fingerprint: str | None = None) -> None:
         """:class:`EncodeError` unless ``model`` computes in this identity's dtype and

@@ -37,6 +37,8 @@ class PipelineConfig:
                                   context=settings.encoder_context,
                                   memory_order=settings.memory_order,
                                   text_tail=settings.text_tail,
+                                  tail_max_k=settings.tail_max_k,
+                                  key_calibration=settings.key_calibration,
                                   batch_invariant=settings.encode_batch_invariant),
             artifact_root=settings.resolved_artifact_root(),
             storage_options=settings.storage_options(),

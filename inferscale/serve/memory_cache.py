@@ -62,6 +62,7 @@ class UserMemory:
     source_index: dict[str, int] = field(default_factory=dict)  # fact id -> source turn index
     memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
     text_tail: int = 0
+    tail_max_k: int = 0
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -102,7 +102,8 @@ class MemoryServer:
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
                           token_ids, FactIndex.from_table(facts, device=self.embedder.device),
                           dict(zip(fact_ids, facts.column("source_index").to_pylist())),
-                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)))
+                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)),
+                          int(enc.get("tail_max_k", 0)))
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts.read import latest_version
@@ -129,7 +130,7 @@ class MemoryServer:
         t2 = time.perf_counter()
         if mode == "kv":  # the artifact's layout: injected facts, then a text tail
             injected, tail = memory_layout(facts, mem.memory_order, mem.text_tail,
-                                           mem.source_index)
+                                           mem.source_index, mem.tail_max_k)
         else:  # the baseline: every fact as text, best first
             injected, tail = list(facts), []
         chunks = (PREFIX_ID, *injected)

@@ -190,6 +190,21 @@ def test_prefix_only_artifact(store):
     assert r.manifest.counts == {"facts": 0, "chunks": 1, "tokens": 4}
 
 
+def test_manifest_records_the_key_calibration(local_store):
+    """The temperatures calibrated keys are divided by: in the manifest (``kv``), not in
+    the version id (a function of the inputs it hashes); absent when uncalibrated."""
+    memory, facts, lineage = make_inputs("c", 2)
+    plain = publish(local_store, "c", memory, facts, lineage, embeddings=False)
+    assert "key_calibration" not in plain.manifest.kv
+    memory.calibration = {"granularity": "layer", "temperatures": [[1.1, 1.1], [0.95, 0.95]],
+                          "probes": 8}
+    memory.encoder_config = {**memory.encoder_config, "key_calibration": "layer"}
+    r = publish(local_store, "c", memory, facts, lineage, embeddings=False)
+    assert r.version == version_id("c", lineage, FP, memory.encoder_config) != plain.version
+    assert read_manifest(local_store, "c", FP, r.version).kv["key_calibration"] == \
+        memory.calibration
+
+
 def test_manifest_is_json_for_people(local_store):
     memory, facts, lineage = make_inputs("g", 1)
     r = publish(local_store, "g", memory, facts, lineage, embeddings=False)

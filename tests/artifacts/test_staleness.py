@@ -32,6 +32,10 @@ def test_plan_reasons(local_store, tmp_path):
     other_enc = plan_users(local_store, replace(identity, encoder=EncoderConfig(window=7)),
                            {"maya": lineage.log_hash})
     assert other_enc["maya"].reason == "encoder-changed" and "window" in other_enc["maya"].detail
+    # a calibrated encoder is another encoding: the backfill and nightly re-encode onto it
+    calibrated = replace(identity, encoder=EncoderConfig(window=2, key_calibration="layer"))
+    cal = plan_users(local_store, calibrated, {"maya": lineage.log_hash})["maya"]
+    assert cal.reason == "encoder-changed" and cal.detail == "key_calibration"
     # KV computed on another device (or in another dtype) is as current
     gpu = replace(identity, compute_dtype="bfloat16", compute_device="cuda")
     assert plan_users(local_store, gpu, {"maya": lineage.log_hash})["maya"].reason == "up-to-date"

@@ -357,6 +357,28 @@ def test_layout_config_validation():
         EncoderConfig(memory_order="random")
     with pytest.raises(EncodeError, match="text_tail"):
         EncoderConfig(text_tail=-1)
+    with pytest.raises(EncodeError, match="tail_max_k"):
+        EncoderConfig(tail_max_k=-1)
+    with pytest.raises(EncodeError, match="key_calibration must be one of"):
+        EncoderConfig(key_calibration="global")
+    with pytest.raises(EncodeError, match="key_temperature must stay 1.0"):
+        EncoderConfig(key_calibration="head", key_temperature=0.9)
+
+
+def test_later_fields_are_recorded_only_off_their_neutral_value():
+    """key_calibration and tail_max_k: absent from the record (so versions published
+    before them keep their ids and stay current) unless set, and then a change both ways."""
+    plain = EncodingIdentity(EncoderConfig(), "fp", "float32", "cpu")
+    calibrated = EncodingIdentity(EncoderConfig(key_calibration="head"), "fp", "float32", "cpu")
+    per_k = EncodingIdentity(EncoderConfig(tail_max_k=5), "fp", "float32", "cpu")
+    assert "key_calibration" not in plain.record() and "tail_max_k" not in plain.record()
+    assert calibrated.record()["key_calibration"] == "head"
+    assert per_k.record()["tail_max_k"] == 5
+    assert plain.changed_settings(plain.record()) == []
+    assert calibrated.changed_settings(plain.record()) == ["key_calibration"]
+    assert plain.changed_settings(calibrated.record()) == ["key_calibration"]
+    assert per_k.changed_settings(plain.record()) == ["tail_max_k"]
+    assert plain.to_dict() != calibrated.to_dict()  # the KV step's cache key
 
 
 DATED = [TurnText("A", "I got a dog.", "2023-05-08T10:00:00"),

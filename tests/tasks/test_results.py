@@ -18,6 +18,7 @@ from tasks.results import EncodedKVSerializer, FactsResultSerializer
 def test_encoded_kv_round_trip(dtype):
     memory, _, _ = make_inputs("maya", 5, dtype=dtype)
     memory.stats = {"facts": 5}
+    memory.calibration = {"granularity": "head", "temperatures": [[1.0, 1.25], [0.9, 1.0]]}
     for i, c in enumerate(memory.chunks[1:]):  # the prefix keeps None
         c.content_key = f"{i:064x}"
     ser = EncodedKVSerializer()
@@ -27,6 +28,7 @@ def test_encoded_kv_round_trip(dtype):
     back = ser.loads(blob)
     assert back.model_fingerprint == memory.model_fingerprint
     assert back.encoder_config == memory.encoder_config and back.stats == {"facts": 5}
+    assert back.calibration == memory.calibration
     assert [c.chunk_id for c in back.chunks] == [c.chunk_id for c in memory.chunks]
     assert [c.content_key for c in back.chunks] == [c.content_key for c in memory.chunks]
     for a, b in zip(back.chunks, memory.chunks):

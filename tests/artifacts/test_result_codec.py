@@ -1,0 +1,52 @@
+"""Arrow IPC round trips of the encoder's output (the cached encode step's result): every
+stored dtype, fp8 scales and the key calibration come back bit for bit; other bytes are
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferscale.artifacts.result_codec import encoded_from_ipc, encoded_to_ipc
+from inferscale.encode.encoder import EncodedChunk, EncodedMemory
+from inferscale.kv_quant import quantize
+from inferscale.types import PREFIX_ID
+
+L, H, D = 2, 2, 8
+
+
+def _memory(dtype: str) -> EncodedMemory:
+    g = torch.Generator().manual_seed(0)
+    chunks = []
+    for cid, n in ((PREFIX_ID, 3), ("f1", 2), ("f2", 4)):
+        k, v = (torch.randn(L, n, H, D, generator=g) for _ in range(2))  # [L, T, H, D]
+        if dtype == "float8_e4m3fn":
+            k, v, sc = quantize(k, v)
+        else:
+            k, v, sc = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype)), None
+        chunks.append(EncodedChunk(cid, list(range(n)), k, v, f"key-{cid}", sc))
+    return EncodedMemory(chunks, "f" * 32, {"dtype": dtype, "window": 3}, {"facts": 2},
+                         {"mode": "head", "temperatures": [[1.5, 1.0], [1.0, 2.0]]})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_encoded_round_trip(dtype):
+    mem = _memory(dtype)
+    back = encoded_from_ipc(encoded_to_ipc(mem))
+    assert (back.model_fingerprint, back.encoder_config, back.stats, back.calibration) == (
+        mem.model_fingerprint, mem.encoder_config, mem.stats, mem.calibration)
+    assert [c.chunk_id for c in back.chunks] == [c.chunk_id for c in mem.chunks]
+    for a, b in zip(mem.chunks, back.chunks):
+        assert (a.token_ids, a.content_key) == (b.token_ids, b.content_key)
+        assert b.keys.dtype == a.keys.dtype and b.keys.shape == a.keys.shape
+        assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+        if a.scales is None:
+            assert b.scales is None
+        else:
+            assert torch.equal(a.scales, b.scales)
+
+
+def test_other_bytes_are_refused():
+    with pytest.raises(ValueError, match="not an Arrow IPC stream"):
+        encoded_from_ipc(b"\x80\x04pickle")
