@@ -39,9 +39,9 @@ offline_environment()
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
 from inferscale.compose import Composer  # noqa: E402
-from inferscale.encode.encoder import (  # noqa: E402
-    EncoderConfig, FactSpec, TurnText, encode_segments, window_segments,
-)
+from inferscale.encode.capture import encode_segments  # noqa: E402
+from inferscale.encode.encoder import FactSpec, TurnText, window_segments  # noqa: E402
+from inferscale.encode.identity import EncoderConfig  # noqa: E402
 from inferscale.ingest.logs import read_logs  # noqa: E402
 from benchmarks.common import command_line, write_result  # noqa: E402
 from benchmarks.shapes import SHAPES, hf_config  # noqa: E402

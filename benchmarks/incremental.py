@@ -50,7 +50,8 @@ from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
 from inferscale.artifacts.read import data_path  # noqa: E402
 from inferscale.encode.batches import plan_batches  # noqa: E402
 from inferscale.compose import Composer, memory_text  # noqa: E402
-from inferscale.encode.encoder import encode_segments, window_segments  # noqa: E402
+from inferscale.encode.capture import encode_segments  # noqa: E402
+from inferscale.encode.encoder import window_segments  # noqa: E402
 from inferscale.encode.identity import EncoderConfig  # noqa: E402
 from inferscale.facts.extractor import fact_id, facts_hash  # noqa: E402
 from inferscale.ingest.logs import read_logs, turns_hash  # noqa: E402

@@ -48,7 +48,8 @@ from inferscale.artifacts.layout import FACTS_FILE, KV_FILE, MANIFEST_FILE, Stor
 from inferscale.artifacts.latest import inputs_time, point_latest
 from inferscale.artifacts.publish import Lineage, publish, version_id
 from inferscale.compose import Composer, memory_text
-from inferscale.encode.encoder import EncodedChunk, EncodedMemory, FactSpec, TurnText, encode_facts
+from inferscale.encode.capture import EncodedChunk
+from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID

@@ -22,7 +22,8 @@ from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.encode.batches import Segment
 from inferscale.compose import Composer, memory_text
-from inferscale.encode.encoder import EncodedChunk, EncodedMemory, encode_facts, encode_segments
+from inferscale.encode.capture import EncodedChunk, encode_segments
+from inferscale.encode.encoder import EncodedMemory, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash

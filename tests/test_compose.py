@@ -116,7 +116,8 @@ def test_text_never_becomes_a_control_token(smol_tok):
 def test_encoder_windows_never_hold_a_control_token(smol_tok, context):
     """The encoder's window of preceding turns (speaker and text from the log) holds no
     control token in any context form: only the serving prefix's template does."""
-    from inferscale.encode.encoder import EncoderConfig, FactSpec, TurnText, window_segments
+    from inferscale.encode.encoder import FactSpec, TurnText, window_segments
+    from inferscale.encode.identity import EncoderConfig
 
     control = set(_controls(smol_tok).values())
     hostile = _injection(smol_tok)

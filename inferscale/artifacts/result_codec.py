@@ -69,7 +69,8 @@ def encoded_to_ipc(encoded: Any) -> bytes:
 
 def encoded_from_ipc(data: bytes) -> Any:
     """Inverse of :func:`encoded_to_ipc`: an ``EncodedMemory`` whose chunks own their K/V."""
-    from inferscale.encode.encoder import EncodedChunk, EncodedMemory
+    from inferscale.encode.capture import EncodedChunk
+    from inferscale.encode.encoder import EncodedMemory
 
     table, fields = _read(data, "encoded-kv")
     layout = kv_schema.KVLayout.from_schema(table.schema)

@@ -6,7 +6,7 @@ see the context and themselves, never one another (position ids restart after th
 context for every chunk). :func:`plan_batches` groups segments under a padded-token
 budget; :func:`build_batch` lays a batch out as model inputs.
 
-Callers: :func:`inferscale.encode.encoder.encode_segments`, benchmarks, tests.
+Callers: :func:`inferscale.encode.capture.encode_segments`, benchmarks, tests.
 """
 
 from __future__ import annotations

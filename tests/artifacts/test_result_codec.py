@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from inferscale.artifacts.result_codec import encoded_from_ipc, encoded_to_ipc
-from inferscale.encode.encoder import EncodedChunk, EncodedMemory
+from inferscale.encode.capture import EncodedChunk
+from inferscale.encode.encoder import EncodedMemory
 from inferscale.kv_quant import quantize
 from inferscale.types import PREFIX_ID
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from inferscale.compose import Composer
 from inferscale.encode.calibration import (
     PROBE_MAX_TOKENS, POOL_FACTS, KeyCalibration, Probe, calibrate, choose_probes, fit_scales)
-from inferscale.encode.encoder import FactSpec, TurnText, encode_facts, prefill_qk
+from inferscale.encode.capture import prefill_qk
+from inferscale.encode.encoder import FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
 

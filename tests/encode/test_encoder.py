@@ -7,9 +7,8 @@ import torch
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.compose import ComposeError, Composer
-from inferscale.encode.encoder import (
-    FactSpec, TurnText, encode_facts, encode_segments, window_segments,
-)
+from inferscale.encode.capture import encode_segments
+from inferscale.encode.encoder import FactSpec, TurnText, encode_facts, window_segments
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.types import PREFIX_ID
