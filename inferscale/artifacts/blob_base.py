@@ -7,7 +7,7 @@ stores); :func:`inferscale.artifacts.blobs.open_blobs` picks one (the module doc
 checksums (:meth:`Blobs.read_into`) are written once, here, over each implementation's
 ranged reader.
 
-Callers: the two implementations; everyone else goes through ``open_blobs`` or
+Only the two implementations use it; everyone else goes through ``open_blobs`` or
 :class:`~inferscale.artifacts.blobs.Location`.
 """
 

@@ -20,7 +20,6 @@ a caller's buffer and hashes every part with xxh3-128, in order, as it lands.
 :class:`~inferscale.artifacts.blob_base.Blobs`. :class:`Location` names the files of one
 (user, model) under a store.
 
-Callers: the rest of :mod:`inferscale.artifacts` and :mod:`inferscale.hydrate.slab`.
 Only fsspec, xxhash and the standard library are needed here.
 """
 

@@ -9,8 +9,6 @@ clean versions older than a tagged one). On S3 the table lives on the same bucke
 reached with :meth:`StoreConfig.lance_storage_options`.
 
 lancedb is imported only here and only when called (the GPU machine lacks it).
-Callers: :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.gc` and
-:func:`inferscale.artifacts.read.open_fact_table`.
 """
 
 from __future__ import annotations

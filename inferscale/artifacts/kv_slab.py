@@ -4,8 +4,6 @@
 ``[L, T, H, D]`` keys and values of one geometry, as many token ids as rows) and lays
 them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
 duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
-
-Callers: :func:`inferscale.artifacts.publish.publish`.
 """
 
 from __future__ import annotations

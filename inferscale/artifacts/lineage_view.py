@@ -14,8 +14,8 @@ of the version's lineage, and URIs that name the published files.
   URL for local stores); :func:`asset_key` makes any URI a valid asset key (URI syntax,
   none of the characters asset keys refuse).
 
-Callers: the Prefect tasks that record a published version (``tasks/publish.py``) and
-the run reports. Nothing here imports Prefect.
+Used by the Prefect task that records a published version (``tasks/publish.py``) and
+the run reports; nothing here imports Prefect.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ when absent), retried on a failed precondition or a conflict; ``mtime`` counts m
 uploads still in progress (invisible to listings until complete) as activity, so gc
 leaves a large upload alone. Other fsspec stores have no conditional writes: the last
 writer wins.
-
-Callers: :func:`inferscale.artifacts.blobs.open_blobs`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ lancedb is imported only when used. :class:`Lineage` (a version's parent hashes)
 
 Reading is :mod:`inferscale.artifacts.read`, garbage collection
 :mod:`inferscale.artifacts.gc`.
-
-Callers: the pipeline's publish step (the encode flow's task), benchmarks, tests.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
 The KV form is the artifacts' own kv layout (built by
 :func:`inferscale.artifacts.kv_slab.build_kv_batch`), which is why this module lives in
 the artifacts stage. Reading refuses anything but these layouts (``ValueError``).
-Callers: the result serializers of ``tasks/results.py``.
+Used by the result serializers of ``tasks/results.py``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ A :class:`Segment` is one sequence of a pass: context token ids, then chunks tha
 see the context and themselves, never one another (position ids restart after the
 context for every chunk). :func:`plan_batches` groups segments under a padded-token
 budget; :func:`build_batch` lays a batch out as model inputs.
-
-Callers: :func:`inferscale.encode.capture.encode_segments`, benchmarks, tests.
 """
 
 from __future__ import annotations

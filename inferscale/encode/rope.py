@@ -11,9 +11,6 @@ model is loaded. Partial rotary (``rot_dim < head_dim``) rotates the first ``rot
 channels and passes the rest through. Both half-split ("neox", Llama/Qwen) and
 interleaved ("gptj") layouts are supported.
 
-Callers: the encoder's tests (relocation), the plugin's check of what a load wrote
-(:func:`inferscale.vllm_plugin.inject.verify_step`: ``rotate_keys`` with transformers'
-tables of the served config) and benchmarks.
 All arithmetic is fp32; outputs come back in the input dtype.
 """
 

@@ -13,8 +13,7 @@ temporary directory, removed after a run that ended without error).
 ``PR_SET_PDEATHSIG`` fires when the *thread* that started the server ends: enter the
 context manager in the thread that uses it (a Prefect task's own thread is fine).
 
-Callers: :mod:`inferscale.facts.extractor` (the embedded default: no ``llm_base_url``
-configured), tests.
+The extractor starts it when no ``llm_base_url`` is configured (the embedded default).
 """
 
 from __future__ import annotations

@@ -21,9 +21,6 @@ changes only Mem0's extraction calls:
   inputs (observation date, the last few messages, the new message); ``"mem0"`` keeps it.
 
 Calls that are not fact extraction go to ``OpenAILLM`` unchanged.
-
-Callers: :mod:`inferscale.facts.extractor` builds the Mem0 config with
-:func:`llm_config`; tests.
 """
 
 from __future__ import annotations

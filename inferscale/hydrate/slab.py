@@ -23,9 +23,8 @@ Where the bytes go:
   ahead of the hash, so disk and checksum overlap). Artifacts are immutable and gc only unlinks,
   so the mapping stays valid; writing into the tensor copies pages, never the file.
 
-Callers: :class:`inferscale.hydrate.loader.ResidentLoader` (the vLLM worker's admin
-hydrations and background reloads), benchmarks, tests. Imports only torch, numpy, pyarrow,
-fsspec and xxhash (the GPU machine has those; lancedb, s3fs are optional).
+Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU machine has those;
+lancedb, s3fs are optional).
 """
 
 from __future__ import annotations

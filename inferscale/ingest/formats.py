@@ -6,8 +6,6 @@ or validated (hostile ones included: nesting past the recursion limit, integers 
 Python's digit limit, LoCoMo parts of the wrong shape) is quarantined there and reading
 goes on. JSONL is read in 64 KiB chunks, so a line over ``max_line_bytes`` is refused
 without ever being held whole; a LoCoMo file is read up to ``max_document_bytes``.
-
-Callers: :func:`inferscale.ingest.logs.read_logs`.
 """
 
 from __future__ import annotations

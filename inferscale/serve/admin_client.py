@@ -12,8 +12,6 @@ refuses any other URL a run or a command line names while a key is configured.
 Errors are :class:`AdminError` with ``transient`` set when retrying may help (the server
 could not be reached, timed out, or answered 429/502/503/504) and unset when it will not
 (unknown user, bad request, refused key, a damaged artifact: 4xx and other 5xx).
-
-Callers: the hydrate flow's task (``tasks/serving.py``), operators' scripts, the demo.
 """
 
 from __future__ import annotations
@@ -101,9 +99,7 @@ def admin_client_for(server_url: str, admin_key: str | None, allowed: Iterable[s
     """An :class:`AdminClient` for ``server_url`` carrying ``admin_key`` only when the URL's
     origin is one of ``allowed`` (``Settings.admin_urls()``). With a key configured, any
     other URL raises :class:`AdminKeyRefused` before anything is sent; without a key
-    there is no secret to protect and any URL is fine (loopback servers need none).
-
-    Callers: the hydrate flow's task, the CLI's admin commands."""
+    there is no secret to protect and any URL is fine (loopback servers need none)."""
     if admin_key and origin(server_url) not in {origin(u) for u in allowed}:
         raise AdminKeyRefused(
             f"{server_url} is not a configured server (INFERSCALE_SERVER_URLS): refusing to "

@@ -14,9 +14,6 @@ LanceDB's exact cosine search over the same vectors (``tests/serve/test_retrieva
 This module imports only torch at module level (sentence-transformers when an Embedder
 is built): the server and ``benchmarks/retrieval.py`` run it where Mem0 and LanceDB are
 not installed.
-
-Callers: the memory server (:mod:`inferscale.serve.server`) per request,
-``benchmarks/retrieval.py``, tests.
 """
 
 from __future__ import annotations

@@ -9,9 +9,6 @@ cause is seen.
 A request whose memory was prefilled instead of injected says why in its
 ``kv_transfer_params`` (``fallback``, a sentence written by the scheduler half);
 :func:`fallback_reason` names its class (:data:`FALLBACK_REASONS`) for metrics.
-
-Callers: :mod:`inferscale.vllm_plugin.scheduler` and :mod:`inferscale.vllm_plugin.worker`;
-:func:`fallback_reason`: the server's metrics (:mod:`inferscale.serve.metrics`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ Under tensor parallelism ``collective_rpc`` runs each endpoint on every rank and
 one result per rank, in rank order: each rank hydrates, evicts, reports and verifies its
 own KV heads (the results name the rank, ``tp_rank``, and its heads, ``kv_heads``).
 
-Callers: :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin
-hydrate/evict/budgets/status, load verification, and the counters the server's
-``/metrics`` reads at scrape time: :meth:`InferScaleWorkerExtension.inferscale_metrics`).
+Reached only by name, through vLLM's ``collective_rpc``, from
+:class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin commands, load
+verification, and the counters ``/metrics`` reads at scrape time).
 """
 
 from __future__ import annotations
