@@ -232,22 +232,8 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
                        "prompt_tokens": len(ids), "prefill": pre.text.strip(),
                        "prefill_correct": bool(mentioned(pre.text, keys)) if kind == "factual"
                        else None}
-                for enc in ("limiting", "window"):
-                    name, version = u[enc]
-                    wchunks = chunks if enc == "limiting" else (
-                        chunks[0], *u["wtable"].column("fact_id").to_pylist())
-                    await engine.llm.reset_prefix_cache()
-                    inj = await engine.generate(ids, MemoryRef(name, version, wchunks),
-                                                max_tokens=args.max_tokens)
-                    row[enc] = inj.text.strip()
-                    row[f"{enc}_injected_tokens"] = inj.injected_tokens
-                    row[f"{enc}_fallback"] = inj.fallback
-                    row[f"{enc}_vs_prefill"] = compare(inj.text, pre.text, inj.token_ids,
-                                                       pre.token_ids, keys)
-                    row[f"{enc}_correct"] = (bool(mentioned(inj.text, keys))
-                                             if kind == "factual" else None)
-                    row[f"_{enc}_ids"] = inj.token_ids
-                for enc in extra:  # the other stored dtype, against this encoding's memory
+                # the two encodings, then each other stored dtype against its base's memory
+                for enc in ("limiting", "window", *extra):
                     base = enc.split("_")[0]
                     name, version = u[enc]
                     wchunks = chunks if base == "limiting" else (
@@ -258,13 +244,15 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
                     row[enc] = inj.text.strip()
                     row[f"{enc}_injected_tokens"] = inj.injected_tokens
                     row[f"{enc}_fallback"] = inj.fallback
-                    row[f"{enc}_vs_memory"] = compare(inj.text, row[base], inj.token_ids,
-                                                      row[f"_{base}_ids"], keys)
+                    if enc != base:
+                        row[f"{enc}_vs_memory"] = compare(inj.text, row[base], inj.token_ids,
+                                                          row[f"_{base}_ids"], keys)
                     row[f"{enc}_vs_prefill"] = compare(inj.text, pre.text, inj.token_ids,
                                                        pre.token_ids, keys)
                     row[f"{enc}_correct"] = (bool(mentioned(inj.text, keys))
                                              if kind == "factual" else None)
-                for enc in ("limiting", "window"):
+                    row[f"_{enc}_ids"] = inj.token_ids
+                for enc in ("limiting", "window", *extra):
                     del row[f"_{enc}_ids"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
