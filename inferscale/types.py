@@ -14,9 +14,9 @@
   encoder's defaults (:data:`DEFAULT_WINDOW`, :data:`DEFAULT_CONTEXT`,
   :data:`DEFAULT_MEMORY_ORDER`, :data:`DEFAULT_TEXT_TAIL`, :data:`DEFAULT_TAIL_MAX_K`,
   :data:`DEFAULT_KEY_CALIBRATION`): what each fact is encoded after, how its stored keys
-  are tempered and how a request lays out its memory; the encoder config and the settings both default to these. They are the
-  variant that answered as well as the prompt baseline on LoCoMo
-  (``benchmarks/README.md``, "Answer quality").
+  are tempered and how a request lays out its memory; the encoder config and the
+  settings both default to these. They are the variant that answered as well as the
+  prompt baseline on LoCoMo (``benchmarks/README.md``, "Answer quality").
 - :func:`check_user_id` / :func:`user_id_problem`: the one rule for user ids, applied
   wherever an id enters (log ingestion quarantines a record with a bad one; the settings'
   ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin requests; the

@@ -29,9 +29,9 @@ there and encodes only the rest, byte-identical to encoding everything. With
 share a pass ``[window | fact_1 | fact_2 | ...]`` with a block mask (positions restarting
 at ``len(window)``); such chunks get no content key and are never reused.
 
-The general form is :func:`inferscale.encode.capture.encode_segments`: any context token ids followed by chunks
-(:class:`~inferscale.encode.batches.Segment`; batching and the block mask are
-:mod:`inferscale.encode.batches`).
+The general form is :func:`inferscale.encode.capture.encode_segments`: any context token
+ids followed by chunks (:class:`~inferscale.encode.batches.Segment`; batching and the
+block mask are :mod:`inferscale.encode.batches`).
 The window form (:func:`encode_facts`) builds contexts from turns; tests build the
 "limiting case" (each fact's context = the whole memory before it) with it directly.
 The output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.

@@ -13,8 +13,9 @@ fp8 all the way (half the bytes over PCIe) and are dequantized by the kernel wit
 chunks' scales.
 
 Generic path (any other backend): all loads of the step share the staging buffer
-``[N, 2, L, H, D]`` in the model's dtype (fp8 rows dequantized into it); keys of every layer are rotated by one call of
-the model's own rotary op and each layer is written with the backend's own writer.
+``[N, 2, L, H, D]`` in the model's dtype (fp8 rows dequantized into it); keys of every
+layer are rotated by one call of the model's own rotary op and each layer is written with
+the backend's own writer.
 
 Everything is enqueued on the compute stream without waiting: the GPU runs the copies,
 the rotation and the writes in order before the forward pass that follows, while the CPU
