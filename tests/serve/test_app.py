@@ -35,6 +35,22 @@ class RecordingServer:
         return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
                 "info": {"user": user}}
 
+    async def request(self, user, question, k=None, mode=None, max_tokens=None) -> dict:
+        """The streaming path's first half (``MemoryServer.request``)."""
+        self.calls.append(("request", dict(user=user, question=question, k=k, mode=mode,
+                                           max_tokens=max_tokens)))
+        return {"user": user}
+
+    async def answer_stream(self, prepared, started, *, max_tokens=None, temperature=0.0,
+                            ignore_eos=False):
+        """The streaming path's second half: one text piece, then the answer."""
+        self.calls.append(("answer_stream", dict(max_tokens=max_tokens,
+                                                 temperature=temperature,
+                                                 ignore_eos=ignore_eos)))
+        yield "ok"
+        yield {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
+               "info": dict(prepared)}
+
     async def hydrate(self, user, tier="gpu", version="latest") -> dict:
         self.calls.append(("hydrate", dict(user=user, tier=tier, version=version)))
         return {"user": user, "tier": tier, "version": version}
