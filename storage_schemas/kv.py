@@ -47,6 +47,7 @@ import struct
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 
 from storage_schemas.common import check_schema, schema_meta
@@ -211,6 +212,18 @@ class KVLayout:
             raise KVFormatError(f"kv columns {schema.remove_metadata()} differ from the layout's "
                                 f"{expected.remove_metadata()}")
         return layout
+
+
+def check_scales(scales: pa.Array | pa.ChunkedArray) -> None:
+    """:class:`KVFormatError` unless every value of a ``scales`` column (lists of float32,
+    or their values) is finite and positive: a zero, negative, NaN or infinite scale
+    would turn its chunk's K/V into zeros, flipped signs or NaN without a word. Checked
+    wherever scales are written or read."""
+    while pa.types.is_list(scales.type) or pa.types.is_fixed_size_list(scales.type):
+        scales = pc.list_flatten(scales)
+    if len(scales) and (scales.null_count or not pc.all(pc.is_finite(scales)).as_py()
+                        or pc.min(scales).as_py() <= 0):
+        raise KVFormatError("fp8 scales must be finite and positive")
 
 
 def check_index(chunk_ids: list[str], offsets: list[int], lengths: list[int],

@@ -107,3 +107,35 @@ def crash_inputs(user: str):
     a = make_inputs(user, 4, seed=1)
     b = make_inputs(user, 300, seed=2, layers=4, heads=4, head_dim=32, max_tokens=16)
     return a, b
+
+
+def forge_scale(store, user: str, fp: str, version: str, value: float) -> None:
+    """Set the first fp8 scale of a published version's kv file to ``value`` and re-sign
+    its manifest (index digest, file size and checksum), as anyone who can write the store
+    could: what is left to refuse it are the readers' own checks of the scales."""
+    import xxhash
+
+    from inferscale.artifacts.blobs import Location
+    from inferscale.artifacts.read import data_path, read_manifest
+    from storage_schemas import kv as kv_schema
+    from storage_schemas.manifest import FileEntry, Manifest
+
+    loc = Location(store, user, fp)
+    m = read_manifest(store, user, fp, version)
+    path = data_path(loc, m, "kv.arrow")
+    fs = store.filesystem()
+    data = bytearray(fs.cat_file(path))
+    batch = pa.ipc.open_file(pa.py_buffer(bytes(data))).get_batch(0)
+    first = pa.array([batch.column("scales")[0].as_py()[0]], pa.float32())
+    at = bytes(data).index(first.buffers()[1].to_pybytes())
+    data[at:at + 4] = pa.array([value], pa.float32()).buffers()[1].to_pybytes()
+    fs.pipe_file(path, bytes(data))
+    forged = pa.ipc.open_file(pa.py_buffer(bytes(data))).get_batch(0)
+    layout = kv_schema.KVLayout.from_schema(forged.schema)
+    digest = kv_schema.index_digest(*(forged.column(c).to_pylist()
+                                      for c in kv_schema.index_columns(layout)))
+    entry = m.files["kv.arrow"]
+    files = {**m.files, "kv.arrow": FileEntry(len(data), xxhash.xxh3_128_hexdigest(bytes(data)),
+                                              entry.stored_as)}
+    store.filesystem().pipe_file(loc.file(version, "manifest.json"), Manifest(**{
+        **m.__dict__, "files": files, "kv": {**m.kv, "index_xxh3": digest}}).to_json())

@@ -80,11 +80,14 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         sc = getattr(c, "scales", None)
         if quantized:
             if not isinstance(sc, torch.Tensor) or tuple(sc.shape) != (2, n_layers, n_heads) \
-                    or sc.dtype != torch.float32 or not bool(torch.isfinite(sc).all()) \
-                    or not bool((sc > 0).all()):
+                    or sc.dtype != torch.float32:
                 raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {dtype} K/V need positive "
                                            f"float32 scales [2, {n_layers}, {n_heads}]")
             scales.append(sc.reshape(-1).tolist())
+            try:
+                kv_schema.check_scales(pa.array(scales[-1], pa.float32()))
+            except kv_schema.KVFormatError as exc:
+                raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {exc}") from exc
         elif sc is not None:
             raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: scales given for {dtype} K/V")
         ids.append(c.chunk_id)

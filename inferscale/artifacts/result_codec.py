@@ -87,6 +87,8 @@ def encoded_from_ipc(data: bytes) -> Any:
     if dtype != torch.float32:  # bf16 and fp8 travel as same-width integers
         flat = flat.view({1: np.uint8, 2: np.int16}[dtype.itemsize])
     slab = torch.from_numpy(flat.copy()).view(dtype).view(layout.shape)  # [T, 2, L, H, D]
+    if layout.quantized:
+        kv_schema.check_scales(table.column("scales"))
     scales = ([torch.tensor(s, dtype=torch.float32).view(2, layout.layers, layout.kv_heads)
                for s in table.column("scales").to_pylist()]  # [2, L, H] per chunk
               if layout.quantized else [None] * len(ids))

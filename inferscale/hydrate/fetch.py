@@ -124,15 +124,17 @@ class FactReader:
             raise ChecksumError(f"{path}: its chunk index differs from the manifest's "
                                 "(the file is damaged)")
         ids, offsets, lengths, tokens, digests = cols[:5]
+        try:
+            kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+            if layout.quantized:
+                kv_schema.check_scales(batch.column("scales"))
+        except kv_schema.KVFormatError as exc:
+            raise CorruptArtifact(f"{path}: {exc}") from exc
         scales = None
         if layout.quantized:
             shape = (2, layout.layers, layout.kv_heads)
             scales = {c: torch.tensor(sc, dtype=torch.float32).view(shape)
                       for c, sc in zip(ids, cols[5])}
-        try:
-            kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
-        except kv_schema.KVFormatError as exc:
-            raise CorruptArtifact(f"{path}: {exc}") from exc
         return ChunkIndex(user, manifest.version, path, layout.dtype,
                           (layout.layers, layout.kv_heads, layout.head_dim),
                           int(manifest.kv["slab_offset"]),

@@ -311,11 +311,10 @@ def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
         kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
         scales = None
         if layout.quantized:
+            kv_schema.check_scales(batch.column("scales"))
             flat = batch.column("scales").flatten().to_numpy(zero_copy_only=False)
             scales = torch.from_numpy(flat.copy()).view(
                 len(ids), 2, layout.layers, layout.kv_heads)
-            if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
-                raise kv_schema.KVFormatError("fp8 scales must be finite and positive")
         kv = batch.column("kv")
         want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
         if not np.array_equal(kv.offsets.to_numpy(), want):

@@ -69,6 +69,14 @@ def test_bad_chunks_are_refused(change, match):
         build_kv_batch(_mutated(change), "fp-x")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+def test_fp8_scales_must_be_finite_and_positive(bad):
+    memory, _, _ = make_inputs("u", 2, dtype=torch.float8_e4m3fn)
+    memory.chunks[2].scales[1, 0, 1] = bad
+    with pytest.raises(InvalidArtifactInput, match="finite and positive"):
+        build_kv_batch(memory, "fp-x")
+
+
 def test_unsupported_dtype_and_token_ids():
     memory, _, _ = make_inputs("u", 1, dtype=torch.float64)
     with pytest.raises(InvalidArtifactInput, match="not supported"):

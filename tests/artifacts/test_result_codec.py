@@ -48,6 +48,17 @@ def test_encoded_round_trip(dtype):
             assert torch.equal(a.scales, b.scales)
 
 
+def test_forged_fp8_scales_are_refused():
+    """A cached result whose scale was changed in its bytes (shared result storage is
+    writable by others): refused, never dequantized into garbage."""
+    data = bytearray(encoded_to_ipc(_memory("float8_e4m3fn")))
+    one = _memory("float8_e4m3fn").chunks[0].scales.reshape(-1)[:1].numpy().tobytes()
+    at = bytes(data).index(one)
+    data[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    with pytest.raises(ValueError, match="finite and positive"):
+        encoded_from_ipc(bytes(data))
+
+
 def test_other_bytes_are_refused():
     with pytest.raises(ValueError, match="not an Arrow IPC stream"):
         encoded_from_ipc(b"\x80\x04pickle")

@@ -6,9 +6,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from builders import make_inputs
+from builders import forge_scale, make_inputs
 from inferscale.artifacts.blobs import Location
-from inferscale.artifacts.layout import ChecksumError
+from inferscale.artifacts.layout import ChecksumError, CorruptArtifact
 from inferscale.artifacts.publish import publish
 from inferscale.artifacts.read import data_path, read_manifest
 from inferscale.hydrate.fetch import FactReader, NotFetchable
@@ -67,6 +67,17 @@ def test_fp8_chunks_come_with_their_verified_scales(store):
     data[at:at + 4] = pa.array([2.0], pa.float32()).buffers()[1].to_pybytes()
     fs.pipe_file(path, bytes(data))
     with pytest.raises(ChecksumError, match="chunk index differs"):
+        FactReader(store, FP).index("dana", r.version)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_forged_fp8_scales_are_refused(store, bad):
+    """A kv file whose scale was replaced and whose manifest was re-signed to match: the
+    digests agree, the scale itself is refused before any row is read."""
+    memory, facts, lineage = make_inputs("dana", 4, dtype=torch.float8_e4m3fn)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    forge_scale(store, "dana", FP, r.version, bad)
+    with pytest.raises(CorruptArtifact, match="finite and positive"):
         FactReader(store, FP).index("dana", r.version)
 
 

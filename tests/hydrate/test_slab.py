@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from builders import expected_float, expected_slab, make_inputs
+from builders import expected_float, expected_slab, forge_scale, make_inputs
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
     ArtifactError, ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact,
@@ -54,6 +54,17 @@ def test_round_trip(store, dtype):
                 use_mmap=False, part_bytes=1000, workers=3)
     assert g.slab.device.type == "cpu"
     check(g, memory)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 0.0, -2.0])
+def test_forged_fp8_scales_are_refused(store, bad):
+    """Scales replaced on storage with the manifest re-signed to match (sizes, checksums
+    and the index digest all agree): hydration refuses the scale itself."""
+    memory, facts, lineage = make_inputs("erin", 3, dtype=torch.float8_e4m3fn)
+    r = publish(store, "erin", memory, facts, lineage, embeddings=False)
+    forge_scale(store, "erin", FP, r.version, bad)
+    with pytest.raises(CorruptArtifact, match="finite and positive"):
+        hydrate(store, "erin", FP, r.version)
 
 
 def test_fp8_round_trip_with_scales(store):

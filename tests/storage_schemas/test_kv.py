@@ -1,5 +1,9 @@
+import math
+
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from storage_schemas import kv
 from storage_schemas.common import NAME_KEY, VERSION_KEY, SchemaVersionError
@@ -138,3 +142,20 @@ def test_check_index():
         kv.check_index(["prefix", "a"], [0, 3], [3, 2], [3, 1], 5)
     with pytest.raises(kv.KVFormatError, match="cover"):
         kv.check_index(["prefix", "a"], [0, 3], [3, 2], [3, 2], 9)
+
+
+SCALE = st.one_of(st.none(), st.floats(width=32), st.floats(2.0 ** -100, 2.0 ** 100, width=32))  # any, positive
+
+
+@given(st.lists(st.lists(SCALE, max_size=6), max_size=5))
+def test_scales_are_refused_unless_all_finite_and_positive(rows):
+    """Any values (NaN, infinities, zeros of either sign, negatives, nulls) in a nested
+    scales column: refused exactly when one of them is not a finite positive number."""
+    bad = any(x is None or not math.isfinite(x) or x <= 0 for r in rows for x in r)
+    column = pa.array(rows, pa.list_(pa.float32()))
+    if bad:
+        with pytest.raises(kv.KVFormatError, match="finite and positive"):
+            kv.check_scales(column)
+    else:
+        kv.check_scales(column)
+        kv.check_scales(pa.chunked_array([column]))
