@@ -14,7 +14,8 @@ on every request:
   first request that comes ``refresh_s`` after the previous check, plus the time to load
   it. A user with nothing published is remembered as such and checked again the same way.
 - **Refused versions**: a version this server cannot serve (:class:`MemoryRefused`: fact
-  embeddings of another dimension than the serving embedder's) is logged, counted and
+  embeddings of another dimension than the serving embedder's, a memory layout in its
+  encoder config that cannot be composed) is logged, counted and
   remembered; the user is answered without memory (or from the version held before)
   until LATEST names another version.
 - **Failures are not "no memory"**: a load that fails (storage unreachable, a version
@@ -73,8 +74,9 @@ class UserMemory:
 
 
 class MemoryRefused(Exception):
-    """A version this server will not serve (``reason``: ``embedding_dim``), raised by the
-    cache's ``read``: remembered and counted, not retried until LATEST moves."""
+    """A version this server will not serve (``reason``: ``embedding_dim``, ``layout``),
+    raised by the cache's ``read``: remembered and counted, not retried until LATEST
+    moves."""
 
     def __init__(self, version: str, reason: str, message: str):
         super().__init__(message)

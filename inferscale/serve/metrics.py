@@ -34,7 +34,7 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_storage_lookups_total            loads of users the server held nothing for
     memory_lookups_limited_total            such lookups refused by the rate limit
     memory_load_failures_total              loads that failed (tried again after a back-off)
-    memory_refused_total{reason}            versions refused at load (embedding_dim)
+    memory_refused_total{reason}            versions refused at load (embedding_dim, layout)
     resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
     worker_loaded_tokens_total{rank}        tokens written into the paged cache
     worker_load_failures_total{rank}        loads refused or failed (recomputed)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
-from inferscale.compose import Composer, memory_layout
+from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
 from inferscale.serve.memory_cache import (
     MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
@@ -83,11 +83,16 @@ class MemoryServer:
     def read_user(self, user: str, version: str = "latest") -> UserMemory:
         """Read a user's facts (texts, token ids, embeddings) for retrieval and
         composition. Blocking: the cache runs it on its thread pool. MemoryRefused for
-        facts embedded in another dimension than the serving embedder's."""
+        facts embedded in another dimension than the serving embedder's, and for a
+        layout in the encoder config that cannot be served."""
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
         manifest = read_manifest(self.store, user, self.fp, version)
+        try:
+            layout = layout_settings(manifest.encoder_config)
+        except ComposeError as exc:  # every request of the user would fail to compose
+            raise MemoryRefused(manifest.version, "layout", str(exc)) from exc
         facts = read_facts(self.store, user, self.fp, manifest.version)
         dim = facts.schema.field("embedding").type.list_size
         if dim != self.embedder.dim:  # every query of this user would fail in the top-k
@@ -98,12 +103,10 @@ class MemoryServer:
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
         composer = self._composer(manifest.encoder_config.get("instruction"))
         token_ids[PREFIX_ID] = composer.prefix_ids()
-        enc = manifest.encoder_config
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
                           token_ids, FactIndex.from_table(facts, device=self.embedder.device),
                           dict(zip(fact_ids, facts.column("source_index").to_pylist())),
-                          enc.get("memory_order", "relevance"), int(enc.get("text_tail", 0)),
-                          int(enc.get("tail_max_k", 0)))
+                          *layout)
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts.read import latest_version

@@ -303,3 +303,38 @@ def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, s
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "embedding_dim"}) == 1
     assert any("384" in r.getMessage() and v1[:12] in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("layout", [{"memory_order": "random"}, {"text_tail": -1},
+                                    {"tail_max_k": "5"}, {"text_tail": True}])
+def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2, embedder,
+                                                          layout):
+    """A manifest re-signed with a memory layout no request can be composed with (a
+    damaged or forged record): the version is refused once, at load, and counted; the
+    user is answered without memory instead of failing every request."""
+    from inferscale.artifacts.blobs import Location
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.server import MemoryServer
+    from storage_schemas.manifest import Manifest
+
+    v1 = publish(local_store, "dora", 1)
+    m = R.read_manifest(local_store, "dora", FP, v1)
+    local_store.filesystem().pipe_file(
+        Location(local_store, "dora", FP).file(v1, "manifest.json"),
+        Manifest(**{**m.__dict__, "encoder_config": {**m.encoder_config, **layout}}).to_json())
+    engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
+    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
+                          cache=MemoryCacheConfig(refresh_s=0.0))
+
+    async def main():
+        out = []
+        for _ in range(2):
+            out.append(await server.request("dora", "What is my dog called?"))
+            await server.memories.settle()
+        return out
+
+    prepared = asyncio.run(main())
+    server.memories.close()
+    assert [p.info["mode"] for p in prepared] == ["none"] * 2
+    assert server.metrics.registry.get_sample_value(
+        "inferscale_memory_refused_total", {"reason": "layout"}) == 1
