@@ -183,6 +183,9 @@ async def _unless_disconnected(req: Any, work: Awaitable[Any]) -> Any:
         watch.cancel()
         if not task.done():
             task.cancel()
+            # a cancel is only requested: wait until the work has taken it (the engine has
+            # aborted), or task.result() below would find it still running
+            await asyncio.wait({task})
     if task.cancelled():
         return None
     return task.result()

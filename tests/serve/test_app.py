@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -562,3 +563,36 @@ def test_new_versions_reach_serving_while_requests_run(engine_env, embedder):
         texts = [r["text"] for r in mine[switch:]]
         assert not any(old.lower() in t.lower() for t in texts), texts
         assert any(new.lower() in t.lower() for t in texts), texts
+
+
+def test_a_disconnect_waits_for_the_work_to_take_its_cancel():
+    """The client goes while the answer runs: the answer is cancelled and its clean-up
+    (vLLM's abort is awaited the same way) has finished before None is returned, even when
+    that clean-up takes a while; an answer that ends first is returned as it is."""
+    from inferscale.serve.app import _unless_disconnected
+
+    class Receive:  # the ASGI receive of a request whose body was read
+        def __init__(self, after: float):
+            self.after = after
+
+        async def receive(self):
+            await asyncio.sleep(self.after)
+            return {"type": "http.disconnect"}
+
+    aborted = []
+
+    async def answer(seconds: float):
+        try:
+            await asyncio.sleep(seconds)
+            return "answer"
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # an abort that awaits the engine
+            aborted.append(True)
+            raise
+
+    async def main():
+        gone = await _unless_disconnected(Receive(0.01), answer(10))
+        assert aborted == [True]  # the abort finished before the call returned
+        return gone, await _unless_disconnected(Receive(10), answer(0.01))
+
+    assert asyncio.run(main()) == (None, "answer")
