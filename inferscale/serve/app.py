@@ -26,7 +26,6 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
@@ -55,17 +54,6 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from inferscale.types import InvalidUserIdError
-
-    class ClosingStream(StreamingResponse):
-        """Closes its body when the response ends, also when the client went away in the
-        middle of a send (Starlette then cancels the send and leaves the body suspended):
-        the engine aborts the request at once, not when the generator is collected."""
-
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                await self.body_iterator.aclose()
 
     limits = limits or RequestLimits()
     ChatRequest = chat_model(limits)
@@ -130,7 +118,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                 answer = server.answer_stream(prepared, started, max_tokens=max_tokens,
                                               temperature=temperature, ignore_eos=ignore_eos)
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return ClosingStream(_sse(answer, rid, created, model_name, usage),
+                return StreamingResponse(_sse(answer, rid, created, model_name, usage),
                                          media_type="text/event-stream")
             out = await _unless_disconnected(req, server.answer(
                 user, question, k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
@@ -217,29 +205,28 @@ async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_
         return f"data: {json.dumps(payload)}\n\n"
 
     started = False
-    async with aclosing(answer) as items:  # closing the events closes the answer
-        async for item in items:
-            if isinstance(item, dict):
-                gen, info = item["generation"], item["info"]
-                if not started:  # no token at all (max_tokens reached at once)
-                    yield chunk({"role": "assistant", "content": ""})
-                yield chunk({}, gen.finish_reason or "stop", info)
-                if include_usage:
-                    completion = len(gen.token_ids)
-                    yield "data: " + json.dumps({
-                        "id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": model_name, "choices": [],
-                        "usage": {"prompt_tokens": gen.prompt_tokens,
-                                  "completion_tokens": completion,
-                                  "total_tokens": gen.prompt_tokens + completion,
-                                  "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
-                    }) + "\n\n"
-            elif not started:
-                started = True
-                yield chunk({"role": "assistant", "content": item})
-            elif item:
-                yield chunk({"content": item})
-            await asyncio.sleep(0)
+    async for item in answer:
+        if isinstance(item, dict):
+            gen, info = item["generation"], item["info"]
+            if not started:  # no token at all (max_tokens reached at once)
+                yield chunk({"role": "assistant", "content": ""})
+            yield chunk({}, gen.finish_reason or "stop", info)
+            if include_usage:
+                completion = len(gen.token_ids)
+                yield "data: " + json.dumps({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name, "choices": [],
+                    "usage": {"prompt_tokens": gen.prompt_tokens,
+                              "completion_tokens": completion,
+                              "total_tokens": gen.prompt_tokens + completion,
+                              "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
+                }) + "\n\n"
+        elif not started:
+            started = True
+            yield chunk({"role": "assistant", "content": item})
+        elif item:
+            yield chunk({"content": item})
+        await asyncio.sleep(0)
     yield "data: [DONE]\n\n"
 
 

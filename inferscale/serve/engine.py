@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -256,11 +255,8 @@ class MemoryEngine:
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
             prompt["cache_salt"] = salt
-        # closed with this generator, not when it is collected: vLLM aborts the request then
-        async with aclosing(self.llm.generate(prompt, params,
-                                              request_id=f"is-{next(self._ids)}")) as outs:
-            async for out in outs:
-                yield out
+        async for out in self.llm.generate(prompt, params, request_id=f"is-{next(self._ids)}"):
+            yield out
 
     async def generate_stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                               max_tokens: int = 64, temperature: float = 0.0,
@@ -276,21 +272,20 @@ class MemoryEngine:
         cached = 0
         finish = None
         reply = MemoryReply()
-        async with aclosing(self.stream(prompt_ids, memory, max_tokens=max_tokens,
-                                        temperature=temperature, ignore_eos=ignore_eos,
-                                        cache_salt=cache_salt)) as outs:
-            async for out in outs:
-                comp = out.outputs[0]
-                if ttft is None and comp.token_ids:
-                    ttft = time.perf_counter() - start
-                tokens.extend(comp.token_ids)
-                text += comp.text
-                cached = out.num_cached_tokens or cached
-                finish = comp.finish_reason or finish
-                if out.kv_transfer_params:  # the finished request's reply
-                    reply = MemoryReply.from_params(out.kv_transfer_params)
-                if comp.token_ids:
-                    yield comp.text
+        async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
+                                     temperature=temperature, ignore_eos=ignore_eos,
+                                     cache_salt=cache_salt):
+            comp = out.outputs[0]
+            if ttft is None and comp.token_ids:
+                ttft = time.perf_counter() - start
+            tokens.extend(comp.token_ids)
+            text += comp.text
+            cached = out.num_cached_tokens or cached
+            finish = comp.finish_reason or finish
+            if out.kv_transfer_params:  # the finished request's reply
+                reply = MemoryReply.from_params(out.kv_transfer_params)
+            if comp.token_ids:
+                yield comp.text
         yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
                          len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
                          reply.facts_by_tier, reply.storage_bytes)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
@@ -179,16 +178,15 @@ class MemoryServer:
         "info"}`` as :meth:`answer` returns it. The finished request is counted in
         :attr:`metrics`. The app's streaming responses call this."""
         first = gen = None
-        async with aclosing(self.engine.generate_stream(
+        async for item in self.engine.generate_stream(
                 p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
-                ignore_eos=ignore_eos, cache_salt=p.salt)) as items:
-            async for item in items:
-                if isinstance(item, Generation):
-                    gen = item
-                    continue
-                if first is None:
-                    first = time.perf_counter()
-                yield item
+                ignore_eos=ignore_eos, cache_salt=p.salt):
+            if isinstance(item, Generation):
+                gen = item
+                continue
+            if first is None:
+                first = time.perf_counter()
+            yield item
         assert gen is not None
         info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
