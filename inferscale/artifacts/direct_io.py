@@ -52,6 +52,7 @@ FALLBACK = "buffered+fadvise(DONTNEED)"
 BUFFERED = "buffered"  # plain page-cache reads (DirectFile(direct=False))
 READERS = (DIRECT, FALLBACK, BUFFERED)
 
+_O_DIRECT = getattr(os, "O_DIRECT", None)
 _KEEP = 16  # bounce buffers kept per size for reuse (at most a few concurrent readers)
 
 
@@ -93,13 +94,14 @@ class DirectFile:
         self.reader = BUFFERED
         self.fd = -1
         if direct:
-            try:
-                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                self.reader = DIRECT
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.reader = FALLBACK
+            self.reader = FALLBACK
+            if _O_DIRECT is not None:  # None: not Linux
+                try:
+                    self.fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+                    self.reader = DIRECT
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
         if self.fd < 0:
             self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
@@ -130,11 +132,10 @@ class DirectFile:
                         raise
                     reader = self._fall_back()
             if reader != DIRECT:
-                self._read_buffered(offset, n, dest)
+                self._exact(dest, offset)
                 if reader == FALLBACK:
                     _drop_cached(self.fd, offset, n)
-            self._tally("reads", 1, reader)
-            self._tally("bytes", n, reader)
+            self._tally("reads", 1, reader, n)
         return dest
 
     def close(self) -> None:
@@ -201,13 +202,12 @@ class DirectFile:
                                         f"expected at least {offset + len(dest)}")
             got += k
 
-    def _read_buffered(self, offset: int, n: int, dest: memoryview) -> None:
-        self._exact(dest, offset)
-
-    def _tally(self, what: str, k: int, reader: str | None = None) -> None:
+    def _tally(self, what: str, k: int, reader: str | None = None, nbytes: int = 0) -> None:
         if self._count:
             with _COUNTS_LOCK:
-                _COUNTS[reader or self.reader][what] += k
+                counts = _COUNTS[reader or self.reader]
+                counts[what] += k
+                counts["bytes"] += nbytes
 
 
 class DirectRaw(io.RawIOBase):
