@@ -10,7 +10,8 @@ from its disk), and "storage" would mean memory. So the server reads its store w
 the users' distinct KV files (each inode once) the same way:
 
 - ``sequential``: one stream of large reads (``block``, 32 MiB) in file order, file
-  after file: what ``dd`` measures, and the shape of a whole-user hydration;
+  after file: what ``dd`` measures (a whole-user hydration reads the same parts, 4 at a
+  time);
 - ``random_8mib``: 8 MiB reads at random 4 KiB-aligned offsets of random files,
   ``threads`` at once (8: the connector's ``fetch_workers``): the shape of the single
   facts a cold request reads.
