@@ -25,6 +25,14 @@ that passed; KV then runs at ``--kv-rate-multipliers`` x G until its first miss
 (``--kv-rates same``: both at every rate, the original procedure). The same rate gets
 the same arrivals, users and questions in both modes.
 
+Storage is what a disk delivers, never the page cache: the users of a group share one KV
+file on disk (hard links), which is fair only because the server reads its store with
+``O_DIRECT`` (``--storage-direct-io``, on by default); before the scenarios the run
+measures that disk with the same reader (:mod:`benchmarks.storage_bandwidth`) and every
+result file records it under ``storage`` (``page_cache_bypassed`` only when the
+measurement and every read of the server had it). A filesystem that refuses ``O_DIRECT``
+stops the run at once, with an error, unless ``--no-storage-direct-io`` is given.
+
 Per step: TTFT p50/p99 (client) and the requests over the objective, q2ft, engine TTFT,
 end-to-end, tokens/s, dispatch lag, fallbacks, facts by the tier they came from, and what
 ``/metrics`` says changed (:mod:`benchmarks.load_metrics`: the engine's busy-step time
@@ -70,13 +78,18 @@ from benchmarks.load_metrics import (  # noqa: E402
     HISTOGRAM_METHOD, parse, step_metrics, step_time,
 )
 from benchmarks.load_server import (  # noqa: E402
-    Http, ServerProcess, evict_all, hydrate_plan, residency, scrape_text, wait_idle,
+    Http, ServerProcess, engine_status, evict_all, hydrate_plan, residency, scrape_text,
+    wait_idle,
 )
 from benchmarks.load_setup import (  # noqa: E402
     build_memory, parser, prompt_goodput_for, resolve,
 )
 from benchmarks.load_stats import GIB, machine, step_summary, summarize  # noqa: E402
 from benchmarks.load_users import QuestionDeck, popularity  # noqa: E402
+from benchmarks.storage_bandwidth import (  # noqa: E402
+    StorageNotBypassed, kv_files, refuse_unbypassed, with_server_reads,
+)
+from benchmarks.storage_bandwidth import measure as measure_storage  # noqa: E402
 
 
 # ------------------------------------------------------------------------ load
@@ -181,6 +194,7 @@ class Run:
 
     def __init__(self, args, server: ServerProcess, memory: dict, sizes: dict, started: float):
         self.args, self.server, self.sizes, self.started = args, server, sizes, started
+        self.measured = memory["storage"]  # the storage bandwidth this run measured
         self.http = Http(server.url)
         self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
         self.load = Load(args, server.url, memory["questions"], memory["shares"])
@@ -195,6 +209,11 @@ class Run:
 
     def left_s(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.started)
+
+    async def storage(self, result: dict) -> None:
+        """The run's storage measurement with what the server read, by reader, so far."""
+        status = await asyncio.to_thread(engine_status, self.http)
+        result["storage"] = with_server_reads(self.measured, status)
 
     async def scrape(self) -> tuple[str, dict]:
         text = await asyncio.to_thread(scrape_text, self.http)
@@ -280,6 +299,7 @@ class Run:
         result["modes"] = args.modes
         result["warmup"] = await self.warmup(count, args.modes)
         print(json.dumps({"users": count, "warmup": result["warmup"]}), flush=True)
+        await self.storage(result)
         if out:
             write(result, out)
         rows: list[dict] = []
@@ -294,6 +314,7 @@ class Run:
             rows.append(row)
             history.append((mode, rate, row["meets_objective"]))
             result.update(rows=rows, summary=summarize(rows, args, given, source))
+            await self.storage(result)
             if out:
                 write(result, out)
             await asyncio.sleep(args.settle_s)
@@ -304,6 +325,7 @@ class Run:
                                 "inferscale_reload_seconds_count",
                                 "inferscale_memory_facts_total"))]
         summary = summarize(rows, args, given, source)
+        await self.storage(result)
         if args.prompt_once and self.first_prompt is None and "prompt" in args.modes:
             self.first_prompt = (summary["goodput_prompt_rps"],
                                  f"the {count}-user scenario of this run (--prompt-once)")
@@ -323,6 +345,7 @@ async def measure(args, base: dict) -> list[dict]:
     cuda = torch.cuda.is_available()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="inferscale-load-"))
     work.mkdir(parents=True, exist_ok=True)
+    refuse_unbypassed(work, args.storage_direct_io)  # before minutes of setup
     started = time.monotonic()
     embedder = Embedder(args.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
@@ -334,6 +357,14 @@ async def measure(args, base: dict) -> list[dict]:
     if cuda:
         torch.cuda.empty_cache()  # the engine and the gpu tier get the whole GPU
     base.update(setup_seconds=round(time.monotonic() - started, 1), machine_before=machine())
+    # the disk under the store, read as the server reads it (storage_bandwidth.py)
+    memory["storage"] = base["storage"] = measure_storage(
+        kv_files(memory["server"]["engine"]["artifact_root"]), direct=args.storage_direct_io,
+        seconds=args.storage_seconds, max_bytes=int(args.storage_gib * GIB),
+        threads=args.storage_threads)
+    refuse_unbypassed(work, args.storage_direct_io, base["storage"])
+    print(json.dumps({"storage": {k: v for k, v in base["storage"].items() if k != "patterns"}}),
+          flush=True)
     print(json.dumps({"setup_seconds": base["setup_seconds"], **base["machine_before"]}),
           flush=True)
     # bf16 artifacts, placed in the engine's dtype (float32 on CPU: twice the bytes)
@@ -397,7 +428,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # `timeout` (the GPU runs) sends SIGTERM: unwind, so that the server (a session of its
     # own) is stopped and each result file holds every finished step
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = asyncio.run(measure(args, base))
+    try:
+        results = asyncio.run(measure(args, base))
+    except StorageNotBypassed as exc:
+        sys.exit(f"load.py: {exc}")
     for result in results:
         print(json.dumps({"users": result["users"], **result["summary"]}))
     return results

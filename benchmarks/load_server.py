@@ -186,12 +186,18 @@ def worker_pids(server_pid: int) -> list[int]:
     return sorted(out)
 
 
-def residency(http: Http) -> dict[str, str]:
-    """user -> tier of every user a worker rank holds (``/admin/status``)."""
+def engine_status(http: Http) -> dict:
+    """The workers' status (``/admin/status``'s ``engine``: rank 0's, every rank's under
+    ``ranks``)."""
     status, text = http.get("/admin/status")
     if status != 200:
         raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
-    engine = json.loads(text)["engine"]
+    return json.loads(text)["engine"]
+
+
+def residency(http: Http) -> dict[str, str]:
+    """user -> tier of every user a worker rank holds (``/admin/status``)."""
+    engine = engine_status(http)
     return {r["user"]: r["tier"] for rank in engine.get("ranks", [engine])
             for r in rank.get("residents", [])}
 
@@ -260,7 +266,8 @@ async def serve(cfg: dict) -> None:
     embedder = Embedder(cfg["embedder"], device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     server = MemoryServer(engine, AutoTokenizer.from_pretrained(cfg["tokenizer"]), embedder,
-                          StoreConfig(cfg["engine"]["artifact_root"]), mode="kv",
+                          StoreConfig(cfg["engine"]["artifact_root"],
+                                      direct_io=cfg["engine"].get("direct_io", False)), mode="kv",
                           top_k=cfg["top_k"])
     await serve_app(server, AccessPolicy({}, None, None, loopback=True), cfg["model_name"],
                     "127.0.0.1", cfg["port"], log_level="warning")

@@ -71,7 +71,8 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         # room for reloads of whole users (2.7 GB each at the Llama shape) beside the
         # requests' reads of single facts, and for those facts on the device
         staging_bytes=int(args.staging_gib * GIB),
-        device_staging_bytes=int(args.device_staging_gib * GIB))
+        device_staging_bytes=int(args.device_staging_gib * GIB),
+        direct_io=args.storage_direct_io)  # reads from storage bypass the page cache
     from benchmarks.load_server import free_port
 
     server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
@@ -127,6 +128,17 @@ def parser(description: str) -> argparse.ArgumentParser:
       help="pinned host memory reads from storage land in (the connector's staging_bytes)")
     a("--device-staging-gib", type=float, default=1.0,
       help="device memory facts read for requests wait in until injected")
+    a("--storage-direct-io", action=argparse.BooleanOptionalAction, default=True,
+      help="the server reads its artifact store around the page cache (O_DIRECT), and the "
+           "storage bandwidth is measured so (the users of a group share one KV file on "
+           "disk: read through the page cache, 'storage' would be RAM); --no-storage-"
+           "direct-io: through it, and the results say page_cache_bypassed: false")
+    a("--storage-seconds", type=float, default=3.0,
+      help="the storage bandwidth measurement: seconds per read pattern (at most)")
+    a("--storage-gib", type=float, default=2.0,
+      help="... and GiB per read pattern (at most)")
+    a("--storage-threads", type=int, default=8,
+      help="... and concurrent random 8 MiB reads (the connector's fetch_workers)")
     a("--gpu-memory-utilization", type=float, default=None)
     a("--kv-cache-gib", type=float, default=None,
       help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")

@@ -11,9 +11,10 @@ artifacts, built from LoCoMo turns, their questions and how often each one asks.
   slabs are the same bytes: the group's first user is published by
   :func:`~inferscale.artifacts.publish.publish`, the others by :func:`publish_linked`,
   whose KV file (``kv.<nonce>.arrow``) is a hard link to the first user's. A machine
-  thus stores ``groups`` slabs on disk, not ``users``, and reads them back through its
-  page cache; in the serving worker every user is hydrated into a slab of its own
-  (residency, tiers and budgets count every user).
+  thus stores ``groups`` slabs on disk, not ``users``; the server reads them around the
+  page cache (``O_DIRECT``, :mod:`benchmarks.storage_bandwidth`), so a user sharing its
+  group's file is still read from the disk, never from RAM. In the serving worker every
+  user is hydrated into a slab of its own (residency, tiers and budgets count every user).
 - **KV.** A real model: every pooled turn some group holds is encoded once with ``w = 0``
   (the fact right after the serving prefix, the default context without a window: it
   depends on nothing else, so one encoding serves every group), then assembled per group.

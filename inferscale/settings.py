@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     s3_access_key_id: str | None = None
     s3_secret_access_key: SecretStr | None = None
     s3_region: str | None = None
+    storage_direct_io: bool = Field(
+        default=False, description="read a local artifact store around the page cache "
+        "(O_DIRECT): what reads cost on a machine with far more users than RAM, and what an "
+        "honest storage benchmark needs; off, users read again come from RAM (right for a "
+        "small deployment). S3 is read by ranged GETs either way")
 
     # -- conversation logs read by the offline pipeline (encode, nightly, backfill)
     log_uris: list[str] = Field(

@@ -13,7 +13,10 @@ on the ETag on S3), so concurrent writers of ``LATEST`` cannot undo each other's
 
 Reads can be fused with checksums: :meth:`Blobs.read_into` streams a file in parts
 (ranged parallel reads on object stores, parallel ``preadv`` on local disk) straight into
-a caller's buffer and hashes every part with xxh3-128, in order, as it lands.
+a caller's buffer and hashes every part with xxh3-128, in order, as it lands. A local
+store with ``StoreConfig.direct_io`` reads every file (ranges, whole files, the file
+objects of :meth:`Blobs.open_read`) around the page cache
+(:mod:`inferscale.artifacts.direct_io`, which needs torch and is imported only then).
 
 :func:`open_blobs` picks :class:`LocalBlobs` (here) or
 :class:`~inferscale.artifacts.object_store.FsspecBlobs`; both implement
@@ -41,6 +44,11 @@ from inferscale.artifacts.object_store import FsspecBlobs
 
 class LocalBlobs(Blobs):
     def read_bytes(self, path: str) -> bytes:
+        if self.config.direct_io:
+            from inferscale.artifacts.direct_io import DirectFile
+
+            with DirectFile(path) as f:
+                return bytes(f.read(0, f.size))
         with open(path, "rb") as f:
             return f.read()
 
@@ -156,9 +164,18 @@ class LocalBlobs(Blobs):
         return Written(w.n, w.h.hexdigest(), result, w.watched_at)
 
     def open_read(self, path: str) -> Any:
+        if self.config.direct_io:
+            from inferscale.artifacts.direct_io import open_direct
+
+            return open_direct(path)
         return open(path, "rb")
 
     def _range_reader(self, path: str):
+        if self.config.direct_io:
+            from inferscale.artifacts.direct_io import DirectFile
+
+            f = DirectFile(path)
+            return f.read, f.close
         fd = os.open(path, os.O_RDONLY)
 
         def read(offset: int, n: int, into: memoryview | None) -> Any:

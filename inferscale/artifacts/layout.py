@@ -162,16 +162,28 @@ class StoreConfig:
     fsspec URL) and the fsspec ``storage_options`` for it (s3fs: ``key``, ``secret``,
     ``client_kwargs={"endpoint_url": ..., "region_name": ...}``).
 
+    ``direct_io``: a local store's reads bypass the page cache (``O_DIRECT``,
+    :mod:`inferscale.artifacts.direct_io`; where the filesystem refuses it, buffered reads
+    whose pages are dropped after, reported as not bypassed). Off by default: on a small
+    deployment the page cache is right (users read again come from RAM at several GB/s,
+    and ``O_DIRECT`` costs a copy through an aligned buffer); on when users far outnumber
+    RAM, or to measure storage honestly (the load benchmark). Object stores are read by
+    ranged GETs either way (no page cache there).
+
     Built by callers from :class:`inferscale.settings.Settings` with :meth:`from_settings`
-    (``INFERSCALE_ARTIFACT_ROOT``, ``INFERSCALE_S3_*``), or directly in tests.
+    (``INFERSCALE_ARTIFACT_ROOT``, ``INFERSCALE_S3_*``, ``INFERSCALE_STORAGE_DIRECT_IO``),
+    or directly in tests.
     """
 
     root: str
     storage_options: dict[str, Any] = field(default_factory=dict)
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root.strip():
             raise InvalidStoreConfig(f"store root must be a non-empty string, got {self.root!r}")
+        if not isinstance(self.direct_io, bool):
+            raise InvalidStoreConfig(f"direct_io must be true or false, got {self.direct_io!r}")
         protocol, path = fsspec.core.split_protocol(self.root.strip())
         if protocol in (None, "file", "local"):
             root = os.path.abspath(os.path.expanduser(path))
@@ -190,7 +202,8 @@ class StoreConfig:
     @classmethod
     def from_settings(cls, settings: Any) -> "StoreConfig":
         """From an :class:`inferscale.settings.Settings` (duck-typed: no pydantic import)."""
-        return cls(settings.resolved_artifact_root(), settings.storage_options())
+        return cls(settings.resolved_artifact_root(), settings.storage_options(),
+                   direct_io=settings.storage_direct_io)
 
     @property
     def protocol(self) -> str:

@@ -67,16 +67,18 @@ class Throttle:
 
 class ResidentLoader:
     """Puts verified artifact versions into ``store`` for a model ``model_fingerprint``;
-    ``artifact_root``/``storage_options`` name the artifact store (empty: none, so only
-    slabs handed to :meth:`put` can be loaded)."""
+    ``artifact_root``/``storage_options``/``direct_io`` name the artifact store and how it
+    is read (:class:`~inferscale.artifacts.layout.StoreConfig`; an empty root: none, so
+    only slabs handed to :meth:`put` can be loaded)."""
 
     def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
                  storage_options: dict | None = None, reload_workers: int = 2,
-                 reload_bytes_per_s: int = 0):
+                 reload_bytes_per_s: int = 0, *, direct_io: bool = False):
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.artifact_root = artifact_root
         self.storage_options = dict(storage_options or {})
+        self.direct_io = direct_io
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
         self.reload_failures = 0  # background reloads that failed (refusals included)
@@ -108,7 +110,8 @@ class ResidentLoader:
         store moves it to the tier asked for."""
         if not self.artifact_root:
             raise RuntimeError("the connector has no artifact_root to hydrate from")
-        store = StoreConfig(self.artifact_root, dict(self.storage_options))
+        store = StoreConfig(self.artifact_root, dict(self.storage_options),
+                            direct_io=self.direct_io)
         return hydrate(store, user, self.model_fingerprint, version, tier="host",
                        admit=self.admission(tier), staging=self.store,
                        on_part=throttle.take if throttle is not None else None)

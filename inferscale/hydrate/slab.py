@@ -17,8 +17,9 @@ Where the bytes go:
   disk) or ranged parallel GETs (S3); the slab is pinned, ready for async H2D copies.
 - tier ``"gpu"`` with CUDA: the same pinned buffer as staging, each part copied to the
   device on a side stream as soon as it is hashed; the pinned buffer is released after.
-- no CUDA (either tier: "gpu" means CPU memory there): plain memory. On local disk the
-  file is memory-mapped (private, copy-on-write) and the slab is a zero-copy view of the
+- no CUDA (either tier: "gpu" means CPU memory there): plain memory. On local disk
+  (unless the store reads with direct I/O, ``StoreConfig.direct_io``: then the file is
+  read into plain memory around the page cache, as above) the file is memory-mapped (private, copy-on-write) and the slab is a zero-copy view of the
   page cache; the hash pass is the read (a helper thread populates pages a few parts
   ahead of the hash, so disk and checksum overlap). Artifacts are immutable and gc only unlinks,
   so the mapping stays valid; writing into the tensor copies pages, never the file.
@@ -105,8 +106,10 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     (default: ``cuda`` when available, else ``cpu``). ``expected_fingerprint``: the
     serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
     the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
-    True for a local store into plain memory (see module docstring), False forces a
-    copy. ``admit(manifest)``: called with the verified manifest before any byte of
+    True for a local store into plain memory without direct I/O (see module docstring;
+    True with ``store.direct_io`` is refused: a mapping is the page cache), False forces
+    a copy.
+    ``admit(manifest)``: called with the verified manifest before any byte of
     ``kv.arrow`` is read; it raises to refuse the version (the serving worker checks the
     slab's size, :func:`slab_nbytes`, against its memory budget there). Errors:
     ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``, ``ChecksumError``,
@@ -141,9 +144,11 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     cuda = dev.type == "cuda"
     plain_local = store.is_local and not cuda
     if use_mmap is None:
-        use_mmap = plain_local
+        use_mmap = plain_local and not store.direct_io
     elif use_mmap and not plain_local:
         raise ValueError("use_mmap needs a local store and no CUDA device")
+    elif use_mmap and store.direct_io:
+        raise ValueError("use_mmap maps the page cache; the store asks for direct I/O")
     if workers is None:
         workers = 4 if store.is_local else 8
 

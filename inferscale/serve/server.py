@@ -241,9 +241,8 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     ckpt = resolve_checkpoint(settings.model, settings.home)
     store = StoreConfig.from_settings(settings)
     engine = await MemoryEngine(EngineConfig(
-        model=str(ckpt), connector=ConnectorConfig(
-            model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
-            artifact_root=store.root, storage_options=store.storage_options,
+        model=str(ckpt), connector=ConnectorConfig.from_store(
+            store, model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
             gpu_budget_bytes=settings.gpu_budget_bytes,
             host_budget_bytes=settings.host_budget_bytes),
         dtype="auto" if cuda else "float32",

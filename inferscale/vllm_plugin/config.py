@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from inferscale.artifacts.layout import StoreConfig
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES, TIERS
 
 CONNECTOR_MODULE = "inferscale.vllm_plugin.connector"
@@ -47,6 +48,9 @@ class ConnectorConfig:
     # and of device memory that read facts wait in until injected; taken once at start-up
     staging_bytes: int = 4 << 30
     device_staging_bytes: int = 1 << 30
+    # a local store's reads (whole users, single facts) bypass the page cache
+    # (StoreConfig.direct_io, INFERSCALE_STORAGE_DIRECT_IO)
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -65,6 +69,20 @@ class ConnectorConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.fetch_workers < 1 or self.fetch_timeout_s <= 0:
             raise ValueError("fetch_workers must be >= 1 and fetch_timeout_s > 0")
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io must be true or false, got {self.direct_io!r}")
+
+    @classmethod
+    def from_store(cls, store: StoreConfig, **fields) -> "ConnectorConfig":
+        """The connector reading ``store`` (its root, options and direct I/O), with the
+        other ``fields`` given."""
+        return cls(artifact_root=store.root, storage_options=dict(store.storage_options),
+                   direct_io=store.direct_io, **fields)
+
+    def store(self) -> StoreConfig:
+        """The artifact store the worker reads (every StoreConfig it builds is this one)."""
+        return StoreConfig(self.artifact_root, dict(self.storage_options),
+                           direct_io=self.direct_io)
 
     def backoff_s(self, failures: int) -> float:
         """Seconds to wait before reloading again after ``failures`` failures in a row."""

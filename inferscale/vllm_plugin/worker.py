@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inferscale.artifacts.layout import StoreConfig
+from inferscale.artifacts.direct_io import read_counts
 from inferscale.hydrate.fetch import FactReader
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import HeadShard, Resident
@@ -84,9 +84,8 @@ class ConnectorWorker:
                                    config.staging_bytes, config.device_staging_bytes)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
                                      config.storage_options, config.reload_workers,
-                                     config.reload_bytes_per_s)
-        reader = FactReader(StoreConfig(config.artifact_root, dict(config.storage_options)),
-                            config.model_fingerprint, config.fetch_workers) \
+                                     config.reload_bytes_per_s, direct_io=config.direct_io)
+        reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers) \
             if config.artifact_root else None
         self.fetches = Fetches(self.store, reader, config.model_fingerprint,
                                config.fetch_timeout_s)
@@ -172,6 +171,9 @@ class ConnectorWorker:
                 "residents": store.residents(), "loaded_tokens": self.loaded_tokens,
                 "reloads": self.loader.reloads, "reload_failures": self.loader.reload_failures,
                 "kv_reads": dict(READS),  # kv.arrow reads started (hydrations, reloads)
+                # this process's local reads by reader: O_DIRECT, its fallback, buffered
+                # (counted only where the store reads with direct I/O)
+                "storage_reads": read_counts(),
                 "load_failures": self.failures.count,  # loads recomputed instead (logged)
                 "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
                 "inject_calls": self.inject_calls,

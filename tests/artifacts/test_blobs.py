@@ -113,3 +113,29 @@ def test_location_names_one_user_and_model(store):
     for bad in ("", "Ann/../x"):
         with pytest.raises(InvalidUserId):
             Location(store, bad, "fp-1")
+
+
+def test_a_direct_io_store_reads_every_local_file_around_the_page_cache(tmp_path):
+    """read_into (ranges in parallel), read_bytes, open_read and hash_file of a store with
+    direct_io give the same bytes, and every byte is counted by the reader the kernel
+    allowed (O_DIRECT, or the fallback on a filesystem that refuses it)."""
+    from inferscale.artifacts.direct_io import DIRECT, FALLBACK, read_counts, supports_direct_io
+    from inferscale.artifacts.layout import StoreConfig
+
+    blobs = open_blobs(StoreConfig(str(tmp_path / "root"), direct_io=True))
+    path = blobs.join("v", "kv.arrow")
+    blobs.replace(path, DATA)
+    reader = DIRECT if supports_direct_io(path) else FALLBACK
+    before = read_counts()[reader]["bytes"]
+    dest = np.zeros(len(DATA), dtype=np.uint8)
+    digest = blobs.read_into(path, len(DATA), dest, part_bytes=7_000, workers=3)
+    assert dest.tobytes() == DATA and digest == xxhash.xxh3_128_hexdigest(DATA)
+    assert blobs.hash_file(path, len(DATA)) == digest
+    assert blobs.read_bytes(path) == DATA
+    with blobs.open_read(path) as f:
+        f.seek(99_000)
+        assert f.read(2_000) == DATA[99_000:101_000]
+    assert read_counts()[reader]["bytes"] - before >= 3 * len(DATA)
+    blobs.replace(path, DATA[:1000])
+    with pytest.raises(TruncatedArtifact):
+        blobs.read_into(path, 5000, np.zeros(5000, dtype=np.uint8), part_bytes=4096)

@@ -41,6 +41,30 @@ def test_reads_the_named_chunks_in_request_order(published):
     assert reader.index("dana", r.version) is index  # cached
 
 
+def test_direct_io_reads_the_same_rows_around_the_page_cache(local_store):
+    """A reader over a store with direct I/O: its index (Arrow through the direct file
+    object) and rows (unaligned ranges) are the buffered reader's, and the bytes are
+    counted by the reader the kernel allowed."""
+    from dataclasses import replace
+
+    from inferscale.artifacts.direct_io import DIRECT, FALLBACK, read_counts, supports_direct_io
+
+    memory, facts, lineage = make_inputs("dana", 12, dtype=torch.bfloat16, heads=3)
+    r = publish(local_store, "dana", memory, facts, lineage, embeddings=False)
+    plain = FactReader(local_store, FP)
+    direct = FactReader(replace(local_store, direct_io=True), FP, workers=3)
+    want, got = plain.index("dana", r.version), direct.index("dana", r.version)
+    assert (got.rows, got.token_ids, got.slab_offset) == (want.rows, want.token_ids,
+                                                          want.slab_offset)
+    picked = [list(want.rows)[i] for i in (9, 0, 4, 5, 12)]
+    reader = DIRECT if supports_direct_io(local_store.root) else FALLBACK
+    before = read_counts()[reader]["bytes"]
+    out = torch.empty(want.tokens(picked) * want.row_bytes, dtype=torch.uint8)
+    rows = direct.read(got, picked, out)
+    assert torch.equal(rows, plain.read(want, picked, torch.empty_like(out)))
+    assert read_counts()[reader]["bytes"] - before == out.numel()
+
+
 def test_fp8_chunks_come_with_their_verified_scales(store):
     """An fp8 version's facts read alone: the rows as stored and each chunk's scales from
     the index, which the manifest's index digest covers (a changed scale is refused)."""

@@ -109,6 +109,29 @@ def test_a_rank_loads_its_heads_and_skips_a_reload_of_what_it_holds(published):
     assert loader.store.get("ann", version) is resident
 
 
+def test_loads_and_reloads_read_with_direct_io_when_asked(local_store):
+    """The loader builds its store with ``direct_io``: admin loads and background reloads
+    then read kv.arrow around the page cache (counted by that reader), same slab."""
+    from inferscale.artifacts.direct_io import DIRECT, FALLBACK, read_counts, supports_direct_io
+
+    store = local_store
+    memory, facts, lineage = make_inputs("ann", 3)
+    version = publish(store, "ann", memory, facts, lineage, embeddings=False).version
+    loader = ResidentLoader(ResidentStore("cpu", 1 << 30, 1 << 30), FP, store.root,
+                            store.storage_options, direct_io=True)
+    reader = DIRECT if supports_direct_io(store.root) else FALLBACK
+    before = read_counts()[reader]["reads"]
+    assert torch.equal(loader.load("ann", version, "gpu").slab, expected_slab(memory))
+    loaded = read_counts()[reader]["reads"]
+    assert loaded > before
+    loader.evict("ann")
+    loader.load("ann", version, "host")  # an admin load lifts the eviction
+    loader.store.evict("ann")
+    loader.reload_in_background("ann", version, "host")
+    _wait(lambda: loader.reloads == 1)
+    assert read_counts()[reader]["reads"] > loaded
+
+
 def test_a_slab_over_every_budget_is_refused_before_it_is_read(published):
     """Admin loads and background reloads check the manifest's size against the budgets
     first: nothing of kv.arrow is read, the refusal is counted once per reload."""

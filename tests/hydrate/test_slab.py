@@ -124,6 +124,29 @@ def test_local_mmap_and_copy_agree(local_store):
     check(hydrate(local_store, "bob", FP), memory)
 
 
+def test_direct_io_hydrates_a_byte_identical_slab_around_the_page_cache(local_store):
+    """A store with direct I/O reads kv.arrow into memory (never a mapping: that is the
+    page cache) and gives the same slab, byte for byte, as the mapped read; parts of
+    4096 and of 5000 bytes (ranges that are not block-aligned)."""
+    from dataclasses import replace
+
+    from inferscale.artifacts.direct_io import DIRECT, FALLBACK, read_counts, supports_direct_io
+
+    memory, facts, lineage = make_inputs("bob", 30, dtype=torch.bfloat16, heads=3)
+    publish(local_store, "bob", memory, facts, lineage, embeddings=False)
+    direct = replace(local_store, direct_io=True)
+    mapped = hydrate(local_store, "bob", FP)
+    reader = DIRECT if supports_direct_io(local_store.root) else FALLBACK
+    for part in (4096, 5000):
+        before = read_counts()[reader]["bytes"]
+        got = hydrate(direct, "bob", FP, part_bytes=part)
+        check(got, memory)
+        assert torch.equal(got.slab.view(torch.uint8), mapped.slab.view(torch.uint8))
+        assert read_counts()[reader]["bytes"] - before >= mapped.manifest.files["kv.arrow"].bytes
+    with pytest.raises(ValueError, match="direct I/O"):
+        hydrate(direct, "bob", FP, use_mmap=True)
+
+
 def test_local_mmap_without_populate(local_store, monkeypatch):
     import inferscale.hydrate.slab as H
 

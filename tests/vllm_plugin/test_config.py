@@ -47,3 +47,33 @@ def test_settings_round_trip_through_the_extra_config():
 def test_bad_settings_are_refused(extra, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_direct_io_travels_from_the_settings_to_every_store_the_worker_reads(
+        monkeypatch, tmp_path):
+    """INFERSCALE_STORAGE_DIRECT_IO -> StoreConfig -> ConnectorConfig -> the extra config
+    vLLM carries -> the worker's loader (whole users) and fact reader (single facts)."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.models import embedded_checkpoint
+    from inferscale.settings import Settings
+    from inferscale.vllm_plugin.worker import ConnectorWorker
+
+    monkeypatch.setenv("INFERSCALE_ARTIFACT_ROOT", str(tmp_path))
+    assert StoreConfig.from_settings(Settings()).direct_io is False  # the default
+    monkeypatch.setenv("INFERSCALE_STORAGE_DIRECT_IO", "true")
+    store = StoreConfig.from_settings(Settings())
+    assert store.direct_io is True and store.root == str(tmp_path)
+    extra = kv_transfer_config(ConnectorConfig.from_store(
+        store, model_fingerprint="fp", staging_bytes=1 << 20,
+        device_staging_bytes=1 << 20))["kv_connector_extra_config"]
+    config = ConnectorConfig.from_extra_config(extra)
+    assert config.direct_io is True and config.store() == store
+    checkpoint = embedded_checkpoint(Settings().home)
+    vllm_config = VllmConfig(model_config=ModelConfig(model=str(checkpoint), dtype="float32"))
+    worker = ConnectorWorker(config, vllm_config)
+    assert worker.loader.direct_io is True
+    assert worker.fetches.reader.store == store
+    with pytest.raises(ValueError, match="direct_io"):
+        ConnectorConfig.from_extra_config({**extra, "direct_io": "yes"})
