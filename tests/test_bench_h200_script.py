@@ -85,9 +85,18 @@ def _functions() -> dict[str, str]:
 
 
 def _assignment(name: str) -> str | None:
-    """The first value the script assigns to ``name`` (``name=...`` or ``local name=...``)."""
-    m = re.search(rf"(?:^|[\s;]){name}=(\"[^\"]*\"|\$\{{[^}}]*\}}|[^\s;]*)", LOGICAL, re.M)
-    return None if m is None else m.group(1).strip('"')
+    """The first value the script assigns to ``name`` (``name=...`` or ``local name=...``):
+    a double-quoted string, a ``${...}`` or ``$(...)`` expansion, or a bare word."""
+    m = re.search(rf"(?:^|[\s;]){name}=", LOGICAL, re.M)
+    if m is None:
+        return None
+    i = m.end()
+    if LOGICAL.startswith('"', i):
+        return LOGICAL[i + 1:LOGICAL.index('"', i + 1)]
+    if LOGICAL.startswith(("${", "$("), i):
+        return LOGICAL[i:_closing(LOGICAL, i + 2, LOGICAL[i + 1], "}" if LOGICAL[i + 1] == "{"
+                                  else ")")]
+    return re.match(r"[^\s;]*", LOGICAL[i:]).group(0)
 
 
 def _closing(text: str, i: int, open_: str, close: str) -> int:
@@ -222,6 +231,22 @@ def test_every_benchmark_it_runs_exists_and_takes_its_flags(monkeypatch):
     assert not problems, "\n".join(problems)
 
 
+def test_every_load_run_resolves_its_flags(monkeypatch, capsys):
+    """load.py's checks across flags (``resolve``), through its estimate: what the GPU
+    machine's runs would be refused for before they start."""
+    from benchmarks import load
+
+    runs = [argv for name, argv in invocations() if name == "load"]
+    assert any("--peer" in argv for argv in runs)
+    for argv in runs:
+        try:
+            load.main([*argv, "--estimate-only"])
+        except SystemExit as exc:
+            pytest.fail(f"load.py refuses {shlex.join(argv)}: {capsys.readouterr().err}"
+                        f" ({exc})")
+        assert "estimate for" in capsys.readouterr().out
+
+
 def test_expansion_follows_the_shell():
     assert expand('--out "$OUT/x.json"') == '--out "/tmp/out/x.json"'
     assert expand('--model "$UNSET_HERE"') == f'--model "{PLACEHOLDER}"'
@@ -238,6 +263,6 @@ def test_test_files_it_runs_exist():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("phase", ["prepare", "install", "load"])
+@pytest.mark.parametrize("phase", ["prepare", "install", "load", "load-poll", "peer"])
 def test_usage_names_each_phase(phase):
     assert re.search(rf"^\s+{phase}\)", TEXT, re.M), f"h200.sh has no {phase} phase"
