@@ -124,6 +124,10 @@ async def measure_peer(args, base: dict, memory: dict, work: Path, started: floa
     """Start ``vllm serve``, run the first user count's peer steps, stop it."""
     from benchmarks.load import out_path, write
 
+    import torch
+
+    if torch.cuda.is_available():  # vllm serve takes 90% of the GPU: free our cache first
+        torch.cuda.empty_cache()
     log = Path(args.server_log or work / "peer-server.log")
     server = start(args, memory, log)
     base["peer_server"] = {"command": shlex.join(server.argv[1:]).replace(

@@ -325,6 +325,8 @@ def read_peer_result(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--peer-result {args.peer_result} ran with other settings: "
                  + ", ".join(f"{k} {peer[k]} (here {ours[k]})" for k in differ))
     args.peer_source = f"{args.peer_result}: {peer.get('command', '')}"
+    # the peer never missed within its rates: its goodput is a lower bound
+    args.peer_lower_bound = bool((peer["summary"].get("peer") or {}).get("lower_bound"))
 
 
 def prompt_goodput_for(args, count: int) -> float | None:

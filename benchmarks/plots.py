@@ -66,6 +66,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_ttft(path: Path, figures: Path) -> Path | None:
     data = _load(path)
     if data is None:
@@ -88,11 +95,7 @@ def plot_ttft(path: Path, figures: Path) -> Path | None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{path.stem}: {data.get('model', '')} — {data.get('device', '')}"[:110],
                  fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 def _locomo_label(mode: str, rows: list[dict], data: dict) -> str:
@@ -158,11 +161,7 @@ def plot_locomo(path: Path, figures: Path) -> Path | None:
     ax.set_title(f"{convs}: {total} questions, {data.get('model', '')}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 LOAD_STYLE = {"prompt": ("prompt baseline", "o"), "kv": ("KV injection", "s")}
@@ -207,11 +206,7 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     elif above is not None:
         title += f", goodput vs prompt > {above:g}"
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 SCENARIO_FILE = re.compile(r"^(?P<family>load-.+)-u(?P<users>\d+)(?P<variant>-[\w.-]+)?$")
@@ -280,11 +275,7 @@ def plot_goodput_users(family: str, paths: list[Path], figures: Path,
     d = _scenarios(paths)[0][2]
     ax.set_title(f"{family}: {d.get('model', '')}, k={d.get('top_k')}, objective p99 <= "
                  f"{d.get('objective_ms'):g} ms (triangle: never missed)", fontsize=8)
-    fig.tight_layout()
-    out = figures / f"{family}-goodput-users.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{family}-goodput-users.png")
 
 
 def plot_load_users(family: str, paths: list[Path], figures: Path,
@@ -329,11 +320,7 @@ def plot_load_users(family: str, paths: list[Path], figures: Path,
     d = series[0][2]
     ax.set_title(f"{family}: {d.get('model', '')}, k={d.get('top_k')}, "
                  f"{d.get('requests_per_step')} requests per step", fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{family}-users.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{family}-users.png")
 
 
 def make_all(results: Path, figures: Path) -> list[Path]:

@@ -114,6 +114,8 @@ def test_summary_against_the_peer():
     assert s["peer"]["given"] == "peer.json"
     never = load_stats.summarize(rows[:-1], _args(peer_goodput=6.0))
     assert never["goodput_vs_peer_is"] == "a lower bound"
+    unmissed = load_stats.summarize(rows, _args(peer_goodput=6.0, peer_lower_bound=True))
+    assert unmissed["goodput_vs_peer_is"] == "an upper bound"  # the peer never missed
     none = load_stats.summarize(rows, _args())
     assert none["goodput_vs_peer"] is None and none["kv_p99_ttft_at_peer_goodput_ms"] is None
     own = load_stats.summarize([_row("peer", 4, True, 200), _row("peer", 6, True, 240),
@@ -142,6 +144,10 @@ def test_the_peer_result_is_read_and_refused_under_other_settings(tmp_path):
     path.write_text(json.dumps(peer))
     args = resolve("--peer-result", str(path), "--modes", "kv")
     assert args.peer_goodput == 6.0 and str(path) in args.peer_source
+    assert args.peer_lower_bound is False
+    path.write_text(json.dumps({**peer, "summary": {"goodput_peer_rps": 10.0,
+                                                    "peer": {"lower_bound": True}}}))
+    assert resolve("--peer-result", str(path)).peer_lower_bound is True
     path.write_text(json.dumps({**peer, "top_k": 50}))
     with pytest.raises(SystemExit):
         resolve("--peer-result", str(path))
