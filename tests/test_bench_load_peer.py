@@ -183,13 +183,13 @@ def test_published_users_are_reused_only_with_the_same_settings(tmp_path):
 
 
 def test_vllm_serve_command_and_its_config_from_the_log(tmp_path):
-    from benchmarks.load_peer import peer_argv, server_config
+    from benchmarks.load_peer import peer_argv, serve_entry, server_config
 
     memory = {"server": {"engine": {"model": "/w/llama-3.1-8b-shape"}, "tokenizer": "/w/tok"}}
     args = SimpleNamespace(model="llama-3.1-8b-shape", peer_serve_args="")
     argv = peer_argv(args, memory, 8123)
-    assert argv[1:6] == ["-m", "vllm.entrypoints.cli.main", "serve", "/w/llama-3.1-8b-shape",
-                         "--tokenizer"]
+    assert argv[1:3] == ["-m", serve_entry()[1]] and argv[4:6] == ["/w/llama-3.1-8b-shape",
+                                                                    "--tokenizer"]
     assert argv[-2:] == ["--load-format", "dummy"] and "--port" in argv
     real = peer_argv(SimpleNamespace(model="embedded", peer_serve_args="--max-model-len 4096"),
                      memory, 8123)
