@@ -250,11 +250,10 @@ async def measure(args, base: dict) -> list[dict]:
                                   for qs in memory["questions"].values() for q in qs}
     setup_s = time.monotonic() - started
     base.update(setup_seconds=round(setup_s, 1), memory_reused=memory["reused"],
-                setup_seconds_per_user=None if memory["reused"] else round(
-                    setup_s / args.users, 4), machine_before=machine(),
+                machine_before=machine(),
                 serve_settings={"memory_cache": memory["server"]["memory_cache"]})
-    print(json.dumps({k: base[k] for k in ("setup_seconds", "setup_seconds_per_user",
-                                           "memory_reused", "machine_before")}), flush=True)
+    print(json.dumps({k: base[k] for k in ("setup_seconds", "memory_reused",
+                                           "machine_before")}), flush=True)
     if args.peer:  # stock vLLM; the embedder composes its prompts
         from benchmarks.load_peer import measure_peer
 

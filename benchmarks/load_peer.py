@@ -145,8 +145,8 @@ async def measure_peer(args, base: dict, memory: dict, work: Path, started: floa
         torch.cuda.empty_cache()
     log = Path(args.server_log or work / "peer-server.log")
     server = start(args, memory, log)
-    base["peer_server"] = {"command": shlex.join(server.argv[1:]).replace(
-        "-m vllm.entrypoints.cli.main serve", "vllm serve", 1), "argv": server.argv,
+    base["peer_server"] = {"command": shlex.join(["python", *server.argv[1:]]).replace(
+        "python -m vllm.entrypoints.cli.main serve", "vllm serve", 1), "argv": server.argv,
         "environment": DEV_MODE}
     try:
         t = time.monotonic()

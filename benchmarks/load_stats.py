@@ -55,11 +55,13 @@ def memory_check(records: list[dict], users: dict[str, dict] | None) -> dict | N
     ok = [r for r in records if "error" not in r]
     foreign = [r for r in ok if r.get("memory_version") is not None and (
         r.get("memory_user") != r["user"] or r["memory_version"] != users[r["user"]]["version"])]
-    starting: dict[str, int] = dict.fromkeys(TIERS, 0)
+    starting: dict[str, int] | None = dict.fromkeys(TIERS, 0)
     for r in records:
         tier = users[r["user"]].get("tier")
         if tier in starting:
             starting[tier] += 1
+    if not any(u.get("tier") for u in users.values()):
+        starting = None  # no tiers (stock vLLM)
     return {"answers": len(ok), "foreign": len(foreign),
             "foreign_examples": [{k: r.get(k) for k in ("user", "memory_user", "memory_version")}
                                  for r in foreign[:3]],

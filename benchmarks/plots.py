@@ -267,7 +267,7 @@ def plot_goodput_users(family: str, paths: list[Path], figures: Path,
     ax.set_xscale("log")
     ax.set_xticks(users, [f"{u:,}" for u in users])
     ax.minorticks_off()
-    ax.set_xlabel("users (Zipf popularity; beyond ~48 the rest start in storage)")
+    ax.set_xlabel("users (Zipf popularity; those the tiers do not hold start in storage)")
     ax.set_ylabel("goodput (requests/s at p99 TTFT within the objective)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -293,14 +293,17 @@ def plot_load_users(family: str, paths: list[Path], figures: Path,
               + [r["ttft_p99_ms"] or 0 for r in peer_rows] + [objective or 0]) * 1.15
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (users, variant, data) in enumerate(series):
-        goodput = (data.get("summary") or {}).get("goodput_vs_prompt")
+        summary = data.get("summary") or {}
+        versus = next(((summary[f"goodput_vs_{b}"], what) for b, what in (
+            ("peer", "stock vLLM"), ("prompt", "prompt")) if summary.get(f"goodput_vs_{b}")),
+            None)
         for mode, (label, marker) in LOAD_STYLE.items():
             rows = sorted((r for r in data["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
             if not rows:
                 continue
             name = f"{users} users{variant.replace('-', ' ')}, {label}"
-            if mode == "kv" and goodput is not None:
-                name += f" (goodput x{goodput:g})"
+            if mode == "kv" and versus is not None:
+                name += f" (goodput x{versus[0]:g} vs {versus[1]})"
             ax.plot([r["rate"] for r in rows],
                     [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in rows],
                     marker + ("-" if mode == "kv" else "--"), color=colours[i % len(colours)],

@@ -94,6 +94,10 @@ def test_memory_check_counts_answers_from_another_users_memory():
                                             "memory_version": "v0"}
     assert load_stats.step_summary(_records(["u0"], [("u0", "v0")]), "kv", 2.0, 100)[
         "memory_check"] is None  # no users given: not checked
+    peer = load_stats.step_summary(_records(["u0"], [("u0", "v0")]), "peer", 2.0, 100,
+                                   {"u0": {"version": "v0", "tier": None}})
+    assert peer["memory_check"]["foreign"] == 0 and peer["served_from"] is None
+    assert peer["memory_check"]["by_starting_tier"] is None  # stock vLLM has no tiers
     rows = [{**_row("kv", 8, True, 60), **fine}, {**_row("kv", 16, True, 80), **bad}]
     s = load_stats.summarize(rows, _args(peer_goodput=8.0, peer_source="peer.json"))
     assert s["memory"] == {"answers": 6, "foreign": 2, "without_memory": 1,
