@@ -325,8 +325,10 @@ def read_peer_result(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--peer-result {args.peer_result} ran with other settings: "
                  + ", ".join(f"{k} {peer[k]} (here {ours[k]})" for k in differ))
     args.peer_source = f"{args.peer_result}: {peer.get('command', '')}"
-    # the peer never missed within its rates: its goodput is a lower bound
-    args.peer_lower_bound = bool((peer["summary"].get("peer") or {}).get("lower_bound"))
+    # the peer never missed within its rates (its goodput a lower bound), or where it did
+    own = peer["summary"].get("peer") or {}
+    args.peer_lower_bound, args.peer_first_miss = bool(own.get("lower_bound")), own.get(
+        "first_miss_rps")
 
 
 def prompt_goodput_for(args, count: int) -> float | None:

@@ -230,7 +230,7 @@ def summarize(rows: list[dict], args, prompt_goodput: float | None = None,
                 "goodput_peer_rps": good["peer"]["goodput_rps"], "peer": good["peer"],
                 "memory": memory_checks(rows), "step_time_ms": step_times(rows)}
     peer_rps = getattr(args, "peer_goodput", None)
-    peer = {"goodput_rps": peer_rps, "first_miss_rps": None,
+    peer = {"goodput_rps": peer_rps, "first_miss_rps": getattr(args, "peer_first_miss", None),
             "lower_bound": getattr(args, "peer_lower_bound", False),
             "given": getattr(args, "peer_source", None)}
     kv, prompt = good["kv"]["goodput_rps"], good["prompt"]["goodput_rps"]

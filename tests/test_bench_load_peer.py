@@ -120,6 +120,8 @@ def test_summary_against_the_peer():
     assert never["goodput_vs_peer_is"] == "a lower bound"
     unmissed = load_stats.summarize(rows, _args(peer_goodput=6.0, peer_lower_bound=True))
     assert unmissed["goodput_vs_peer_is"] == "an upper bound"  # the peer never missed
+    zero = load_stats.summarize(rows, _args(peer_goodput=0.0, peer_first_miss=5.0))
+    assert zero["goodput_vs_peer"] is None and zero["goodput_vs_peer_above"] == 6.0
     none = load_stats.summarize(rows, _args())
     assert none["goodput_vs_peer"] is None and none["kv_p99_ttft_at_peer_goodput_ms"] is None
     own = load_stats.summarize([_row("peer", 4, True, 200), _row("peer", 6, True, 240),
