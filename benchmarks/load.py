@@ -1,4 +1,4 @@
-"""Serving under load: goodput of KV injection against the prompt baseline, in one server.
+"""Serving under load: goodput of KV injection against stock vLLM and the prompt baseline.
 
 Many users with published artifacts (:mod:`benchmarks.load_users`: LoCoMo turns as raw
 facts, in ``--groups`` memory groups of ``--facts`` facts) are served by InferScale's
@@ -11,7 +11,10 @@ user is read from storage when first asked for. A warm-up in each mode: a burst 
 rate (``--warmup-requests`` at ``--warmup-rate``), so that engine steps admit several
 requests at once and every kernel specialization is compiled before measuring, then one
 request per distinct query length (``--warmup-lengths``: the query embedder's CUDA graph
-per length).
+per length). With ``--peer`` the same load drives stock ``vllm serve`` instead, on the
+prompts the prompt mode composes (:mod:`benchmarks.load_peer`); its result, read back
+with ``--peer-result``, sets KV's rates (its goodput P x ``--kv-rate-multipliers``), and
+``--reuse-memory`` serves the users it published.
 
 Load is open-loop: at each step, ``--requests`` requests arrive as a Poisson process at
 the step's rate, whatever the server's progress; each asks a real LoCoMo question of one
@@ -29,15 +32,18 @@ Per step: TTFT p50/p99 (client) and the requests over the objective, q2ft, engin
 end-to-end, tokens/s, dispatch lag, fallbacks, facts by the tier they came from, and what
 ``/metrics`` says changed (:mod:`benchmarks.load_metrics`: the engine's busy-step time
 p50/p99, the injection, the connector's time, vLLM's queue and prefill times,
-reloads...). Summary per scenario (:func:`benchmarks.load_stats.summarize`): both
-goodputs, ``goodput_vs_prompt``, ``kv_p99_ttft_at_prompt_goodput_ms``, the step times.
+reloads...), and whose memory each answer used. Summary per scenario
+(:func:`benchmarks.load_stats.summarize`): the goodputs, ``goodput_vs_peer``,
+``kv_p99_ttft_at_peer_goodput_ms``, ``goodput_vs_prompt``,
+``kv_p99_ttft_at_prompt_goodput_ms``, ``memory.no_foreign_memory``, KV's requests by
+the tier their user started in, the step times.
 One result file per user count, rewritten after every step.
 
     python benchmarks/load.py --users 8 --groups 2 --facts 200 --top-k 50 --max-tokens 8 \\
         --objective-ms 10000 --rates 0.04 0.07 0.12 0.2 0.3 0.45 0.7 --requests 8 \\
         --gpu-budget-gib 1 --host-budget-gib 1.5 --kv-cache-gib 2 --drain-s 60 \\
         --kv-rates same --out benchmarks/results/load-cpu-smollm2.json  # its steps
-    bash benchmarks/gpu/h200.sh load  # the H200 runs: users 24, 48, 200, Llama-3.1-8B shape
+    bash benchmarks/gpu/h200.sh load  # H200: the peer, then users 24, 200, 2000 (Llama 8B)
 
 Starts an engine (in the server process): run as a script.
 """

@@ -8,9 +8,10 @@
   ``--kv-rate-multipliers`` x G, rising, until its first miss: the step at 1 x G gives
   KV's p99 TTFT at the baseline's goodput, the later ones KV's own goodput, in the
   fewest steps. With stock vLLM's goodput P known (``--peer-result``), KV runs at P and
-  the multipliers x P instead. Stock vLLM's own run
-  (``--peer``) rises through ``--rates`` until its first miss. If KV misses already at G, or the baseline missed at its lowest rate
-  (G = 0), KV runs the ``--rates`` below that (rising) to find its goodput. ``--kv-rates
+  the multipliers x P instead. Stock vLLM's own run (``--peer``) rises through
+  ``--rates`` until its first miss. If KV misses already at its lowest rate (G or P), or
+  the baseline missed at its lowest rate (G = 0, no P), KV runs the ``--rates`` below
+  that (rising) to find its goodput. ``--kv-rates
   same`` runs both modes at every rate of ``--rates``, alternating which goes first (the
   original procedure); a list of numbers gives KV its own rates. With ``--prompt-once``
   the baseline runs in the first user count only and the later counts take its G.

@@ -245,8 +245,8 @@ def parser(description: str) -> argparse.ArgumentParser:
       help="setup allowance in the estimate besides the users' (default: 60 s on CUDA, "
            "30 s on CPU)")
     a("--estimate-setup-per-user-s", type=float, default=0.03,
-      help="seconds to publish one user, in the estimate (0.02 s measured on the CPU, a "
-           "user of 400 facts; none with --reuse-memory)")
+      help="seconds to publish one user, in the estimate (0.029 s measured on the 2-core "
+           "CPU under load, a user of 400 facts; none with --reuse-memory)")
     a("--estimate-user-gib", type=float, default=None,
       help="a user's placed size in the estimate, for the users hydrated per count "
            "(default: every user, an upper bound; 2.49 at the Llama-3.1-8B shape, bf16)")
