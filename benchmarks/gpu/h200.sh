@@ -213,6 +213,8 @@ load_main() {  # (2) InferScale's server over the user counts, KV at multiples o
   elif [ -n "${PEER_G:-}" ]; then peer="--peer-goodput $PEER_G"
   else echo "no peer result (and no PEER_G): KV at multiples of the prompt mode's goodput"; fi
   local left=$(( $1 > 300 ? $1 : 300 ))  # the peer overran: still its first steps
+  # users the peer left half-published cannot be published again beside them
+  [ -f /tmp/load-work/memory.json ] || rm -rf /tmp/load-work
   echo "=== main, $left s left ($(date +%T))"
   timeout $(( left + 300 )) python benchmarks/load.py $(load_args) --prompt-once \
     --reuse-memory $peer --deadline-s "$left" $(load_profile_args) \
