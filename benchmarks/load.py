@@ -1,4 +1,4 @@
-"""Serving under load: goodput of KV injection against the prompt baseline, in one server.
+"""Serving under load: goodput of KV injection against stock vLLM and the prompt baseline.
 
 Many users with published artifacts (:mod:`benchmarks.load_users`: LoCoMo turns as raw
 facts, in ``--groups`` memory groups of ``--facts`` facts) are served by InferScale's
@@ -11,7 +11,10 @@ user is read from storage when first asked for. A warm-up in each mode: a burst 
 rate (``--warmup-requests`` at ``--warmup-rate``), so that engine steps admit several
 requests at once and every kernel specialization is compiled before measuring, then one
 request per distinct query length (``--warmup-lengths``: the query embedder's CUDA graph
-per length).
+per length). With ``--peer`` the same load drives stock ``vllm serve`` instead, on the
+prompts the prompt mode composes (:mod:`benchmarks.load_peer`); its result, read back
+with ``--peer-result``, sets KV's rates (its goodput P x ``--kv-rate-multipliers``), and
+``--reuse-memory`` serves the users it published.
 
 Load is open-loop: at each step, ``--requests`` requests arrive as a Poisson process at
 the step's rate, whatever the server's progress; each asks a real LoCoMo question of one
@@ -37,15 +40,18 @@ Per step: TTFT p50/p99 (client) and the requests over the objective, q2ft, engin
 end-to-end, tokens/s, dispatch lag, fallbacks, facts by the tier they came from, and what
 ``/metrics`` says changed (:mod:`benchmarks.load_metrics`: the engine's busy-step time
 p50/p99, the injection, the connector's time, vLLM's queue and prefill times,
-reloads...). Summary per scenario (:func:`benchmarks.load_stats.summarize`): both
-goodputs, ``goodput_vs_prompt``, ``kv_p99_ttft_at_prompt_goodput_ms``, the step times.
+reloads...), and whose memory each answer used. Summary per scenario
+(:func:`benchmarks.load_stats.summarize`): the goodputs, ``goodput_vs_peer``,
+``kv_p99_ttft_at_peer_goodput_ms``, ``goodput_vs_prompt``,
+``kv_p99_ttft_at_prompt_goodput_ms``, ``memory.no_foreign_memory``, KV's requests by
+the tier their user started in, the step times.
 One result file per user count, rewritten after every step.
 
     python benchmarks/load.py --users 8 --groups 2 --facts 200 --top-k 50 --max-tokens 8 \\
         --objective-ms 10000 --rates 0.04 0.07 0.12 0.2 0.3 0.45 0.7 --requests 8 \\
         --gpu-budget-gib 1 --host-budget-gib 1.5 --kv-cache-gib 2 --drain-s 60 \\
         --kv-rates same --out benchmarks/results/load-cpu-smollm2.json  # its steps
-    bash benchmarks/gpu/h200.sh load  # the H200 runs: users 24, 48, 200, Llama-3.1-8B shape
+    bash benchmarks/gpu/h200.sh load  # H200: the peer, then users 24, 200, 2000 (Llama 8B)
 
 Starts an engine (in the server process): run as a script.
 """
@@ -57,7 +63,6 @@ import asyncio
 import json
 import os
 import platform
-import random
 import signal
 import sys
 import tempfile
@@ -85,105 +90,12 @@ from benchmarks.load_setup import (  # noqa: E402
     build_memory, parser, prompt_goodput_for, resolve,
 )
 from benchmarks.load_stats import GIB, machine, step_summary, summarize  # noqa: E402
-from benchmarks.load_users import QuestionDeck, popularity  # noqa: E402
+from benchmarks.load_client import Load  # noqa: E402
+from benchmarks.load_users import popularity  # noqa: E402
 from benchmarks.storage_bandwidth import (  # noqa: E402
     StorageNotBypassed, kv_files, refuse_unbypassed, with_server_reads,
 )
 from benchmarks.storage_bandwidth import measure as measure_storage  # noqa: E402
-
-
-# ------------------------------------------------------------------------ load
-
-
-class Load:
-    """The open-loop client: steps of Poisson arrivals through the ``openai`` client."""
-
-    def __init__(self, args, url: str, questions: dict, shares: dict):
-        import openai
-
-        self.args, self.questions, self.shares = args, questions, shares
-        self.users: list[str] = []
-        self.weights: list[float] = []
-        self.client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                                         timeout=args.request_timeout_s)
-
-    def schedule(self, rate: float, seed: int, n: int | None = None
-                 ) -> list[tuple[float, str, str]]:
-        """``n`` (default ``--requests``) arrivals ``(time, user, question)``: exponential
-        gaps, users by popularity, each user's questions from a deck seeded by ``seed``,
-        so the same seed gives both modes the same requests."""
-        rng = random.Random(seed)
-        decks: dict[str, QuestionDeck] = {}
-        t, out = 0.0, []
-        for _ in range(n or self.args.requests):
-            t += rng.expovariate(rate)
-            user = rng.choices(self.users, self.weights)[0]
-            if user not in decks:
-                decks[user] = QuestionDeck(self.questions, self.shares[user],
-                                           seed=seed * 10_007 + int(user[5:]))
-            out.append((t, user, decks[user].next()))
-        return out
-
-    def every_length(self, lengths: dict[str, int], rate: float) -> list[tuple[float, str, str]]:
-        """One request per distinct query length (``lengths``: question -> the embedder's
-        token count), each from the most active user whose conversations ask it, ``1 /
-        rate`` apart: the server's query embedder captures a CUDA graph per length."""
-        seen: dict[int, tuple[str, str]] = {}
-        for c, qs in self.questions.items():
-            user = next((u for u in self.users if c in self.shares[u]), None)
-            for q in qs:
-                if user is not None and q in lengths:
-                    seen.setdefault(lengths[q], (user, q))
-        return [((i + 1) / rate, u, q) for i, (_, (u, q)) in enumerate(sorted(seen.items()))]
-
-    async def one(self, user: str, question: str, mode: str, scheduled: float,
-                  t0: float) -> dict:
-        sent = time.perf_counter()
-        rec: dict = {"user": user, "scheduled": scheduled, "sent": sent,
-                     "lag_ms": (sent - t0 - scheduled) * 1e3}
-        first = info = None
-        tokens = 0
-        try:
-            stream = await self.client.chat.completions.create(
-                model="load", user=user, messages=[{"role": "user", "content": question}],
-                max_tokens=self.args.max_tokens, temperature=0.0, stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"inferscale": {"mode": mode, "top_k": self.args.top_k},
-                            "ignore_eos": True})
-            async for chunk in stream:
-                if first is None and chunk.choices:
-                    first = time.perf_counter()
-                info = (chunk.model_extra or {}).get("inferscale") or info
-                if chunk.usage:
-                    tokens = chunk.usage.completion_tokens
-            end = time.perf_counter()
-            timings = info["timings_ms"]
-            rec.update(ttft_ms=(first - sent) * 1e3, e2e_ms=(end - sent) * 1e3, end=end,
-                       tokens=tokens, q2ft_ms=timings["query_to_first_token"],
-                       engine_ttft_ms=timings["engine_ttft"],
-                       injected=info.get("injected_tokens", 0),
-                       memory_tokens=info.get("memory_tokens", 0),
-                       fallback_reason=info.get("fallback_reason"),
-                       facts_by_tier=info.get("facts_by_tier"),
-                       storage_bytes=info.get("storage_bytes"))
-        except asyncio.CancelledError:
-            rec["error"] = "not finished within the drain time"
-        except Exception as exc:  # noqa: BLE001 - a failed request counts against the mode
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        return rec
-
-    async def step(self, mode: str, schedule: list[tuple[float, str, str]]) -> list[dict]:
-        t0 = time.perf_counter()
-        tasks = []
-        for at, user, question in schedule:
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self.one(user, question, mode, at, t0)))
-        _, pending = await asyncio.wait(tasks, timeout=self.args.drain_s)
-        for t in pending:
-            t.cancel()
-        return [await t for t in tasks]
 
 
 # ------------------------------------------------------------------------ the run
@@ -197,6 +109,8 @@ class Run:
         self.measured = memory["storage"]  # the storage bandwidth this run measured
         self.http = Http(server.url)
         self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
+        self.versions = memory["versions"]
+        self.users_info: dict[str, dict] = {}  # this scenario's user -> version, tier
         self.load = Load(args, server.url, memory["questions"], memory["shares"])
         self.lengths = memory["question_lengths"]
         self.evicted: set[str] = set()  # users this run evicted through the admin API
@@ -232,7 +146,7 @@ class Run:
             prof = self.profiler.start(count, mode, rate, schedule[-1][0])
         t = time.perf_counter()
         records = await self.load.step(mode, schedule)
-        row = step_summary(records, mode, rate, args.objective_ms)
+        row = step_summary(records, mode, rate, args.objective_ms, self.users_info)
         row["seconds"] = round(time.perf_counter() - t, 1)
         await wait_idle(self.http, 60)
         text1, after = await self.scrape()
@@ -247,7 +161,8 @@ class Run:
                 (keep / f"u{count}-{mode}-{rate:g}rps-{when}.prom").write_text(text)
         print(json.dumps({"users": count, **{k: row[k] for k in (
             "mode", "rate", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
-            "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "fallbacks", "meets_objective")}}),
+            "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "fallbacks", "served_from",
+            "meets_objective")}, "foreign_memory": (row["memory_check"] or {}).get("foreign")}),
             flush=True)
         return row
 
@@ -256,7 +171,7 @@ class Run:
         args, out = self.args, {}
         t0 = time.perf_counter()
         lengths = (self.load.every_length(self.lengths, args.warmup_rate)
-                   if args.warmup_lengths else [])
+                   if args.warmup_lengths and "peer" not in modes else [])
         for mode in modes:
             burst = (self.load.schedule(args.warmup_rate, seed=999_983 + count,
                                         n=args.warmup_requests)
@@ -264,19 +179,19 @@ class Run:
             for name, schedule in (("burst", burst), ("lengths", lengths)):
                 if schedule:
                     records = await self.load.step(mode, schedule)
-                    s = step_summary(records, mode, args.warmup_rate, args.objective_ms)
+                    s = step_summary(records, mode, args.warmup_rate, args.objective_ms,
+                                     self.users_info)
                     out[f"{mode}_{name}"] = {k: s[k] for k in (
-                        "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms")}
+                        "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
+                        "memory_check")}
                 await wait_idle(self.http, 60)
         return {"requests_per_mode": args.warmup_requests, "rate": args.warmup_rate,
                 "query_lengths_per_mode": len(lengths),
                 "seconds": round(time.perf_counter() - t0, 1), "by_mode": out}
 
-    async def scenario(self, count: int, result: dict, out: Path | None) -> dict:
+    async def place(self, count: int, users: list[str], result: dict) -> None:
+        """Evict every user, hydrate the count's planned tiers (``result["tiers"]``)."""
         args = self.args
-        t0 = time.monotonic()
-        users = self.ranked[:count]
-        self.load.users, self.load.weights = users, list(popularity(count, args.zipf))
         self.evicted.update(await asyncio.to_thread(evict_all, self.http))
         tiers = plan.tier_plan(users, self.sizes, args)
         flagged = [u for u in tiers["storage"] if u in self.evicted]
@@ -292,6 +207,15 @@ class Run:
             "residents_match_plan": placed == planned,
             "residents_off_plan": sorted(set(placed.items()) ^ set(planned.items()))[:10]}
         print(json.dumps({"users": count, **result["tiers"]}), flush=True)
+        self.users_info = {u: {"version": self.versions[u]["version"], "tier": t}
+                           for t in tiers for u in tiers[t]}
+
+    async def scenario(self, count: int, result: dict, out: Path | None) -> dict:
+        args = self.args
+        t0 = time.monotonic()
+        users = self.ranked[:count]
+        self.load.users, self.load.weights = users, list(popularity(count, args.zipf))
+        await self.place(count, users, result)
         given, source = prompt_goodput_for(args, count), "another run (--prompt-goodput)"
         if args.prompt_once and self.first_prompt is not None:  # KV against the first's G
             args = argparse.Namespace(**{**vars(args), "modes": ["kv"]})
@@ -353,10 +277,21 @@ async def measure(args, base: dict) -> list[dict]:
     tok = embedder.model.tokenizer  # the server's embedder tokenizes queries the same way
     memory["question_lengths"] = {q: len(tok(q, truncation=True, max_length=256)["input_ids"])
                                   for qs in memory["questions"].values() for q in qs}
+    setup_s = time.monotonic() - started
+    base.update(setup_seconds=round(setup_s, 1), memory_reused=memory["reused"],
+                machine_before=machine(),
+                serve_settings={"memory_cache": memory["server"]["memory_cache"]})
+    print(json.dumps({k: base[k] for k in ("setup_seconds", "memory_reused",
+                                           "machine_before")}), flush=True)
+    if args.peer:  # stock vLLM; the embedder composes its prompts
+        from benchmarks.load_peer import measure_peer
+
+        base["estimate"] = plan.estimate(args, args.counts, setup_s=setup_s)
+        print(plan.estimate_line(base["estimate"], args.counts), flush=True)
+        return await measure_peer(args, base, memory, work, started, embedder)
     del embedder
     if cuda:
         torch.cuda.empty_cache()  # the engine and the gpu tier get the whole GPU
-    base.update(setup_seconds=round(time.monotonic() - started, 1), machine_before=machine())
     # the disk under the store, read as the server reads it (storage_bandwidth.py)
     memory["storage"] = base["storage"] = measure_storage(
         kv_files(memory["server"]["engine"]["artifact_root"]), direct=args.storage_direct_io,
@@ -364,8 +299,6 @@ async def measure(args, base: dict) -> list[dict]:
         threads=args.storage_threads)
     refuse_unbypassed(work, args.storage_direct_io, base["storage"])
     print(json.dumps({"storage": {k: v for k, v in base["storage"].items() if k != "patterns"}}),
-          flush=True)
-    print(json.dumps({"setup_seconds": base["setup_seconds"], **base["machine_before"]}),
           flush=True)
     # bf16 artifacts, placed in the engine's dtype (float32 on CPU: twice the bytes)
     factor = 2 if memory["server"]["engine"]["dtype"] == "float32" else 1
@@ -380,10 +313,15 @@ async def measure(args, base: dict) -> list[dict]:
         resident[c] = len(tiers["gpu"]) + len(tiers["host"])
     base["estimate"] = plan.estimate(args, args.counts, resident, setup_s=base["setup_seconds"])
     print(plan.estimate_line(base["estimate"], args.counts), flush=True)
-    server = ServerProcess(memory["server"], work, Path(args.server_log or work / "server.log"))
+    server = ServerProcess.inferscale(memory["server"], work,
+                                      Path(args.server_log or work / "server.log"))
     results = []
     try:
+        t = time.monotonic()
         server.wait_ready(args.start_timeout_s)
+        base["server_engine"] = {**(server.engine_info() or {}),
+                                 "start_seconds": round(time.monotonic() - t, 1)}
+        print(json.dumps({"server_engine": base["server_engine"]}), flush=True)
         run = Run(args, server, memory, sizes, started)
         for count in args.counts:
             result = {**base, "users": count}
@@ -406,7 +344,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cuda = torch.cuda.is_available()
     args = resolve(ap, ap.parse_args(argv), cuda)
     if args.estimate_only:
-        est = plan.estimate(args, args.counts, setup_s=args.estimate_setup_s)
+        setup = args.estimate_setup_s + (
+            0.0 if args.reuse_memory else args.users * args.estimate_setup_per_user_s)
+        resident = None  # users hydrated per count: all of them unless a user's size is given
+        if args.estimate_user_gib:
+            size = dict.fromkeys(range(args.users), int(args.estimate_user_gib * GIB))
+            tiers = {c: plan.tier_plan(list(range(c)), size, args) for c in args.counts}
+            resident = {c: len(t["gpu"]) + len(t["host"]) for c, t in tiers.items()}
+        est = plan.estimate(args, args.counts, resident, setup_s=setup)
         print(plan.estimate_line(est, args.counts))
         return []
     import vllm  # noqa: F401 - its version goes into the result
@@ -422,6 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "rates": args.rates, "kv_rates": args.kv_rates,
         "kv_rate_multipliers": args.kv_rate_multipliers,
         "prompt_goodput_given": args.prompt_goodput, "requests_per_step": args.requests,
+        "peer_goodput": args.peer_goodput, "peer_source": args.peer_source,
         "budgets_gib": {"gpu": args.gpu_budget_gib, "host": args.host_budget_gib},
         "step_time_method": HISTOGRAM_METHOD,
     }

@@ -7,8 +7,11 @@
   rate that passed. KV injection then runs (``--kv-rates adaptive``) at
   ``--kv-rate-multipliers`` x G, rising, until its first miss: the step at 1 x G gives
   KV's p99 TTFT at the baseline's goodput, the later ones KV's own goodput, in the
-  fewest steps. If KV misses already at G, or the baseline missed at its lowest rate
-  (G = 0), KV runs the ``--rates`` below that (rising) to find its goodput. ``--kv-rates
+  fewest steps. With stock vLLM's goodput P known (``--peer-result``), KV runs at P and
+  the multipliers x P instead. Stock vLLM's own run (``--peer``) rises through
+  ``--rates`` until its first miss. If KV misses already at its lowest rate (G or P), or
+  the baseline missed at its lowest rate (G = 0, no P), KV runs the ``--rates`` below
+  that (rising) to find its goodput. ``--kv-rates
   same`` runs both modes at every rate of ``--rates``, alternating which goes first (the
   original procedure); a list of numbers gives KV its own rates. With ``--prompt-once``
   the baseline runs in the first user count only and the later counts take its G.
@@ -61,11 +64,18 @@ def _rising_until_miss(rates: list[float], ran: list[tuple[float, bool | None]]
 
 
 def kv_rates_for(args, g: float) -> list[float]:
-    """KV's candidate rates given the baseline's goodput ``g`` (adaptive) or as set."""
+    """KV's candidate rates given the prompt baseline's goodput ``g`` (adaptive) or as
+    set. Adaptive with stock vLLM's goodput P known (``args.peer_goodput``): P (so that
+    KV's p99 TTFT at the peer's goodput exists) and the multipliers x P; KV's p99 at the
+    prompt baseline's goodput then exists only where that is one of them (a step more
+    at a low rate costs a minute of device time)."""
     if args.kv_rates == "same":
         return list(args.rates)
     if args.kv_rates != "adaptive":
         return sorted(args.kv_rates)
+    peer = getattr(args, "peer_goodput", None)
+    if peer:
+        return sorted({round(m * peer, 6) for m in (1, *args.kv_rate_multipliers)})
     if g <= 0:
         return list(args.rates)
     return [round(m * g, 6) for m in sorted(args.kv_rate_multipliers)]
@@ -76,6 +86,9 @@ def next_step(history: list[tuple[str, float, bool | None]], args,
     """The next step ``(mode, rate)`` given ``history`` (``(mode, rate, met)`` in run
     order; ``met`` None: skipped, which ends that mode), or None when the run is over.
     ``prompt_goodput`` is G when the baseline is not run here (``--modes kv``)."""
+    if "peer" in args.modes:  # stock vLLM's own run: rising until its first miss
+        rate = _rising_until_miss(args.rates, [(r, met) for _, r, met in history])
+        return None if rate is None else ("peer", rate)
     modes = [m for m in MODES if m in args.modes]
     ran = {m: [(r, met) for mode, r, met in history if mode == m] for m in MODES}
     if args.kv_rates == "same":  # both modes at every rate, alternating which goes first
@@ -94,8 +107,9 @@ def next_step(history: list[tuple[str, float, bool | None]], args,
         return None
     g = goodput_of(history, "prompt") if "prompt" in modes else (prompt_goodput or 0.0)
     candidates = kv_rates_for(args, g)
-    if args.kv_rates == "adaptive" and g > 0 and ran["kv"] and ran["kv"][0] == (
-            candidates[0], False):  # missed at G: look below it
+    based = g > 0 or getattr(args, "peer_goodput", None)
+    if args.kv_rates == "adaptive" and based and ran["kv"] and ran["kv"][0] == (
+            candidates[0], False):  # missed at its lowest (G or P): look below it
         rate = _rising_until_miss([r for r in args.rates if r < candidates[0]], ran["kv"][1:])
         return ("kv", rate) if rate is not None else None
     rate = _rising_until_miss(candidates, ran["kv"])
@@ -117,17 +131,24 @@ def estimate(args, counts: list[int], resident: dict[int, int] | None = None,
     an upper bound) the warm-up in each mode and the steps (``--prompt-once``: the
     baseline in the first count only)."""
     given = getattr(args, "prompt_goodput", None)
+    peer = "peer" in args.modes  # stock vLLM: its warm-up and rates, on the first count
     outcomes = ([given[0]] if given and "prompt" not in args.modes else [0.0, *args.rates])
     cases = []
     for g in outcomes:
-        total = setup_s
-        for i, count in enumerate(counts):
-            modes = [m for m in MODES if m in args.modes
-                     and not (m == "prompt" and i and getattr(args, "prompt_once", False))]
-            total += (resident or {}).get(count, count) * args.estimate_hydrate_s
+        total = setup_s + getattr(args, "estimate_start_s", 0.0)
+        for i, count in enumerate(counts[:1] if peer else counts):
+            modes = ["peer"] if peer else [
+                m for m in MODES if m in args.modes
+                and not (m == "prompt" and i and getattr(args, "prompt_once", False))]
+            if not peer:
+                total += (resident or {}).get(count, count) * args.estimate_hydrate_s
             total += len(modes) * step_seconds(args, args.warmup_rate, args.warmup_requests)
-            if getattr(args, "warmup_lengths", False):  # one per query length: a few dozen
+            if getattr(args, "warmup_lengths", False) and not peer:  # a few dozen
                 total += len(modes) * step_seconds(args, args.warmup_rate, WARMUP_LENGTHS_GUESS)
+            if peer:  # passes up to g, misses at the next rate
+                ran = [r for r in args.rates if r <= g] + [r for r in args.rates if r > g][:1]
+                total += sum(step_seconds(args, r) for r in ran)
+                continue
             if args.kv_rates == "same":
                 total += sum(step_seconds(args, r) for r in args.rates for _ in modes)
                 continue
@@ -137,8 +158,10 @@ def estimate(args, counts: list[int], resident: dict[int, int] | None = None,
             if "kv" in modes:
                 total += sum(step_seconds(args, r) for r in kv_rates_for(args, g))
         cases.append({"prompt_goodput": g, "seconds": round(total)})
-    return {"setup_s": setup_s, "hydrate_s_per_user": args.estimate_hydrate_s,
-            "by_prompt_goodput": cases,
+    return {"setup_s": setup_s, "start_s": getattr(args, "estimate_start_s", 0.0),
+            "hydrate_s_per_user": args.estimate_hydrate_s,
+            "peer_goodput": getattr(args, "peer_goodput", None),
+            "baseline": "peer" if peer else "prompt", "by_prompt_goodput": cases,
             "min_s": min(c["seconds"] for c in cases),
             "max_s": max(c["seconds"] for c in cases)}
 
@@ -146,7 +169,12 @@ def estimate(args, counts: list[int], resident: dict[int, int] | None = None,
 def estimate_line(est: dict, counts: list[int]) -> str:
     parts = ", ".join(f"G={c['prompt_goodput']:g}: {c['seconds'] / 60:.1f}"
                       for c in est["by_prompt_goodput"])
-    return (f"estimate for user counts {counts}: {est['min_s'] / 60:.1f}-"
-            f"{est['max_s'] / 60:.1f} min (by the baseline's goodput G, min: {parts}; "
-            f"setup {est['setup_s']:.0f} s, hydration {est['hydrate_s_per_user']:g} s/user, "
-            "KV passing every rate it runs)")
+    what = ("stock vLLM (the peer) on the first user count" if est["baseline"] == "peer"
+            else f"user counts {counts}")
+    peer = (f", KV at multiples of the peer's {est['peer_goodput']:g} rps"
+            if est.get("peer_goodput") and est["baseline"] != "peer" else "")
+    rest = ("" if est["baseline"] == "peer" else f", hydration {est['hydrate_s_per_user']:g} "
+            f"s/user{peer}, KV passing every rate it runs")
+    return (f"estimate for {what}: {est['min_s'] / 60:.1f}-{est['max_s'] / 60:.1f} min (by "
+            f"the {est['baseline']} baseline's goodput G, min: {parts}; setup "
+            f"{est['setup_s']:.0f} s, server start {est['start_s']:.0f} s{rest})")

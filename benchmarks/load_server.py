@@ -5,11 +5,14 @@ OpenAI-compatible app (:func:`inferscale.serve.app.serve_app`, the code ``infers
 serve`` runs) on 127.0.0.1, over the engine the benchmark describes (a real checkpoint,
 or a dummy-weight shape that ``inferscale serve`` cannot start). ``CONFIG.json``:
 ``{"engine": {EngineConfig fields}, "tokenizer": dir, "embedder": name or dir, "top_k":
-k, "model_name": name, "port": p}``. No API keys: loopback only, the body's ``user``
-field names the user (the app's loopback policy).
+k, "model_name": name, "port": p, "memory_cache": {MemoryCacheConfig fields},
+"info_path": file}`` (the engine's version and effective scheduling limits are written
+to ``info_path`` once it is up). No API keys: loopback only, the body's ``user`` field
+names the user (the app's loopback policy).
 
 The handle (used by ``benchmarks/load.py``): :class:`ServerProcess` starts and stops it
-(its own session, so nothing of it outlives the benchmark), :class:`Http` calls its
+or stock ``vllm serve`` (:mod:`benchmarks.load_peer`) (its own session, so nothing of it
+outlives the benchmark), :class:`Http` calls its
 health, admin and metrics endpoints with the standard library (nothing the GPU machine
 might lack), :func:`scrape` reads ``/metrics`` (parsed by :mod:`benchmarks.load_metrics`),
 :func:`evict_all` empties the workers' tiers between scenarios.
@@ -44,19 +47,36 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``benchmarks/load_server.py`` in a subprocess; its output goes to ``log``."""
+    """A server in a subprocess of its own session (``argv``, answering on 127.0.0.1 at
+    ``port``); its output goes to ``log``. :meth:`inferscale`: this module's server."""
 
-    def __init__(self, config: dict, work: Path, log: Path):
-        self.port = config["port"]
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None):
+        self.argv, self.port = argv, port
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg_path = work / "server.json"
-        cfg_path.write_text(json.dumps(config))
         self.log = open(log, "ab")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "load_server.py"),
-                                      str(cfg_path)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+
+    @classmethod
+    def inferscale(cls, config: dict, work: Path, log: Path) -> "ServerProcess":
+        """``benchmarks/load_server.py CONFIG`` (``config`` written to ``work``); once it
+        is up, :meth:`engine_info` holds its engine's effective scheduling limits."""
+        cfg_path = work / "server.json"
+        config = {**config, "info_path": str(work / "server-info.json")}
+        cfg_path.write_text(json.dumps(config))
+        Path(config["info_path"]).unlink(missing_ok=True)
+        env = {"PYTHONPATH": os.pathsep.join([str(HERE.parent),
+                                              os.environ.get("PYTHONPATH", "")])}
+        server = cls([sys.executable, str(HERE / "load_server.py"), str(cfg_path)],
+                     config["port"], log, env)
+        server.info_path = Path(config["info_path"])
+        return server
+
+    def engine_info(self) -> dict | None:
+        """What the InferScale server wrote once its engine was up (None: nothing)."""
+        path = getattr(self, "info_path", None)
+        return json.loads(path.read_text()) if path and path.is_file() else None
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -261,14 +281,22 @@ async def serve(cfg: dict) -> None:
     from inferscale.serve.retrieval import Embedder
     from inferscale.serve.server import MemoryServer
 
+    import vllm
+
+    from inferscale.serve.memory_cache import MemoryCacheConfig
+
     cuda = torch.cuda.is_available()
     engine = await MemoryEngine(EngineConfig.of(**cfg["engine"])).start()
+    if cfg.get("info_path"):  # what the benchmark records of the running engine
+        Path(cfg["info_path"]).write_text(json.dumps(
+            {"vllm_version": vllm.__version__, "scheduler": engine.scheduler_limits()}))
     embedder = Embedder(cfg["embedder"], device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     server = MemoryServer(engine, AutoTokenizer.from_pretrained(cfg["tokenizer"]), embedder,
                           StoreConfig(cfg["engine"]["artifact_root"],
                                       direct_io=cfg["engine"].get("direct_io", False)), mode="kv",
-                          top_k=cfg["top_k"])
+                          top_k=cfg["top_k"],
+                          cache=MemoryCacheConfig(**cfg.get("memory_cache", {})))
     await serve_app(server, AccessPolicy({}, None, None, loopback=True), cfg["model_name"],
                     "127.0.0.1", cfg["port"], log_level="warning")
 

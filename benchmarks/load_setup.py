@@ -1,10 +1,12 @@
 """The load benchmark's setup (``benchmarks/load.py``): its command line, and the memory it
-serves (every user published once, for the largest user count) with the server's config.
+serves (every user published once, for the largest user count, or reused from an
+earlier run in the same ``--workdir``) with the server's config.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -15,10 +17,38 @@ from benchmarks.shapes import SHAPES
 from inferscale.settings import Settings
 
 
+MEMORY_FILE = "memory.json"  # in --workdir: what was published there, for --reuse-memory
+
+
+def memory_key(args, users: int) -> dict:
+    """The settings the published users depend on (``--reuse-memory`` compares them)."""
+    return {"model": args.model, "users": users, "groups": args.groups or users,
+            "facts": args.facts, "text_tail": args.text_tail, "tokenizer": args.tokenizer,
+            "embedder": args.embedder,
+            "conversations": [str(Path(c).resolve()) for c in args.conversations]}
+
+
+def reused_memory(args, work: Path, users: int) -> dict | None:
+    """What an earlier run published in ``work`` with the same settings (``--reuse-memory``;
+    None: nothing was published there yet). Users published with other settings cannot
+    be published again beside them: refused."""
+    saved = work / MEMORY_FILE
+    if not args.reuse_memory or not saved.is_file():
+        return None
+    data = json.loads(saved.read_text())
+    key = memory_key(args, users)
+    if data["key"] != key:
+        differ = sorted(k for k in key if data["key"].get(k) != key[k])
+        raise ValueError(f"--reuse-memory: {work} holds users published with other settings "
+                         f"({', '.join(differ)}); use a fresh --workdir")
+    return data
+
+
 def build_memory(args, work: Path, embedder, users: int) -> dict:
-    """Publish ``users`` users -> ``{"server": the server's config, "groups",
-    "questions": conversation -> questions, "shares": user -> conversation shares,
-    "versions": user -> {"version", "slab_bytes"}}``."""
+    """Publish ``users`` users (or reuse those an earlier run published in ``work``:
+    ``--reuse-memory``) -> ``{"server": the server's config, "groups", "questions":
+    conversation -> questions, "shares": user -> conversation shares, "versions": user
+    -> {"version", "slab_bytes"}, "reused": whether they were reused}``."""
     from transformers import AutoTokenizer
 
     from benchmarks import load_users as lu
@@ -41,26 +71,12 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         engine = dict(model=str(ckpt), dtype="bfloat16" if cuda else "float32")
     pool = lu.pool_turns(args.conversations, tok)
     groups = lu.make_groups(len(pool), args.groups or users, args.facts, users)
-    embeddings = embedder.embed([t.text for t in pool]).float().cpu().numpy()
-    if args.model in SHAPES:
-        cfg = SHAPES[args.model]
-        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
-
-        def memory_of(group, fids):
-            return lu.group_memory(group, fids, None, tok, pool, fp, shape,
-                                   text_tail=args.text_tail)
-    else:
-        t = time.perf_counter()
-        encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, "bfloat16",
-                                 text_tail=args.text_tail)
-        print(f"encoded {len(encoded.chunks) - 1} turns at w=0 "
-              f"in {time.perf_counter() - t:.0f} s", flush=True)
-        del loaded
-
-        def memory_of(group, fids):
-            return lu.group_memory(group, fids, encoded, tok, pool, fp)
-    versions = lu.publish_users(store, groups, pool, embeddings, memory_of,
-                                progress=lambda m: print(m, flush=True))
+    reused = reused_memory(args, work, users)
+    versions = reused["versions"] if reused else publish_memory(
+        args, store, tok, fp, pool, groups, embedder, None if args.model in SHAPES else loaded)
+    if not reused:
+        (work / MEMORY_FILE).write_text(json.dumps(
+            {"key": memory_key(args, users), "versions": versions}))
     engine.update(
         model_fingerprint=fp, artifact_root=store.root, max_model_len=args.max_model_len,
         enforce_eager=not cuda if args.eager is None else args.eager,
@@ -76,10 +92,48 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
     from benchmarks.load_server import free_port
 
     server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
-              "top_k": args.top_k, "model_name": "load", "port": free_port()}
-    return {"server": server, "groups": groups, "versions": versions,
+              "top_k": args.top_k, "model_name": "load", "port": free_port(),
+              "memory_cache": memory_cache_settings(args)}
+    return {"server": server, "groups": groups, "versions": versions, "reused": bool(reused),
             "questions": lu.locomo_questions(args.conversations),
             "shares": {u: lu.shares(g, pool) for g in groups for u in g.users}}
+
+
+def memory_cache_settings(args) -> dict:
+    """The server's memory cache (``MemoryCacheConfig`` fields), set here rather than by
+    ``INFERSCALE_SERVE_*`` so that the result records them: a budget that holds every
+    user's facts and retrieval index (~0.8 MB a user of 400 facts), and storage lookups
+    of users the cache does not hold yet never shed (a step's first requests of
+    thousands of users are such lookups, and a shed request is answered without
+    memory)."""
+    return {"budget_bytes": int(args.memory_budget_gib * GIB),
+            "misses_per_s": args.storage_misses_per_s, "miss_burst": args.storage_miss_burst}
+
+
+def publish_memory(args, store, tok, fp: str, pool, groups, embedder, loaded) -> dict:
+    """Embed the pooled turns and publish every group's users (random K/V of the shape's
+    geometry, or the real model's encoding when ``loaded``)."""
+    from benchmarks import load_users as lu
+
+    embeddings = embedder.embed([t.text for t in pool]).float().cpu().numpy()
+    if loaded is None:
+        cfg = SHAPES[args.model]
+        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+
+        def memory_of(group, fids):
+            return lu.group_memory(group, fids, None, tok, pool, fp, shape,
+                                   text_tail=args.text_tail)
+    else:
+        t = time.perf_counter()
+        encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, "bfloat16",
+                                 text_tail=args.text_tail)
+        print(f"encoded {len(encoded.chunks) - 1} turns at w=0 "
+              f"in {time.perf_counter() - t:.0f} s", flush=True)
+
+        def memory_of(group, fids):
+            return lu.group_memory(group, fids, encoded, tok, pool, fp)
+    return lu.publish_users(store, groups, pool, embeddings, memory_of,
+                            progress=lambda m: print(m, flush=True))
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -116,6 +170,21 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--prompt-goodput", type=float, nargs="+", default=None,
       help="the baseline's goodput from another run (with --modes kv): one value, or one "
            "per user count")
+    a("--peer", action="store_true",
+      help="run stock `vllm serve` on the same checkpoint instead of InferScale's server, "
+           "on the prompts the prompt mode composes for the first of --user-counts, rising "
+           "through --rates until its first miss (benchmarks/load_peer.py); one result")
+    a("--peer-serve-args", default="",
+      help="more arguments for the peer's `vllm serve` (a CPU host's small KV cache); "
+           "recorded in the result")
+    a("--peer-result", default=None,
+      help="the peer's result file (--peer): every summary reports goodput_vs_peer and KV "
+           "runs at --kv-rate-multipliers x its goodput")
+    a("--peer-goodput", type=float, default=None,
+      help="the peer's goodput as a number (instead of --peer-result; for estimates)")
+    a("--reuse-memory", action="store_true",
+      help="reuse the users an earlier run (the peer's) published in --workdir with the same "
+           "settings instead of publishing them again")
     a("--prompt-once", action="store_true",
       help="run the baseline in the first user count only; the later counts run KV against "
            "its goodput (the baseline reads no tier: its goodput does not depend on them)")
@@ -139,6 +208,12 @@ def parser(description: str) -> argparse.ArgumentParser:
       help="... and GiB per read pattern (at most)")
     a("--storage-threads", type=int, default=8,
       help="... and concurrent random 8 MiB reads (the connector's fetch_workers)")
+    a("--memory-budget-gib", type=float, default=8.0,
+      help="the server's memory cache: every user's facts and retrieval index")
+    a("--storage-misses-per-s", type=float, default=1e6,
+      help="the server's lookups of users its memory cache does not hold, per second, "
+           "before it sheds them (answered without memory): by default never")
+    a("--storage-miss-burst", type=int, default=1_000_000)
     a("--gpu-memory-utilization", type=float, default=None)
     a("--kv-cache-gib", type=float, default=None,
       help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")
@@ -179,7 +254,17 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--py-spy", default=None, help="py-spy executable (default: on PATH)")
     a("--estimate-only", action="store_true", help="print the time estimate and exit")
     a("--estimate-setup-s", type=float, default=None,
-      help="setup allowance in the estimate (default: 240 s on CUDA, 120 s on CPU)")
+      help="setup allowance in the estimate besides the users' (default: 60 s on CUDA, "
+           "30 s on CPU)")
+    a("--estimate-setup-per-user-s", type=float, default=0.03,
+      help="seconds to publish one user, in the estimate (0.029 s measured on the 2-core "
+           "CPU under load, a user of 400 facts; none with --reuse-memory)")
+    a("--estimate-user-gib", type=float, default=None,
+      help="a user's placed size in the estimate, for the users hydrated per count "
+           "(default: every user, an upper bound; 2.49 at the Llama-3.1-8B shape, bf16)")
+    a("--estimate-start-s", type=float, default=None,
+      help="the server's start in the estimate (default: 150 s on CUDA: compile and CUDA "
+           "graphs; 60 s on CPU)")
     a("--estimate-hydrate-s", type=float, default=1.0,
       help="seconds per hydrated user in the estimate")
     return ap
@@ -198,14 +283,19 @@ def resolve(ap: argparse.ArgumentParser, args, cuda: bool):
         ap.error(f"--conversations: no such file {missing[0]}")
     args.counts = args.user_counts or [args.users]
     args.users = max(args.counts)
-    if len(args.counts) > 1 and args.out and "{users}" not in args.out:
-        ap.error("several --user-counts need '{users}' in --out")
+    if len(args.counts) > 1 and args.out and "{users}" not in args.out and not args.peer:
+        ap.error("several --user-counts need '{users}' in --out")  # the peer runs one
     if args.prompt_goodput and len(args.prompt_goodput) not in (1, len(args.counts)):
         ap.error("--prompt-goodput: one value, or one per user count")
-    if ("prompt" not in args.modes and args.kv_rates == "adaptive"
-            and not args.prompt_goodput):
-        ap.error("--modes kv with adaptive KV rates needs --prompt-goodput")
     args.requests = args.requests or (400 if cuda else 50)
+    if args.peer:
+        if args.peer_result or args.peer_goodput:
+            ap.error("--peer measures the peer: no --peer-result or --peer-goodput")
+        args.modes = ["peer"]
+    read_peer_result(ap, args)
+    if ("prompt" not in args.modes and args.kv_rates == "adaptive" and not args.peer
+            and not args.prompt_goodput and not args.peer_goodput):
+        ap.error("--modes kv with adaptive KV rates needs --prompt-goodput or the peer's")
     args.warmup_requests = (args.warmup_requests if args.warmup_requests is not None
                             else 64 if cuda else 6)
     args.warmup_rate = args.warmup_rate or (64.0 if cuda else 0.5)
@@ -215,8 +305,42 @@ def resolve(ap: argparse.ArgumentParser, args, cuda: bool):
     if not cuda and args.kv_cache_gib is None:
         args.kv_cache_gib = 3.0
     if args.estimate_setup_s is None:
-        args.estimate_setup_s = 240.0 if cuda else 120.0
+        args.estimate_setup_s = 60.0 if cuda else 30.0
+    if args.estimate_start_s is None:
+        args.estimate_start_s = 150.0 if cuda else 60.0
     return args
+
+
+PEER_MUST_MATCH = ("model", "top_k", "max_tokens", "objective_ms", "requests_per_step",
+                   "zipf", "facts_per_user")
+
+
+def read_peer_result(ap: argparse.ArgumentParser, args) -> None:
+    """``args.peer_goodput`` and ``args.peer_source`` from ``--peer-result`` (or
+    ``--peer-goodput``); a peer measured under other settings is refused."""
+    args.peer_source = "given (--peer-goodput)" if args.peer_goodput else None
+    if not args.peer_result:
+        return
+    if args.peer_goodput:
+        ap.error("--peer-result or --peer-goodput, not both")
+    try:
+        peer = json.loads(Path(args.peer_result).read_text())
+        args.peer_goodput = float(peer["summary"]["goodput_peer_rps"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        ap.error(f"--peer-result {args.peer_result}: no peer goodput in it ({exc})")
+    ours = {"model": args.model, "top_k": args.top_k, "max_tokens": args.max_tokens,
+            "objective_ms": args.objective_ms, "requests_per_step": args.requests,
+            "zipf": args.zipf, "facts_per_user": args.facts}
+    differ = [k for k in PEER_MUST_MATCH
+              if ours[k] is not None and peer.get(k) is not None and peer[k] != ours[k]]
+    if differ:
+        ap.error(f"--peer-result {args.peer_result} ran with other settings: "
+                 + ", ".join(f"{k} {peer[k]} (here {ours[k]})" for k in differ))
+    args.peer_source = f"{args.peer_result}: {peer.get('command', '')}"
+    # the peer never missed within its rates (its goodput a lower bound), or where it did
+    own = peer["summary"].get("peer") or {}
+    args.peer_lower_bound, args.peer_first_miss = bool(own.get("lower_bound")), own.get(
+        "first_miss_rps")
 
 
 def prompt_goodput_for(args, count: int) -> float | None:

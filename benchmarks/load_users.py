@@ -213,10 +213,12 @@ def publish_users(store: StoreConfig, groups: list[Group], pool: list[PooledTurn
         res = publish(store, first, memory_of(group, fids), table, lineage, embeddings=False)
         size = res.manifest.kv["slab_bytes"]
         versions[first] = {"version": res.version, "slab_bytes": size}
-        for user in others:
-            versions[user] = {"version": publish_linked(
-                store, user, res.manifest, facts_table(group, user, pool, embeddings), lineage),
-                "slab_bytes": size}
+        at = table.schema.get_field_index("user")
+        for user in others:  # the group's table with the user's name: built once
+            mine = table.set_column(at, table.schema.field(at),
+                                    pa.array([user] * table.num_rows, table.schema.field(at).type))
+            versions[user] = {"version": publish_linked(store, user, res.manifest, mine, lineage),
+                              "slab_bytes": size}
         progress(f"published {group.name}: {len(group.users)} users, "
                  f"{res.manifest.kv['slab_bytes'] / 2**30:.2f} GiB of KV each")
     return versions

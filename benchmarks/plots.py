@@ -13,7 +13,12 @@
 - ``load-<name>-users.png`` per family of ``load-<name>-u<N>[-variant].json`` (the user
   counts of one run, ``benchmarks/load.py --user-counts``): p99 TTFT against the arrival
   rate, one colour per user count (and variant), solid for KV injection, dashed for the
-  prompt baseline, with the objective.
+  prompt baseline, black dotted for stock vLLM (``peer-<name>.json``, ``load.py
+  --peer``), with the objective;
+- ``load-<name>-goodput-users.png`` per such family: goodput against the number of
+  users for KV injection, the prompt mode (hollow where a file took it from another
+  scenario, ``--prompt-once``) and stock vLLM (its one measurement, a line), a goodput
+  that never missed drawn as an upward triangle (a lower bound).
 
 A missing or unreadable result file is skipped with a message, never a crash.
 
@@ -61,6 +66,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_ttft(path: Path, figures: Path) -> Path | None:
     data = _load(path)
     if data is None:
@@ -83,11 +95,7 @@ def plot_ttft(path: Path, figures: Path) -> Path | None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{path.stem}: {data.get('model', '')} — {data.get('device', '')}"[:110],
                  fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 def _locomo_label(mode: str, rows: list[dict], data: dict) -> str:
@@ -153,11 +161,7 @@ def plot_locomo(path: Path, figures: Path) -> Path | None:
     ax.set_title(f"{convs}: {total} questions, {data.get('model', '')}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 LOAD_STYLE = {"prompt": ("prompt baseline", "o"), "kv": ("KV injection", "s")}
@@ -202,46 +206,112 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     elif above is not None:
         title += f", goodput vs prompt > {above:g}"
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{path.stem}.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{path.stem}.png")
 
 
 SCENARIO_FILE = re.compile(r"^(?P<family>load-.+)-u(?P<users>\d+)(?P<variant>-[\w.-]+)?$")
 
 
-def plot_load_users(family: str, paths: list[Path], figures: Path) -> Path | None:
-    """p99 TTFT against the arrival rate per mode and user count (one run's files)."""
+def _scenarios(paths: list[Path]) -> list[tuple[int, str, dict]]:
+    """(users, variant, result) of each readable scenario file, by users and variant."""
     series = []
     for path in paths:
         data = _load(path)
         m = SCENARIO_FILE.match(path.stem)
         if data is not None and m:
             series.append((int(m["users"]), m["variant"] or "", data))
+    return sorted(series, key=lambda s: (s[0], s[1]))
+
+
+def peer_of(family: str, results: Path) -> dict | None:
+    """Stock vLLM's result beside a family's files (``peer-<name>.json`` for
+    ``load-<name>``), or None."""
+    path = results / f"peer-{family.removeprefix('load-')}.json"
+    return _load(path) if path.is_file() else None
+
+
+def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> dict:
+    """What the goodput-against-users figure draws: per user count (files without a
+    variant) KV's goodput and whether it is a lower bound, the prompt mode's and whether
+    that file measured it itself; stock vLLM's goodput."""
+    base = [(u, d) for u, v, d in series if not v]
+    summ = [d.get("summary") or {} for _, d in base]
+    return {"users": [u for u, _ in base],
+            "kv": [s.get("goodput_kv_rps") for s in summ],
+            "kv_lower_bound": [bool((s.get("kv") or {}).get("lower_bound")) for s in summ],
+            "prompt": [s.get("goodput_prompt_rps") for s in summ],
+            "prompt_measured_here": [not (s.get("prompt") or {}).get("given") for s in summ],
+            "peer": ((peer or {}).get("summary") or {}).get("goodput_peer_rps")}
+
+
+def plot_goodput_users(family: str, paths: list[Path], figures: Path,
+                       peer: dict | None) -> Path | None:
+    """Goodput against the number of users: KV injection, our prompt mode, stock vLLM."""
+    g = goodput_series(_scenarios(paths), peer)
+    if not g["users"]:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    users = g["users"]
+    line, = ax.plot(users, [x or 0 for x in g["kv"]], "-", lw=1.8, label="KV injection")
+    for u, x, low in zip(users, g["kv"], g["kv_lower_bound"]):
+        ax.plot([u], [x or 0], "^" if low else "s", color=line.get_color(), ms=7)
+    line, = ax.plot(users, [x or 0 for x in g["prompt"]], "--", lw=1.2,
+                    label="our prompt mode (facts as text)")
+    for u, x, here in zip(users, g["prompt"], g["prompt_measured_here"]):
+        ax.plot([u], [x or 0], "o", color=line.get_color(), ms=6,
+                markerfacecolor=line.get_color() if here else "none")
+    if g["peer"] is not None:
+        ax.axhline(g["peer"], color="black", ls=":", lw=1.4,
+                   label=f"stock vLLM (vllm serve): {g['peer']:g} rps")
+    ax.set_xscale("log")
+    ax.set_xticks(users, [f"{u:,}" for u in users])
+    ax.minorticks_off()
+    ax.set_xlabel("users (Zipf popularity; those the tiers do not hold start in storage)")
+    ax.set_ylabel("goodput (requests/s at p99 TTFT within the objective)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    d = _scenarios(paths)[0][2]
+    ax.set_title(f"{family}: {d.get('model', '')}, k={d.get('top_k')}, objective p99 <= "
+                 f"{d.get('objective_ms'):g} ms (triangle: never missed)", fontsize=8)
+    return _save(plt, fig, figures / f"{family}-goodput-users.png")
+
+
+def plot_load_users(family: str, paths: list[Path], figures: Path,
+                    peer: dict | None = None) -> Path | None:
+    """p99 TTFT against the arrival rate per mode and user count (one run's files), and
+    stock vLLM's (``peer``)."""
+    series = _scenarios(paths)
     if not series:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    series.sort(key=lambda s: (s[0], s[1]))
     objective = series[0][2].get("objective_ms")
+    peer_rows = sorted((peer or {}).get("rows") or [], key=lambda r: r["rate"])
     top = max([r["ttft_p99_ms"] or 0 for _, _, d in series for r in d["rows"]]
-              + [objective or 0]) * 1.15
+              + [r["ttft_p99_ms"] or 0 for r in peer_rows] + [objective or 0]) * 1.15
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (users, variant, data) in enumerate(series):
-        goodput = (data.get("summary") or {}).get("goodput_vs_prompt")
+        summary = data.get("summary") or {}
+        versus = next(((summary[f"goodput_vs_{b}"], what) for b, what in (
+            ("peer", "stock vLLM"), ("prompt", "prompt")) if summary.get(f"goodput_vs_{b}")),
+            None)
         for mode, (label, marker) in LOAD_STYLE.items():
             rows = sorted((r for r in data["rows"] if r["mode"] == mode), key=lambda r: r["rate"])
             if not rows:
                 continue
             name = f"{users} users{variant.replace('-', ' ')}, {label}"
-            if mode == "kv" and goodput is not None:
-                name += f" (goodput x{goodput:g})"
+            if mode == "kv" and versus is not None:
+                name += f" (goodput x{versus[0]:g} vs {versus[1]})"
             ax.plot([r["rate"] for r in rows],
                     [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in rows],
                     marker + ("-" if mode == "kv" else "--"), color=colours[i % len(colours)],
                     label=name, lw=1.6 if mode == "kv" else 1.0)
+    if peer_rows:
+        ax.plot([r["rate"] for r in peer_rows],
+                [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in peer_rows],
+                "x:", color="black", lw=1.4, label=f"stock vLLM, {peer.get('users')} users' prompts")
     if objective:
         ax.axhline(objective, color="grey", ls=":", lw=1, label=f"objective {objective:g} ms")
     ax.set_xscale("log")
@@ -253,11 +323,7 @@ def plot_load_users(family: str, paths: list[Path], figures: Path) -> Path | Non
     d = series[0][2]
     ax.set_title(f"{family}: {d.get('model', '')}, k={d.get('top_k')}, "
                  f"{d.get('requests_per_step')} requests per step", fontsize=9)
-    fig.tight_layout()
-    out = figures / f"{family}-users.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, figures / f"{family}-users.png")
 
 
 def make_all(results: Path, figures: Path) -> list[Path]:
@@ -279,10 +345,12 @@ def make_all(results: Path, figures: Path) -> list[Path]:
         if m:
             families.setdefault(m["family"], []).append(path)
     for family, paths in families.items():
-        out = plot_load_users(family, paths, figures)
-        if out is not None:
-            print(f"wrote {out}")
-            written.append(out)
+        peer = peer_of(family, results)
+        for out in (plot_load_users(family, paths, figures, peer),
+                    plot_goodput_users(family, paths, figures, peer)):
+            if out is not None:
+                print(f"wrote {out}")
+                written.append(out)
     return written
 
 

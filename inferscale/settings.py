@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     max_model_len: int = 8192
     enforce_eager: bool | None = Field(default=None, description="default: eager on CPU")
     # vLLM replays CUDA graphs only for steps of at most this many tokens (its own default:
-    # 2 x max_num_seqs, 256). An injected request computes its query and text tail (~300
+    # min(2 x max_num_seqs, 512)). An injected request computes its query and text tail (~300
     # tokens at k = 50): above the limit its step runs eagerly, ~35 ms of kernel launches
     # on an 8B model, stalling every request in the step.
     cudagraph_max_tokens: int = Field(default=1024, ge=1)

@@ -276,7 +276,7 @@ def _row(mode, rate, met, p99, step=(10.0, 12.0)):
             "step_p99_over_p50": round(step[1] / step[0], 3) if step else None}
 
 
-def test_summary_kv_at_the_baseline_goodput_and_steady_step_times():
+def test_summary_kv_at_the_baseline_goodput_and_step_times():
     rows = [_row("prompt", 4, True, 200), _row("prompt", 8, True, 240),
             _row("prompt", 12, False, 400), _row("kv", 8, True, 60), _row("kv", 16, True, 80),
             _row("kv", 24, True, 120, step=(10.0, 14.0)), _row("kv", 32, False, 300,
@@ -286,8 +286,9 @@ def test_summary_kv_at_the_baseline_goodput_and_steady_step_times():
     assert s["goodput_vs_prompt_is"] == "measured"
     assert s["kv_p99_ttft_at_prompt_goodput_ms"] == 60
     assert s["kv_meets_objective_at_prompt_goodput"] is True
-    # below KV's goodput (8 and 16 rps) p99/p50 = 1.2; the 24 rps step (1.4) is at it
-    assert s["kv_step_p99_within_1_5x_p50_below_goodput"] is True
+    # below KV's goodput (8 and 16 rps) p99/p50 = 1.2; the 24 rps step (1.4) is at it;
+    # reported, no longer a pass/fail target
+    assert "kv_step_p99_within_1_5x_p50_below_goodput" not in s
     assert s["kv_step_p99_over_p50_max_below_goodput"] == 1.2
     assert s["kv_step_rates_checked"] == [8, 16]
     assert s["step_time_ms"]["kv"]["32"] == {"p50_ms": 10.0, "p99_ms": 40.0, "p99_over_p50": 4.0,
@@ -300,10 +301,10 @@ def test_summary_kv_at_the_baseline_goodput_and_steady_step_times():
     jitter = rows[:3] + [_row("kv", 8, True, 60, step=(10.0, 16.0)), _row("kv", 16, True, 80),
                          _row("kv", 24, False, 300)]
     s = load_stats.summarize(jitter, _args())
-    assert s["kv_step_p99_within_1_5x_p50_below_goodput"] is False
+    assert s["kv_step_p99_over_p50_max_below_goodput"] == 1.6
     unknown = rows[:3] + [_row("kv", 8, True, 60, step=None), _row("kv", 16, False, 300)]
     s = load_stats.summarize(unknown, _args())  # a server without the step-time histogram
-    assert s["kv_step_p99_within_1_5x_p50_below_goodput"] is None
+    assert s["kv_step_p99_over_p50_max_below_goodput"] is None
 
 
 def test_summary_with_the_baseline_goodput_of_another_run():
@@ -317,7 +318,7 @@ def test_summary_with_the_baseline_goodput_of_another_run():
 
 
 def test_same_seed_same_requests_in_both_modes(users):
-    from benchmarks.load import Load
+    from benchmarks.load_client import Load
 
     convs, pool, _ = users
     groups = lu.make_groups(len(pool), 2, 9, 4)

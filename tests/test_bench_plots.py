@@ -54,7 +54,8 @@ def test_plots_from_synthetic_results(tmp_path):
     (results / "locomo-empty.json").write_text(json.dumps({"rows": []}))
     written = plots.main(["--results", str(results), "--figures", str(figures)])
     names = sorted(p.name for p in written)
-    assert names == ["load-cpu-test.png", "load-h200-test-u24.png", "load-h200-test-u48-tail0.png",
+    assert names == ["load-cpu-test.png", "load-h200-test-goodput-users.png",
+                     "load-h200-test-u24.png", "load-h200-test-u48-tail0.png",
                      "load-h200-test-u48.png", "load-h200-test-users.png", "locomo-cpu-test.png",
                      "ttft-cpu-test.png"]
     for p in written:
@@ -65,3 +66,40 @@ def test_plots_without_results(tmp_path, capsys):
     assert plots.main(["--results", str(tmp_path / "none"),
                        "--figures", str(tmp_path / "figures")]) == []
     assert "skipped" in capsys.readouterr().err
+
+
+def _scenario(users, kv, kv_never_missed, prompt, prompt_given):
+    summary = {"goodput_kv_rps": kv, "goodput_prompt_rps": prompt,
+               "kv": {"goodput_rps": kv, "lower_bound": kv_never_missed},
+               "prompt": {"goodput_rps": prompt, **({"given": "the 24-user scenario"}
+                                                     if prompt_given else {})}}
+    return {"users": users, "model": "m", "top_k": 50, "objective_ms": 250.0,
+            "requests_per_step": 400, "rows": _load_rows(), "summary": summary}
+
+
+def test_goodput_against_users_with_stock_vllm(tmp_path):
+    """Three scenario files and the peer's: goodput per user count for KV injection, the
+    prompt mode (measured in the first file only) and stock vLLM; p99 against the rate
+    with the peer's rows."""
+    results, figures = tmp_path / "results", tmp_path / "figures"
+    results.mkdir()
+    for users, kv, never, given in ((24, 32.0, True, False), (200, 30.0, False, True),
+                                    (2000, 18.0, False, True)):
+        (results / f"load-h200-fixture-u{users}.json").write_text(
+            json.dumps(_scenario(users, kv, never, 4.0, given)))
+    peer_rows = [{"mode": "peer", "rate": r, "ttft_p50_ms": 90.0, "ttft_p99_ms": 100.0 * r}
+                 for r in (1.0, 2.0, 3.0)]
+    (results / "peer-h200-fixture.json").write_text(json.dumps(
+        {"users": 24, "rows": peer_rows, "summary": {"goodput_peer_rps": 2.0}}))
+    paths = sorted(results.glob("load-h200-fixture-u*.json"))
+    peer = plots.peer_of("load-h200-fixture", results)
+    g = plots.goodput_series(plots._scenarios(paths), peer)
+    assert g == {"users": [24, 200, 2000], "kv": [32.0, 30.0, 18.0],
+                 "kv_lower_bound": [True, False, False], "prompt": [4.0, 4.0, 4.0],
+                 "prompt_measured_here": [True, False, False], "peer": 2.0}
+    assert plots.peer_of("load-h200-other", results) is None
+    written = plots.main(["--results", str(results), "--figures", str(figures)])
+    assert {p.name for p in written} >= {"load-h200-fixture-goodput-users.png",
+                                         "load-h200-fixture-users.png"}
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

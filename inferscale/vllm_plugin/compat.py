@@ -114,6 +114,20 @@ def cpu_rank_binding(tp_size: int) -> Iterator[str | None]:
         os.environ.pop(name, None)
 
 
+def serving_usage_context() -> Any:
+    """The usage context ``vllm serve`` starts its engine with (``OPENAI_API_SERVER``).
+
+    vLLM picks its scheduling defaults by usage context
+    (``EngineArgs.get_batch_defaults``): on a GPU of >= 70 GiB other than an A100 (the
+    H100, H200) ``vllm serve`` gets ``max_num_batched_tokens`` 8192 and ``max_num_seqs``
+    1024, where ``AsyncLLM.from_engine_args``'s default ``ENGINE_CONTEXT`` gets
+    ``SchedulerConfig``'s 2048 and 128; on the CPU both give 2048 x and 128 x the world
+    size. The same in 0.26 and 0.32 (0.32 adds 16384 / 1024 for GPUs of >= 160 GiB)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.OPENAI_API_SERVER
+
+
 def kv_transfer_group():
     """The worker's connector instance (set up by vLLM when the worker starts)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

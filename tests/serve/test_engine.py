@@ -1,5 +1,6 @@
 """EngineConfig: validation and the engine arguments it gives vLLM (no engine started;
-the engine itself is exercised by tests/vllm_plugin/test_connector.py and test_app.py)."""
+the engine itself is exercised by tests/vllm_plugin/test_connector.py and test_app.py),
+and the scheduling limits of the running engine against ``vllm serve``'s."""
 
 import pytest
 
@@ -30,3 +31,51 @@ def test_kv_cache_size_passes_to_vllm_and_is_validated(tmp_path):
         EngineConfig.of(model="/m", model_fingerprint="fp", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
         EngineConfig.of(model="/m", model_fingerprint="fp", no_such_setting=1)
+
+
+def _vllm_serve_scheduler(*argv: str):
+    """The scheduler config ``vllm serve ARGV`` starts with: vLLM's own CLI parser, then
+    what its serve command does (``AsyncEngineArgs.from_cli_args``, usage context
+    OPENAI_API_SERVER)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import make_arg_parser
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(argv))
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER).scheduler_config
+
+
+def _limits(sched) -> tuple[int, int]:
+    return sched.max_num_batched_tokens, sched.max_num_seqs
+
+
+def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
+    """vLLM picks max_num_batched_tokens and max_num_seqs by usage context; on the CPU at
+    tensor_parallel_size 2 ``vllm serve`` gets 4096 and 256 where the engine context gets
+    2048 and 128 (on an H200: 8192 and 1024 against 2048 and 128)."""
+    from benchmarks.shapes import write_dummy_checkpoint
+
+    ckpt = str(write_dummy_checkpoint("tiny-llama-shape", smollm2.checkpoint, tmp_path / "m"))
+    for tp in (1, 2):
+        ours = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
+                               max_model_len=2048, tensor_parallel_size=tp).vllm_config()
+        serve = _vllm_serve_scheduler("--model", ckpt, "--load-format", "dummy",
+                                      "--max-model-len", "2048", "--tensor-parallel-size",
+                                      str(tp))
+        assert _limits(ours.scheduler_config) == _limits(serve)
+    assert _limits(serve) == (4096, 256)  # the case that tells the usage contexts apart
+    fixed = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
+                            max_model_len=2048, max_num_seqs=7).vllm_config()
+    assert fixed.scheduler_config.max_num_seqs == 7  # set explicitly: kept
+
+
+def test_running_engine_schedules_as_vllm_serve(engine_env):
+    """The real CPU engine's effective limits are what ``vllm serve`` picks here."""
+    cfg = engine_env.engine.config
+    limits = engine_env.engine.scheduler_limits()
+    serve = _vllm_serve_scheduler("--model", cfg.model, "--max-model-len",
+                                  str(cfg.max_model_len), "--dtype", cfg.dtype)
+    assert (limits["max_num_batched_tokens"], limits["max_num_seqs"]) == _limits(serve)
+    assert limits["enable_prefix_caching"] is True
