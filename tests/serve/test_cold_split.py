@@ -1,0 +1,230 @@
+"""The compute-or-load split of a cold request (``inferscale.serve.cold_split``): the rule
+under Hypothesis (never beyond its bound, the largest run within it, monotonic in the
+wait and the bandwidth, everything loaded when storage is faster, nothing when it is
+hopeless) and the estimators fed as the server feeds them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
+
+lengths_st = st.lists(st.integers(1, 400), min_size=1, max_size=60)
+row_st = st.sampled_from([1, 64, 11_520, 65_536, 131_072])  # SmolLM2 fp8 .. 8B bf16
+seconds = st.floats(0, 1.0, allow_nan=False)
+per_token = st.floats(1e-7, 1e-2, allow_nan=False)
+bandwidth = st.floats(1e3, 1e12, allow_nan=False)
+queued = st.floats(0, 1e10, allow_nan=False)
+
+
+@st.composite
+def estimates(draw, **fixed):
+    values = dict(wait_s=draw(seconds), compute_s_per_token=draw(per_token),
+                  bandwidth=draw(bandwidth), queued_bytes=draw(queued),
+                  overhead_s=draw(st.floats(0, 0.1, allow_nan=False)))
+    values.update(fixed)
+    return Estimates(**values)
+
+
+def within(tokens: int, row: int, e: Estimates, slack: float) -> bool:
+    """The rule's bound as the module states it, max(R, W) + D <= W + c T, give or take
+    ``slack`` (relative): the implementation rearranges it, so rounding may differ."""
+    read = (e.queued_bytes + tokens * row) / e.bandwidth
+    left = max(read, e.wait_s) + e.overhead_s
+    right = e.wait_s + e.compute_s_per_token * tokens
+    return left <= right + slack * max(left, right, 1e-12)
+
+
+def prefix(lengths, n):
+    return sum(lengths[:n])
+
+
+@given(lengths_st, row_st, estimates())
+def test_the_split_is_the_largest_leading_run_within_the_bound(lengths, row, e):
+    s = split(lengths, row, e)
+    assert 0 <= s.chunks <= len(lengths)
+    assert s.tokens == prefix(lengths, s.chunks) and s.bytes == s.tokens * row
+    if s.chunks:  # never beyond the bound: the read is done when prefill would be
+        assert within(s.tokens, row, e, 1e-9)
+        assert s.deadline_s == pytest.approx(2.0 * (e.wait_s + e.compute_s_per_token * s.tokens))
+        assert s.read_s == pytest.approx((e.queued_bytes + s.bytes) / e.bandwidth)
+    else:
+        assert s.deadline_s is None and s.read_s == 0.0
+    for k in range(s.chunks + 1, len(lengths) + 1):  # no longer run is within it
+        assert not within(prefix(lengths, k), row, e, -1e-9)
+    assert s.compute_s == pytest.approx(e.compute_s_per_token * (sum(lengths) - s.tokens))
+
+
+@given(lengths_st, row_st, estimates(), seconds)
+def test_a_busier_engine_never_loads_less(lengths, row, e, more):
+    busier = Estimates(e.wait_s + more, e.compute_s_per_token, e.bandwidth, e.queued_bytes,
+                       e.overhead_s)
+    assert split(lengths, row, busier).chunks >= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(), st.floats(1.0, 1e6))
+def test_faster_storage_never_loads_less(lengths, row, e, factor):
+    faster = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth * factor,
+                       e.queued_bytes, e.overhead_s)
+    assert split(lengths, row, faster).chunks >= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(), queued)
+def test_busier_storage_never_loads_more(lengths, row, e, more):
+    busier = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth, e.queued_bytes + more,
+                       e.overhead_s)
+    assert split(lengths, row, busier).chunks <= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(queued_bytes=0.0, overhead_s=0.0),
+       st.floats(0.0, 1.0))
+def test_storage_faster_than_compute_loads_everything(lengths, row, e, ratio):
+    """Per token, reading (b/B) takes at most the compute time c: all of it is read."""
+    fast = Estimates(e.wait_s, e.compute_s_per_token, row / (ratio * e.compute_s_per_token)
+                     if ratio else float("inf"), 0.0, 0.0)
+    assert split(lengths, row, fast).chunks == len(lengths)
+
+
+@given(lengths_st, row_st, estimates(), st.floats(1e-6, 1.0))
+def test_hopeless_storage_loads_nothing(lengths, row, e, u):
+    """Reading even the first chunk takes longer than the wait plus its compute."""
+    first = lengths[0]
+    slow = row / (e.compute_s_per_token + e.wait_s / first) / (1 + u)
+    hopeless = Estimates(e.wait_s, e.compute_s_per_token, slow, e.queued_bytes, e.overhead_s)
+    assume((first * row) / slow > e.wait_s + e.compute_s_per_token * first)
+    s = split(lengths, row, hopeless)
+    assert s.chunks == 0 and s.tokens == 0 and s.deadline_s is None
+    assert split(lengths, row, Estimates(e.wait_s, e.compute_s_per_token, 0.0,
+                                         e.queued_bytes, e.overhead_s)).chunks == 0
+
+
+@given(lengths_st, row_st, estimates(), st.integers(0, 100))
+def test_a_pinned_split_reads_that_many_chunks(lengths, row, e, n):
+    s = split(lengths, row, e, pinned=n)
+    assert s.chunks == min(n, len(lengths)) and s.deadline_s is None
+
+
+def test_the_h200_numbers():
+    """The issue's H200: bf16 8B rows (128 KiB), ~2,500 memory tokens at k = 50, ~25 us of
+    prefill per token. From disk at 1.5 GB/s (85 us a token) an idle engine loads
+    nothing; from the page cache at 7 GB/s (19 us) everything; fp8 halves the bytes."""
+    lengths = [30] + [50] * 49
+    idle = dict(wait_s=0.0, compute_s_per_token=25e-6, queued_bytes=0.0, overhead_s=0.015)
+    assert split(lengths, 131_072, Estimates(bandwidth=1.5e9, **idle)).chunks == 0
+    assert split(lengths, 131_072, Estimates(bandwidth=7.1e9, **idle)).chunks == 50
+    # a busy engine (60 ms queued) hides part of a disk read: the leading chunks
+    busy = {**idle, "wait_s": 0.06}
+    part = split(lengths, 131_072, Estimates(bandwidth=1.5e9, **busy))
+    assert 0 < part.chunks < 50
+    assert split(lengths, 65_536, Estimates(bandwidth=1.5e9, **busy)).chunks > part.chunks
+
+
+def test_bad_inputs_are_refused():
+    e = Estimates(0.0, 1e-5, 1e9, 0.0, 0.0)
+    with pytest.raises(ValueError, match="row_bytes"):
+        split([3], 0, e)
+    for bad in ({"mode": "sometimes"}, {"bandwidth_prior": 0}, {"deadline_factor": 0.5},
+                {"alpha": 0}, {"pinned_chunks": -1}):
+        with pytest.raises(ValueError):
+            ColdSplitConfig(**bad)
+
+
+def test_settings_configure_it(monkeypatch):
+    from inferscale.settings import Settings
+
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT", "pinned")
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT_CHUNKS", "3")
+    monkeypatch.setenv("INFERSCALE_COLD_BANDWIDTH_PRIOR", "2e9")
+    cfg = ColdSplitConfig.from_settings(Settings())
+    assert (cfg.mode, cfg.pinned_chunks, cfg.bandwidth_prior) == ("pinned", 3, 2e9)
+    assert ColdSplitConfig.from_settings(Settings(_env_file=None, cold_split="auto")).mode == "auto"
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT", "maybe")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+# ---------------------------------------------------------------- the estimators
+
+def test_before_any_data_the_priors_hold():
+    cfg = ColdSplitConfig(bandwidth_prior=3e9, compute_prior_s=4e-5, wait_prior_s=0.01,
+                          step_prior_s=0.02, overhead_steps=1.5)
+    e = LoadEstimator(cfg).estimates(now=100.0)
+    assert (e.bandwidth, e.compute_s_per_token, e.wait_s, e.queued_bytes) == (
+        3e9, 4e-5, 0.01, 0.0)
+    assert e.overhead_s == pytest.approx(0.03)
+
+
+def test_the_compute_rate_is_the_slope_of_prefill_time_over_computed_tokens():
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=1e-3))
+    for i, x in enumerate([300, 2700, 500, 2500, 1200, 300, 2700, 900] * 4):
+        est.observe(0.0, 0.012 + 2e-5 * x, x, read=False, now=float(i))
+    e = est.estimates(now=40.0)
+    # the prior (50x off) weighs as 4e6 tokens^2 against ~3e7 of spread
+    assert e.compute_s_per_token == pytest.approx(2e-5 + 4e6 * (1e-3 - 2e-5) / (4e6 + 3.3e7),
+                                                  rel=0.05)
+    assert 0 <= e.fixed_s < 0.012
+
+
+def test_equal_prompts_keep_the_compute_prior_and_old_samples_leave_the_window():
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=3e-5, window_s=10.0))
+    for i in range(20):
+        est.observe(0.0, 0.05, 300, read=False, now=float(i))
+    assert est.estimates(now=20.0).compute_s_per_token == pytest.approx(3e-5, rel=1e-6)
+    est.observe(0.0, 9.0, 10_000, read=False, now=20.0)
+    assert est.estimates(now=20.0).compute_s_per_token > 3e-5
+    assert est.estimates(now=100.0).compute_s_per_token == 3e-5  # window emptied
+
+
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.floats(-1, 10, allow_nan=False)),
+                max_size=80))
+def test_the_compute_rate_is_never_negative(samples):
+    est = LoadEstimator()
+    for i, (x, y) in enumerate(samples):
+        est.observe(0.0, y, x, read=False, now=float(i))
+    c = est.estimates(now=float(len(samples))).compute_s_per_token
+    assert c >= 0 and c == c
+
+
+def test_the_wait_counts_requests_that_did_not_read_and_decays_when_idle():
+    est = LoadEstimator(ColdSplitConfig(alpha=0.5, wait_half_life_s=1.0))
+    est.observe(0.2, 0.01, 100, read=False, now=0.0)
+    est.observe(5.0, 0.01, 100, read=True, now=0.0)  # its queue time includes its read
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.1)
+    assert est.estimates(now=1.0).wait_s == pytest.approx(0.05)
+
+
+def test_vllm_stats_and_replies_join_in_either_order():
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0))
+    row = {"request_id": "is-1", "queued_s": 0.3, "prefill_s": 0.02, "prompt_tokens": 900,
+           "cached_tokens": 600}
+    est.engine_stats([row], now=0.0)
+    assert est.estimates(now=0.0).wait_s == 0.0  # not joined yet
+    est.request_read("is-1", False, now=0.0)
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)
+    est.request_read("is-2", True, now=0.0)
+    est.engine_stats([{**row, "request_id": "is-2", "queued_s": 9.0}], now=0.0)
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)  # it waited for a read
+    assert [x for _, x, _ in est._samples] == [300, 300]
+    for i in range(5000):  # aborted requests: never joined, forgotten
+        est.request_read(f"gone-{i}", False)
+    assert len(est._reads) == 4096
+
+
+def test_bandwidth_queue_and_steps_come_from_the_workers():
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0, overhead_steps=2.0))
+    ranks = [{"tp_rank": 0, "bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": None},
+             {"tp_rank": 1, "bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.01}]
+    est.storage(ranks, now=0.0)
+    assert est.estimates(now=0.0).bandwidth == 1e9  # no read measured yet: the prior
+    est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 2.0, "queued_bytes": 1e9,
+                  "step_s": 0.02},
+                 {**ranks[1], "bytes": 3e9, "busy_s": 2.0}], now=10.0)
+    e = est.estimates(now=10.0)
+    assert e.bandwidth == pytest.approx(1.5e9)  # the slowest rank decides
+    assert e.queued_bytes == 1e9 and e.overhead_s == pytest.approx(0.04)
+    assert est.estimates(now=10.5).queued_bytes == pytest.approx(1e9 - 0.75e9)  # draining
+    assert est.estimates(now=20.0).queued_bytes == 0.0
+    est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 3.0, "queued_bytes": 0}], now=11.0)
+    assert est.estimates(now=11.0).bandwidth == pytest.approx(1.5e9)  # no bytes: no sample
