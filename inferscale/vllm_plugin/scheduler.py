@@ -95,6 +95,7 @@ class ConnectorScheduler:
         self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         self._cold: dict[str, ColdSplit] = {}  # request id -> its split (user in no tier)
+        self._recompute: set[str] = set()  # its read failed: vLLM asks again, it prefills
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
         self._disabled: str | None = None  # set: no memory is admitted any more
         self.failures = Failures()
@@ -126,6 +127,8 @@ class ConnectorScheduler:
             return 0, False
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        if req_id in self._recompute:  # a failed load from nothing valid: it is computed
+            return 0, False
         self._cold.pop(req_id, None)
         why = fetch = None
         n = len(ref.chunks)  # chunks loaded: all of them, unless read from storage
@@ -383,6 +386,8 @@ class ConnectorScheduler:
         for req_id, reason in report.failed_loads:  # the worker logged and counted it
             if self.injected_tokens.pop(req_id, None) is not None:
                 self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+            # vLLM asks again for a request whose asynchronous load left nothing valid
+            self._recompute.add(req_id)
             cold = self._cold.get(req_id)
             if cold is not None:  # every fact was computed after all
                 self._cold[req_id] = ColdSplit(0, cold.loaded + cold.computed, cold.read)
@@ -398,6 +403,7 @@ class ConnectorScheduler:
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)
         self._unloadable.discard(req_id)
+        self._recompute.discard(req_id)
         tiers, nbytes = self._sources.pop(req_id, ({}, 0))
         reply = MemoryReply(self.injected_tokens.pop(req_id, 0),
                             self._fallbacks.pop(req_id, None), tiers, nbytes,

@@ -203,16 +203,21 @@ def test_a_split_of_no_chunks_prefills_everything_without_a_fallback():
     assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (0, 2, False)
 
 
-def test_a_failed_split_read_counts_every_fact_computed():
+def test_a_failed_read_is_computed_and_not_read_again():
     s = sched()
     req = request("r", dataclasses.replace(SPLIT_REF, cold_chunks=3), SPLIT_PROMPT)
     assert s.get_num_new_matched_tokens(req, 0) == (11, True)
     s.update_state_after_alloc(req, blocks([7, 3, 9, 4]), 11)
+    assert len(s.build_connector_meta(output({})).fetches) == 1
     s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
         failed_loads=[("r", "read from storage not done within its 0.1 s")])})())
+    # vLLM frees the blocks of a load that left nothing valid and asks again: computed
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta(output({})).fetches == []
     reply = finish(s, req)
     assert reply.injected_tokens == 0 and reply.fallback.startswith("memory load failed")
     assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (0, 2, True)
+    assert s._recompute == set()
 
 
 def test_a_resident_user_ignores_the_split():
