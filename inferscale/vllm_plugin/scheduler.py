@@ -15,14 +15,12 @@ externally available when
   the step (a synchronous load); or
 - no rank holds the user (or holds an older version the request supersedes), the ref
   carries its chunks' lengths and the tokens in flight stay within ``fetch_tokens``: the
-  workers read chunks from storage and inject them, and the request waits for that (an
-  asynchronous load; the workers check the chunks' token ids against the prompt's, a
-  mismatch is recomputed). Only the first ``ref.cold_chunks`` chunks are read when the
-  ref says so (the server's compute-or-load split, :mod:`inferscale.serve.cold_split`):
-  vLLM lets externally loaded tokens be only a prefix of the prompt, and the later
-  chunks' token ids are in the prompt anyway, so vLLM prefills them as text (0: the
-  whole memory is prefilled; that is no fallback). Meanwhile the whole user is reloaded
-  in the background, so its later requests find it resident.
+  workers read the first ``ref.cold_chunks`` chunks (all without it) from storage and
+  inject them, and the request waits for that (an asynchronous load; a read that fails,
+  or whose token ids are not the prompt's, is recomputed). vLLM lets loaded tokens be
+  only a prefix of the prompt; the later chunks are in the prompt anyway and vLLM
+  prefills them (the server's compute-or-load split; 0 chunks: no fallback). Meanwhile
+  the whole user is reloaded in the background, so its later requests find it resident.
 
 Otherwise it returns 0 and the request prefills (the reason is logged and returned). A
 miss orders a background reload as described above, after a failed reload not before a
@@ -159,9 +157,9 @@ class ConnectorScheduler:
 
     def _unfetchable(self, ref: MemoryRef, request: "Request", why: str,
                      n: int) -> str | None:
-        """None when a refused request's memory (its first ``n`` chunks) can be read from
-        storage for it instead (nobody holds the user, or an older version it supersedes;
-        the ref says how long its chunks are; the tokens in flight stay within
+        """None when a refused request's first ``n`` chunks can be read from storage for
+        it instead (nobody holds the user, or an older version it supersedes; the ref
+        says how long its chunks are; the tokens in flight stay within
         ``fetch_tokens``), else why not."""
         if not (ref.lengths and self.config.fetch_tokens and self.config.artifact_root):
             return why

@@ -228,3 +228,145 @@ def test_bandwidth_queue_and_steps_come_from_the_workers():
     assert est.estimates(now=20.0).queued_bytes == 0.0
     est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 3.0, "queued_bytes": 0}], now=11.0)
     assert est.estimates(now=11.0).bandwidth == pytest.approx(1.5e9)  # no bytes: no sample
+
+
+# ---------------------------------------------------------------- on the real engine
+
+@pytest.fixture(scope="module")
+def cold_user(engine_env, embedder):
+    """A limiting-case user (float32, each fact encoded with the whole memory before it)
+    that the workers never hold: evicted by an admin, so nothing reloads it."""
+    from tests.vllm_plugin.test_connector import FACTS, publish_user
+
+    version, table = publish_user(engine_env, embedder, "cold-split", FACTS)
+    engine_env.loop.run(engine_env.engine.evict("cold-split"))
+    return version, table
+
+
+def lengths_of(tok, table):
+    from inferscale.compose import Composer
+
+    return (len(Composer(tok).prefix_ids()),
+            *(len(t) for t in table.column("token_ids").to_pylist()))
+
+
+@pytest.mark.parametrize("n", [3, 0, 7])
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env, cold_user, n):
+    """vLLM's own counters: the first ``n`` chunks come from external KV transfer (read
+    from storage), every other prompt token is computed; the greedy answer is the full
+    prefill's (fp32 limiting case); n = 0 is a plain prefill, not a fallback."""
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
+    from tests.vllm_plugin.test_connector import QUESTIONS, gen
+
+    env = engine_env
+    version, table = cold_user
+    tok = env.model.tokenizer
+    lengths = lengths_of(tok, table)
+    row_bytes = 2 * 30 * 3 * 64 * 4  # SmolLM2 (L=30, H=3, D=64), float32
+    for q in QUESTIONS[:3]:
+        ids, chunks = memory_prompt(tok, table, q)
+        plain = gen(env, ids)
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        before = env.engine.prompt_token_counters()
+        out = gen(env, ids, MemoryRef("cold-split", version, chunks, lengths, cold_chunks=n))
+        after = env.engine.prompt_token_counters()
+        delta = {k: after[k] - before[k] for k in after}
+        loaded = sum(lengths[:n])
+        assert out.fallback is None and out.injected_tokens == loaded
+        assert delta == {"total": len(ids), "external_kv_transfer": loaded,
+                         "local_cache_hit": 0, "computed": len(ids) - loaded}
+        assert out.token_ids == plain.token_ids
+        facts = len(chunks) - 1
+        assert out.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
+        assert out.facts_by_tier == ({"storage": n - 1} if n else {})
+        assert out.storage_bytes == loaded * row_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
+    from tests.vllm_plugin.test_connector import QUESTIONS, gen
+
+    env = engine_env
+    version, table = cold_user
+    ids, chunks = memory_prompt(env.model.tokenizer, table, QUESTIONS[1])
+    plain = gen(env, ids)
+    env.loop.run(env.engine.llm.reset_prefix_cache())
+    out = gen(env, ids, MemoryRef("cold-split", version, chunks,
+                                  lengths_of(env.model.tokenizer, table), cold_chunks=4,
+                                  read_deadline_s=0.0))
+    assert out.injected_tokens == 0 and out.token_ids == plain.token_ids
+    assert out.fallback == "memory load failed (reading its facts from storage failed " \
+                           "(no time left for a read)); recomputed"
+    assert out.cold == ColdSplit(0, len(chunks) - 1, read=True)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_resident_user_ignores_the_split(engine_env, embedder):
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import MemoryRef
+    from tests.vllm_plugin.test_connector import FACTS, QUESTIONS, gen, publish_user
+
+    env = engine_env
+    version, table = publish_user(env, embedder, "cold-split-held", FACTS)
+    env.loop.run(env.engine.hydrate("cold-split-held", version=version, tier="host"))
+    try:
+        ids, chunks = memory_prompt(env.model.tokenizer, table, QUESTIONS[0])
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        out = gen(env, ids, MemoryRef("cold-split-held", version, chunks,
+                                      lengths_of(env.model.tokenizer, table), cold_chunks=1))
+        assert out.cold is None and out.fallback is None
+        assert out.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
+        assert out.facts_by_tier == {"host": len(FACTS)} and out.storage_bytes == 0
+    finally:
+        env.loop.run(env.engine.evict("cold-split-held"))
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
+        engine_env, embedder, cold_user):
+    """Through the server: the workers start reading the split's chunks on the prefetch
+    RPC, sent before the request (vLLM keeps their order), and the request's read adopts
+    it; the answer reports the split and equals the one that reads every chunk; the
+    estimator has vLLM's stats and the workers' storage statistics."""
+    from inferscale.serve.server import MemoryServer
+    from tests.vllm_plugin.test_connector import QUESTIONS
+
+    env = engine_env
+    tok = env.model.tokenizer
+    servers = {mode: MemoryServer(env.engine, tok, embedder, env.store, top_k=6,
+                                  cold=ColdSplitConfig(mode=mode, pinned_chunks=3))
+               for mode in ("pinned", "off")}
+
+    def prefetches():
+        return env.loop.run(env.engine.worker_metrics())[0]["prefetch"]
+
+    def ask(mode, q):
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        return env.loop.run(servers[mode].answer("cold-split", q, max_tokens=12))
+
+    for q in QUESTIONS[:2]:
+        before = prefetches()
+        out = ask("pinned", q)
+        after = prefetches()
+        assert after["started"] - before["started"] == 1
+        assert after["adopted"] - before["adopted"] == 1 and after["dropped"] == before["dropped"]
+        info, gen = out["info"], out["generation"]
+        cold = info["cold"]
+        assert (cold["facts_loaded"], cold["facts_computed"]) == (2, 4)
+        assert cold["bytes_read"] == gen.storage_bytes > 0 and cold["split"]["chunks"] == 3
+        assert info["injected_tokens"] == cold["split"]["tokens"] > 0  # 3 chunks, served order
+        whole = ask("off", q)  # every chunk read once the engine schedules it
+        assert prefetches()["started"] == after["started"]
+        assert whole["info"]["cold"]["facts_loaded"] == 6
+        assert whole["generation"].token_ids == gen.token_ids
+    est = servers["pinned"].estimator
+    assert est.storage_at is not None and len(est._samples) > 0
+    assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured
