@@ -253,7 +253,7 @@ class MemoryServer:
         def done(t: asyncio.Future) -> None:
             stats = self._storage_stats(t)
             if stats:
-                self._seen(ref.user, not any(r.get("started") for r in stats))
+                self._seen(ref.user, all(r.get("resident") for r in stats))
 
         task.add_done_callback(done)
 

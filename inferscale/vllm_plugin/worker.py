@@ -168,15 +168,16 @@ class ConnectorWorker:
     def prefetch(self, user: str, version: str, chunks: list[str], deadline_s: float,
                  nbytes: int = 0) -> dict:
         """Start reading ``chunks`` for a request the scheduler will see next, unless this
-        worker holds that version of the user (its own store decides); then
-        :meth:`storage_stats` with ``started``."""
+        worker holds that version of the user (its own store decides) or has no store to
+        read from; then :meth:`storage_stats` with ``resident`` and ``started``."""
         held = self.store.held(user)
         resident = held is not None and held.version == version
         if resident:
             self.fetches.prefetches["resident"] += 1
-        else:
+        elif self.fetches.reader is not None:
             self.fetches.prefetch(user, version, chunks, deadline_s, nbytes)
-        return {**self.storage_stats(), "started": not resident}
+        return {**self.storage_stats(), "resident": resident,
+                "started": not resident and self.fetches.reader is not None}
 
     def storage_stats(self) -> dict:
         """What the server's compute-or-load split needs from this worker: the reads'
