@@ -280,7 +280,7 @@ async def measure(args, base: dict) -> list[dict]:
     setup_s = time.monotonic() - started
     base.update(setup_seconds=round(setup_s, 1), memory_reused=memory["reused"],
                 machine_before=machine(),
-                serve_settings={"memory_cache": memory["server"]["memory_cache"]})
+                serve_settings={k: memory["server"][k] for k in ("memory_cache", "cold_split")})
     print(json.dumps({k: base[k] for k in ("setup_seconds", "memory_reused",
                                            "machine_before")}), flush=True)
     if args.peer:  # stock vLLM; the embedder composes its prompts

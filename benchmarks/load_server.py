@@ -283,6 +283,7 @@ async def serve(cfg: dict) -> None:
 
     import vllm
 
+    from inferscale.serve.cold_split import ColdSplitConfig
     from inferscale.serve.memory_cache import MemoryCacheConfig
 
     cuda = torch.cuda.is_available()
@@ -296,7 +297,8 @@ async def serve(cfg: dict) -> None:
                           StoreConfig(cfg["engine"]["artifact_root"],
                                       direct_io=cfg["engine"].get("direct_io", False)), mode="kv",
                           top_k=cfg["top_k"],
-                          cache=MemoryCacheConfig(**cfg.get("memory_cache", {})))
+                          cache=MemoryCacheConfig(**cfg.get("memory_cache", {})),
+                          cold=ColdSplitConfig(**cfg.get("cold_split", {})))
     await serve_app(server, AccessPolicy({}, None, None, loopback=True), cfg["model_name"],
                     "127.0.0.1", cfg["port"], log_level="warning")
 

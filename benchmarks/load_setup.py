@@ -93,7 +93,8 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
 
     server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
               "top_k": args.top_k, "model_name": "load", "port": free_port(),
-              "memory_cache": memory_cache_settings(args)}
+              "memory_cache": memory_cache_settings(args),
+              "cold_split": cold_split_settings(args)}
     return {"server": server, "groups": groups, "versions": versions, "reused": bool(reused),
             "questions": lu.locomo_questions(args.conversations),
             "shares": {u: lu.shares(g, pool) for g in groups for u in g.users}}
@@ -108,6 +109,29 @@ def memory_cache_settings(args) -> dict:
     memory)."""
     return {"budget_bytes": int(args.memory_budget_gib * GIB),
             "misses_per_s": args.storage_misses_per_s, "miss_burst": args.storage_miss_burst}
+
+
+def cold_split_settings(args) -> dict:
+    """How the server splits a cold request between reading from storage and prefilling
+    (``ColdSplitConfig`` fields; ``auto`` by default, as a server runs), recorded in the
+    result: ``off`` reads every chunk once the engine schedules the request (no prefetch),
+    ``pinned:N`` always reads the first N chunks, for comparisons in one session."""
+    mode, _, n = args.cold_split.partition(":")
+    return {"mode": mode, "pinned_chunks": int(n or 0)}
+
+
+def cold_split_arg(value: str) -> str:
+    """``--cold-split``'s value, checked as the server would take it."""
+    from inferscale.serve.cold_split import ColdSplitConfig
+
+    mode, sep, n = value.partition(":")
+    try:
+        if (mode == "pinned") != bool(sep):
+            raise ValueError("pinned needs :N, the others take none")
+        ColdSplitConfig(mode=mode, pinned_chunks=int(n or 0))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    return value
 
 
 def publish_memory(args, store, tok, fp: str, pool, groups, embedder, loaded) -> dict:
@@ -202,6 +226,10 @@ def parser(description: str) -> argparse.ArgumentParser:
            "storage bandwidth is measured so (the users of a group share one KV file on "
            "disk: read through the page cache, 'storage' would be RAM); --no-storage-"
            "direct-io: through it, and the results say page_cache_bypassed: false")
+    a("--cold-split", default="auto", type=cold_split_arg,
+      help="a cold request's split between storage and prefill: auto (the rule, measured "
+           "while serving), off (every chunk read once scheduled), pinned:N (N leading "
+           "chunks read)")
     a("--storage-seconds", type=float, default=3.0,
       help="the storage bandwidth measurement: seconds per read pattern (at most)")
     a("--storage-gib", type=float, default=2.0,

@@ -172,6 +172,26 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallelism of the serving engine; must "
         "divide the model's KV heads (each worker holds and injects its share)")
+    # a request of a user in neither tier: facts read from storage vs prefilled
+    # (inferscale.serve.cold_split; docs/serving.md, "Compute or load")
+    cold_split: Literal["off", "auto", "pinned"] = Field(
+        default="auto", description="auto: split by the measured storage bandwidth and "
+        "engine load; pinned: read INFERSCALE_COLD_SPLIT_CHUNKS leading chunks; off: read "
+        "every chunk once the engine schedules the request (no prefetch)")
+    cold_split_chunks: int = Field(default=0, ge=0, description="leading memory chunks "
+                                   "(the instruction prefix first) read when pinned")
+    cold_bandwidth_prior: float = Field(
+        default=1e9, gt=0, description="storage bytes/s assumed before any read is measured")
+    cold_compute_prior_s: float = Field(
+        default=25e-6, gt=0, description="engine seconds per computed prompt token assumed "
+        "before any request finished")
+    cold_step_prior_s: float = Field(
+        default=0.02, ge=0, description="busy engine step assumed before any is measured")
+    cold_overhead_steps: float = Field(
+        default=1.5, ge=0, description="engine steps an asynchronous load adds")
+    cold_deadline_factor: float = Field(
+        default=2.0, ge=1, description="a read may take this times its share of the "
+        "engine's time (wait + compute it replaces) before it is recomputed")
 
     @field_validator("api_keys")
     @classmethod

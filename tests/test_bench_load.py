@@ -496,3 +496,15 @@ def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
     t = step_time(m)
     assert (t["step_p50_ms"], t["engine_steps"]) == (4.75, 190)
     assert t["step_p99_over_p50"] == pytest.approx(t["step_p99_ms"] / 4.75, abs=1e-3)
+
+
+def test_cold_split_flag_is_checked_and_reaches_the_servers_config():
+    from benchmarks.load_setup import cold_split_settings, parser
+
+    p = parser("load")
+    assert cold_split_settings(p.parse_args([])) == {"mode": "auto", "pinned_chunks": 0}
+    assert cold_split_settings(p.parse_args(["--cold-split", "pinned:7"])) == \
+        {"mode": "pinned", "pinned_chunks": 7}
+    for bad in ("pinned", "pinned:x", "off:3", "sometimes"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--cold-split", bad])

@@ -15,15 +15,17 @@ its engine-core process).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inferscale.types import Tier
 from inferscale.vllm_plugin.config import WORKER_EXTENSION, ConnectorConfig, kv_transfer_config
 from inferscale.vllm_plugin.failures import fallback_reason
-from inferscale.vllm_plugin.metadata import MemoryRef, MemoryReply
+from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef, MemoryReply
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class Generation:
     fallback: str | None = None  # why named memory was prefilled instead of injected
     facts_by_tier: dict = field(default_factory=dict)  # where injected facts were read from
     storage_bytes: int = 0  # read from storage for this request
+    cold: ColdSplit | None = None  # a user in neither tier: facts loaded vs computed
+    request_id: str = ""  # the engine's request id (its stats name it)
 
     @property
     def fallback_reason(self) -> str | None:
@@ -136,18 +140,23 @@ class Generation:
 
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
 _COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+_FINISHED: deque[dict] = deque(maxlen=4096)  # vLLM's stats of finished requests, unread
 
 
 def _prompt_token_counter():
     """A vLLM stat logger adding up vLLM's own per-iteration prompt-token counters
-    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``."""
+    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``, and
+    keeping its stats of finished requests (queue and prefill times) in ``_FINISHED``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from inferscale.vllm_plugin.compat import finished_requests
 
     class PromptTokenCounter(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            _FINISHED.extend(finished_requests(iteration_stats))
             stats = getattr(iteration_stats, "prompt_token_stats", None)
             if stats is not None:
                 _COUNTERS["computed"] += stats.computed
@@ -194,6 +203,33 @@ class MemoryEngine:
     def prompt_token_counters() -> dict[str, int]:
         """vLLM's running prompt-token counters by source (its own stats)."""
         return dict(_COUNTERS)
+
+    @staticmethod
+    def finished_stats() -> list[dict]:
+        """vLLM's stats of the requests finished since the last call
+        (:func:`~inferscale.vllm_plugin.compat.finished_requests`)."""
+        out = []
+        while _FINISHED:
+            out.append(_FINISHED.popleft())
+        return out
+
+    async def prefetch(self, ref: MemoryRef, chunks: int, deadline_s: float,
+                       nbytes: int) -> "asyncio.Task":
+        """Have every worker start reading ``ref``'s first ``chunks`` chunks (about
+        ``nbytes``) from storage unless it holds the user, ahead of the request: returns
+        the running RPC (its result: each rank's storage statistics). vLLM's client sends
+        utility calls and requests over one socket in call order and its engine core runs
+        them in that order, so once this returns (the RPC is sent) a request submitted
+        next reaches the workers after the prefetch."""
+        task = asyncio.ensure_future(self.llm.collective_rpc(
+            "inferscale_prefetch", args=(ref.user, ref.version, list(ref.chunks[:chunks]),
+                                         deadline_s, nbytes)))
+        await asyncio.sleep(0)  # the task's first step sends the RPC
+        return task
+
+    async def storage_stats(self) -> list[dict]:
+        """Each worker's storage statistics (for the compute-or-load split)."""
+        return list(await self.llm.collective_rpc("inferscale_storage_stats"))
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -261,7 +297,8 @@ class MemoryEngine:
 
     async def stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                      max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
-                     cache_salt: str | None = None) -> AsyncIterator[Any]:
+                     cache_salt: str | None = None, request_id: str | None = None
+                     ) -> AsyncIterator[Any]:
         """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -274,7 +311,8 @@ class MemoryEngine:
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
             prompt["cache_salt"] = salt
-        async for out in self.llm.generate(prompt, params, request_id=f"is-{next(self._ids)}"):
+        async for out in self.llm.generate(prompt, params,
+                                           request_id=request_id or f"is-{next(self._ids)}"):
             yield out
 
     async def generate_stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
@@ -291,9 +329,10 @@ class MemoryEngine:
         cached = 0
         finish = None
         reply = MemoryReply()
+        rid = f"is-{next(self._ids)}"
         async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
                                      temperature=temperature, ignore_eos=ignore_eos,
-                                     cache_salt=cache_salt):
+                                     cache_salt=cache_salt, request_id=rid):
             comp = out.outputs[0]
             if ttft is None and comp.token_ids:
                 ttft = time.perf_counter() - start
@@ -307,7 +346,7 @@ class MemoryEngine:
                 yield comp.text
         yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
                          len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
-                         reply.facts_by_tier, reply.storage_bytes)
+                         reply.facts_by_tier, reply.storage_bytes, reply.cold, rid)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                        max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,

@@ -64,6 +64,7 @@ class UserMemory:
     memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
     text_tail: int = 0
     tail_max_k: int = 0
+    kv_row_bytes: int = 0  # stored KV bytes per memory token (0: unknown)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:

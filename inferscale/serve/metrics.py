@@ -46,6 +46,16 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_facts_total{rank,tier}           injected facts by source tier (gpu|host|storage)
     storage_read_bytes_total{rank}, fetch_seconds{rank}, fetch_failures_total{rank}
                                             reads of facts from storage for requests
+    prefetches_total{rank,outcome}          reads started ahead of their requests: started,
+                                            adopted, dropped, resident (not started)
+    cold_requests_total                     kv requests whose user was in neither tier
+    cold_facts_total{source}                their facts: storage (loaded) | prefill (computed)
+    cold_read_bytes_total                   bytes read from storage for them
+    cold_split_fraction                     facts loaded / facts, per such request
+    storage_bandwidth_bytes_per_second      the split's storage bandwidth estimate (B)
+    cold_split_estimate{quantity}           its other estimates: wait_seconds (W),
+                                            compute_seconds_per_token (c), overhead_seconds
+                                            (D), queued_bytes (Q), fixed_seconds
 
 """
 
@@ -60,6 +70,7 @@ from inferscale.types import TIERS
 from inferscale.vllm_plugin.failures import FALLBACK_REASONS
 
 if TYPE_CHECKING:
+    from inferscale.serve.cold_split import LoadEstimator
     from inferscale.serve.engine import Generation, MemoryEngine
     from inferscale.serve.memory_cache import MemoryCache
 
@@ -130,6 +141,9 @@ class WorkerCollector:
         yield family(CounterMetricFamily, "fetch_failures", "Reads of facts from storage that "
                      "failed or timed out (the request was recomputed)",
                      lambda s: [([], s["fetch"]["failures"])] if "fetch" in s else [])
+        yield family(CounterMetricFamily, "prefetches", "Reads of facts started ahead of "
+                     "their requests, by outcome", lambda s: [([k], v) for k, v in s.get(
+                         "prefetch", {}).items()], ("rank", "outcome"))
 
 
 def _histogram(name: str, doc: str, per_rank: list[tuple[str, dict]]) -> HistogramMetricFamily:
@@ -181,12 +195,35 @@ class CacheCollector:
         yield refused
 
 
+class EstimateCollector:
+    """The compute-or-load split's estimates now (:class:`~inferscale.serve.cold_split.
+    LoadEstimator`), read at scrape time."""
+
+    def __init__(self, estimator: "LoadEstimator") -> None:
+        self.estimator = estimator
+
+    def collect(self) -> Iterator[Any]:
+        est = self.estimator.estimates()
+        yield GaugeMetricFamily("inferscale_storage_bandwidth_bytes_per_second",
+                                "Storage bandwidth estimate of the compute-or-load split",
+                                value=est.bandwidth)
+        fam = GaugeMetricFamily("inferscale_cold_split_estimate", "The compute-or-load "
+                                "split's other estimates", labels=["quantity"])
+        for name, v in (("wait_seconds", est.wait_s),
+                        ("compute_seconds_per_token", est.compute_s_per_token),
+                        ("overhead_seconds", est.overhead_s), ("queued_bytes", est.queued_bytes),
+                        ("fixed_seconds", est.fixed_s)):
+            fam.add_metric([name], v)
+        yield fam
+
+
 class ServingMetrics:
     """The server's metrics: per-request counters it updates (:meth:`observe`) and the
     workers' counters it reads at scrape time (:meth:`render`). Its own registry, so
     every server instance counts from zero."""
 
-    def __init__(self, cache: "MemoryCache | None" = None) -> None:
+    def __init__(self, cache: "MemoryCache | None" = None,
+                 estimator: "LoadEstimator | None" = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("inferscale_requests", "Answered chat requests by memory mode",
@@ -212,6 +249,18 @@ class ServingMetrics:
         self.q2ft = Histogram("inferscale_query_to_first_token_seconds",
                               "Request start (before retrieval) to the first token", ["mode"],
                               buckets=_TTFT_S, registry=r)
+        self.cold = Counter("inferscale_cold_requests", "KV requests whose user was in "
+                            "neither tier (facts split between storage and prefill)",
+                            registry=r)
+        self.cold_facts = Counter("inferscale_cold_facts", "Facts of such requests: loaded "
+                                  "from storage or prefilled", ["source"], registry=r)
+        self.cold_bytes = Counter("inferscale_cold_read_bytes", "Bytes read from storage "
+                                  "for such requests", registry=r)
+        self.cold_fraction = Histogram("inferscale_cold_split_fraction", "Share of a cold "
+                                       "request's facts loaded from storage",
+                                       buckets=tuple(i / 10 for i in range(11)), registry=r)
+        for source in ("storage", "prefill"):
+            self.cold_facts.labels(source)
         for mode in MODES:  # every label value shows from the first scrape, at 0
             for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft):
                 metric.labels(mode)
@@ -221,6 +270,8 @@ class ServingMetrics:
         r.register(self.workers)
         if cache is not None:
             r.register(CacheCollector(cache))
+        if estimator is not None:
+            r.register(EstimateCollector(estimator))
 
     def observe(self, info: dict, gen: "Generation") -> None:
         """Count one finished request: ``info`` from the server's ``prepare`` (mode,
@@ -234,6 +285,14 @@ class ServingMetrics:
         self.text_tail.inc(info.get("text_tail_tokens", 0))
         if mode == "kv" and gen.fallback:
             self.fallbacks.labels(gen.fallback_reason).inc()
+        if gen.cold is not None:
+            self.cold.inc()
+            self.cold_facts.labels("storage").inc(gen.cold.loaded)
+            self.cold_facts.labels("prefill").inc(gen.cold.computed)
+            self.cold_bytes.inc(gen.storage_bytes)
+            facts = gen.cold.loaded + gen.cold.computed
+            if facts:
+                self.cold_fraction.observe(gen.cold.loaded / facts)
         if mode != "none":
             self.retrieval.observe((timings.get("embed", 0.0) + timings.get("retrieve", 0.0))
                                    / 1e3)

@@ -8,8 +8,11 @@ compose ``[instruction prefix | facts | query]`` from stored token ids -> genera
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
 and the same retrieval); a request without a user or whose user has no memory is
-answered from the question alone (mode ``none``). Every request carries a ``cache_salt``
-derived from its user, its memory's version and the mode
+answered from the question alone (mode ``none``). A ``kv`` request also carries how many
+of its leading chunks to read from storage should its user be in neither tier
+(:mod:`inferscale.serve.cold_split`), and the workers start reading those before the
+engine sees the request (:meth:`MemoryServer.answer_stream`). Every request carries a
+``cache_salt`` derived from its user, its memory's version and the mode
 (:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
 (:mod:`inferscale.serve.metrics`).
@@ -20,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
+from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
 from inferscale.serve.memory_cache import (
     MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
@@ -50,6 +55,7 @@ class Prepared:
     ref: MemoryRef | None
     salt: str
     info: dict
+    split: Split | None = None  # the facts to read should the user be in neither tier
 
 
 class MemoryServer:
@@ -60,7 +66,8 @@ class MemoryServer:
 
     def __init__(self, engine: MemoryEngine | None, tokenizer: Any, embedder: Any, store: Any,
                  mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
-                 cache: MemoryCacheConfig | None = None, fingerprint: str | None = None):
+                 cache: MemoryCacheConfig | None = None, cold: ColdSplitConfig | None = None,
+                 fingerprint: str | None = None):
         self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
         self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
         self.fp = fingerprint or engine.config.model_fingerprint
@@ -69,7 +76,11 @@ class MemoryServer:
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
-        self.metrics = ServingMetrics(self.memories)  # the app's /metrics renders it
+        self.cold = cold or ColdSplitConfig()
+        self.estimator = LoadEstimator(self.cold)  # fed and read on the event loop only
+        self._poll: asyncio.Future | None = None  # the workers' storage statistics
+        self._resident: OrderedDict[str, bool] = OrderedDict()  # user -> last seen in a tier
+        self.metrics = ServingMetrics(self.memories, self.estimator)  # the app's /metrics
 
     @property
     def users(self) -> dict[str, str | None]:
@@ -109,7 +120,7 @@ class MemoryServer:
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
                           token_ids, FactIndex.from_table(facts, device=self.embedder.device),
                           dict(zip(fact_ids, facts.column("source_index").to_pylist())),
-                          *layout)
+                          *layout, kv_row_bytes=_row_bytes(manifest.kv))
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts.read import latest_version
@@ -164,6 +175,10 @@ class MemoryServer:
         # question and reading the top-k back from the GPU wait for the device
         p = await asyncio.get_running_loop().run_in_executor(
             self._retrieval, self.compose, mem, user, question, k, mode)
+        if p.ref is not None and p.ref.lengths and mem.kv_row_bytes and self.cold.mode != "off":
+            p.split = self._split(p.ref.lengths, mem.kv_row_bytes)
+            p.ref = replace(p.ref, cold_chunks=p.split.chunks,
+                            read_deadline_s=p.split.deadline_s)
         p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
         limit = self.engine.config.max_model_len
         if len(p.ids) + (max_tokens or self.max_tokens) > limit:
@@ -181,6 +196,7 @@ class MemoryServer:
         "info"}`` as :meth:`answer` returns it. The finished request is counted in
         :attr:`metrics`. The app's streaming responses call this."""
         first = gen = None
+        await self._prefetch(p)
         async for item in self.engine.generate_stream(
                 p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
                 ignore_eos=ignore_eos, cache_salt=p.salt):
@@ -200,8 +216,70 @@ class MemoryServer:
             info.update(facts_by_tier=gen.facts_by_tier, storage_bytes=gen.storage_bytes)
         if gen.fallback:
             info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
+        self._finished(p, gen)
         self.metrics.observe(info, gen)
         yield {"generation": gen, "info": info}
+
+    # ------------------------------------------------------------ users in neither tier
+
+    def _split(self, lengths: tuple[int, ...], row_bytes: int) -> Split:
+        """The split of a request's memory chunks by the estimates of now (and ask the
+        workers for fresh storage statistics when they are older than ``poll_s``)."""
+        self.estimator.engine_stats(self.engine.finished_stats())
+        at = self.estimator.storage_at
+        if (self._poll is None or self._poll.done()) and \
+                (at is None or time.monotonic() - at > self.cold.poll_s):
+            self._poll = asyncio.ensure_future(self.engine.storage_stats())
+            self._poll.add_done_callback(self._storage_stats)
+        pinned = self.cold.pinned_chunks if self.cold.mode == "pinned" else None
+        return split(lengths, row_bytes, self.estimator.estimates(),
+                     self.cold.deadline_factor, pinned)
+
+    def _storage_stats(self, done: asyncio.Future) -> list[dict] | None:
+        if done.cancelled() or done.exception() is not None:
+            log.warning("reading the workers' storage statistics failed: %r",
+                        None if done.cancelled() else done.exception())
+            return None
+        self.estimator.storage(done.result())
+        return done.result()
+
+    async def _prefetch(self, p: Prepared) -> None:
+        """Have the workers start reading the split's chunks before the engine sees the
+        request, unless the user was in a tier when last seen (a stale guess only costs
+        the overlap: the read then starts when the engine schedules the request)."""
+        ref, s = p.ref, p.split
+        if ref is None or s is None or not s.chunks or self._resident.get(ref.user):
+            return
+        deadline = self.engine.config.connector.fetch_timeout_s if s.deadline_s is None \
+            else s.deadline_s
+        task = await self.engine.prefetch(ref, s.chunks, deadline, s.bytes)
+
+        def done(t: asyncio.Future) -> None:
+            stats = self._storage_stats(t)
+            if stats:
+                self._seen(ref.user, all(r.get("resident") for r in stats))
+
+        task.add_done_callback(done)
+
+    def _seen(self, user: str, resident: bool) -> None:
+        self._resident[user] = resident
+        self._resident.move_to_end(user)
+        while len(self._resident) > 10_000:
+            self._resident.popitem(last=False)
+
+    def _finished(self, p: Prepared, gen: Generation) -> None:
+        """Feed the estimator and the residency guess; report a cold request's split."""
+        cold = gen.cold
+        self.estimator.request_read(gen.request_id, bool(cold and cold.read))
+        if p.ref is None:
+            return
+        if cold is not None:
+            self._seen(p.ref.user, False)
+            p.info["cold"] = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
+                              "bytes_read": gen.storage_bytes,
+                              "split": p.split.info() if p.split else None}
+        elif gen.facts_by_tier.get("gpu") or gen.facts_by_tier.get("host"):
+            self._seen(p.ref.user, True)
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
@@ -261,5 +339,17 @@ async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, 
     embedder.prewarm()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
-                          cache=MemoryCacheConfig.from_settings(settings))
+                          cache=MemoryCacheConfig.from_settings(settings),
+                          cold=ColdSplitConfig.from_settings(settings))
     return server, settings.model
+
+
+def _row_bytes(kv: dict) -> int:
+    """Stored KV bytes per memory token from a manifest's ``kv`` record (0: unknown)."""
+    from storage_schemas.kv import ITEMSIZE
+
+    try:
+        return 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * \
+            ITEMSIZE[str(kv["dtype"])]
+    except (KeyError, TypeError, ValueError):
+        return 0

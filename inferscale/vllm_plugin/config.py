@@ -44,6 +44,9 @@ class ConnectorConfig:
     fetch_tokens: int = 65536
     fetch_workers: int = 8  # parallel range reads
     fetch_timeout_s: float = 10.0  # a read that cannot start or finish by then is recomputed
+    # a read the server started ahead of its request (a prefetch) and no request adopted
+    # is dropped this long after its deadline, its staging memory given back
+    prefetch_keep_s: float = 1.0
     # bytes of pinned host memory that reads from storage land in (whole users and facts),
     # and of device memory that read facts wait in until injected; taken once at start-up
     staging_bytes: int = 4 << 30
@@ -67,8 +70,9 @@ class ConnectorConfig:
                      "device_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.fetch_workers < 1 or self.fetch_timeout_s <= 0:
-            raise ValueError("fetch_workers must be >= 1 and fetch_timeout_s > 0")
+        if self.fetch_workers < 1 or self.fetch_timeout_s <= 0 or self.prefetch_keep_s < 0:
+            raise ValueError("fetch_workers must be >= 1, fetch_timeout_s > 0 and "
+                             "prefetch_keep_s >= 0")
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"direct_io must be true or false, got {self.direct_io!r}")
 

@@ -3,24 +3,39 @@
 The scheduler admits a request whose user is in neither tier as an asynchronous load
 (:class:`~inferscale.vllm_plugin.metadata.FetchSpec`): vLLM keeps it waiting, with its
 blocks allocated, until the worker reports it finished. :class:`Fetches` runs each read
-on a small thread pool, off the engine's thread: the version's chunk index, a check that
-the chunks' token ids are exactly the prompt's, the rows of just those chunks into the
-store's pinned staging reserve (:class:`~inferscale.hydrate.fetch.FactReader`), and one
-copy into its device staging reserve in the engine's dtype and layout (the rank's heads
-under tensor parallelism). What the engine's thread then does is what it does for a
-resident user: one injection kernel reading device memory, in the next step.
+on a small thread pool, off the engine's thread: the version's chunk index, the rows of
+just those chunks into the store's pinned staging reserve
+(:class:`~inferscale.hydrate.fetch.FactReader`), and one copy into its device staging
+reserve in the engine's dtype and layout (the rank's heads under tensor parallelism).
+Before a read is handed over, the chunks' token ids are checked against the prompt's.
+What the engine's thread then does is what it does for a resident user: one injection
+kernel reading device memory, in the next step.
 
-A read that fails, or cannot get staging memory or finish within ``timeout_s``, is
-reported as failed (vLLM recomputes the request's memory); a request that finishes while
-its read runs (a client that went away) has its read dropped when it completes. Every
-read is reported finished exactly once, which is when vLLM frees the blocks it held.
+**Prefetches.** The server knows a request's facts before the engine schedules it, so
+it asks every worker to start reading them then (:meth:`Fetches.prefetch`, the
+``inferscale_prefetch`` RPC, sent ahead of the request): the read overlaps the request's
+wait in vLLM's queue. A read is keyed by (user, version, chunks); the request's
+``FetchSpec`` adopts a prefetch of the same key, running or finished, instead of reading
+again. A prefetch no request adopts is dropped ``keep_s`` after its deadline, its staging
+memory given back.
+
+A read that fails, cannot get staging memory, or is not done by its deadline
+(``FetchSpec.deadline_s`` from the read's start, else ``timeout_s``) is reported as failed
+(vLLM recomputes the request's memory); a request that finishes while its read runs (a
+client that went away) has its read dropped when it completes. Every read is reported
+finished exactly once, which is when vLLM frees the blocks it held. The reads' bytes and
+the time the reader was busy are counted (:meth:`Fetches.stats`): the server's estimate
+of the storage bandwidth.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from inferscale.hydrate.fetch import FactReader
 from inferscale.hydrate.resident import Resident
@@ -29,6 +44,9 @@ from inferscale.stats import Histogram, geometric
 from inferscale.vllm_plugin.metadata import FetchSpec
 
 FETCH_BUCKETS_S = geometric(0.001, 30.0, 1.5)
+PREFETCH_OUTCOMES = ("started", "adopted", "dropped", "resident")
+
+Key = tuple[str, str, tuple[str, ...]]  # user, version, chunks
 
 
 @dataclass
@@ -36,28 +54,75 @@ class Fetched:
     """A finished read: the facts as a transient resident (its slab in device staging
     memory), or why there is none."""
 
-    spec: FetchSpec
+    spec: FetchSpec | None
     resident: Resident | None = None
     error: str | None = None
     nbytes: int = 0  # read from storage
+
+
+@dataclass
+class _Read:
+    key: Key
+    future: Future
+    started: float  # time.monotonic()
+    deadline: float
+    nbytes: int  # expected until the read knows (for the bytes queued)
+    spec: FetchSpec | None = None  # the request it is for (None: a prefetch not adopted)
 
 
 class Fetches:
     """Reads for waiting requests; :meth:`done` hands over the finished ones."""
 
     def __init__(self, store: ResidentStore, reader: FactReader | None, fingerprint: str,
-                 timeout_s: float = 10.0, workers: int = 4):
+                 timeout_s: float = 10.0, workers: int = 4, keep_s: float = 1.0):
         self.store, self.reader, self.fingerprint = store, reader, fingerprint
-        self.timeout_s = timeout_s
+        self.timeout_s, self.keep_s = timeout_s, keep_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inferscale-fetches")
-        self._running: dict[str, tuple[FetchSpec, Future, float]] = {}
+        self._running: dict[str, _Read] = {}  # request id -> its read
+        self._prefetched: dict[Key, list[_Read]] = {}  # not adopted yet, oldest first
         self._cancelled: set[str] = set()
         self.latency = Histogram(FETCH_BUCKETS_S)  # of the reads that succeeded
         self.reads = self.failures = self.bytes_read = 0
+        self.prefetches = dict.fromkeys(PREFETCH_OUTCOMES, 0)
+        self._row_bytes = 0  # of the last index read: sizes reads not started yet
+        # the reader's busy time (at least one read of rows in progress), for bandwidth
+        self._busy = threading.Lock()
+        self._active, self._busy_since, self.busy_s, self.busy_bytes = 0, 0.0, 0.0, 0
+
+    # ------------------------------------------------------------------ starting reads
+
+    def prefetch(self, user: str, version: str, chunks: list[str], deadline_s: float,
+                 nbytes: int = 0) -> None:
+        """Start reading ``chunks`` of ``user``'s ``version`` (about ``nbytes``) for a
+        request the scheduler has not seen yet, to be adopted by its :meth:`submit`."""
+        key = (user, version, tuple(chunks))
+        self.expire()
+        self._prefetched.setdefault(key, []).append(self._start(key, deadline_s, nbytes))
+        self.prefetches["started"] += 1
 
     def submit(self, spec: FetchSpec) -> None:
-        self._running[spec.req_id] = (spec, self._pool.submit(self._read, spec),
-                                      time.monotonic())
+        """Read for ``spec``: adopt a prefetch of its chunks, else start a read."""
+        key = (spec.user, spec.version, tuple(spec.chunks))
+        waiting = self._prefetched.get(key)
+        if waiting:
+            read = waiting.pop(0)
+            if not waiting:
+                del self._prefetched[key]
+            self.prefetches["adopted"] += 1
+        else:
+            deadline_s = self.timeout_s if spec.deadline_s is None else spec.deadline_s
+            read = self._start(key, deadline_s, 0, spec.end)
+        read.spec = spec
+        self._running[spec.req_id] = read
+
+    def _start(self, key: Key, deadline_s: float, nbytes: int, tokens: int = 0) -> _Read:
+        now = time.monotonic()
+        if deadline_s <= 0:  # no time for a read at all: it fails at once
+            future: Future = Future()
+            future.set_result(Fetched(None, error="no time left for a read"))
+        else:
+            future = self._pool.submit(self._read, key, now + deadline_s)
+        return _Read(key, future, now, now + deadline_s, nbytes or tokens * self._row_bytes)
 
     def cancel(self, req_ids: set[str]) -> None:
         """Requests that finished in the scheduler: drop their reads once complete."""
@@ -65,23 +130,45 @@ class Fetches:
 
     @property
     def pending(self) -> int:
-        return len(self._running)
+        return len(self._running) + sum(len(v) for v in self._prefetched.values())
+
+    def stats(self) -> dict:
+        """Cumulative bytes of rows read and seconds the reader was busy (the server's
+        bandwidth estimate takes their deltas), bytes not read yet of the reads started
+        or waiting, and the prefetches by outcome."""
+        now = time.monotonic()
+        with self._busy:
+            busy = self.busy_s + (now - self._busy_since if self._active else 0.0)
+            nbytes = self.busy_bytes
+        reads = [*self._running.values(), *(r for v in self._prefetched.values() for r in v)]
+        return {"bytes": nbytes, "busy_s": busy,
+                "queued_bytes": sum(r.nbytes for r in reads if not r.future.done()),
+                "prefetch": dict(self.prefetches)}
+
+    # ------------------------------------------------------------------ handing over
 
     def done(self) -> list[Fetched]:
-        """The reads that completed (or timed out) since the last call; a cancelled one
-        comes back without a resident (its memory already given back)."""
+        """The reads that completed (or missed their deadline) since the last call; a
+        cancelled one comes back without a resident (its memory already given back)."""
         out = []
         now = time.monotonic()
-        for req_id, (spec, fut, started) in list(self._running.items()):
-            late = now - started > self.timeout_s
-            if not fut.done() and not late:
+        self.expire(now)
+        for req_id, read in list(self._running.items()):
+            if not read.future.done() and now <= read.deadline:
                 continue
             del self._running[req_id]
-            if not fut.done():  # it may still write its staging memory: let it finish
-                fut.add_done_callback(lambda f: self._drop(f.result()))
-                got = Fetched(spec, error=f"read from storage took over {self.timeout_s} s")
+            spec = read.spec
+            if not read.future.done():  # it may still write its staging memory: let it finish
+                read.future.add_done_callback(lambda f: self._drop(f.result()))
+                got = Fetched(spec, error=f"read from storage not done within its "
+                                          f"{read.deadline - read.started:.3g} s")
             else:
-                got = fut.result()
+                got = read.future.result()
+                got.spec = spec
+                if got.error is None and not _carries(spec, got.resident):
+                    self._drop(got)
+                    got = Fetched(spec, error="ValueError: the prompt does not carry the "
+                                              "memory's token ids")
             if req_id in self._cancelled:
                 self._cancelled.discard(req_id)
                 self._drop(got)
@@ -89,46 +176,63 @@ class Fetches:
             if got.error is None:
                 self.reads += 1
                 self.bytes_read += got.nbytes
-                self.latency.observe(now - started)
+                self.latency.observe(now - read.started)
             elif got.error != "cancelled":
                 self.failures += 1
             out.append(got)
         return out
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop the prefetches no request adopted within ``keep_s`` of their deadline."""
+        now = time.monotonic() if now is None else now
+        for key, reads in list(self._prefetched.items()):
+            keep = [r for r in reads if now <= r.deadline + self.keep_s]
+            for read in reads:
+                if now > read.deadline + self.keep_s:
+                    self.prefetches["dropped"] += 1
+                    read.future.add_done_callback(lambda f: self._drop(f.result()))
+            if keep:
+                self._prefetched[key] = keep
+            else:
+                del self._prefetched[key]
 
     def _drop(self, got: Fetched) -> None:
         if got.resident is not None and got.resident.region is not None:
             self.store.release(got.resident.region)
             got.resident = None
 
-    def _read(self, spec: FetchSpec) -> Fetched:
+    # ------------------------------------------------------------------ on the pool
+
+    def _read(self, key: Key, deadline: float) -> Fetched:
         """Runs on the pool: never raises (a failure is the result's ``error``)."""
         try:
-            return self._fetch(spec)
+            return self._fetch(*key, deadline)
         except Exception as exc:  # noqa: BLE001 - reported, the request is recomputed
-            return Fetched(spec, error=f"{type(exc).__name__}: {exc}")
+            return Fetched(None, error=f"{type(exc).__name__}: {exc}")
 
-    def _fetch(self, spec: FetchSpec) -> Fetched:
+    def _fetch(self, user: str, version: str, chunks: tuple[str, ...],
+               deadline: float) -> Fetched:
         if self.reader is None:
             raise RuntimeError("the connector has no artifact_root to read facts from")
-        index = self.reader.index(spec.user, spec.version)
-        chunks = list(spec.chunks)
-        tokens = [t for c in chunks for t in index.token_ids[c]]
-        if tokens[spec.start:spec.end] != list(spec.expected):
-            raise ValueError("the prompt does not carry the memory's token ids")
+        index = self.reader.index(user, version)
+        chunks = list(chunks)
+        self._row_bytes = index.row_bytes
         nbytes = index.tokens(chunks) * index.row_bytes
         offsets, at = {}, 0
         for c in chunks:
             n = index.rows[c][1]
             offsets[c] = (at, n)
             at += n
-        host = self.store.staging(nbytes, self.timeout_s, "host")
+        host = self.store.staging(nbytes, max(0.0, deadline - time.monotonic()), "host")
         try:
-            rows = self.reader.read(index, chunks, host.data)  # [T, 2, L, H, D], stored dtype
+            with self._reading(nbytes):
+                rows = self.reader.read(index, chunks, host.data)  # [T, 2, L, H, D], stored
             # the read's rows as a transient resident: fp8 scales by chunk, in read order
-            resident = Resident(spec.user, spec.version, self.fingerprint, rows, offsets,
+            resident = Resident(user, version, self.fingerprint, rows, offsets,
                                 {c: index.token_ids[c] for c in chunks}, tier="storage",
                                 scales=index.chunk_scales(chunks))
-            dev = self.store.staging(self.store.placed_bytes(rows), self.timeout_s, "gpu")
+            dev = self.store.staging(self.store.placed_bytes(rows),
+                                     max(0.0, deadline - time.monotonic()), "gpu")
             try:
                 dequant = resident.scales is not None and \
                     self.store.kept_dtype(rows.dtype) != rows.dtype
@@ -141,4 +245,29 @@ class Fetches:
             self.store.release(host)
         resident.scales = self.store.kept_scales(resident)
         resident.slab, resident.region = slab, dev
-        return Fetched(spec, resident, nbytes=nbytes)
+        return Fetched(None, resident, nbytes=nbytes)
+
+    @contextmanager
+    def _reading(self, nbytes: int) -> Iterator[None]:
+        """While rows are read the reader counts as busy (overlapping reads count once);
+        the bytes count once read."""
+        with self._busy:
+            if not self._active:
+                self._busy_since = time.monotonic()
+            self._active += 1
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with self._busy:
+                self._active -= 1
+                if not self._active:
+                    self.busy_s += time.monotonic() - self._busy_since
+                self.busy_bytes += nbytes if ok else 0
+
+
+def _carries(spec: FetchSpec, resident: Resident) -> bool:
+    """Whether the read chunks' token ids are exactly the prompt's (``spec.expected``)."""
+    tokens = [t for c in spec.chunks for t in resident.token_ids[c]]
+    return tokens[spec.start:spec.end] == list(spec.expected)

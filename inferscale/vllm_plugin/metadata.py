@@ -61,6 +61,23 @@ class MemoryRef:
     # the version the caller serves the user from (its LATEST or pin): when the workers
     # hold another version of the user, they reload this one in the background
     supersedes: bool = False
+    # when the user is in neither tier: read only the first ``cold_chunks`` chunks from
+    # storage and prefill the rest as text (None: read them all; 0: prefill everything).
+    # Ignored when the user is resident (everything is injected from memory then).
+    cold_chunks: int | None = None
+    # seconds the read from storage may take from its start (None: the connector's
+    # fetch_timeout_s); past it the read is reported failed and vLLM recomputes
+    read_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.cold_chunks is not None and (type(self.cold_chunks) is not int or
+                                             self.cold_chunks < 0):
+            raise TypeError("cold_chunks must be a non-negative integer")
+        if self.read_deadline_s is not None and not (
+                isinstance(self.read_deadline_s, (int, float)) and
+                not isinstance(self.read_deadline_s, bool) and
+                0 <= self.read_deadline_s < float("inf")):
+            raise TypeError("read_deadline_s must be a finite number >= 0")
 
     def cache_salt(self) -> str:
         """Unique to (user, version): prefix-cache blocks of injected memory are reused
@@ -74,6 +91,10 @@ class MemoryRef:
             body["lengths"] = list(self.lengths)
         if self.supersedes:
             body["supersedes"] = True
+        if self.cold_chunks is not None:
+            body["cold_chunks"] = self.cold_chunks
+        if self.read_deadline_s is not None:
+            body["read_deadline_s"] = float(self.read_deadline_s)
         return {PARAMS_KEY: body}
 
     @classmethod
@@ -95,18 +116,42 @@ class MemoryRef:
             raise TypeError("lengths must be a list of non-negative integers")
         if lengths and len(lengths) != len(chunks):
             raise ValueError(f"{len(lengths)} lengths for {len(chunks)} chunks")
-        return cls(user, version, chunks, tuple(lengths), body.get("supersedes") is True)
+        return cls(user, version, chunks, tuple(lengths), body.get("supersedes") is True,
+                   body.get("cold_chunks"), body.get("read_deadline_s"))
+
+
+@dataclass(frozen=True)
+class ColdSplit:
+    """How a request of a user in neither tier was served: facts read from storage and
+    injected (``loaded``) and facts prefilled as text (``computed``), and whether it
+    waited for a read (an asynchronous load was admitted, whatever its outcome)."""
+
+    loaded: int = 0
+    computed: int = 0
+    read: bool = False
+
+    def to_params(self) -> dict:
+        return {"loaded": self.loaded, "computed": self.computed, "read": self.read}
+
+    @classmethod
+    def from_params(cls, body: Any) -> "ColdSplit | None":
+        if not isinstance(body, dict):
+            return None
+        return cls(int(body.get("loaded") or 0), int(body.get("computed") or 0),
+                   body.get("read") is True)
 
 
 @dataclass(frozen=True)
 class MemoryReply:
     """What the connector did with a request's memory: tokens injected, facts by the
-    tier they were read from, bytes read from storage, and why memory was prefilled."""
+    tier they were read from, bytes read from storage, why memory was prefilled, and
+    for a user in neither tier how its facts were split (:class:`ColdSplit`)."""
 
     injected_tokens: int = 0
     fallback: str | None = None
     facts_by_tier: dict = field(default_factory=dict)  # "gpu" | "host" | "storage" -> n
     storage_bytes: int = 0
+    cold: ColdSplit | None = None
 
     def to_params(self) -> dict:
         body: dict[str, Any] = {"injected_tokens": self.injected_tokens,
@@ -114,13 +159,16 @@ class MemoryReply:
                                 "storage_bytes": self.storage_bytes}
         if self.fallback:
             body["fallback"] = self.fallback
+        if self.cold is not None:
+            body["cold"] = self.cold.to_params()
         return {PARAMS_KEY: body}
 
     @classmethod
     def from_params(cls, params: dict | None) -> "MemoryReply":
         body = (params or {}).get(PARAMS_KEY) or {}
         return cls(int(body.get("injected_tokens") or 0), body.get("fallback"),
-                   dict(body.get("facts_by_tier") or {}), int(body.get("storage_bytes") or 0))
+                   dict(body.get("facts_by_tier") or {}), int(body.get("storage_bytes") or 0),
+                   ColdSplit.from_params(body.get("cold")))
 
 
 @dataclass
@@ -141,9 +189,11 @@ class LoadSpec:
 class FetchSpec(LoadSpec):
     """A load of a user the workers do not hold: its chunks are read from storage
     (asynchronously; the request waits) and must carry exactly ``expected`` token ids
-    (the prompt's tokens ``[start, end)``)."""
+    (the prompt's tokens ``[start, end)``). ``deadline_s``: how long the read may take
+    from its start (None: the connector's ``fetch_timeout_s``)."""
 
     expected: list[int] = field(default_factory=list)
+    deadline_s: float | None = None
 
 
 @dataclass

@@ -15,10 +15,12 @@ externally available when
   the step (a synchronous load); or
 - no rank holds the user (or holds an older version the request supersedes), the ref
   carries its chunks' lengths and the tokens in flight stay within ``fetch_tokens``: the
-  workers read just those chunks from storage and inject them, and the request waits
-  for that (an asynchronous load; the workers check the chunks' token ids against the
-  prompt's, a mismatch is recomputed). Meanwhile the whole user is reloaded in the
-  background, so its later requests find it resident.
+  workers read the first ``ref.cold_chunks`` chunks (all without it) from storage and
+  inject them, and the request waits for that (an asynchronous load; a read that fails,
+  or whose token ids are not the prompt's, is recomputed). vLLM lets loaded tokens be
+  only a prefix of the prompt; the later chunks are in the prompt anyway and vLLM
+  prefills them (the server's compute-or-load split; 0 chunks: no fallback). Meanwhile
+  the whole user is reloaded in the background, so its later requests find it resident.
 
 Otherwise it returns 0 and the request prefills (the reason is logged and returned). A
 miss orders a background reload as described above, after a failed reload not before a
@@ -43,8 +45,9 @@ import numpy as np
 from inferscale.vllm_plugin.compat import block_ids_of
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
+from inferscale.types import PREFIX_ID
 from inferscale.vllm_plugin.metadata import (
-    FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply, ReloadOrder,
+    ColdSplit, FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply, ReloadOrder,
     ResidencyReport, ResidentInfo,
 )
 
@@ -63,6 +66,11 @@ class _Plan:
     start: int
     end: int
     fetch: bool = False  # read from storage (the user is not resident)
+    chunks: int = 0  # how many leading chunks of the ref are loaded
+
+
+def _facts(chunks: tuple[str, ...]) -> int:
+    return sum(c != PREFIX_ID for c in chunks)
 
 
 class ConnectorScheduler:
@@ -84,6 +92,8 @@ class ConnectorScheduler:
         self.injected_tokens: dict[str, int] = {}
         self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
+        self._cold: dict[str, ColdSplit] = {}  # request id -> its split (user in no tier)
+        self._recompute: set[str] = set()  # its read failed: vLLM asks again, it prefills
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
         self._disabled: str | None = None  # set: no memory is admitted any more
         self.failures = Failures()
@@ -115,10 +125,16 @@ class ConnectorScheduler:
             return 0, False
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        if req_id in self._recompute:  # a failed load from nothing valid: it is computed
+            return 0, False
+        self._cold.pop(req_id, None)
         why = fetch = None
+        n = len(ref.chunks)  # chunks loaded: all of them, unless read from storage
         refused = self._refusal(ref, request)  # not from resident memory
         if refused is not None:
-            why = self._unfetchable(ref, request, refused)
+            if ref.cold_chunks is not None:
+                n = min(n, ref.cold_chunks)
+            why = self._unfetchable(ref, request, refused, n)
             fetch = why is None  # from storage, then
         if why is not None:
             if self._fallbacks.get(req_id) != why:
@@ -127,26 +143,34 @@ class ConnectorScheduler:
             self._fallbacks[req_id] = why
             return 0, False
         self._fallbacks.pop(req_id, None)
-        memory = sum(ref.lengths) if fetch else sum(
-            len(self._resident(ref.user, ref.version).token_ids[c]) for c in ref.chunks)
+        if fetch:
+            memory = sum(ref.lengths[:n])
+            self._cold[req_id] = ColdSplit(0, _facts(ref.chunks))  # until a read is admitted
+        else:
+            info = self._resident(ref.user, ref.version)
+            memory = sum(len(info.token_ids[c]) for c in ref.chunks)
         end = min(memory, len(request.prompt_token_ids) - 1)  # at least one token computed
-        if end <= num_computed_tokens:
+        if end <= num_computed_tokens:  # nothing to load (n = 0, or all found cached)
             return 0, False
-        self._plans[req_id] = _Plan(ref, num_computed_tokens, end, bool(fetch))
+        self._plans[req_id] = _Plan(ref, num_computed_tokens, end, bool(fetch), n)
         return end - num_computed_tokens, bool(fetch)
 
-    def _unfetchable(self, ref: MemoryRef, request: "Request", why: str) -> str | None:
-        """None when a refused request's memory can be read from storage for it instead
-        (nobody holds the user, or an older version it supersedes; the ref says how long
-        its chunks are; the tokens in flight stay within ``fetch_tokens``), else why not."""
+    def _unfetchable(self, ref: MemoryRef, request: "Request", why: str,
+                     n: int) -> str | None:
+        """None when a refused request's first ``n`` chunks can be read from storage for
+        it instead (nobody holds the user, or an older version it supersedes; the ref
+        says how long its chunks are; the tokens in flight stay within
+        ``fetch_tokens``), else why not."""
         if not (ref.lengths and self.config.fetch_tokens and self.config.artifact_root):
             return why
         if not (why == "user not resident" or why.startswith("stale version") and
                 ref.supersedes) or self._disabled:
             return why
-        need = sum(ref.lengths)
-        if len(request.prompt_token_ids) <= need:
+        need = sum(ref.lengths[:n])
+        if len(request.prompt_token_ids) <= sum(ref.lengths):
             return why
+        if need == 0:  # nothing read: the request prefills its memory, by choice
+            return None
         in_flight = sum(self._fetching.values())
         if in_flight + need > self.config.fetch_tokens:
             return f"{why}, storage reads busy ({in_flight} tokens in flight)"
@@ -231,12 +255,15 @@ class ConnectorScheduler:
             # with this step's metadata and the request waits until the workers report it
             block_ids = list(blocks.get_block_ids()[0])
             slots, covered = self._slots(block_ids, plan.start, plan.end)
+            ref, loaded = plan.ref, plan.ref.chunks[:plan.chunks]
             self._fetches.append(FetchSpec(
-                req_id, plan.ref.user, plan.ref.version, list(plan.ref.chunks), plan.start,
-                plan.end, slots, covered,
-                expected=list(request.prompt_token_ids[plan.start:plan.end])))
+                req_id, ref.user, ref.version, list(loaded), plan.start, plan.end, slots,
+                covered, expected=list(request.prompt_token_ids[plan.start:plan.end]),
+                deadline_s=ref.read_deadline_s))
             self._fetching[req_id] = plan.end - plan.start
             self.injected_tokens[req_id] = plan.end - plan.start
+            self._cold[req_id] = ColdSplit(_facts(loaded), _facts(ref.chunks[plan.chunks:]),
+                                           read=True)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's step
             self._failed("update_state_after_alloc", req_id, exc)
             if num_external_tokens > 0:  # vLLM counts them computed: report them failed
@@ -357,6 +384,11 @@ class ConnectorScheduler:
         for req_id, reason in report.failed_loads:  # the worker logged and counted it
             if self.injected_tokens.pop(req_id, None) is not None:
                 self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+            # vLLM asks again for a request whose asynchronous load left nothing valid
+            self._recompute.add(req_id)
+            cold = self._cold.get(req_id)
+            if cold is not None:  # every fact was computed after all
+                self._cold[req_id] = ColdSplit(0, cold.loaded + cold.computed, cold.read)
         for req_id, tiers, nbytes in report.sources:
             self._sources[req_id] = (tiers, nbytes)
 
@@ -369,7 +401,9 @@ class ConnectorScheduler:
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)
         self._unloadable.discard(req_id)
+        self._recompute.discard(req_id)
         tiers, nbytes = self._sources.pop(req_id, ({}, 0))
         reply = MemoryReply(self.injected_tokens.pop(req_id, 0),
-                            self._fallbacks.pop(req_id, None), tiers, nbytes)
+                            self._fallbacks.pop(req_id, None), tiers, nbytes,
+                            self._cold.pop(req_id, None))
         return req_id in self._fetching, reply.to_params()

@@ -88,11 +88,12 @@ class ConnectorWorker:
         reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers) \
             if config.artifact_root else None
         self.fetches = Fetches(self.store, reader, config.model_fingerprint,
-                               config.fetch_timeout_s)
+                               config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
         # where the time goes, for /metrics: busy engine steps (timed by the scheduler
         # half), this step's injection (GPU time on CUDA), both halves' hook time
         self.step_time = Histogram()
+        self.step_s: float | None = None  # moving average of the busy steps
         self.kernel_time = Histogram()
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
@@ -163,6 +164,25 @@ class ConnectorWorker:
         """Admin eviction: drop the user and do not reload it until hydrated again."""
         return self.loader.evict(user)
 
+    def prefetch(self, user: str, version: str, chunks: list[str], deadline_s: float,
+                 nbytes: int = 0) -> dict:
+        """Start reading ``chunks`` for a request the scheduler will see next, unless this
+        worker holds that version of the user (its own store decides) or has no store to
+        read from; then :meth:`storage_stats` with ``resident`` and ``started``."""
+        held = self.store.held(user)
+        resident = held is not None and held.version == version
+        if resident:
+            self.fetches.prefetches["resident"] += 1
+        elif self.fetches.reader is not None:
+            self.fetches.prefetch(user, version, chunks, deadline_s, nbytes)
+        return {**self.storage_stats(), "resident": resident,
+                "started": not resident and self.fetches.reader is not None}
+
+    def storage_stats(self) -> dict:
+        """What the server's compute-or-load split needs from this worker: the reads'
+        bytes and busy seconds (cumulative), the bytes queued, the busy step's average."""
+        return {**self.fetches.stats(), "step_s": self.step_s, "tp_rank": self.tp_rank}
+
     def status(self) -> dict:
         store = self.store
         heads = self.heads
@@ -180,7 +200,8 @@ class ConnectorWorker:
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
                 "inject_path": self.inject_path,
                 "fetches": {"reads": self.fetches.reads, "failures": self.fetches.failures,
-                            "bytes": self.fetches.bytes_read, "pending": self.fetches.pending},
+                            "bytes": self.fetches.bytes_read, "pending": self.fetches.pending,
+                            "prefetches": dict(self.fetches.prefetches)},
                 "budgets": store.budget,
                 "used": {t: store.used(t) for t in TIERS}}
 
@@ -203,6 +224,7 @@ class ConnectorWorker:
         self.hook_seconds["scheduler"] += meta.scheduler_seconds
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
+            self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds
         self._kernel_times()
         self._invalid_blocks.update(meta.failed_blocks)
         for order in meta.reloads:

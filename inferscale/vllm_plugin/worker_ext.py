@@ -12,7 +12,8 @@ own KV heads (the results name the rank, ``tp_rank``, and its heads, ``kv_heads`
 
 Reached only by name, through vLLM's ``collective_rpc``, from
 :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin commands, load
-verification, and the counters ``/metrics`` reads at scrape time).
+verification, the counters ``/metrics`` reads at scrape time, and per cold request the
+prefetch of its facts and the storage statistics of the compute-or-load split).
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ class InferScaleWorkerExtension:
         worker = _worker()
         return worker.tp_rank == rank and worker.store.evict(user)
 
+    def inferscale_prefetch(self, user: str, version: str, chunks: list[str],
+                            deadline_s: float, nbytes: int = 0) -> dict:
+        """Start reading a request's leading ``chunks`` from storage before the engine
+        sees the request (the server sends this ahead of it), unless this worker holds
+        the user; returns this worker's storage statistics."""
+        return _worker().prefetch(user, version, list(chunks), deadline_s, nbytes)
+
+    def inferscale_storage_stats(self) -> dict:
+        """This worker's storage statistics for the server's compute-or-load split."""
+        return _worker().storage_stats()
+
     def inferscale_status(self) -> dict:
         return _worker().status()
 
@@ -125,4 +137,5 @@ class InferScaleWorkerExtension:
                 "facts_by_tier": dict(worker.facts_by_tier),
                 "fetch": {**worker.fetches.latency.snapshot(), "reads": worker.fetches.reads,
                           "failures": worker.fetches.failures,
-                          "bytes": worker.fetches.bytes_read}}
+                          "bytes": worker.fetches.bytes_read},
+                "prefetch": dict(worker.fetches.prefetches)}

@@ -1,7 +1,8 @@
 """``GET /metrics`` on the real engine: vLLM's engine metrics and the server's, scraped
 before and after real requests through the official ``openai`` client; every counter
 moves by exactly what those requests did (modes, injected tokens, fallbacks by reason,
-background reloads, a failed load, residency)."""
+background reloads, a failed load, residency, reads started ahead of their requests and
+the facts of users in neither tier)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.cold_split import ColdSplitConfig
     from inferscale.serve.server import MemoryServer
 
     env = engine_env
@@ -67,7 +69,10 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
     users = ("mx-ann", "mx-cold", "mx-faulty", "mx-stale")
     for user in users:
         publish_user(user)
-    server = MemoryServer(env.engine, tok, embedder, env.store, top_k=3)
+    # every chunk of a user in neither tier read from storage (prefetched ahead of the
+    # request); the automatic split's choice depends on timings
+    server = MemoryServer(env.engine, tok, embedder, env.store, top_k=3,
+                          cold=ColdSplitConfig(mode="pinned", pinned_chunks=100))
     msg = [{"role": "user", "content": "What is the name of my dog?"}]
     with served_app(env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
         http = httpx.Client(base_url=url, trust_env=False, timeout=300)
@@ -118,6 +123,9 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
         for i in (infos[5], infos[7]):  # the two users in neither tier (for that version)
             assert i["injected_tokens"] > 0 and i["facts_by_tier"] == {"storage": 3}
             assert i["storage_bytes"] > 0
+            assert (i["cold"]["facts_loaded"], i["cold"]["facts_computed"]) == (3, 0)
+            assert i["cold"]["bytes_read"] == i["storage_bytes"]
+        assert all("cold" not in i for i in infos[:5] + [infos[6]])
         assert len(usage) == 8 and all(u == 6 for u in usage)
 
         deadline = time.monotonic() + 120  # the two reloads, and vLLM's last stats, land
@@ -152,10 +160,23 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
         assert delta(after, before, "inferscale_worker_load_failures_total") == 1
         assert delta(after, before, "inferscale_memory_facts_total", tier="gpu") == 9
         assert delta(after, before, "inferscale_memory_facts_total", tier="storage") == 6
-        assert delta(after, before, "inferscale_storage_read_bytes_total") == \
-            infos[5]["storage_bytes"] + infos[7]["storage_bytes"]
+        read = infos[5]["storage_bytes"] + infos[7]["storage_bytes"]
+        assert delta(after, before, "inferscale_storage_read_bytes_total") == read
         assert delta(after, before, "inferscale_fetch_seconds_count") == 2
         assert delta(after, before, "inferscale_fetch_failures_total") == 0
+        # both read ahead of their requests; the resident users' first requests asked too
+        assert {o: delta(after, before, "inferscale_prefetches_total", outcome=o)
+                for o in ("started", "adopted", "resident", "dropped")} == {
+            "started": 2, "adopted": 2, "resident": 2, "dropped": 0}
+        # the split of those two: every fact loaded
+        assert delta(after, before, "inferscale_cold_requests_total") == 2
+        assert {src: delta(after, before, "inferscale_cold_facts_total", source=src)
+                for src in ("storage", "prefill")} == {"storage": 6, "prefill": 0}
+        assert delta(after, before, "inferscale_cold_read_bytes_total") == read
+        assert delta(after, before, "inferscale_cold_split_fraction_count") == 2
+        assert delta(after, before, "inferscale_cold_split_fraction_bucket", le="0.9") == 0
+        assert value(after, "inferscale_storage_bandwidth_bytes_per_second") > 0
+        assert value(after, "inferscale_cold_split_estimate", quantity="wait_seconds") >= 0
         # every busy step timed; the injections timed too
         assert delta(after, before, "inferscale_engine_step_seconds_count") >= 8 * 5
         assert delta(after, before, "inferscale_inject_kernel_seconds_count") >= 5

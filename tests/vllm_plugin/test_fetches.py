@@ -1,10 +1,12 @@
 """The worker's reads of non-resident users' facts (no engine: a real local store, the
-real reader and resident store): success, token checks, failures, cancellation, and the
-staging memory always given back."""
+real reader and resident store): success, token checks, failures, cancellation,
+prefetches adopted by their requests or dropped, deadlines, and the staging memory
+always given back."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -152,3 +154,92 @@ def test_cuda_fp8_reads_stay_fp8_with_their_scales(local_store):
     assert torch.equal(r.scales, torch.stack([whole.scales[whole.scale_pos(c)] for c in chunks]))
     assert r.scale_rows(chunks, 0, 3).tolist() == [0] * min(3, whole.index[chunks[0]][1])
     store.release(r.region)
+
+
+# ---------------------------------------------------------------- prefetches and deadlines
+
+def idle(fetches):
+    """Wait until every read on the pool (adopted or dropped) has run to its end."""
+    fetches._pool.shutdown(wait=True)
+
+
+def test_a_request_adopts_the_prefetch_of_its_chunks_and_reads_once(local_store):
+    store, fetches, whole, version = setup(local_store)
+    chunks = ["prefix", list(whole.index)[2]]
+    fetches.prefetch("ann", version, chunks, 5.0, nbytes=123)
+    assert fetches.stats()["prefetch"]["started"] == 1 and fetches.pending == 1
+    (read,) = fetches._prefetched[("ann", version, tuple(chunks))]
+    read.future.result(30)  # finished before the scheduler's spec arrives
+    assert fetches.done() == []  # nothing is handed over without its request
+    fetches.submit(spec(whole, version, chunks))
+    (got,) = fetches.done()  # at once: no second read
+    assert got.error is None and got.spec.req_id == "r1"
+    assert torch.equal(got.resident.slab, torch.cat([whole.chunk(c) for c in chunks]).float())
+    assert fetches.prefetches["adopted"] == 1 and fetches.reader.bytes_read == got.nbytes
+    stats = fetches.stats()
+    assert stats["bytes"] == got.nbytes and stats["busy_s"] > 0 and stats["queued_bytes"] == 0
+    store.release(got.resident.region)
+    assert store._staging_used == {"host": 0, "gpu": 0} and fetches.pending == 0
+
+
+def test_two_requests_of_the_same_chunks_adopt_one_prefetch_each(local_store):
+    store, fetches, whole, version = setup(local_store)
+    chunks = ["prefix", list(whole.index)[1]]
+    for _ in range(2):
+        fetches.prefetch("ann", version, chunks, 5.0)
+    for req in ("a", "b"):
+        fetches.submit(spec(whole, version, chunks, req=req))
+    got = wait_done(fetches, 2)
+    assert {g.spec.req_id for g in got} == {"a", "b"} and all(g.error is None for g in got)
+    assert fetches.prefetches["adopted"] == 2 and fetches.reads == 2
+    for g in got:
+        store.release(g.resident.region)
+    assert store._staging_used == {"host": 0, "gpu": 0}
+
+
+def test_a_prefetch_no_request_adopts_is_dropped_after_its_deadline(local_store):
+    store, fetches, whole, version = setup(local_store)
+    fetches.keep_s = 0.0
+    fetches.prefetch("ann", version, ["prefix", list(whole.index)[4]], 0.05)
+    idle(fetches)
+    assert store._staging_used["gpu"] > 0  # its facts wait in device staging memory
+    time.sleep(0.06)
+    assert fetches.done() == []
+    assert fetches.prefetches["dropped"] == 1 and fetches.pending == 0
+    assert store._staging_used == {"host": 0, "gpu": 0}
+
+
+def test_a_read_past_its_deadline_is_failed_and_gives_its_memory_back(local_store):
+    """One pool thread, held by a read waiting for staging room: the next read cannot
+    start before its deadline, is reported failed (vLLM recomputes), and once it runs
+    its staging memory is given back, as is that of a prefetch dropped while queued."""
+    store, fetches, whole, version = setup(local_store)
+    fetches._pool = ThreadPoolExecutor(1)
+    fetches.keep_s = 0.0
+    hold = store.staging(store.reserve["host"], 1, "host")  # no host staging room
+    first = spec(whole, version, ["prefix"], req="first")
+    fetches.submit(first)  # waits for room, up to 10 s
+    late = spec(whole, version, ["prefix", list(whole.index)[3]], req="late")
+    late.deadline_s = 0.05
+    fetches.submit(late)
+    fetches.prefetch("ann", version, ["prefix", list(whole.index)[5]], 0.05)
+    time.sleep(0.1)
+    (got,) = fetches.done()
+    assert got.spec.req_id == "late" and got.resident is None
+    assert got.error.startswith("read from storage not done within its 0.05 s")
+    assert fetches.failures == 1 and fetches.prefetches["dropped"] == 1
+    store.release(hold)
+    (ok,) = wait_done(fetches)
+    assert ok.spec.req_id == "first" and ok.error is None
+    store.release(ok.resident.region)
+    idle(fetches)
+    assert store._staging_used == {"host": 0, "gpu": 0}
+
+
+def test_a_read_without_time_left_fails_at_once(local_store):
+    store, fetches, whole, version = setup(local_store)
+    s = spec(whole, version, ["prefix"])
+    s.deadline_s = 0.0
+    fetches.submit(s)
+    (got,) = fetches.done()
+    assert got.error == "no time left for a read" and fetches.reader.bytes_read == 0

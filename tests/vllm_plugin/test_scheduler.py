@@ -1,6 +1,8 @@
 """The scheduler half on its own (no engine: the real ``ConnectorScheduler`` with vLLM's own
 ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput``): admission of users in neither
-tier as reads from storage, their budget, their blocks' lifetime, and step timing."""
+tier as reads from storage, their budget, their blocks' lifetime, the compute-or-load
+split (only the leading chunks read, the rest prefilled; ignored for resident users),
+and step timing."""
 
 from __future__ import annotations
 
@@ -162,3 +164,91 @@ def test_busy_steps_are_timed_and_idle_gaps_are_not():
     assert s.build_connector_meta(output({"x": 2})).step_seconds == []
     assert s.build_connector_meta(output({})).step_seconds == [pytest.approx(0, abs=1)]
     assert s.build_connector_meta(output({})).step_seconds == []  # nothing ran
+
+
+# ---------------------------------------------------------------- the compute-or-load split
+
+FACT2 = (9, 10, 11)
+SPLIT_REF = MemoryRef("ann", "v1", ("prefix", "f1", "f2"), (3, 5, 3), supersedes=True)
+SPLIT_PROMPT = [*PREFIX, *FACT, *FACT2, 90, 91]
+
+
+def finish(s, req):
+    return MemoryReply.from_params(s.request_finished(req, [])[1])
+
+
+def test_a_split_reads_only_the_leading_chunks_and_prefills_the_rest():
+    s = sched()
+    ref = dataclasses.replace(SPLIT_REF, cold_chunks=2, read_deadline_s=0.25)
+    req = request("r", ref, SPLIT_PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (8, True)  # prefix + f1; f2 prefilled
+    s.update_state_after_alloc(req, blocks([7, 3, 9, 4]), 8)
+    (spec,) = s.build_connector_meta(output({})).fetches
+    assert spec.chunks == ["prefix", "f1"] and (spec.start, spec.end) == (0, 8)
+    assert spec.expected == SPLIT_PROMPT[:8] and spec.deadline_s == 0.25
+    assert s._fetching == {"r": 8}  # only the read counts against fetch_tokens
+    reply = finish(s, req)
+    assert reply.injected_tokens == 8 and reply.fallback is None
+    assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (1, 1, True)
+
+
+def test_a_split_of_no_chunks_prefills_everything_without_a_fallback():
+    s = sched()
+    req = request("r", dataclasses.replace(SPLIT_REF, cold_chunks=0), SPLIT_PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = s.build_connector_meta(output({}))
+    assert meta.fetches == [] and [o.user for o in meta.reloads] == ["ann"]  # promoted still
+    reply = finish(s, req)
+    assert reply.fallback is None and reply.injected_tokens == 0
+    assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (0, 2, False)
+
+
+def test_a_failed_read_is_computed_and_not_read_again():
+    s = sched()
+    req = request("r", dataclasses.replace(SPLIT_REF, cold_chunks=3), SPLIT_PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (11, True)
+    s.update_state_after_alloc(req, blocks([7, 3, 9, 4]), 11)
+    assert len(s.build_connector_meta(output({})).fetches) == 1
+    s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
+        failed_loads=[("r", "read from storage not done within its 0.1 s")])})())
+    # vLLM frees the blocks of a load that left nothing valid and asks again: computed
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta(output({})).fetches == []
+    reply = finish(s, req)
+    assert reply.injected_tokens == 0 and reply.fallback.startswith("memory load failed")
+    assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (0, 2, True)
+    assert s._recompute == set()
+
+
+def test_a_resident_user_ignores_the_split():
+    s = sched()
+    info = ResidentInfo("ann", "v1", FP, {"prefix": PREFIX, "f1": FACT, "f2": FACT2})
+    s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
+        [(0, "add", info)])})())
+    req = request("r", dataclasses.replace(SPLIT_REF, cold_chunks=0), SPLIT_PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (11, False)  # all of it, from memory
+    s.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 11)
+    plan = s._to_load["r"]  # loaded within the step it is scheduled in: every chunk
+    assert plan.ref.chunks == ("prefix", "f1", "f2") and (plan.start, plan.end) == (0, 11)
+    reply = finish(s, req)
+    assert reply.cold is None and reply.fallback is None
+
+
+def test_the_read_budget_counts_only_the_split():
+    s = sched(fetch_tokens=9)
+    whole = request("a", SPLIT_REF, SPLIT_PROMPT)  # 11 tokens > 9: prefilled
+    assert s.get_num_new_matched_tokens(whole, 0) == (0, False)
+    assert finish(s, whole).fallback.startswith("user not resident, storage reads busy")
+    part = request("b", dataclasses.replace(SPLIT_REF, cold_chunks=2), SPLIT_PROMPT)
+    assert s.get_num_new_matched_tokens(part, 0) == (8, True)
+
+
+def test_split_fields_travel_and_are_checked():
+    ref = dataclasses.replace(SPLIT_REF, cold_chunks=2, read_deadline_s=0.5)
+    assert MemoryRef.from_params(ref.to_params()) == ref
+    for bad in ({"cold_chunks": -1}, {"cold_chunks": True}, {"cold_chunks": 1.0},
+                {"read_deadline_s": -0.1}, {"read_deadline_s": float("nan")},
+                {"read_deadline_s": "1"}, {"read_deadline_s": float("inf")}):
+        body = {**SPLIT_REF.to_params()["inferscale"], **bad}
+        with pytest.raises(TypeError):
+            MemoryRef.from_params({"inferscale": body})

@@ -343,3 +343,42 @@ def test_evict_reaches_every_rank(tp2):
     assert all(r["user"] != "bob" for st in ranks for r in st["residents"])
     assert gen(tp2, ids, ref_of(tp2, "bob", chunks)).fallback == "user not resident"
     assert tp2.loop.run(tp2.engine.evict("bob")) is False
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_split_read_is_prefetched_and_injected_on_every_rank(tp2):
+    """A user in no tier at TP=2 (bob, evicted by an admin): every rank starts reading its
+    own heads of the split's leading chunks on the prefetch RPC, the request adopts the
+    read on both ranks, the other chunks are prefilled, and the answer is the full
+    prefill's (limiting case)."""
+    from inferscale.compose import Composer
+    from inferscale.vllm_plugin.metadata import MemoryRef
+
+    version, table, _ = tp2.users["bob"]
+    tp2.loop.run(tp2.engine.evict("bob"))
+    ids, chunks = memory_prompt(tp2.tok, table, "What is my dog called?")
+    lengths = (len(Composer(tp2.tok).prefix_ids()),
+               *(len(t) for t in table.column("token_ids").to_pylist()))
+    ref = MemoryRef("bob", version, chunks, lengths, cold_chunks=2)
+    plain = gen(tp2, ids)
+
+    async def prefetched_then_asked():
+        await tp2.engine.prefetch(ref, 2, 30.0, 0)  # sent: the request follows it
+        return await tp2.engine.generate(ids, ref, max_tokens=16)
+
+    def prefetches():
+        return [m["prefetch"] for m in tp2.loop.run(tp2.engine.worker_metrics())]
+
+    tp2.loop.run(tp2.engine.llm.reset_prefix_cache())
+    before, counted = prefetches(), tp2.engine.prompt_token_counters()
+    out = tp2.loop.run(prefetched_then_asked())
+    after = prefetches()
+    delta = {k: v - counted[k] for k, v in tp2.engine.prompt_token_counters().items()}
+    assert [(a["started"] - b["started"], a["adopted"] - b["adopted"])
+            for a, b in zip(after, before)] == [(1, 1), (1, 1)]
+    assert out.fallback is None and out.injected_tokens == sum(lengths[:2])
+    assert delta["external_kv_transfer"] == sum(lengths[:2])
+    assert delta["computed"] == len(ids) - sum(lengths[:2])
+    assert out.cold.loaded == 1 and out.cold.computed == len(chunks) - 2
+    assert out.token_ids == plain.token_ids

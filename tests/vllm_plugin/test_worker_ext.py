@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from builders import expected_slab, make_inputs
@@ -49,8 +51,22 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     finally:
         assert rpc("inferscale_set_budgets", budgets["gpu"], budgets["host"]) == budgets
     rpc("inferscale_hydrate", "ext-user", version, "gpu")
+    # a prefetch starts a read only for a user this worker does not hold
+    held = rpc("inferscale_prefetch", "ext-user", version, ["prefix"], 5.0, 0)
+    assert (held["resident"], held["started"]) == (True, False)
+    assert held["prefetch"]["resident"] >= 1
     assert rpc("inferscale_evict", "ext-user") is True
     assert rpc("inferscale_evict", "ext-user") is False
+    before = rpc("inferscale_storage_stats")
+    assert set(before) == {"bytes", "busy_s", "queued_bytes", "prefetch", "step_s", "tp_rank"}
+    got = rpc("inferscale_prefetch", "ext-user", version, ["prefix"], 0.01, 4096)
+    assert (got["resident"], got["started"]) == (False, True)
+    assert got["prefetch"]["started"] == before["prefetch"]["started"] + 1
+    time.sleep(1.5)  # past its deadline and the second it is kept for (prefetch_keep_s)
+    env.loop.run(env.engine.sync())  # an engine step: prefetches no request adopted go
+    after = rpc("inferscale_storage_stats")
+    assert after["prefetch"]["dropped"] == before["prefetch"]["dropped"] + 1
+    assert after["queued_bytes"] == 0 and rpc("inferscale_status")["fetches"]["pending"] == 0
     with pytest.raises(Exception, match="nothing published for user 'nobody-ext'"):
         rpc("inferscale_hydrate", "nobody-ext", "latest", "gpu")
     env.loop.run(env.engine.sync())  # the scheduler sees the evictions

@@ -1,0 +1,287 @@
+"""Compute or load, or both: how a request of a user in neither tier splits its facts.
+
+Reading a fact's KV is not always cheaper than computing it (a token of an 8B model's
+bf16 KV is 128 KiB: ~85 us from a 1.5 GB/s disk, ~25 us of H200 prefill), so a request
+whose user is in no tier reads some of its facts from storage and prefills the others as
+text, split so that both finish together (Jin et al. 2024, "Compute Or Load KV Cache? Why
+Not Both?"). vLLM's connector API lets externally loaded tokens be only a *prefix* of
+what a request computes, so the split is sequential: the first ``n`` memory chunks (the
+instruction prefix, then the facts in the served order) are read and injected, and every
+later chunk is prefilled as part of the prompt (its token ids are the prompt's either
+way: exact KV). The read overlaps the request's wait in the engine's queue, not its own
+compute.
+
+**The rule** (:func:`split`). With ``W`` the expected wait before the engine starts
+computing the request, ``c`` the engine's seconds per computed prompt token under the
+current load, ``B`` the storage bandwidth (bytes/s, aggregate while busy), ``Q`` the bytes
+of reads already queued ahead, ``b`` the bytes per memory token and ``D`` the fixed cost
+of an asynchronous load (the request is scheduled a step after its read is handed over),
+the request loads the largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
+
+    max((Q + T(n) b) / B, W) + D <= W + c T(n)
+
+Its first token then comes no later than if it prefilled everything (``W + c T``), and
+every token loaded is prefill time given to the other requests. The feasible ``T`` form
+an interval, so: storage faster per token than compute (``b/B < c``) loads everything
+once ``c T`` pays for ``D``; a busy engine (large ``W``) loads more; slow or busy storage
+(small ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The
+read may take ``deadline_factor * (W + c T)`` from its start before it is given up and
+the tokens recomputed.
+
+**The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
+before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
+requests that did not wait for a read (theirs includes the read), decaying to the
+prior while nothing finishes; ``c`` the slope of a windowed least-squares fit of vLLM's
+``prefill_time`` against the tokens each request computed (prompt less cached), pulled
+towards the prior by ``prior_sxx`` (so a window of near-equal prompts keeps the prior;
+the intercept, the fixed part, is reported apart); ``B`` a moving average of the workers'
+bytes read per second of reader busy time (the slowest rank); ``Q`` the workers' bytes
+not read yet, drained at ``B`` since they reported; ``D`` = ``overhead_steps`` busy
+engine steps (the workers' moving average). Nothing here touches the engine: the server
+(:mod:`inferscale.serve.server`) feeds it and applies the split.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+MODES = ("off", "auto", "pinned")
+
+
+@dataclass(frozen=True)
+class ColdSplitConfig:
+    """``mode``: ``auto`` (the rule), ``pinned`` (always ``pinned_chunks`` leading chunks;
+    for tests and benchmarks) or ``off`` (every chunk read from storage when the engine
+    schedules the request, no prefetch: the behaviour before the split). Priors before
+    any measurement: storage ``bandwidth_prior`` bytes/s, ``compute_prior_s`` per computed
+    token, ``wait_prior_s``, ``step_prior_s`` per busy engine step."""
+
+    mode: str = "auto"
+    pinned_chunks: int = 0
+    bandwidth_prior: float = 1e9
+    compute_prior_s: float = 25e-6
+    wait_prior_s: float = 0.0
+    step_prior_s: float = 0.02
+    overhead_steps: float = 1.5  # D in engine steps (handed over, then scheduled)
+    deadline_factor: float = 2.0  # a read may take this times (W + c T)
+    window: int = 64  # finished requests in the fit of c
+    window_s: float = 60.0  # ... none older than this
+    prior_sxx: float = 4e6  # the compute prior's weight in that fit, in tokens^2
+    wait_half_life_s: float = 5.0  # W decays to its prior while no request finishes
+    alpha: float = 0.2  # weight of a new sample in the moving averages of W and B
+    poll_s: float = 0.5  # the workers' storage statistics are read at most this often
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"cold split mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("bandwidth_prior", "compute_prior_s", "prior_sxx", "wait_half_life_s",
+                     "poll_s", "window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("pinned_chunks", "wait_prior_s", "step_prior_s", "overhead_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.deadline_factor < 1 or self.window < 2 or not 0 < self.alpha <= 1:
+            raise ValueError("need deadline_factor >= 1, window >= 2, 0 < alpha <= 1")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "ColdSplitConfig":
+        return cls(mode=settings.cold_split, pinned_chunks=settings.cold_split_chunks,
+                   bandwidth_prior=settings.cold_bandwidth_prior,
+                   compute_prior_s=settings.cold_compute_prior_s,
+                   step_prior_s=settings.cold_step_prior_s,
+                   overhead_steps=settings.cold_overhead_steps,
+                   deadline_factor=settings.cold_deadline_factor)
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the rule reads: ``W``, ``c``, ``B``, ``Q`` and ``D`` (see the module doc), and
+    the fixed part of a request's prefill time (reported only)."""
+
+    wait_s: float
+    compute_s_per_token: float
+    bandwidth: float  # bytes/s
+    queued_bytes: float
+    overhead_s: float
+    fixed_s: float = 0.0
+
+    def info(self) -> dict:
+        return {"wait_ms": self.wait_s * 1e3, "compute_us_per_token":
+                self.compute_s_per_token * 1e6, "bandwidth_bytes_per_s": self.bandwidth,
+                "queued_bytes": self.queued_bytes, "overhead_ms": self.overhead_s * 1e3,
+                "fixed_ms": self.fixed_s * 1e3}
+
+
+@dataclass(frozen=True)
+class Split:
+    """A request's split: its first ``chunks`` chunks (``tokens``, ``bytes``) read from
+    storage, predicted to take ``read_s`` (the reads queued ahead included); the memory
+    tokens left to prefill predicted to take ``compute_s``; the read's ``deadline_s``
+    (None: the connector's default)."""
+
+    chunks: int
+    tokens: int
+    bytes: int
+    read_s: float
+    compute_s: float
+    deadline_s: float | None
+    estimates: Estimates
+
+    def info(self) -> dict:
+        return {"chunks": self.chunks, "tokens": self.tokens, "bytes": self.bytes,
+                "read_ms": self.read_s * 1e3, "compute_ms": self.compute_s * 1e3,
+                "deadline_ms": None if self.deadline_s is None else self.deadline_s * 1e3,
+                **self.estimates.info()}
+
+
+def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
+          deadline_factor: float = 2.0, pinned: int | None = None) -> Split:
+    """The split of memory chunks of ``lengths`` tokens (served order) at ``row_bytes``
+    per token: the largest feasible leading run by the rule (module doc), or the first
+    ``pinned`` chunks."""
+    if row_bytes <= 0:
+        raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
+    w, c, d = est.wait_s, est.compute_s_per_token, est.overhead_s
+
+    def read_s(tokens: int) -> float:
+        return (est.queued_bytes + tokens * row_bytes) / est.bandwidth \
+            if est.bandwidth > 0 else math.inf
+
+    if pinned is not None:
+        n = min(pinned, len(lengths))
+    else:
+        n, total = 0, 0
+        for k, length in enumerate(lengths, 1):
+            total += length
+            # max(R, W) + D <= W + c T, written so rounding keeps it monotonic in W, B, Q
+            if max(read_s(total) - w, 0.0) + d <= c * total:
+                n = k
+    tokens = sum(lengths[:n])
+    memory = sum(lengths)
+    deadline = None if pinned is not None or not tokens else deadline_factor * (w + c * tokens)
+    return Split(n, tokens, tokens * row_bytes, read_s(tokens) if tokens else 0.0,
+                 c * (memory - tokens), deadline, est)
+
+
+class LoadEstimator:
+    """``W``, ``c``, ``B``, ``Q`` and ``D`` from what the engine reports (module doc).
+
+    vLLM's per-request stats (:meth:`engine_stats`) and whether each request waited for a
+    read (:meth:`request_read`, from the connector's answer) arrive separately; a request
+    counts once both have. Not thread-safe: the server calls it from its event loop."""
+
+    def __init__(self, config: ColdSplitConfig | None = None):
+        self.config = config or ColdSplitConfig()
+        self._samples: deque[tuple[float, int, float]] = deque(maxlen=self.config.window)
+        self._wait: float | None = None
+        self._wait_at = 0.0
+        self._stats: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
+        self._reads: OrderedDict[str, bool] = OrderedDict()
+        self._last: dict[int, tuple[float, float]] = {}  # rank -> bytes, busy seconds
+        self._bandwidth: dict[int, float] = {}
+        self._queued: dict[int, float] = {}
+        self._step: dict[int, float] = {}
+        self.storage_at: float | None = None  # when the workers last reported
+
+    # ------------------------------------------------------------------ requests
+
+    def engine_stats(self, rows: list[dict], now: float | None = None) -> None:
+        """vLLM's stats of finished requests: ``request_id``, ``queued_s``, ``prefill_s``,
+        ``prompt_tokens``, ``cached_tokens``."""
+        for r in rows:
+            rid = r["request_id"]
+            computed = max(0, int(r["prompt_tokens"]) - int(r["cached_tokens"]))
+            self._stats[rid] = (float(r["queued_s"]), float(r["prefill_s"]), computed)
+            self._join(rid, now)
+        _bound(self._stats)
+
+    def request_read(self, request_id: str, read: bool, now: float | None = None) -> None:
+        """Whether request ``request_id`` waited for a read from storage."""
+        self._reads[request_id] = read
+        self._join(request_id, now)
+        _bound(self._reads)
+
+    def _join(self, rid: str, now: float | None) -> None:
+        if rid in self._stats and rid in self._reads:
+            queued, prefill, computed = self._stats.pop(rid)
+            self.observe(queued, prefill, computed, self._reads.pop(rid), now)
+
+    def observe(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
+                now: float | None = None) -> None:
+        """One finished request: its queue time counts for ``W`` unless it waited for a
+        read; its prefill time and computed tokens are a sample of the fit of ``c``."""
+        now = time.monotonic() if now is None else now
+        if computed_tokens > 0 and prefill_s >= 0:
+            self._samples.append((now, computed_tokens, prefill_s))
+        if not read and queued_s >= 0:
+            a = self.config.alpha
+            self._wait = (1 - a) * self._wait_now(now) + a * queued_s
+            self._wait_at = now
+
+    def _wait_now(self, now: float) -> float:
+        prior = self.config.wait_prior_s
+        if self._wait is None:
+            return prior
+        decay = 0.5 ** (max(0.0, now - self._wait_at) / self.config.wait_half_life_s)
+        return prior + (self._wait - prior) * decay
+
+    def _fit(self, now: float) -> tuple[float, float]:
+        """(c, fixed seconds): prefill seconds against computed tokens, least squares
+        over the window, the slope pulled towards the prior by ``prior_sxx``."""
+        cfg = self.config
+        pts = [(x, y) for t, x, y in self._samples if now - t <= cfg.window_s]
+        if not pts:
+            return cfg.compute_prior_s, 0.0
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        sxy = sum((x - mx) * (y - my) for x, y in pts)
+        c = max(0.0, (sxy + cfg.prior_sxx * cfg.compute_prior_s) / (sxx + cfg.prior_sxx))
+        return c, max(0.0, my - c * mx)
+
+    # ------------------------------------------------------------------ storage
+
+    def storage(self, reports: list[dict], now: float | None = None) -> None:
+        """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
+        storage_stats`, one per rank: cumulative ``bytes`` and ``busy_s``,
+        ``queued_bytes``, ``step_s``."""
+        now = time.monotonic() if now is None else now
+        a = self.config.alpha
+        for i, r in enumerate(reports):
+            rank = int(r.get("tp_rank", i))
+            nbytes, busy = float(r["bytes"]), float(r["busy_s"])
+            last = self._last.get(rank)
+            self._last[rank] = (nbytes, busy)
+            if last is not None and nbytes > last[0] and busy - last[1] >= 1e-3:
+                sample = (nbytes - last[0]) / (busy - last[1])
+                old = self._bandwidth.get(rank)
+                self._bandwidth[rank] = sample if old is None else (1 - a) * old + a * sample
+            self._queued[rank] = float(r["queued_bytes"])
+            if r.get("step_s") is not None:
+                self._step[rank] = float(r["step_s"])
+        self.storage_at = now
+
+    # ------------------------------------------------------------------ now
+
+    def estimates(self, now: float | None = None) -> Estimates:
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        bandwidth = min(self._bandwidth.values(), default=cfg.bandwidth_prior)
+        queued = max(self._queued.values(), default=0.0)
+        if self.storage_at is not None:  # drained at the bandwidth since reported
+            queued = max(0.0, queued - bandwidth * (now - self.storage_at))
+        step = max(self._step.values(), default=cfg.step_prior_s)
+        c, fixed = self._fit(now)
+        return Estimates(self._wait_now(now), c, bandwidth, queued,
+                         cfg.overhead_steps * step, fixed)
+
+
+def _bound(pending: OrderedDict, most: int = 4096) -> None:
+    """Forget the oldest halves of joins that never complete (aborted requests)."""
+    while len(pending) > most:
+        pending.popitem(last=False)

@@ -1,0 +1,376 @@
+"""The compute-or-load split of a cold request (``inferscale.serve.cold_split``): the rule
+under Hypothesis (never beyond its bound, the largest run within it, monotonic in the
+wait and the bandwidth, everything loaded when storage is faster, nothing when it is
+hopeless) and the estimators fed as the server feeds them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
+
+lengths_st = st.lists(st.integers(1, 400), min_size=1, max_size=60)
+row_st = st.sampled_from([1, 64, 11_520, 65_536, 131_072])  # SmolLM2 fp8 .. 8B bf16
+seconds = st.floats(0, 1.0, allow_nan=False)
+per_token = st.floats(1e-7, 1e-2, allow_nan=False)
+bandwidth = st.floats(1e3, 1e12, allow_nan=False)
+queued = st.floats(0, 1e10, allow_nan=False)
+
+
+@st.composite
+def estimates(draw, **fixed):
+    values = dict(wait_s=draw(seconds), compute_s_per_token=draw(per_token),
+                  bandwidth=draw(bandwidth), queued_bytes=draw(queued),
+                  overhead_s=draw(st.floats(0, 0.1, allow_nan=False)))
+    values.update(fixed)
+    return Estimates(**values)
+
+
+def within(tokens: int, row: int, e: Estimates, slack: float) -> bool:
+    """The rule's bound as the module states it, max(R, W) + D <= W + c T, give or take
+    ``slack`` (relative): the implementation rearranges it, so rounding may differ."""
+    read = (e.queued_bytes + tokens * row) / e.bandwidth
+    left = max(read, e.wait_s) + e.overhead_s
+    right = e.wait_s + e.compute_s_per_token * tokens
+    return left <= right + slack * max(left, right, 1e-12)
+
+
+def prefix(lengths, n):
+    return sum(lengths[:n])
+
+
+@given(lengths_st, row_st, estimates())
+def test_the_split_is_the_largest_leading_run_within_the_bound(lengths, row, e):
+    s = split(lengths, row, e)
+    assert 0 <= s.chunks <= len(lengths)
+    assert s.tokens == prefix(lengths, s.chunks) and s.bytes == s.tokens * row
+    if s.chunks:  # never beyond the bound: the read is done when prefill would be
+        assert within(s.tokens, row, e, 1e-9)
+        assert s.deadline_s == pytest.approx(2.0 * (e.wait_s + e.compute_s_per_token * s.tokens))
+        assert s.read_s == pytest.approx((e.queued_bytes + s.bytes) / e.bandwidth)
+    else:
+        assert s.deadline_s is None and s.read_s == 0.0
+    for k in range(s.chunks + 1, len(lengths) + 1):  # no longer run is within it
+        assert not within(prefix(lengths, k), row, e, -1e-9)
+    assert s.compute_s == pytest.approx(e.compute_s_per_token * (sum(lengths) - s.tokens))
+
+
+@given(lengths_st, row_st, estimates(), seconds)
+def test_a_busier_engine_never_loads_less(lengths, row, e, more):
+    busier = Estimates(e.wait_s + more, e.compute_s_per_token, e.bandwidth, e.queued_bytes,
+                       e.overhead_s)
+    assert split(lengths, row, busier).chunks >= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(), st.floats(1.0, 1e6))
+def test_faster_storage_never_loads_less(lengths, row, e, factor):
+    faster = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth * factor,
+                       e.queued_bytes, e.overhead_s)
+    assert split(lengths, row, faster).chunks >= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(), queued)
+def test_busier_storage_never_loads_more(lengths, row, e, more):
+    busier = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth, e.queued_bytes + more,
+                       e.overhead_s)
+    assert split(lengths, row, busier).chunks <= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(queued_bytes=0.0, overhead_s=0.0),
+       st.floats(0.0, 0.999))
+def test_storage_faster_than_compute_loads_everything(lengths, row, e, ratio):
+    """Per token, reading (b/B) takes less than the compute time c: all of it is read.
+    (At b/B == c exactly the comparison is decided by rounding, so ratio stays below 1.)"""
+    per_token_read = ratio * e.compute_s_per_token  # 0 for a subnormal ratio: infinite B
+    fast = Estimates(e.wait_s, e.compute_s_per_token, row / per_token_read
+                     if per_token_read else float("inf"), 0.0, 0.0)
+    assert split(lengths, row, fast).chunks == len(lengths)
+
+
+@given(lengths_st, row_st, estimates(), st.floats(1e-6, 1.0))
+def test_hopeless_storage_loads_nothing(lengths, row, e, u):
+    """Reading even the first chunk takes longer than the wait plus its compute."""
+    first = lengths[0]
+    slow = row / (e.compute_s_per_token + e.wait_s / first) / (1 + u)
+    hopeless = Estimates(e.wait_s, e.compute_s_per_token, slow, e.queued_bytes, e.overhead_s)
+    assume((first * row) / slow > e.wait_s + e.compute_s_per_token * first)
+    s = split(lengths, row, hopeless)
+    assert s.chunks == 0 and s.tokens == 0 and s.deadline_s is None
+    assert split(lengths, row, Estimates(e.wait_s, e.compute_s_per_token, 0.0,
+                                         e.queued_bytes, e.overhead_s)).chunks == 0
+
+
+@given(lengths_st, row_st, estimates(), st.integers(0, 100))
+def test_a_pinned_split_reads_that_many_chunks(lengths, row, e, n):
+    s = split(lengths, row, e, pinned=n)
+    assert s.chunks == min(n, len(lengths)) and s.deadline_s is None
+
+
+def test_the_h200_numbers():
+    """The issue's H200: bf16 8B rows (128 KiB), ~2,500 memory tokens at k = 50, ~25 us of
+    prefill per token. From disk at 1.5 GB/s (85 us a token) an idle engine loads
+    nothing; from the page cache at 7 GB/s (19 us) everything; fp8 halves the bytes."""
+    lengths = [30] + [50] * 49
+    idle = dict(wait_s=0.0, compute_s_per_token=25e-6, queued_bytes=0.0, overhead_s=0.015)
+    assert split(lengths, 131_072, Estimates(bandwidth=1.5e9, **idle)).chunks == 0
+    assert split(lengths, 131_072, Estimates(bandwidth=7.1e9, **idle)).chunks == 50
+    # a busy engine (60 ms queued) hides part of a disk read: the leading chunks
+    busy = {**idle, "wait_s": 0.06}
+    part = split(lengths, 131_072, Estimates(bandwidth=1.5e9, **busy))
+    assert 0 < part.chunks < 50
+    assert split(lengths, 65_536, Estimates(bandwidth=1.5e9, **busy)).chunks > part.chunks
+
+
+def test_bad_inputs_are_refused():
+    e = Estimates(0.0, 1e-5, 1e9, 0.0, 0.0)
+    with pytest.raises(ValueError, match="row_bytes"):
+        split([3], 0, e)
+    for bad in ({"mode": "sometimes"}, {"bandwidth_prior": 0}, {"deadline_factor": 0.5},
+                {"alpha": 0}, {"pinned_chunks": -1}):
+        with pytest.raises(ValueError):
+            ColdSplitConfig(**bad)
+
+
+def test_settings_configure_it(monkeypatch):
+    from inferscale.settings import Settings
+
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT", "pinned")
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT_CHUNKS", "3")
+    monkeypatch.setenv("INFERSCALE_COLD_BANDWIDTH_PRIOR", "2e9")
+    cfg = ColdSplitConfig.from_settings(Settings())
+    assert (cfg.mode, cfg.pinned_chunks, cfg.bandwidth_prior) == ("pinned", 3, 2e9)
+    assert ColdSplitConfig.from_settings(Settings(_env_file=None, cold_split="auto")).mode == "auto"
+    monkeypatch.setenv("INFERSCALE_COLD_SPLIT", "maybe")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+# ---------------------------------------------------------------- the estimators
+
+def test_before_any_data_the_priors_hold():
+    cfg = ColdSplitConfig(bandwidth_prior=3e9, compute_prior_s=4e-5, wait_prior_s=0.01,
+                          step_prior_s=0.02, overhead_steps=1.5)
+    e = LoadEstimator(cfg).estimates(now=100.0)
+    assert (e.bandwidth, e.compute_s_per_token, e.wait_s, e.queued_bytes) == (
+        3e9, 4e-5, 0.01, 0.0)
+    assert e.overhead_s == pytest.approx(0.03)
+
+
+def test_the_compute_rate_is_the_slope_of_prefill_time_over_computed_tokens():
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=1e-3))
+    for i, x in enumerate([300, 2700, 500, 2500, 1200, 300, 2700, 900] * 4):
+        est.observe(0.0, 0.012 + 2e-5 * x, x, read=False, now=float(i))
+    e = est.estimates(now=40.0)
+    # the prior (50x off) weighs as 4e6 tokens^2 against ~3e7 of spread
+    assert e.compute_s_per_token == pytest.approx(2e-5 + 4e6 * (1e-3 - 2e-5) / (4e6 + 3.3e7),
+                                                  rel=0.05)
+    assert 0 <= e.fixed_s < 0.012
+
+
+def test_equal_prompts_keep_the_compute_prior_and_old_samples_leave_the_window():
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=3e-5, window_s=10.0))
+    for i in range(20):
+        est.observe(0.0, 0.05, 300, read=False, now=float(i))
+    assert est.estimates(now=20.0).compute_s_per_token == pytest.approx(3e-5, rel=1e-6)
+    est.observe(0.0, 9.0, 10_000, read=False, now=20.0)
+    assert est.estimates(now=20.0).compute_s_per_token > 3e-5
+    assert est.estimates(now=100.0).compute_s_per_token == 3e-5  # window emptied
+
+
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.floats(-1, 10, allow_nan=False)),
+                max_size=80))
+def test_the_compute_rate_is_never_negative(samples):
+    est = LoadEstimator()
+    for i, (x, y) in enumerate(samples):
+        est.observe(0.0, y, x, read=False, now=float(i))
+    c = est.estimates(now=float(len(samples))).compute_s_per_token
+    assert c >= 0 and c == c
+
+
+def test_the_wait_counts_requests_that_did_not_read_and_decays_when_idle():
+    est = LoadEstimator(ColdSplitConfig(alpha=0.5, wait_half_life_s=1.0))
+    est.observe(0.2, 0.01, 100, read=False, now=0.0)
+    est.observe(5.0, 0.01, 100, read=True, now=0.0)  # its queue time includes its read
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.1)
+    assert est.estimates(now=1.0).wait_s == pytest.approx(0.05)
+
+
+def test_vllm_stats_and_replies_join_in_either_order():
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0))
+    row = {"request_id": "is-1", "queued_s": 0.3, "prefill_s": 0.02, "prompt_tokens": 900,
+           "cached_tokens": 600}
+    est.engine_stats([row], now=0.0)
+    assert est.estimates(now=0.0).wait_s == 0.0  # not joined yet
+    est.request_read("is-1", False, now=0.0)
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)
+    est.request_read("is-2", True, now=0.0)
+    est.engine_stats([{**row, "request_id": "is-2", "queued_s": 9.0}], now=0.0)
+    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)  # it waited for a read
+    assert [x for _, x, _ in est._samples] == [300, 300]
+    for i in range(5000):  # aborted requests: never joined, forgotten
+        est.request_read(f"gone-{i}", False)
+    assert len(est._reads) == 4096
+
+
+def test_bandwidth_queue_and_steps_come_from_the_workers():
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0, overhead_steps=2.0))
+    ranks = [{"tp_rank": 0, "bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": None},
+             {"tp_rank": 1, "bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.01}]
+    est.storage(ranks, now=0.0)
+    assert est.estimates(now=0.0).bandwidth == 1e9  # no read measured yet: the prior
+    est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 2.0, "queued_bytes": 1e9,
+                  "step_s": 0.02},
+                 {**ranks[1], "bytes": 3e9, "busy_s": 2.0}], now=10.0)
+    e = est.estimates(now=10.0)
+    assert e.bandwidth == pytest.approx(1.5e9)  # the slowest rank decides
+    assert e.queued_bytes == 1e9 and e.overhead_s == pytest.approx(0.04)
+    assert est.estimates(now=10.5).queued_bytes == pytest.approx(1e9 - 0.75e9)  # draining
+    assert est.estimates(now=20.0).queued_bytes == 0.0
+    est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 3.0, "queued_bytes": 0}], now=11.0)
+    assert est.estimates(now=11.0).bandwidth == pytest.approx(1.5e9)  # no bytes: no sample
+
+
+# ---------------------------------------------------------------- on the real engine
+
+@pytest.fixture(scope="module")
+def cold_user(engine_env, embedder):
+    """A limiting-case user (float32, each fact encoded with the whole memory before it)
+    that the workers never hold: evicted by an admin, so nothing reloads it."""
+    from tests.vllm_plugin.test_connector import FACTS, publish_user
+
+    version, table = publish_user(engine_env, embedder, "cold-split", FACTS)
+    engine_env.loop.run(engine_env.engine.evict("cold-split"))
+    return version, table
+
+
+def lengths_of(tok, table):
+    from inferscale.compose import Composer
+
+    return (len(Composer(tok).prefix_ids()),
+            *(len(t) for t in table.column("token_ids").to_pylist()))
+
+
+@pytest.mark.parametrize("n", [3, 0, 7])
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env, cold_user, n):
+    """vLLM's own counters: the first ``n`` chunks come from external KV transfer (read
+    from storage), every other prompt token is computed; the greedy answer is the full
+    prefill's (fp32 limiting case); n = 0 is a plain prefill, not a fallback."""
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
+    from tests.vllm_plugin.test_connector import QUESTIONS, gen
+
+    env = engine_env
+    version, table = cold_user
+    tok = env.model.tokenizer
+    lengths = lengths_of(tok, table)
+    row_bytes = 2 * 30 * 3 * 64 * 4  # SmolLM2 (L=30, H=3, D=64), float32
+    for q in QUESTIONS[:3]:
+        ids, chunks = memory_prompt(tok, table, q)
+        plain = gen(env, ids)
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        before = env.engine.prompt_token_counters()
+        out = gen(env, ids, MemoryRef("cold-split", version, chunks, lengths, cold_chunks=n))
+        after = env.engine.prompt_token_counters()
+        delta = {k: after[k] - before[k] for k in after}
+        loaded = sum(lengths[:n])
+        assert out.fallback is None and out.injected_tokens == loaded
+        assert delta == {"total": len(ids), "external_kv_transfer": loaded,
+                         "local_cache_hit": 0, "computed": len(ids) - loaded}
+        assert out.token_ids == plain.token_ids
+        facts = len(chunks) - 1
+        assert out.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
+        assert out.facts_by_tier == ({"storage": n - 1} if n else {})
+        assert out.storage_bytes == loaded * row_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
+    from tests.vllm_plugin.test_connector import QUESTIONS, gen
+
+    env = engine_env
+    version, table = cold_user
+    ids, chunks = memory_prompt(env.model.tokenizer, table, QUESTIONS[1])
+    plain = gen(env, ids)
+    env.loop.run(env.engine.llm.reset_prefix_cache())
+    out = gen(env, ids, MemoryRef("cold-split", version, chunks,
+                                  lengths_of(env.model.tokenizer, table), cold_chunks=4,
+                                  read_deadline_s=0.0))
+    assert out.injected_tokens == 0 and out.token_ids == plain.token_ids
+    assert out.fallback == "memory load failed (reading its facts from storage failed " \
+                           "(no time left for a read)); recomputed"
+    assert out.cold == ColdSplit(0, len(chunks) - 1, read=True)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_resident_user_ignores_the_split(engine_env, embedder):
+    from engine_helpers import memory_prompt
+    from inferscale.vllm_plugin.metadata import MemoryRef
+    from tests.vllm_plugin.test_connector import FACTS, QUESTIONS, gen, publish_user
+
+    env = engine_env
+    version, table = publish_user(env, embedder, "cold-split-held", FACTS)
+    env.loop.run(env.engine.hydrate("cold-split-held", version=version, tier="host"))
+    try:
+        ids, chunks = memory_prompt(env.model.tokenizer, table, QUESTIONS[0])
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        out = gen(env, ids, MemoryRef("cold-split-held", version, chunks,
+                                      lengths_of(env.model.tokenizer, table), cold_chunks=1))
+        assert out.cold is None and out.fallback is None
+        assert out.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
+        assert out.facts_by_tier == {"host": len(FACTS)} and out.storage_bytes == 0
+    finally:
+        env.loop.run(env.engine.evict("cold-split-held"))
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
+        engine_env, embedder, cold_user):
+    """Through the server: the workers start reading the split's chunks on the prefetch
+    RPC, sent before the request (vLLM keeps their order), and the request's read adopts
+    it; the answer reports the split; ``off`` reads every chunk without a prefetch; the
+    estimator has vLLM's stats and the workers' storage statistics."""
+    from inferscale.serve.server import MemoryServer
+    from tests.vllm_plugin.test_connector import QUESTIONS
+
+    env = engine_env
+    tok = env.model.tokenizer
+    servers = {mode: MemoryServer(env.engine, tok, embedder, env.store, top_k=6,
+                                  cold=ColdSplitConfig(mode=mode, pinned_chunks=3))
+               for mode in ("pinned", "off")}
+
+    def prefetches():
+        return env.loop.run(env.engine.worker_metrics())[0]["prefetch"]
+
+    def ask(mode, q):
+        env.loop.run(env.engine.llm.reset_prefix_cache())
+        return env.loop.run(servers[mode].answer("cold-split", q, max_tokens=12))
+
+    for q in QUESTIONS[:2]:
+        before = prefetches()
+        out = ask("pinned", q)
+        after = prefetches()
+        assert after["started"] - before["started"] == 1
+        assert after["adopted"] - before["adopted"] == 1 and after["dropped"] == before["dropped"]
+        info, gen = out["info"], out["generation"]
+        cold = info["cold"]
+        assert (cold["facts_loaded"], cold["facts_computed"]) == (2, 4)
+        assert cold["bytes_read"] == gen.storage_bytes > 0 and cold["split"]["chunks"] == 3
+        assert info["injected_tokens"] == cold["split"]["tokens"] > 0  # 3 chunks, served order
+        whole = ask("off", q)  # every chunk read once the engine schedules it
+        assert prefetches()["started"] == after["started"]
+        assert whole["info"]["cold"]["facts_loaded"] == 6
+        # the same prompt (the served order is by relevance, not the limiting case's
+        # encoding order, so only the engine-level test above compares answers)
+        assert whole["generation"].prompt_tokens == gen.prompt_tokens
+    est = servers["pinned"].estimator
+    assert est.storage_at is not None and len(est._samples) > 0
+    assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured
