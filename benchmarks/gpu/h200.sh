@@ -44,7 +44,8 @@
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
 # peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
 # load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
-# PEER=0 (no peer run; PEER_G gives its goodput), PROFILE=1 (py-spy) override.)
+# PEER=0 (no peer run; PEER_G gives its goodput), PROFILE=1 (py-spy), COLD_SPLIT=auto|off|
+# pinned:N (how cold requests split between storage and prefill) override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -174,11 +175,11 @@ load_args() {  # the flags every H200 load run shares (no spaces in these paths)
     --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
     --objective-ms 250 --rates ${RATES:-5 6 7 8 10} --requests ${REQUESTS:-400} \
     --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
-    --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 2 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
+    --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
     --estimate-setup-s 60 --estimate-start-s 150 --estimate-user-gib 2.49 \
     --estimate-hydrate-s 0.65 \
-    --workdir /tmp/load-work \
+    --workdir /tmp/load-work --cold-split ${COLD_SPLIT:-auto} \
     --user-counts ${USER_COUNTS:-24 200 2000}
 }
 
