@@ -48,13 +48,15 @@ def test_encoded_round_trip(dtype):
             assert torch.equal(a.scales, b.scales)
 
 
-def test_forged_fp8_scales_are_refused():
+@pytest.mark.parametrize("bad", [float("nan"), 1e38, 7.6e35, 1e-45])
+def test_forged_fp8_scales_are_refused(bad):
     """A cached result whose scale was changed in its bytes (shared result storage is
-    writable by others): refused, never dequantized into garbage."""
+    writable by others): refused, never dequantized into garbage (or infinities, or a
+    chunk of zeros)."""
     data = bytearray(encoded_to_ipc(_memory("float8_e4m3fn")))
     one = _memory("float8_e4m3fn").chunks[0].scales.reshape(-1)[:1].numpy().tobytes()
     at = bytes(data).index(one)
-    data[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    data[at:at + 4] = torch.tensor([bad]).numpy().tobytes()
     with pytest.raises(ValueError, match="finite and positive"):
         encoded_from_ipc(bytes(data))
 
