@@ -78,7 +78,8 @@ class FactReader:
         self.bytes_read = 0  # rows read, all requests together
 
     def index(self, user: str, version: str) -> ChunkIndex:
-        """``user``'s ``version`` index (read once, then cached)."""
+        """``user``'s ``version`` index (read once, then cached until a read through it
+        fails: :meth:`read`)."""
         key = (user, version)
         with self._lock:
             found = self._index.get(key)
@@ -91,6 +92,13 @@ class FactReader:
             while len(self._index) > self.cached:
                 self._index.popitem(last=False)
         return found
+
+    def forget(self, index: ChunkIndex) -> None:
+        """Drop ``index`` from the cache (unless another one replaced it meanwhile)."""
+        key = (index.user, index.version)
+        with self._lock:
+            if self._index.get(key) is index:
+                del self._index[key]
 
     def _read_index(self, user: str, version: str) -> ChunkIndex:
         loc = Location(self.store, user, self.model_fp)
@@ -144,7 +152,11 @@ class FactReader:
     def read(self, index: ChunkIndex, chunks: list[str], out: torch.Tensor) -> torch.Tensor:
         """The chunks' rows, in ``chunks`` order, read into ``out`` (host uint8 with room
         for them) and verified: a ``[T, 2, L, H, D]`` view of ``out`` in the stored dtype.
-        :class:`ChecksumError` when a chunk's bytes differ from its digest."""
+        :class:`ChecksumError` when a chunk's bytes differ from its digest. A read that
+        fails (the file gone, a short read, a checksum) drops ``index`` from the cache:
+        the version may have been written again (a repair publish, a rollback racing
+        gc) under other file names, which the next :meth:`index` reads from its
+        manifest."""
         unknown = [c for c in chunks if c not in index.rows]
         if unknown:
             raise KeyError(f"user {index.user} version {index.version[:12]} has no chunks "
@@ -154,8 +166,6 @@ class FactReader:
         if out.numel() < total * rb:
             raise ValueError(f"{total * rb} bytes do not fit the {out.numel()}-byte buffer")
         mv = memoryview(out.numpy()).cast("B")
-        read, close = Location(self.store, index.user, self.model_fp).blobs \
-            ._range_reader(index.path)
 
         def one(chunk: str, at: int) -> None:
             row, n, digest = index.rows[chunk]
@@ -166,6 +176,12 @@ class FactReader:
                                     "(the file is damaged)")
 
         try:
+            read, close = Location(self.store, index.user, self.model_fp).blobs \
+                ._range_reader(index.path)
+        except BaseException:
+            self.forget(index)
+            raise
+        try:
             futures, at = [], 0
             for c in chunks:
                 futures.append(self._pool.submit(one, c, at))
@@ -175,6 +191,7 @@ class FactReader:
             close()
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
+            self.forget(index)
             raise failed
         with self._lock:
             self.bytes_read += total * rb

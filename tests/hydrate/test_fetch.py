@@ -172,3 +172,38 @@ def test_the_index_read_touches_a_few_kilobytes(local_store, monkeypatch):
     index = FactReader(local_store, FP).index("erin", r.version)
     assert len(index.rows) == 41 and 0 < sum(reads) < size / 20, (sum(reads), size)
     assert pa.ipc.open_file(path).num_record_batches == 1
+
+
+@pytest.mark.parametrize("damage", ["removed", "flipped"])
+def test_a_failed_read_forgets_the_index_so_a_repaired_version_reads(store, damage):
+    """A version's kv file is removed (a gc racing a rollback) or damaged, and the version
+    is published again (a repair: new file names, a new manifest). The reader's cached
+    index names the old file: the read through it fails once and drops it, and the next
+    request reads the manifest again and the repaired file; before, every read failed
+    until the worker restarted. Local disk and S3 alike."""
+    memory, facts, lineage = make_inputs("dana", 6, dtype=torch.bfloat16)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    loc = Location(store, "dana", FP)
+    reader = FactReader(store, FP)
+    index = reader.index("dana", r.version)
+    picked = ["prefix", *list(index.rows)[2:4]]
+    out = torch.empty(64 << 10, dtype=torch.uint8)
+    want = reader.read(index, picked, out).clone()
+    path = data_path(loc, r.manifest, "kv.arrow")
+    fs = store.filesystem()
+    if damage == "removed":
+        fs.rm_file(path)
+    else:
+        data = bytearray(fs.cat_file(path))
+        row, n, _ = index.rows[picked[1]]
+        data[index.slab_offset + row * index.row_bytes] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+    repaired = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    assert repaired.version == r.version and repaired.created  # written again
+    assert data_path(loc, repaired.manifest, "kv.arrow") != path
+    with pytest.raises((FileNotFoundError, ChecksumError, OSError)):
+        reader.read(reader.index("dana", r.version), picked, out)
+    again = reader.index("dana", r.version)
+    assert again is not index and again.path == data_path(loc, repaired.manifest, "kv.arrow")
+    assert torch.equal(reader.read(again, picked, out), want)
+    assert reader.index("dana", r.version) is again  # cached again
