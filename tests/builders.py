@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts.publish import Lineage
+from inferscale.types import KVGeometry
 from storage_schemas import facts as facts_schema
 
 EMB_DIM = 4
@@ -31,6 +32,7 @@ class Memory:
     chunks: list[Chunk]
     model_fingerprint: str
     encoder_config: dict = field(default_factory=dict)
+    geometry: KVGeometry | None = None  # of the (made-up) model: the chunks' own
 
 
 def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads: int = 2,
@@ -65,7 +67,7 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
             keys, values, scales = quantize(keys, values)
         chunks.append(Chunk(cid, tokens, keys, values, scales=scales))
     memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),
-                                 "instruction": "remember"})
+                                 "instruction": "remember"}, KVGeometry(layers, heads, head_dim))
     facts = facts_table(user, fact_ids, [c.token_ids for c in chunks[1:]], seed)
     return memory, facts, Lineage(log_hash=f"log-{seed}", facts_hash=f"facts-{seed}")
 

@@ -213,7 +213,8 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     # artifacts of another model: hydration refuses, requests prefill
     mem, other_table = __import__("engine_helpers").limiting_memory(
         engine_env.model.model, tok, "dora", FACTS[:2], "f" * 32, embedder)
-    publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config),
+    publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config,
+                                                    geometry=mem.geometry),
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
     with pytest.raises(Exception, match="nothing published for user .dora., model "):
         engine_env.loop.run(engine_env.engine.hydrate("dora", version="latest", tier="gpu"))
