@@ -72,6 +72,21 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
     return memory, facts, Lineage(log_hash=f"log-{seed}", facts_hash=f"facts-{seed}")
 
 
+def regrouped(memory, claim: bool = False):
+    """``memory`` with every chunk's K/V ``[L, T, H, D]`` regrouped as ``[L, T, 2H, D/2]``:
+    the same bytes per token in another geometry (the audit's forged artifact).
+    ``claim``: its ``geometry`` says so too, as a forger who lies to ``publish`` would."""
+    for c in memory.chunks:
+        L, T, H, D = c.keys.shape
+        c.keys, c.values = (t.reshape(L, T, 2 * H, D // 2) for t in (c.keys, c.values))
+        if c.scales is not None:  # [2, L, H]: each head's scale for both of its halves
+            c.scales = c.scales.repeat_interleave(2, dim=2)
+    if claim and getattr(memory, "geometry", None) is not None:
+        L, H, D = memory.geometry
+        memory.geometry = KVGeometry(L, 2 * H, D // 2)
+    return memory
+
+
 def facts_table(user: str, fact_ids: list[str], token_ids: list[list[int]], seed: int = 0) -> pa.Table:
     g = torch.Generator().manual_seed(seed + 1)
     emb = torch.randn(len(fact_ids), EMB_DIM, generator=g).tolist()

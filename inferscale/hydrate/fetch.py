@@ -26,11 +26,15 @@ import torch
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact, StoreConfig,
+    KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact,
+    FingerprintMismatch, StoreConfig,
 )
 from inferscale.artifacts.read import check_size, data_path, manifest_at
-from inferscale.types import torch_dtype
+from inferscale.hydrate.slab import check_geometry, check_kv_format
+from inferscale.types import KVGeometry, torch_dtype
 from storage_schemas import kv as kv_schema
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import Manifest
 
 
 class NotFetchable(ArtifactError):
@@ -67,10 +71,15 @@ class ChunkIndex:
 
 
 class FactReader:
-    """Chunk indexes (an LRU of ``cached`` versions) and parallel per-chunk reads."""
+    """Chunk indexes (an LRU of ``cached`` versions) and parallel per-chunk reads of a
+    model's artifacts: its fingerprint ``model_fp`` and, given, its KV ``geometry``
+    (a version of another geometry is :class:`GeometryMismatch` before its kv file is
+    opened; the file's own layout, fingerprint and dtype must be its manifest's)."""
 
-    def __init__(self, store: StoreConfig, model_fp: str, workers: int = 8, cached: int = 256):
+    def __init__(self, store: StoreConfig, model_fp: str, workers: int = 8, cached: int = 256,
+                 geometry: KVGeometry | None = None):
         self.store, self.model_fp = store, model_fp
+        self.geometry = geometry  # the serving model's: other versions are refused
         self.cached = cached
         self._index: OrderedDict[tuple[str, str], ChunkIndex] = OrderedDict()
         self._lock = threading.Lock()
@@ -107,16 +116,14 @@ class FactReader:
         if not want:
             raise NotFetchable(f"{loc.describe(version)}: written before per-fact reads "
                                "(kv schema < 3); it is loaded whole")
+        check_kv_format(manifest)
+        check_geometry(manifest, self.geometry)
         check_size(loc, manifest, KV_FILE)
         path = data_path(loc, manifest, KV_FILE)
-        try:
-            kv_schema.check_format(manifest.kv)
-        except kv_schema.UnknownKVFormat as exc:
-            raise ArtifactSchemaError(f"{loc.describe(version)}: {exc}") from exc
         with loc.blobs.open_read(path) as f:
             reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
             names = reader.schema.names
-            layout = kv_schema.KVLayout.from_schema(reader.schema)
+            layout = _layout(reader.schema, path, manifest, self.model_fp)
             columns = kv_schema.index_columns(layout)
             try:
                 picked = [names.index(c) for c in columns]
@@ -197,3 +204,25 @@ class FactReader:
             self.bytes_read += total * rb
         layers, heads, dim = index.shape
         return out[:total * rb].view(torch_dtype(index.dtype)).view(total, 2, layers, heads, dim)
+
+
+def _layout(schema: pa.Schema, path: str, manifest: Manifest, model_fp: str
+            ) -> kv_schema.KVLayout:
+    """The kv file's layout, which must be its manifest's (dtype, L, H, D) and name the
+    serving model's fingerprint."""
+    try:
+        layout = kv_schema.KVLayout.from_schema(schema)
+    except (SchemaVersionError, kv_schema.UnknownKVFormat) as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except kv_schema.KVFormatError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    if layout.model_fingerprint != model_fp:
+        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
+                                  f"expected {model_fp}")
+    kv = manifest.kv
+    if (layout.dtype, layout.layers, layout.kv_heads, layout.head_dim) != (
+            kv["dtype"], kv["layers"], kv["kv_heads"], kv["head_dim"]):
+        raise CorruptArtifact(f"{path}: layout {layout.dtype} {list(layout.shape[2:])} "
+                              f"disagrees with the manifest's {kv['dtype']} "
+                              f"{[kv['layers'], kv['kv_heads'], kv['head_dim']]}")
+    return layout

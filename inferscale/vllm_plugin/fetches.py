@@ -5,8 +5,10 @@ The scheduler admits a request whose user is in neither tier as an asynchronous 
 blocks allocated, until the worker reports it finished. :class:`Fetches` runs each read
 on a small thread pool, off the engine's thread: the version's chunk index, a check that
 the chunks' token ids are exactly the prompt's, the rows of just those chunks into the
-store's pinned staging reserve (:class:`~inferscale.hydrate.fetch.FactReader`), and one
-copy into its device staging reserve in the engine's dtype and layout (the rank's heads
+store's pinned staging reserve (:class:`~inferscale.hydrate.fetch.FactReader`, which
+refuses a version of another fingerprint or geometry than the model's from its
+manifest), checked as the store checks every slab, and one copy into its device staging
+reserve in the engine's dtype and layout (the rank's heads
 under tensor parallelism). What the engine's thread then does is what it does for a
 resident user: one injection kernel reading device memory, in the next step.
 
@@ -128,6 +130,7 @@ class Fetches:
             resident = Resident(spec.user, spec.version, self.fingerprint, rows, offsets,
                                 {c: index.token_ids[c] for c in chunks}, tier="storage",
                                 scales=index.chunk_scales(chunks))
+            self.store.check(resident)  # the model's geometry, scales its dtype keeps finite
             dev = self.store.staging(self.store.placed_bytes(rows), self.timeout_s, "gpu")
             try:
                 dequant = resident.scales is not None and \

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from builders import expected_slab, make_inputs
+from builders import expected_slab, make_inputs, regrouped
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
     ArtifactSchemaError, ChecksumError, InvalidArtifactInput, InvalidUserId, StoreConfig,
@@ -282,15 +282,6 @@ def test_verification_never_reads_outside_the_version_folder(local_store, tmp_pa
     with open(loc.file(r.version, "manifest.json"), "w") as f:
         json.dump(body, f)
     verify_version(local_store, "otto", FP)
-
-
-def regrouped(memory):
-    """``memory`` with every chunk's K/V ``[L, T, H, D]`` regrouped as ``[L, T, 2H, D/2]``:
-    the same bytes per token in another geometry (the audit's forged artifact)."""
-    for c in memory.chunks:
-        L, T, H, D = c.keys.shape
-        c.keys, c.values = (t.reshape(L, T, 2 * H, D // 2) for t in (c.keys, c.values))
-    return memory
 
 
 def test_a_geometry_other_than_the_model_s_is_refused(local_store):

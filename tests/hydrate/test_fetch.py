@@ -207,3 +207,30 @@ def test_a_failed_read_forgets_the_index_so_a_repaired_version_reads(store, dama
     assert again is not index and again.path == data_path(loc, repaired.manifest, "kv.arrow")
     assert torch.equal(reader.read(again, picked, out), want)
     assert reader.index("dana", r.version) is again  # cached again
+
+
+def test_a_forged_geometry_is_not_indexed(store):
+    """Per-fact reads of a version whose K/V were regrouped (``[L, 2H, D/2]``, same bytes
+    per token): refused from its manifest, the kv file never opened."""
+    from builders import regrouped
+    from inferscale.artifacts.layout import GeometryMismatch
+    from inferscale.types import KVGeometry
+
+    memory, facts, lineage = make_inputs("eve", 4, layers=2, heads=2, head_dim=8)
+    r = publish(store, "eve", regrouped(memory, claim=True), facts, lineage,
+                embeddings=False)
+    with pytest.raises(GeometryMismatch, match="not the serving model's"):
+        FactReader(store, FP, geometry=KVGeometry(2, 2, 8)).index("eve", r.version)
+    assert FactReader(store, FP, geometry=KVGeometry(2, 4, 4)).index("eve", r.version).shape \
+        == (2, 4, 4)
+
+
+def test_a_kv_file_that_disagrees_with_its_manifest_is_refused(published):
+    """A manifest re-signed to claim the model's geometry over a kv file of another: the
+    file's own layout must be its manifest's (like whole-slab hydration's)."""
+    store, loc, r = published
+    m = read_manifest(store, "dana", FP, r.version)
+    store.filesystem().pipe_file(loc.file(r.version, "manifest.json"), Manifest(**{
+        **m.__dict__, "kv": {**m.kv, "kv_heads": 4, "head_dim": 4}}).to_json())
+    with pytest.raises(CorruptArtifact, match="disagrees with the manifest"):
+        FactReader(store, FP).index("dana", r.version)
