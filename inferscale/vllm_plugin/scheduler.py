@@ -20,8 +20,10 @@ externally available when
   prompt's, a mismatch is recomputed). Meanwhile the whole user is reloaded in the
   background, so its later requests find it resident.
 
-Otherwise it returns 0 and the request prefills (the reason is logged and returned). A
-miss orders a background reload as described above, after a failed reload not before a
+Otherwise it returns 0 and the request prefills (the reason is logged and returned); so
+does a request whose load the workers reported failed (vLLM recomputes its blocks and
+asks again: a read from storage that always fails, a version of another geometry, would
+otherwise be admitted, fail and be recomputed forever). A miss orders a background reload as described above, after a failed reload not before a
 back-off (``reload_backoff_s``, doubling per failure). An exception in any hook degrades
 to "0 external tokens" (the request prefills; a request already admitted has its blocks
 reported as load errors), logged and counted.
@@ -85,6 +87,7 @@ class ConnectorScheduler:
         self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
         self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
+        self._load_failed: set[str] = set()  # requests whose load failed: prefilled now
         self._disabled: str | None = None  # set: no memory is admitted any more
         self.failures = Failures()
         # step timing: the last step's start and requests, requests finished since
@@ -115,6 +118,8 @@ class ConnectorScheduler:
             return 0, False
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        if req_id in self._load_failed:  # recomputed: never loaded again (its fallback
+            return 0, False  # stays; a read that always fails would loop forever)
         why = fetch = None
         refused = self._refusal(ref, request)  # not from resident memory
         if refused is not None:
@@ -357,6 +362,7 @@ class ConnectorScheduler:
         for req_id, reason in report.failed_loads:  # the worker logged and counted it
             if self.injected_tokens.pop(req_id, None) is not None:
                 self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+                self._load_failed.add(req_id)
         for req_id, tiers, nbytes in report.sources:
             self._sources[req_id] = (tiers, nbytes)
 
@@ -369,6 +375,7 @@ class ConnectorScheduler:
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)
         self._unloadable.discard(req_id)
+        self._load_failed.discard(req_id)
         tiers, nbytes = self._sources.pop(req_id, ({}, 0))
         reply = MemoryReply(self.injected_tokens.pop(req_id, 0),
                             self._fallbacks.pop(req_id, None), tiers, nbytes)
