@@ -137,19 +137,16 @@ class MemoryServer:
         if instruction is not None and not isinstance(instruction, str):
             raise MemoryRefused(version, "instruction", f"its instruction is a "
                                 f"{type(instruction).__name__}, not text")
-        key = instruction or ""
-        composer = self._composers.get(key) or (Composer(self.tokenizer, instruction)
-                                                if instruction else Composer(self.tokenizer))
-        prefix = composer.prefix_ids()
+        prefix = self._composer(instruction).prefix_ids()
         # the shortest request: a one-character question and one answer token
         shortest = len(self._composer(None).compose([prefix], "?")[0]) + 1
         limit = self.engine.config.max_model_len
         if shortest > limit:
+            self._composers.pop(instruction or "", None)  # never used: not kept
             raise MemoryRefused(version, "instruction",
                                 f"its instruction prefix is {len(prefix)} tokens: with the "
                                 f"question's template and one answer token no request fits "
                                 f"the model's context ({limit} tokens)")
-        self._composers.setdefault(key, composer)
         return prefix
 
     def latest_version(self, user: str) -> str | None:

@@ -147,7 +147,8 @@ def layer_head_size(layer: Any) -> int:
 
 def model_geometry(vllm_config: Any) -> KVGeometry:
     """The served model's KV geometry (layers, all of its KV heads, head dim), as vLLM's
-    model config computes it (the same in 0.26 and 0.32)."""
+    model config computes it (``ModelConfig.get_num_layers``, ``get_total_num_kv_heads``,
+    ``get_head_size``: long-standing methods; checked on 0.32)."""
     mc = vllm_config.model_config
     return KVGeometry(int(mc.get_num_layers(vllm_config.parallel_config)),
                       int(mc.get_total_num_kv_heads()), int(mc.get_head_size()))
