@@ -62,6 +62,7 @@ class Chunk:
 class Memory:
     def __init__(self, chunks, fp, config):
         self.chunks, self.model_fingerprint, self.encoder_config = chunks, fp, config
+        self.geometry = (LAYERS, HEADS, HEAD_DIM)  # the synthetic model's
 
 
 def synthetic(size_bytes: int, seed: int = 0) -> tuple[Memory, pa.Table, Lineage]:

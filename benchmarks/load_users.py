@@ -53,7 +53,7 @@ from inferscale.encode.capture import EncodedChunk
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
-from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID
+from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID, KVGeometry
 from storage_schemas import facts as facts_schema
 from storage_schemas.manifest import FileEntry, Manifest
 
@@ -146,7 +146,8 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
         chunks = [by_id[PREFIX_ID]] + [
             EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].keys,
                          by_id[f"p{i}"].values) for fid, i in zip(fact_ids, group.turns)]
-        return EncodedMemory(chunks, fingerprint, dict(encoded.encoder_config))
+        return EncodedMemory(chunks, fingerprint, dict(encoded.encoder_config),
+                             geometry=encoded.geometry)
     L, H, D = shape
     ids = [(PREFIX_ID, Composer(tokenizer).prefix_ids())]
     ids += [(fid, pool[i].token_ids) for fid, i in zip(fact_ids, group.turns)]
@@ -161,7 +162,8 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
         at += len(t)
     cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch."),
                         text_tail=text_tail).to_dict()
-    return EncodedMemory(chunks, fingerprint, {**cfg, "random_kv": True})
+    return EncodedMemory(chunks, fingerprint, {**cfg, "random_kv": True},
+                         geometry=KVGeometry(L, H, D))
 
 
 def publish_linked(store: StoreConfig, user: str, source: Manifest, facts: pa.Table,

@@ -22,14 +22,14 @@ from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.encode.batches import Segment
 from inferscale.compose import Composer, memory_text
-from inferscale.encode.capture import EncodedChunk, encode_segments
+from inferscale.encode.capture import EncodedChunk, encode_segments, kv_shape
 from inferscale.encode.encoder import EncodedMemory, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.extractor import fact_id
 from inferscale.ingest.logs import read_logs, turns_hash
 from inferscale.kv_quant import is_quantized, quantize
 from inferscale.pipeline.steps import turns_and_facts
-from inferscale.types import PREFIX_ID
+from inferscale.types import PREFIX_ID, KVGeometry
 from storage_schemas import facts as facts_schema
 
 
@@ -96,7 +96,7 @@ def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype
             kv = kv.to(dtype)
             out.append(EncodedChunk(cid, list(ids), kv[0], kv[1]))
     return EncodedMemory(out, fingerprint, {"random_kv": True, "dtype": str(dtype),
-                                            **(layout or {})})
+                                            **(layout or {})}, geometry=KVGeometry(L, H, D))
 
 
 def as_stored(memory: EncodedMemory, dtype: str) -> EncodedMemory:
@@ -115,7 +115,7 @@ def as_stored(memory: EncodedMemory, dtype: str) -> EncodedMemory:
         chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, c.content_key, sc))
     return EncodedMemory(chunks, memory.model_fingerprint,
                          {**memory.encoder_config, "dtype": dtype}, memory.stats,
-                         memory.calibration)
+                         memory.calibration, memory.geometry)
 
 
 def kv_errors(memory: EncodedMemory) -> dict:
@@ -194,7 +194,8 @@ def limiting_memory(model, tokenizer, user: str, texts: list[str], fingerprint: 
     chunks = {c.chunk_id: c for c in encode_segments(model, segments, out_dtype=dtype,
                                                      batch_tokens=8192)}
     ordered = [chunks[PREFIX_ID]] + [chunks[f] for f in fids]
-    return EncodedMemory(ordered, fingerprint, {"limiting_case": True, "dtype": str(dtype)}), table
+    return EncodedMemory(ordered, fingerprint, {"limiting_case": True, "dtype": str(dtype)},
+                         geometry=kv_shape(model)), table
 
 
 def memory_prompt(tokenizer, table: pa.Table, question: str) -> tuple[list[int], tuple[str, ...]]:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from flows.common import fan_out, finish, prepare, record_skipped
+from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
 from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
 from inferscale.pipeline.chain import select_users
 from inferscale.pipeline.report import RunReport, UserOutcome
@@ -52,7 +52,7 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
     hashes = {u: hashes[u] for u in select_users(prep.ingest, users)}
     plans = plan(prep.cfg, prep.model_fp, hashes)
     todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
-    skipped = {u: p for u, p in plans.items() if not p.needs_encoding}
+    skipped = {u: p for u, p in plans.items() if p.reason == "up-to-date"}
     record_skipped(prep, {u: p.latest for u, p in skipped.items()})
     outcomes = fan_out(prep, todo, task_runner=task_runner, max_workers=max_workers,
                        ray_address=ray_address, concurrency_limit=concurrency_limit)
@@ -60,6 +60,7 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
                              turns=prep.ingest.turns[u].num_rows,
                              artifact_key=artifact_key(u, prep.model_fp))
                  for u, p in sorted(skipped.items())]
+    outcomes += plan_failures(plans)
     table = RunReport("", prep.model_fp, outcomes).table()
     fp = prep.model_fp
     create_table_artifact(

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.common import fan_out, finish, prepare, record_skipped
+from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
 from inferscale.artifacts.lineage_view import artifact_key
 from inferscale.pipeline.report import UserOutcome
 from tasks.store import plan
@@ -45,7 +45,7 @@ def nightly_reencode(logs: list[str] | None = None,
                    window=window)
     plans = plan(prep.cfg, prep.model_fp, prep.ingest.turns_hashes())
     todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
-    skipped = {u: p for u, p in plans.items() if not p.needs_encoding}
+    skipped = {u: p for u, p in plans.items() if p.reason == "up-to-date"}
     record_skipped(prep, {u: p.latest for u, p in skipped.items()})
     outcomes = fan_out(prep, todo, task_runner=task_runner, max_workers=max_workers,
                        ray_address=ray_address, concurrency_limit=concurrency_limit)
@@ -53,4 +53,5 @@ def nightly_reencode(logs: list[str] | None = None,
                              turns=prep.ingest.turns[u].num_rows,
                              artifact_key=artifact_key(u, prep.model_fp))
                  for u, p in sorted(skipped.items())]
+    outcomes += plan_failures(plans)
     return finish("Nightly re-encode", "inferscale-nightly-summary", prep, outcomes, started)

@@ -14,16 +14,21 @@ its scales with it. Why not per token: measured on SmolLM2 (``benchmarks/README.
 relative RMS; values 0.026 -> 0.025: the error is e4m3's three mantissa bits, not its
 range) and would cost 3-6% more bytes.
 
-Imports only torch: every stage may use it (a shared contract, beside ``inferscale.types``).
+A scale is read only within the bounds of :func:`storage_schemas.kv.check_scales` (every
+reader) and of :func:`check_scales_for` (the serving worker, for its engine's dtype).
+
+Imports only torch and the kv format's constants: every stage may use it (a shared
+contract, beside ``inferscale.types``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from storage_schemas.kv import FLOAT32_TINY, FP8_MAX, max_scale
+
 FP8 = "float8_e4m3fn"
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 QUANTIZED = (FP8,)  # the stored dtypes that carry scales
 
 
@@ -35,12 +40,32 @@ def is_quantized(dtype: str | torch.dtype) -> bool:
 def quantize(keys: torch.Tensor, values: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's ``keys, values [L, T, H, D]`` (any float dtype) -> fp8 keys and values
-    ``[L, T, H, D]`` and their scales ``[2, L, H]`` float32 (K, then V)."""
+    ``[L, T, H, D]`` and their scales ``[2, L, H]`` float32 (K, then V). A scale is never
+    below the smallest normal float32 (readers refuse smaller ones): a head whose amax is
+    below ``448 * tiny`` keeps that floor, its values still within fp8's range."""
     kv = torch.stack([keys, values]).float()  # [2, L, T, H, D]
     amax = kv.abs().amax(dim=(2, 4))  # [2, L, H]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = torch.where(amax > 0, (amax / FP8_MAX).clamp(min=FLOAT32_TINY),
+                         torch.ones_like(amax))
     q = (kv / scales[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q[0], q[1], scales.contiguous()
+
+
+def check_scales_for(scales: torch.Tensor, dtype: torch.dtype) -> None:
+    """ValueError unless every scale (any shape, float32) is finite, at least the smallest
+    normal float32 and small enough that the values it dequantizes, and the keys rotated
+    from them, are finite in ``dtype`` (the engine's compute and cache dtype:
+    :func:`storage_schemas.kv.max_scale`). The worker checks each slab once, when it
+    arrives; the readers have checked the dtype-independent bounds already."""
+    if not scales.numel():
+        return
+    top = max_scale(float(torch.finfo(dtype).max))
+    low, high = float(scales.min()), float(scales.max())
+    if not torch.isfinite(scales).all() or low < FLOAT32_TINY or high > top:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"fp8 scales from {low:.4g} to {high:.4g} are outside "
+                         f"[{FLOAT32_TINY:.4g}, {top:.4g}], where values dequantized (and "
+                         f"rotated) in {name} stay finite")
 
 
 def dequantize(rows: torch.Tensor, row_scales: torch.Tensor,

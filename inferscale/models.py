@@ -29,6 +29,8 @@ from typing import Any
 
 import xxhash
 
+from inferscale.types import KVGeometry
+
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
@@ -175,6 +177,12 @@ def rotary_signature(config: dict) -> dict:
     """The part of a model config that decides rotary positions (and KV shapes)."""
     text_cfg = config.get("text_config") or config
     return {k: text_cfg.get(k) for k in _ROTARY_KEYS if k in text_cfg}
+
+
+def checkpoint_geometry(checkpoint: Path) -> KVGeometry:
+    """The KV geometry of a checkpoint directory, from its ``config.json`` (the keys its
+    fingerprint hashes: :func:`rotary_signature`), without loading it."""
+    return KVGeometry.of_config(json.loads((Path(checkpoint) / "config.json").read_text()))
 
 
 def _fingerprint(parts: dict) -> str:

@@ -30,6 +30,10 @@
   since the facts store compares every filter value literally as a bound value
   (:mod:`inferscale.facts.mem0_lancedb`), so user ``*`` is one more user, not everyone.
 - :data:`VERSION_RE`: an artifact version id (32 lowercase hex digits).
+- :class:`KVGeometry`: a model's KV geometry ``(layers, kv_heads, head_dim)``, what a
+  slab's ``[T, 2, L, H, D]`` must be to serve that model: the encoder records the
+  model's, publishing refuses chunks of another, and the serving worker refuses a slab
+  of another before it reaches its store, staging memory or a kernel.
 
 Imports only the standard library and ``storage_schemas`` (torch when a dtype is
 translated), so every module, the settings and the CLI can use it.
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple
 
 from storage_schemas import kv as kv_schema
 
@@ -134,3 +138,31 @@ def check_user_id(user: object) -> str:
         shown = repr(user[:40]) if isinstance(user, str) else type(user).__name__
         raise InvalidUserIdError(f"user id {shown} {problem}")
     return user  # type: ignore[return-value]
+
+
+class KVGeometry(NamedTuple):
+    """A model's KV geometry: ``layers`` L, ``kv_heads`` H (all of the model's, not one
+    tensor-parallel rank's), ``head_dim`` D. Two slabs with the same bytes per token can
+    differ in it (``[30, 6, 32]`` vs ``[30, 3, 64]``): only the model's may be served."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of_config(cls, config: Any) -> "KVGeometry":
+        """From a Hugging Face model config (an object or its ``config.json`` as a
+        mapping; a multimodal config's ``text_config``): ``num_hidden_layers``,
+        ``num_key_value_heads`` (else ``num_attention_heads``), ``head_dim`` (else
+        ``hidden_size // num_attention_heads``)."""
+        def get(c: Any, name: str) -> Any:
+            return c.get(name) if isinstance(c, Mapping) else getattr(c, name, None)
+
+        config = get(config, "text_config") or config
+        heads = get(config, "num_attention_heads")
+        return cls(int(get(config, "num_hidden_layers")),
+                   int(get(config, "num_key_value_heads") or heads),
+                   int(get(config, "head_dim") or get(config, "hidden_size") // heads))
+
+    def describe(self) -> str:
+        return f"[L={self.layers}, H={self.kv_heads}, D={self.head_dim}]"

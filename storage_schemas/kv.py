@@ -43,9 +43,11 @@ Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrat
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
@@ -214,16 +216,47 @@ class KVLayout:
         return layout
 
 
-def check_scales(scales: pa.Array | pa.ChunkedArray) -> None:
+# float8 e4m3fn's largest finite value: a stored code times its scale is at most this
+# times the scale (``inferscale.kv_quant.FP8_MAX``)
+FP8_MAX = 448.0
+# How much larger than a dequantized value a rotated key can be: each rotated component
+# mixes a pair of components, |x cos - y sin| <= sqrt(x^2 + y^2) <= sqrt(2) max(|x|, |y|)
+ROTATION_GAIN = math.sqrt(2.0)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+
+
+def max_scale(dtype_max: float) -> float:
+    """The largest fp8 scale whose dequantized values, and the keys rotated from them,
+    stay finite in a dtype whose largest finite value is ``dtype_max``:
+    ``448 * sqrt(2) * scale <= dtype_max`` (float16: 103.4; float32: 5.4e35)."""
+    return dtype_max / (FP8_MAX * ROTATION_GAIN)
+
+
+def check_scales(scales: pa.Array | pa.ChunkedArray, dtype_max: float = FLOAT32_MAX,
+                 dtype_name: str = "float32") -> None:
     """:class:`KVFormatError` unless every value of a ``scales`` column (lists of float32,
-    or their values) is finite and positive: a zero, negative, NaN or infinite scale
-    would turn its chunk's K/V into zeros, flipped signs or NaN without a word. Checked
-    wherever scales are written or read."""
+    or their values) is finite, at least the smallest normal float32 and at most
+    :func:`max_scale` of ``dtype_max`` (default float32's: what every reader checks;
+    the serving worker checks again with its engine's dtype). A zero, negative, NaN or
+    infinite scale would turn its chunk's K/V into zeros, flipped signs or NaN without a
+    word; a subnormal one flushes the chunk to zero (1e-45); a huge one makes
+    dequantized values, or the keys rotated from them, infinite (1e38; 147 in a float16
+    cache). Checked wherever scales are written or read."""
     while pa.types.is_list(scales.type) or pa.types.is_fixed_size_list(scales.type):
         scales = pc.list_flatten(scales)
-    if len(scales) and (scales.null_count or not pc.all(pc.is_finite(scales)).as_py()
-                        or pc.min(scales).as_py() <= 0):
-        raise KVFormatError("fp8 scales must be finite and positive")
+    if not len(scales):
+        return
+    top = max_scale(dtype_max)
+    if scales.null_count or not pc.all(pc.is_finite(scales)).as_py():
+        raise KVFormatError("fp8 scales must be finite and positive; found a null, NaN or "
+                            "infinite one")
+    low, high = pc.min(scales).as_py(), pc.max(scales).as_py()
+    if low < FLOAT32_TINY or high > top:
+        bad = low if low < FLOAT32_TINY else high
+        raise KVFormatError(f"fp8 scales must be finite and positive, from {FLOAT32_TINY:.4g} "
+                            f"(the smallest normal float32) to {top:.4g} (448 * sqrt(2) * "
+                            f"scale finite in {dtype_name}); found {bad:.4g}")
 
 
 def check_index(chunk_ids: list[str], offsets: list[int], lengths: list[int],

@@ -90,11 +90,13 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes | str) -> "Manifest":
         """Parse a manifest; :class:`SchemaVersionError` for an unknown or newer schema,
-        :class:`ManifestChecksumError` when damaged, :class:`ManifestError` when malformed."""
+        :class:`ManifestChecksumError` when damaged, :class:`ManifestError` when malformed
+        (a field missing, unexpected or not of its type: :func:`_check_types`)."""
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, 5,000-digit
+            # integers, nesting deeper than the parser's stack
+            raise ManifestError(f"not valid JSON: {type(exc).__name__}: {exc}"[:300]) from exc
         if not isinstance(body, dict):
             raise ManifestError("manifest is not a JSON object")
         if body.get("schema") != NAME:
@@ -111,6 +113,7 @@ class Manifest:
         if stored != _checksum({**body}):
             raise ManifestChecksumError("manifest checksum does not match its content")
         body.pop("schema")
+        _check_types(body)
         try:
             files = {name: FileEntry(**entry) for name, entry in body.pop("files").items()}
             if sorted(files) != sorted(DATA_FILES):
@@ -128,6 +131,67 @@ class Manifest:
                 raise ManifestError(f"file {name!r} is stored as {stored!r}, not a plain file "
                                     "name inside the version folder")
         return manifest
+
+
+# What each field of a manifest is: a reader may rely on these once it is parsed.
+_STRINGS = ("user", "model_fingerprint", "version", "created", "producer")
+_OBJECTS = ("encoder_config", "parents", "files", "counts", "kv")
+# ``kv``: the keys every version has (since schema 1) and those some have
+_KV_DIMS = ("layers", "kv_heads", "head_dim")  # >= 1
+_KV_SIZES = ("slab_offset", "slab_bytes")  # >= 0
+_KV_STRINGS = ("dtype",)
+_KV_OPTIONAL_STRINGS = ("layout", "scales", "index_xxh3")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {repr(value)[:40]}"
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    """:class:`ManifestError` unless every field has its JSON type (a missing field is
+    left to the constructor): strings, objects, ``parents`` an object of strings,
+    ``counts`` one of non-negative integers, ``kv`` with its dimensions, sizes and dtype.
+    A damaged or forged manifest is refused here, once, instead of breaking whichever
+    reader meets the field first (planning, listing, gc, hydration)."""
+    for name in _STRINGS:
+        if name in body and not isinstance(body[name], str):
+            raise ManifestError(f"{name} must be a string, not {_shown(body[name])}")
+    for name in _OBJECTS:
+        if name in body and not isinstance(body[name], dict):
+            raise ManifestError(f"{name} must be an object, not {_shown(body[name])}")
+    for name in ("user", "model_fingerprint", "version"):
+        if name in body and not body[name]:
+            raise ManifestError(f"{name} must not be empty")
+    for key, value in body.get("parents", {}).items():
+        if not isinstance(value, str):
+            raise ManifestError(f"parent {key!r:.40} must be a string, not {_shown(value)}")
+    for key, value in body.get("counts", {}).items():
+        if not _is_int(value) or value < 0:
+            raise ManifestError(f"count {key!r:.40} must be a non-negative integer, not "
+                                f"{_shown(value)}")
+    for key, entry in body.get("files", {}).items():
+        if not isinstance(entry, dict):
+            raise ManifestError(f"file entry {key!r:.40} must be an object, not {_shown(entry)}")
+    if "kv" in body:
+        kv = body["kv"]
+        for key in _KV_DIMS + _KV_SIZES + _KV_STRINGS:
+            if key not in kv:
+                raise ManifestError(f"kv has no {key!r}")
+        for key in _KV_DIMS + _KV_SIZES:
+            low = 1 if key in _KV_DIMS else 0
+            if not _is_int(kv[key]) or kv[key] < low:
+                raise ManifestError(f"kv {key} must be an integer >= {low}, not "
+                                    f"{_shown(kv[key])}")
+        for key in _KV_STRINGS + _KV_OPTIONAL_STRINGS:
+            if key in kv and not isinstance(kv[key], str):
+                raise ManifestError(f"kv {key} must be a string, not {_shown(kv[key])}")
+        if "key_calibration" in kv and not isinstance(kv["key_calibration"], dict):
+            raise ManifestError(f"kv key_calibration must be an object, not "
+                                f"{_shown(kv['key_calibration'])}")
 
 
 def _checksum(body: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts.publish import Lineage
+from inferscale.types import KVGeometry
 from storage_schemas import facts as facts_schema
 
 EMB_DIM = 4
@@ -31,6 +32,7 @@ class Memory:
     chunks: list[Chunk]
     model_fingerprint: str
     encoder_config: dict = field(default_factory=dict)
+    geometry: KVGeometry | None = None  # of the (made-up) model: the chunks' own
 
 
 def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads: int = 2,
@@ -65,9 +67,24 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
             keys, values, scales = quantize(keys, values)
         chunks.append(Chunk(cid, tokens, keys, values, scales=scales))
     memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),
-                                 "instruction": "remember"})
+                                 "instruction": "remember"}, KVGeometry(layers, heads, head_dim))
     facts = facts_table(user, fact_ids, [c.token_ids for c in chunks[1:]], seed)
     return memory, facts, Lineage(log_hash=f"log-{seed}", facts_hash=f"facts-{seed}")
+
+
+def regrouped(memory, claim: bool = False):
+    """``memory`` with every chunk's K/V ``[L, T, H, D]`` regrouped as ``[L, T, 2H, D/2]``:
+    the same bytes per token in another geometry (the audit's forged artifact).
+    ``claim``: its ``geometry`` says so too, as a forger who lies to ``publish`` would."""
+    for c in memory.chunks:
+        L, T, H, D = c.keys.shape
+        c.keys, c.values = (t.reshape(L, T, 2 * H, D // 2) for t in (c.keys, c.values))
+        if c.scales is not None:  # [2, L, H]: each head's scale for both of its halves
+            c.scales = c.scales.repeat_interleave(2, dim=2)
+    if claim and getattr(memory, "geometry", None) is not None:
+        L, H, D = memory.geometry
+        memory.geometry = KVGeometry(L, 2 * H, D // 2)
+    return memory
 
 
 def facts_table(user: str, fact_ids: list[str], token_ids: list[list[int]], seed: int = 0) -> pa.Table:

@@ -3,11 +3,12 @@ per (K/V, layer, head) scales, for any values Hypothesis finds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.kv_quant import FP8_MAX, dequantize, is_quantized, quantize
+from inferscale.kv_quant import FP8_MAX, check_scales_for, dequantize, is_quantized, quantize
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,3 +39,29 @@ def test_quantize_round_trip_within_one_fp8_rounding(L, T, H, D, exponent, seed,
 def test_is_quantized_names():
     assert is_quantized("float8_e4m3fn") and is_quantized(torch.float8_e4m3fn)
     assert not is_quantized("bfloat16") and not is_quantized(torch.float32)
+
+
+def test_a_tiny_head_keeps_a_normal_scale():
+    """A head whose values are all far below float32's normal range gets the smallest
+    normal scale (readers refuse a subnormal one), and still reads back within fp8."""
+    from storage_schemas.kv import FLOAT32_TINY
+
+    k = torch.full((1, 2, 1, 4), 1e-40)
+    qk, qv, sc = quantize(k, torch.ones(1, 2, 1, 4))
+    assert float(sc[0, 0, 0]) == FLOAT32_TINY and float(sc[1, 0, 0]) == float(torch.tensor(1 / FP8_MAX))
+    assert torch.isfinite(qk.float()).all()
+
+
+@pytest.mark.parametrize("dtype, ok, bad", [
+    (torch.float16, 103.0, 147.0), (torch.bfloat16, 5e35, 7.6e35),
+    (torch.float32, 5e35, 7.6e35)])
+def test_scales_for_the_engine_dtype(dtype, ok, bad):
+    """The worker's bound: dequantized values, and keys rotated from them, finite in the
+    engine's dtype (float16 overflows at 65504: 448 * 147 does)."""
+    check_scales_for(torch.tensor([1.0, ok]), dtype)
+    for value in (bad, float("nan"), 1e-40, 0.0):
+        with pytest.raises(ValueError, match="stay finite"):
+            check_scales_for(torch.tensor([1.0, value]), dtype)
+    rows = torch.full((1, 2, 1, 1, 1), FP8_MAX).to(torch.float8_e4m3fn)
+    assert torch.isfinite(dequantize(rows, torch.full((1, 2, 1, 1), ok), dtype)
+                          * 2 ** 0.5).all()

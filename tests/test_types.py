@@ -67,3 +67,30 @@ def test_every_backend_accepts_every_valid_user_id():
             key = artifact_key(user, "fp")
             assert key.startswith("mem-") and key == key.lower(), hex(cp)
     assert accepted > 250_000  # letters, digits, symbols and punctuation of every script
+
+
+def test_kv_geometry_of_a_config():
+    """A model's KV geometry from its config (object or ``config.json`` mapping): explicit
+    ``head_dim`` and KV heads, or their defaults; a multimodal config's text part."""
+    from types import SimpleNamespace
+
+    from inferscale.types import KVGeometry
+
+    assert KVGeometry.of_config({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                 "num_key_value_heads": 3, "hidden_size": 576}) == (30, 3, 64)
+    assert KVGeometry.of_config(SimpleNamespace(num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=None, hidden_size=64,
+                                                head_dim=None)) == (2, 4, 16)
+    assert KVGeometry.of_config({"text_config": {"num_hidden_layers": 4,
+                                                 "num_attention_heads": 8, "head_dim": 128,
+                                                 "num_key_value_heads": 2}}) == (4, 2, 128)
+    assert KVGeometry(30, 3, 64).describe() == "[L=30, H=3, D=64]"
+
+
+def test_a_checkpoint_s_geometry_is_the_loaded_model_s(smollm2):
+    """What the pipeline's publish checks the KV against (the checkpoint's config, read
+    without loading it) is what the encoder records from the loaded model."""
+    from inferscale.encode.capture import kv_shape
+    from inferscale.models import checkpoint_geometry
+
+    assert checkpoint_geometry(smollm2.checkpoint) == kv_shape(smollm2.model) == (30, 3, 64)

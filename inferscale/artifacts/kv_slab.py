@@ -35,6 +35,8 @@ class EncodedMemoryLike(Protocol):
     chunks: Sequence[EncodedChunkLike]
     model_fingerprint: str
     encoder_config: Mapping[str, Any]
+    # optional: ``geometry`` ((layers, kv_heads, head_dim) of the model that computed the
+    # chunks, ``inferscale.types.KVGeometry``), checked by publishing
 
 
 def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str

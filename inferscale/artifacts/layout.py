@@ -91,6 +91,12 @@ class FingerprintMismatch(ArtifactError):
     """An artifact made for another model than the one asking for it."""
 
 
+class GeometryMismatch(ArtifactError):
+    """KV whose (layers, kv_heads, head_dim) are not the serving model's: refused before
+    any of it is read, whatever fingerprint it names (the same bytes per token in another
+    geometry would be written through the cache's strides into other requests' blocks)."""
+
+
 class CorruptArtifact(ArtifactError):
     """A file whose checksum matches but whose content breaks the format, or a bad LATEST."""
 

@@ -53,7 +53,7 @@ from inferscale.artifacts.layout import (
     TruncatedArtifact,
 )
 from inferscale.artifacts.read import check_size, manifest_at, verify_files
-from inferscale.types import PREFIX_ID
+from inferscale.types import PREFIX_ID, KVGeometry
 from storage_schemas import facts as facts_schema
 from storage_schemas import kv as kv_schema
 from storage_schemas import manifest as manifest_schema
@@ -101,12 +101,17 @@ def version_id(user: str, lineage: Lineage, model_fp: str, encoder_config: Mappi
 
 
 def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa.Table,
-            lineage: Lineage, *, keep: int | None = None, embeddings: bool = True,
-            inputs_at: datetime | None = None) -> PublishResult:
+            lineage: Lineage, *, geometry: KVGeometry | None = None, keep: int | None = None,
+            embeddings: bool = True, inputs_at: datetime | None = None) -> PublishResult:
     """Publish one (user, model) version from the encoder's output and the facts table.
 
     ``facts`` has :func:`storage_schemas.facts.schema` for its embedding size, rows of
     ``user`` only; ``encoded.chunks`` are ``"prefix"`` then exactly one chunk per fact.
+    ``geometry``: the KV geometry of the model ``encoded.model_fingerprint`` names (the
+    caller's record of it; the pipeline reads it from the checkpoint it fingerprinted);
+    ``encoded.geometry``, the encoder's record of the model it ran, is checked too. Every
+    chunk must have it (same bytes per token regrouped, ``[L, 2H, D/2]``, is another
+    geometry) and at least one of the two must be known: publish never guesses.
     ``keep``: afterwards keep only the newest ``keep`` versions (plus LATEST's).
     ``embeddings``: also write the LanceDB fact table (needs lancedb).
     ``inputs_at``: when the inputs were taken (the flows pass the time the logs were
@@ -128,6 +133,7 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     inputs_at = inputs_time(inputs_at)
     facts = _check_facts(facts, user)
     _check_chunks_match_facts([c.chunk_id for c in encoded.chunks], facts)
+    _check_geometry(encoded, geometry)
     if embeddings:
         fact_table.require_lancedb()  # fail before writing anything
     version = version_id(user, lineage, model_fp, encoder_config)
@@ -286,6 +292,27 @@ def _check_facts(facts: pa.Table, user: str) -> pa.Table:
     if pc.count_distinct(facts["fact_id"]).as_py() != facts.num_rows:
         raise InvalidArtifactInput("facts table has duplicate fact_id values")
     return facts.combine_chunks()
+
+
+def _check_geometry(encoded: EncodedMemoryLike, geometry: KVGeometry | None) -> None:
+    """:class:`InvalidArtifactInput` unless every chunk's keys and values ``[L, T, H, D]``
+    have the model's geometry: ``geometry`` and the encoder's ``encoded.geometry``,
+    whichever are known (at least one must be)."""
+    known = [KVGeometry(*g) for g in (geometry, getattr(encoded, "geometry", None))
+             if g is not None]
+    if not known:
+        raise InvalidArtifactInput(
+            f"the KV geometry of model {encoded.model_fingerprint} is not known: pass the "
+            "model's (layers, kv_heads, head_dim) as geometry, or publish the encoder's "
+            "output (which records it)")
+    for want in known:
+        for c in encoded.chunks:
+            for t in (c.keys, c.values):
+                got = tuple(getattr(t, "shape", ()))
+                if len(got) != 4 or (got[0], got[2], got[3]) != want:
+                    raise InvalidArtifactInput(
+                        f"chunk {c.chunk_id!r:.40}: K/V {list(got)} do not match [L, T, H, D] "
+                        f"of model {encoded.model_fingerprint}'s geometry {want.describe()}")
 
 
 def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:

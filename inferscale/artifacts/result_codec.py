@@ -29,7 +29,7 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts.kv_slab import build_kv_batch
-from inferscale.types import torch_dtype
+from inferscale.types import KVGeometry, torch_dtype
 from storage_schemas import kv as kv_schema
 
 _KIND = b"inferscale.result"
@@ -64,7 +64,8 @@ def encoded_to_ipc(encoded: Any) -> bytes:
                                       "encoder_config": dict(encoded.encoder_config),
                                       "stats": dict(getattr(encoded, "stats", {}) or {}),
                                       "calibration": dict(getattr(encoded, "calibration",
-                                                                  {}) or {})})
+                                                                  {}) or {}),
+                                      "geometry": _geometry_field(encoded)})
 
 
 def encoded_from_ipc(data: bytes) -> Any:
@@ -97,8 +98,20 @@ def encoded_from_ipc(data: bytes) -> Any:
                            slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key,
                            scales=sc)
               for cid, tok, o, n, key, sc in zip(ids, tokens, offsets, lengths, keys, scales)]
+    geometry = fields.get("geometry")
+    if geometry is not None:
+        if not (isinstance(geometry, list) and len(geometry) == 3
+                and all(type(n) is int for n in geometry)):
+            raise ValueError(f"an encoded-kv result with geometry {geometry!r:.60}")
+        geometry = KVGeometry(*geometry)
     return EncodedMemory(chunks, fields["model_fingerprint"], fields["encoder_config"],
-                         fields["stats"], fields.get("calibration") or {})
+                         fields["stats"], fields.get("calibration") or {}, geometry)
+
+
+def _geometry_field(encoded: Any) -> list[int] | None:
+    """The model's KV geometry the encoder recorded, as JSON (None: none recorded)."""
+    geometry = getattr(encoded, "geometry", None)
+    return list(map(int, geometry)) if geometry is not None else None
 
 
 def facts_to_ipc(result: Any) -> bytes:

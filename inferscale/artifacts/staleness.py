@@ -8,7 +8,10 @@ current turns and whose recorded encoder settings are the identity's
 and device are not compared: KV encoded on another device is as current). Anything else
 needs encoding: no version yet (``new``), the conversation changed (``log-changed``), the
 encoder settings changed (``encoder-changed``), or ``LATEST``/its manifest cannot be read
-(``unreadable``; the encode then reports the store's error for that user).
+(``unreadable``: damaged, malformed or of another schema; the encode then writes a new
+version or reports the store's error for that user). Planning a user that fails in any
+other way is that user's failure (``failed``, with the error; not encoded): one user's
+manifest never stops the planning of the others.
 
 Only ``LATEST`` and one manifest per user are read, so an unchanged user costs two small
 reads. Facts are not looked at: they are a function of the turns (and are cached).
@@ -26,7 +29,7 @@ from inferscale.encode.identity import EncodingIdentity
 
 log = logging.getLogger(__name__)
 
-Reason = Literal["new", "log-changed", "encoder-changed", "unreadable", "up-to-date"]
+Reason = Literal["new", "log-changed", "encoder-changed", "unreadable", "up-to-date", "failed"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class UserPlan:
 
     @property
     def needs_encoding(self) -> bool:
-        return self.reason != "up-to-date"
+        return self.reason not in ("up-to-date", "failed")
 
 
 def plan_user(store: StoreConfig, identity: EncodingIdentity, user: str,
@@ -67,6 +70,13 @@ def plan_user(store: StoreConfig, identity: EncodingIdentity, user: str,
 
 def plan_users(store: StoreConfig, identity: EncodingIdentity,
                log_hashes: Mapping[str, str]) -> dict[str, UserPlan]:
-    """:func:`plan_user` for every user of ``log_hashes`` (user -> turns content hash)."""
-    return {user: plan_user(store, identity, user, h)
-            for user, h in sorted(log_hashes.items())}
+    """:func:`plan_user` for every user of ``log_hashes`` (user -> turns content hash),
+    each on its own: a user whose planning raises is planned ``failed`` with the error."""
+    plans = {}
+    for user, h in sorted(log_hashes.items()):
+        try:
+            plans[user] = plan_user(store, identity, user, h)
+        except Exception as exc:  # noqa: BLE001 - that user's failure only
+            log.error("user %s: planning failed: %s: %s", user, type(exc).__name__, exc)
+            plans[user] = UserPlan(user, h, "failed", detail=f"{type(exc).__name__}: {exc}")
+    return plans

@@ -17,6 +17,7 @@ import torch
 
 from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.encode.identity import EncodeError
+from inferscale.types import KVGeometry
 
 _capture_lock = threading.Lock()
 
@@ -115,12 +116,9 @@ class _KVCapture:
         _capture_lock.release()
 
 
-def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+def kv_shape(model: torch.nn.Module) -> KVGeometry:
     """The model's cache geometry: (layers L, KV heads H, head dim D)."""
-    cfg = getattr(model.config, "text_config", None) or model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return cfg.num_hidden_layers, heads, head_dim
+    return KVGeometry.of_config(model.config)
 
 
 @torch.no_grad()

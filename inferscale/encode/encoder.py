@@ -61,7 +61,7 @@ from inferscale.encode.capture import EncodedChunk, encode_segments, kv_shape, p
 from inferscale.encode.content_keys import content_key, key_identity, matching_rows
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.kv_quant import is_quantized, quantize
-from inferscale.types import PREFIX_ID
+from inferscale.types import PREFIX_ID, KVGeometry
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class EncodedMemory:
     encoder_config: dict
     stats: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # KeyCalibration.record(), when on
+    # the KV geometry of the model that computed the chunks (publishing checks them
+    # against it); None where no model said (results cached before it was recorded)
+    geometry: KVGeometry | None = None
 
 
 # ------------------------------------------------------------------ the window form
@@ -232,7 +235,8 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
         log.info("encoded %d facts, reused %d of the previous version's %d keyed chunks",
                  stats["encoded"], stats["reused"], len(reuse))
     return EncodedMemory(ordered, identity.model_fingerprint, identity.record(), stats,
-                         calibration.record() if calibration is not None else {})
+                         calibration.record() if calibration is not None else {},
+                         kv_shape(model))
 
 
 def _calibrate(model: torch.nn.Module, composer: Composer, turns: Sequence[TurnText],

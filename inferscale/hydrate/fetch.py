@@ -26,11 +26,15 @@ import torch
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact, StoreConfig,
+    KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact,
+    FingerprintMismatch, StoreConfig,
 )
 from inferscale.artifacts.read import check_size, data_path, manifest_at
-from inferscale.types import torch_dtype
+from inferscale.hydrate.slab import check_geometry, check_kv_format
+from inferscale.types import KVGeometry, torch_dtype
 from storage_schemas import kv as kv_schema
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import Manifest
 
 
 class NotFetchable(ArtifactError):
@@ -67,10 +71,15 @@ class ChunkIndex:
 
 
 class FactReader:
-    """Chunk indexes (an LRU of ``cached`` versions) and parallel per-chunk reads."""
+    """Chunk indexes (an LRU of ``cached`` versions) and parallel per-chunk reads of a
+    model's artifacts: its fingerprint ``model_fp`` and, given, its KV ``geometry``
+    (a version of another geometry is :class:`GeometryMismatch` before its kv file is
+    opened; the file's own layout, fingerprint and dtype must be its manifest's)."""
 
-    def __init__(self, store: StoreConfig, model_fp: str, workers: int = 8, cached: int = 256):
+    def __init__(self, store: StoreConfig, model_fp: str, workers: int = 8, cached: int = 256,
+                 geometry: KVGeometry | None = None):
         self.store, self.model_fp = store, model_fp
+        self.geometry = geometry  # the serving model's: other versions are refused
         self.cached = cached
         self._index: OrderedDict[tuple[str, str], ChunkIndex] = OrderedDict()
         self._lock = threading.Lock()
@@ -78,7 +87,8 @@ class FactReader:
         self.bytes_read = 0  # rows read, all requests together
 
     def index(self, user: str, version: str) -> ChunkIndex:
-        """``user``'s ``version`` index (read once, then cached)."""
+        """``user``'s ``version`` index (read once, then cached until a read through it
+        fails: :meth:`read`)."""
         key = (user, version)
         with self._lock:
             found = self._index.get(key)
@@ -92,6 +102,13 @@ class FactReader:
                 self._index.popitem(last=False)
         return found
 
+    def forget(self, index: ChunkIndex) -> None:
+        """Drop ``index`` from the cache (unless another one replaced it meanwhile)."""
+        key = (index.user, index.version)
+        with self._lock:
+            if self._index.get(key) is index:
+                del self._index[key]
+
     def _read_index(self, user: str, version: str) -> ChunkIndex:
         loc = Location(self.store, user, self.model_fp)
         manifest = manifest_at(loc, version)
@@ -99,16 +116,14 @@ class FactReader:
         if not want:
             raise NotFetchable(f"{loc.describe(version)}: written before per-fact reads "
                                "(kv schema < 3); it is loaded whole")
+        check_kv_format(manifest)
+        check_geometry(manifest, self.geometry)
         check_size(loc, manifest, KV_FILE)
         path = data_path(loc, manifest, KV_FILE)
-        try:
-            kv_schema.check_format(manifest.kv)
-        except kv_schema.UnknownKVFormat as exc:
-            raise ArtifactSchemaError(f"{loc.describe(version)}: {exc}") from exc
         with loc.blobs.open_read(path) as f:
             reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
             names = reader.schema.names
-            layout = kv_schema.KVLayout.from_schema(reader.schema)
+            layout = _layout(reader.schema, path, manifest, self.model_fp)
             columns = kv_schema.index_columns(layout)
             try:
                 picked = [names.index(c) for c in columns]
@@ -144,7 +159,11 @@ class FactReader:
     def read(self, index: ChunkIndex, chunks: list[str], out: torch.Tensor) -> torch.Tensor:
         """The chunks' rows, in ``chunks`` order, read into ``out`` (host uint8 with room
         for them) and verified: a ``[T, 2, L, H, D]`` view of ``out`` in the stored dtype.
-        :class:`ChecksumError` when a chunk's bytes differ from its digest."""
+        :class:`ChecksumError` when a chunk's bytes differ from its digest. A read that
+        fails (the file gone, a short read, a checksum) drops ``index`` from the cache:
+        the version may have been written again (a repair publish, a rollback racing
+        gc) under other file names, which the next :meth:`index` reads from its
+        manifest."""
         unknown = [c for c in chunks if c not in index.rows]
         if unknown:
             raise KeyError(f"user {index.user} version {index.version[:12]} has no chunks "
@@ -154,8 +173,6 @@ class FactReader:
         if out.numel() < total * rb:
             raise ValueError(f"{total * rb} bytes do not fit the {out.numel()}-byte buffer")
         mv = memoryview(out.numpy()).cast("B")
-        read, close = Location(self.store, index.user, self.model_fp).blobs \
-            ._range_reader(index.path)
 
         def one(chunk: str, at: int) -> None:
             row, n, digest = index.rows[chunk]
@@ -166,6 +183,12 @@ class FactReader:
                                     "(the file is damaged)")
 
         try:
+            read, close = Location(self.store, index.user, self.model_fp).blobs \
+                ._range_reader(index.path)
+        except BaseException:
+            self.forget(index)
+            raise
+        try:
             futures, at = [], 0
             for c in chunks:
                 futures.append(self._pool.submit(one, c, at))
@@ -175,8 +198,31 @@ class FactReader:
             close()
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
+            self.forget(index)
             raise failed
         with self._lock:
             self.bytes_read += total * rb
         layers, heads, dim = index.shape
         return out[:total * rb].view(torch_dtype(index.dtype)).view(total, 2, layers, heads, dim)
+
+
+def _layout(schema: pa.Schema, path: str, manifest: Manifest, model_fp: str
+            ) -> kv_schema.KVLayout:
+    """The kv file's layout, which must be its manifest's (dtype, L, H, D) and name the
+    serving model's fingerprint."""
+    try:
+        layout = kv_schema.KVLayout.from_schema(schema)
+    except (SchemaVersionError, kv_schema.UnknownKVFormat) as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except kv_schema.KVFormatError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    if layout.model_fingerprint != model_fp:
+        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
+                                  f"expected {model_fp}")
+    kv = manifest.kv
+    if (layout.dtype, layout.layers, layout.kv_heads, layout.head_dim) != (
+            kv["dtype"], kv["layers"], kv["kv_heads"], kv["head_dim"]):
+        raise CorruptArtifact(f"{path}: layout {layout.dtype} {list(layout.shape[2:])} "
+                              f"disagrees with the manifest's {kv['dtype']} "
+                              f"{[kv['layers'], kv['kv_heads'], kv['head_dim']]}")
+    return layout

@@ -14,9 +14,11 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
   for :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler, which
   backs off before ordering it again).
 
-Both check the slab's size, from the manifest alone, against the store's budgets before
-any byte of ``kv.arrow`` is read (:meth:`ResidentLoader.admission`): a user larger than
-every budget costs one small manifest read. A user an admin evicted is not reloaded
+Both check the slab's geometry (the model's, the store's ``geometry``) and size, from
+the manifest alone, before any byte of ``kv.arrow`` is read (``hydrate(geometry=...)``,
+:meth:`ResidentLoader.admission`): a user of another geometry, or larger than every
+budget, costs one small manifest read; the store checks the slab itself again when it
+is put (:meth:`~inferscale.hydrate.store.ResidentStore.check`). A user an admin evicted is not reloaded
 until an admin hydrates them again. The loader counts its background reloads, their
 failures and their latency (:meth:`ResidentLoader.reload_stats`, read by the server's
 metrics through the worker extension). Nothing here imports vLLM.
@@ -113,7 +115,8 @@ class ResidentLoader:
         store = StoreConfig(self.artifact_root, dict(self.storage_options),
                             direct_io=self.direct_io)
         return hydrate(store, user, self.model_fingerprint, version, tier="host",
-                       admit=self.admission(tier), staging=self.store,
+                       geometry=self.store.geometry, admit=self.admission(tier),
+                       staging=self.store,
                        on_part=throttle.take if throttle is not None else None)
 
     def put(self, resident: Resident, tier: str) -> Resident:

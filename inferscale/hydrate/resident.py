@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from inferscale.hydrate.arena import NO_FENCE, Fence, Region
-from inferscale.kv_quant import dequantize
+from inferscale.kv_quant import check_scales_for, dequantize, is_quantized
+from inferscale.types import KVGeometry, dtype_name
 
 if TYPE_CHECKING:
     from storage_schemas.manifest import Manifest
@@ -189,6 +190,39 @@ class Resident:
                     runs.append((row, hi - lo))
             pos += length
         return runs
+
+
+def check_servable(resident: Resident, geometry: KVGeometry | None,
+                   dtype: torch.dtype) -> None:
+    """:class:`ResidencyError` unless ``resident``'s slab (all of the model's heads, as
+    read) can serve a model of ``geometry`` (None: any) computing in ``dtype``:
+    ``[T, 2, L, H, D]`` of that geometry in a KV dtype, and for fp8 one row of scales
+    ``[2, L, H]`` per chunk, each keeping the values it dequantizes (and the keys
+    rotated from them) finite in ``dtype`` (:func:`inferscale.kv_quant.check_scales_for`).
+    The same bytes per token in another geometry would be written through the paged
+    cache's strides into other requests' blocks."""
+    slab, scales = resident.slab, resident.scales
+    if slab.dim() != 5 or slab.shape[1] != 2:
+        raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(slab.shape)}")
+    if geometry is not None and tuple(slab.shape[2:]) != tuple(geometry):
+        raise ResidencyError(
+            f"user {resident.user!r}: slab {list(slab.shape)} is not [T, 2, L, H, D] of the "
+            f"model's geometry {KVGeometry(*geometry).describe()}")
+    if dtype_name(slab.dtype) is None:
+        raise ResidencyError(f"user {resident.user!r}: slab dtype {slab.dtype} is not a KV "
+                             "dtype")
+    if is_quantized(slab.dtype) != (scales is not None):
+        raise ResidencyError(f"user {resident.user!r}: a {slab.dtype} slab "
+                             f"{'without' if scales is None else 'with'} scales")
+    if scales is not None:
+        want = (len(resident.index), 2, *slab.shape[2:4])
+        if tuple(scales.shape) != want:
+            raise ResidencyError(f"user {resident.user!r}: scales {list(scales.shape)} for "
+                                 f"{list(want)}")
+        try:
+            check_scales_for(scales, dtype)
+        except ValueError as exc:
+            raise ResidencyError(f"user {resident.user!r}: {exc}") from exc
 
 
 @dataclass

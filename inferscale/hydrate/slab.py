@@ -44,15 +44,15 @@ import xxhash
 
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, StoreConfig,
-    TruncatedArtifact,
+    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, GeometryMismatch,
+    StoreConfig, TruncatedArtifact,
 )
 from inferscale.artifacts.read import (
     check_digest, check_size, data_path, manifest_at, resolve_version,
 )
 from inferscale.hydrate.arena import Region
 from inferscale.hydrate.resident import Resident
-from inferscale.types import Tier, check_tier, torch_dtype
+from inferscale.types import KVGeometry, Tier, check_tier, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
@@ -69,6 +69,20 @@ def check_kv_format(manifest: Manifest) -> None:
     except kv_schema.UnknownKVFormat as exc:
         raise ArtifactSchemaError(f"user {manifest.user} version {manifest.version}: "
                                   f"{exc}") from exc
+
+
+def check_geometry(manifest: Manifest, geometry: KVGeometry | None) -> None:
+    """:class:`GeometryMismatch` unless the version's KV (its manifest's ``kv``: the file
+    itself is checked against the manifest when parsed) has ``geometry``, the serving
+    model's (None: not checked)."""
+    if geometry is None:
+        return
+    kv = manifest.kv
+    got = KVGeometry(kv["layers"], kv["kv_heads"], kv["head_dim"])
+    if got != KVGeometry(*geometry):
+        raise GeometryMismatch(f"user {manifest.user} version {manifest.version}: its KV "
+                               f"geometry {got.describe()} is not the serving model's "
+                               f"{KVGeometry(*geometry).describe()}")
 
 
 def slab_nbytes(manifest: Manifest, dtype: torch.dtype | None = None) -> int:
@@ -95,7 +109,8 @@ READS = {"kv_files": 0, "kv_bytes": 0}
 
 def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
             tier: Tier = "host", device: str | torch.device | None = None,
-            expected_fingerprint: str | None = None, *, use_mmap: bool | None = None,
+            expected_fingerprint: str | None = None, *, geometry: KVGeometry | None = None,
+            use_mmap: bool | None = None,
             part_bytes: int = 32 << 20, workers: int | None = None,
             admit: Callable[[Manifest], None] | None = None,
             staging: "ResidentStore | None" = None,
@@ -105,15 +120,18 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     ``version``: an id or ``"latest"``. ``device``: the CUDA device the slab serves
     (default: ``cuda`` when available, else ``cpu``). ``expected_fingerprint``: the
     serving model's fingerprint (default: ``model_fp``); any mismatch with the folder,
-    the manifest or the kv file is :class:`FingerprintMismatch`. ``use_mmap``: default
-    True for a local store into plain memory without direct I/O (see module docstring;
-    True with ``store.direct_io`` is refused: a mapping is the page cache), False forces
-    a copy.
+    the manifest or the kv file is :class:`FingerprintMismatch`. ``geometry``: the
+    serving model's KV geometry; a version of another is :class:`GeometryMismatch`
+    before any byte of ``kv.arrow`` is read (the file must then agree with its
+    manifest). ``use_mmap``: default True for a local store into plain memory without
+    direct I/O (see module docstring; True with ``store.direct_io`` is refused: a mapping
+    is the page cache), False forces a copy.
     ``admit(manifest)``: called with the verified manifest before any byte of
     ``kv.arrow`` is read; it raises to refuse the version (the serving worker checks the
     slab's size, :func:`slab_nbytes`, against its memory budget there). Errors:
     ``ArtifactNotFound``, ``MissingManifest``, ``TruncatedArtifact``, ``ChecksumError``,
-    ``FingerprintMismatch``, ``ArtifactSchemaError``, ``CorruptArtifact``, and what
+    ``FingerprintMismatch``, ``GeometryMismatch``, ``ArtifactSchemaError``,
+    ``CorruptArtifact``, and what
     ``admit`` raises. ``staging``: a resident store whose staging reserve the bytes are
     read into (the serving worker: no memory is allocated, pinned or not; the returned
     resident holds that region, which ``staging.put`` adopts or gives back); otherwise
@@ -135,6 +153,7 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     version = resolve_version(store, user, model_fp, version)
     manifest = manifest_at(loc, version)  # checks the fingerprint against model_fp
     check_kv_format(manifest)
+    check_geometry(manifest, geometry)
     if admit is not None:
         admit(manifest)
     check_size(loc, manifest, KV_FILE)

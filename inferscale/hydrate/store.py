@@ -44,10 +44,10 @@ from inferscale.hydrate.arena import (
     NO_FENCE, Arena, ArenaFull, Fence, HeapArena, Region, copy_into,
 )
 from inferscale.hydrate.resident import (
-    HeadShard, ResidencyError, Resident, StoreEvent, layer_major,
+    HeadShard, ResidencyError, Resident, StoreEvent, check_servable, layer_major,
 )
 from inferscale.kv_quant import dequantize, dequantize_into, is_quantized
-from inferscale.types import TIERS
+from inferscale.types import TIERS, KVGeometry
 
 log = logging.getLogger("vllm.inferscale.store")
 
@@ -61,10 +61,12 @@ class ResidentStore:
     def __init__(self, device: torch.device | str, gpu_budget_bytes: int,
                  host_budget_bytes: int, dtype: torch.dtype | None = None,
                  heads: HeadShard | None = None, staging_bytes: int = 1 << 30,
-                 device_staging_bytes: int = 256 << 20):
+                 device_staging_bytes: int = 256 << 20, geometry: KVGeometry | None = None):
         self.device = torch.device(device)
         self.dtype = dtype  # every slab is converted to it when placed; None: kept as is
         self.heads = heads  # the KV heads kept of every slab; None: all of them
+        # the model's KV geometry (all heads): every slab must have it (None: any)
+        self.geometry = KVGeometry(*geometry) if geometry is not None else None
         self.budget = {"gpu": gpu_budget_bytes, "host": host_budget_bytes}
         self.reserve = {"host": staging_bytes, "gpu": device_staging_bytes}
         self.cuda = self.device.type == "cuda"
@@ -243,16 +245,22 @@ class ResidentStore:
         with self._lock:
             return sum(r.nbytes for r in self._lru.values() if r.tier == tier)
 
+    def check(self, resident: Resident) -> None:
+        """:func:`~inferscale.hydrate.resident.check_servable` for this store's model (its
+        geometry, its dtype): once per slab, before it is placed, so nothing of another
+        geometry reaches a tier, the device staging memory or a kernel."""
+        check_servable(resident, self.geometry, self.dtype or torch.float32)
+
     def put(self, resident: Resident, tier: str = "gpu") -> Resident:
         """Make ``resident`` available on ``tier`` (replacing the user's older version),
         least recently used users making room. Its slab may sit in a staging region
         (``resident.region``), which is given back (or adopted, when the slab is already
-        in the host tier's format). Raises :class:`ResidencyError` if it fits no budget."""
+        in the host tier's format). Raises :class:`ResidencyError` if it fits no budget
+        or fails :meth:`check`."""
         slab = resident.slab
-        if slab.dim() != 5 or slab.shape[1] != 2:
-            raise ResidencyError(f"slab must be [T, 2, L, H, D], got {tuple(slab.shape)}")
         staged = resident.region
         try:
+            self.check(resident)
             with self._placing:
                 self.allocate()
                 nbytes = self.placed_bytes(slab, resident.scales)

@@ -30,11 +30,12 @@ from inferscale.facts.extractor import FactExtractor, FactsConfig, FactsResult
 from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
 from inferscale.models import LoadedModel
 from inferscale.pipeline.config import PipelineConfig
+from inferscale.types import KVGeometry
 
 log = logging.getLogger("inferscale.pipeline")
 
 _MODELS: dict[tuple, LoadedModel] = {}
-_FINGERPRINTS: dict[tuple, str] = {}
+_FINGERPRINTS: dict[tuple, tuple[str, KVGeometry]] = {}
 _LOCK = threading.Lock()  # model loading and fingerprints
 _FACTS_LOCK = threading.Lock()  # the shared fact extractors
 _EXTRACTORS: dict[str, FactExtractor] = {}
@@ -57,13 +58,23 @@ def serving_model(cfg: PipelineConfig) -> LoadedModel:
 def model_fingerprint(cfg: PipelineConfig) -> str:
     """The serving model's fingerprint without loading it (the embedded model is
     converted on first use; weight digests are cached under ``{home}/fingerprints``)."""
-    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+    return _checkpoint_identity(cfg)[0]
+
+
+def model_geometry(cfg: PipelineConfig) -> KVGeometry:
+    """The serving model's KV geometry, from its checkpoint's config (not loaded)."""
+    return _checkpoint_identity(cfg)[1]
+
+
+def _checkpoint_identity(cfg: PipelineConfig) -> tuple[str, KVGeometry]:
+    from inferscale.models import checkpoint_fingerprint, checkpoint_geometry, resolve_checkpoint
 
     key = (cfg.model, str(cfg.home))
     with _LOCK:
         if key not in _FINGERPRINTS:
             ckpt = resolve_checkpoint(cfg.model, cfg.home)
-            _FINGERPRINTS[key] = checkpoint_fingerprint(ckpt, cfg.home)
+            _FINGERPRINTS[key] = (checkpoint_fingerprint(ckpt, cfg.home),
+                                  checkpoint_geometry(ckpt))
         return _FINGERPRINTS[key]
 
 
@@ -138,9 +149,14 @@ def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, 
                  facts_hash: str, inputs_at: datetime | None = None) -> PublishResult:
     """Publish a version (a no-op returning the existing one when inputs are unchanged).
     ``inputs_at``: when the logs were read: LATEST names the publish of the newest inputs
-    when runs race (:mod:`inferscale.artifacts.latest`)."""
+    when runs race (:mod:`inferscale.artifacts.latest`). The KV must be the serving
+    model's: its fingerprint, and the geometry of its checkpoint (publish checks it)."""
+    fp = model_fingerprint(cfg)
+    if encoded.model_fingerprint != fp:
+        raise RuntimeError(f"the KV was encoded for model {encoded.model_fingerprint}, not "
+                           f"the serving model {fp}")
     return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
-                   keep=cfg.keep_versions, inputs_at=inputs_at)
+                   geometry=model_geometry(cfg), keep=cfg.keep_versions, inputs_at=inputs_at)
 
 
 def record_lineage(cfg: PipelineConfig, model_fp: str, versions: Mapping[str, str],

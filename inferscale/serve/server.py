@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,11 @@ class MemoryServer:
         self.fp = fingerprint or engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
+        # user -> why the version last read for it was refused (MemoryRefused): its
+        # answers without memory name it (``fallback``); bounded like the cache's
+        # entries without memory
+        self._refusals: dict[str, str] = {}
+        self._refusals_lock = threading.Lock()
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
@@ -97,8 +103,23 @@ class MemoryServer:
     def read_user(self, user: str, version: str = "latest") -> UserMemory:
         """Read a user's facts (texts, token ids, embeddings) for retrieval and
         composition. Blocking: the cache runs it on its thread pool. MemoryRefused for
-        facts embedded in another dimension than the serving embedder's, and for a
-        layout in the encoder config that cannot be served."""
+        facts embedded in another dimension than the serving embedder's, for a layout in
+        the encoder config that cannot be served, and for an instruction that is not text
+        or whose prefix leaves no room in the model's context for any request (a
+        40,000-character one made every request of its user a 400); the user's answers
+        without memory then name the refusal (``fallback``)."""
+        with self._refusals_lock:
+            self._refusals.pop(user, None)
+        try:
+            return self._read_user(user, version)
+        except MemoryRefused as exc:
+            with self._refusals_lock:
+                self._refusals[user] = f"memory refused ({exc.reason}): {exc}"
+                while len(self._refusals) > self.memories.config.max_negative:
+                    self._refusals.pop(next(iter(self._refusals)))
+            raise
+
+    def _read_user(self, user: str, version: str) -> UserMemory:
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
@@ -107,6 +128,7 @@ class MemoryServer:
             layout = layout_settings(manifest.encoder_config)
         except ComposeError as exc:  # every request of the user would fail to compose
             raise MemoryRefused(manifest.version, "layout", str(exc)) from exc
+        prefix = self._servable_prefix(manifest.version, manifest.encoder_config)
         facts = read_facts(self.store, user, self.fp, manifest.version)
         dim = facts.schema.field("embedding").type.list_size
         if dim != self.embedder.dim:  # every query of this user would fail in the top-k
@@ -115,12 +137,31 @@ class MemoryServer:
                                 f"embedder ({self.embedder.path}) makes {self.embedder.dim}")
         fact_ids = facts.column("fact_id").to_pylist()
         token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
-        composer = self._composer(manifest.encoder_config.get("instruction"))
-        token_ids[PREFIX_ID] = composer.prefix_ids()
+        token_ids[PREFIX_ID] = prefix
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
                           token_ids, FactIndex.from_table(facts, device=self.embedder.device),
                           dict(zip(fact_ids, facts.column("source_index").to_pylist())),
                           *layout, kv_row_bytes=_row_bytes(manifest.kv))
+
+    def _servable_prefix(self, version: str, encoder_config: dict) -> list[int]:
+        """The token ids of the instruction prefix the version was encoded with, or
+        MemoryRefused ``instruction`` when it is not text or when it, the question's
+        template and one answer token exceed the model's context (no request could fit)."""
+        instruction = encoder_config.get("instruction")
+        if instruction is not None and not isinstance(instruction, str):
+            raise MemoryRefused(version, "instruction", f"its instruction is a "
+                                f"{type(instruction).__name__}, not text")
+        prefix = self._composer(instruction).prefix_ids()
+        # the shortest request: a one-character question and one answer token
+        shortest = len(self._composer(None).compose([prefix], "?")[0]) + 1
+        limit = self.engine.config.max_model_len
+        if shortest > limit:
+            self._composers.pop(instruction or "", None)  # never used: not kept
+            raise MemoryRefused(version, "instruction",
+                                f"its instruction prefix is {len(prefix)} tokens: with the "
+                                f"question's template and one answer token no request fits "
+                                f"the model's context ({limit} tokens)")
+        return prefix
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts.read import latest_version
@@ -138,6 +179,9 @@ class MemoryServer:
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:  # no memory to use: the question alone
             info["mode"] = "none"
+            refused = self._refusals.get(user) if user is not None else None
+            if refused:  # its memory exists but cannot be served: say why
+                info.update(fallback=refused, fallback_reason="refused")
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
             return Prepared(ids, None, request_salt(user, None, mode), info)

@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
     KVConnectorWorkerMetadata,
 )
 
+from inferscale.types import KVGeometry
+
 VLLM_VERSION = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
 SUPPORTED = {(0, 26), (0, 32)}
 
@@ -150,6 +152,20 @@ def attention_layers(layers: dict[str, Any]) -> list[tuple[int, Any]]:
 def layer_kv_heads(layer: Any) -> int:
     """KV heads of ``layer``'s paged cache (on this rank, under tensor parallelism)."""
     return int(layer.impl.num_kv_heads)
+
+
+def layer_head_size(layer: Any) -> int:
+    """The head dim of ``layer``'s paged cache."""
+    return int(layer.impl.head_size)
+
+
+def model_geometry(vllm_config: Any) -> KVGeometry:
+    """The served model's KV geometry (layers, all of its KV heads, head dim), as vLLM's
+    model config computes it (``ModelConfig.get_num_layers``, ``get_total_num_kv_heads``,
+    ``get_head_size``: long-standing methods; checked on 0.32)."""
+    mc = vllm_config.model_config
+    return KVGeometry(int(mc.get_num_layers(vllm_config.parallel_config)),
+                      int(mc.get_total_num_kv_heads()), int(mc.get_head_size()))
 
 
 def write_layer_kv(layer: Any, key: torch.Tensor, value: torch.Tensor,

@@ -5,11 +5,12 @@ The scheduler admits a request whose user is in neither tier as an asynchronous 
 blocks allocated, until the worker reports it finished. :class:`Fetches` runs each read
 on a small thread pool, off the engine's thread: the version's chunk index, the rows of
 just those chunks into the store's pinned staging reserve
-(:class:`~inferscale.hydrate.fetch.FactReader`), and one copy into its device staging
-reserve in the engine's dtype and layout (the rank's heads under tensor parallelism).
-Before a read is handed over, the chunks' token ids are checked against the prompt's.
-What the engine's thread then does is what it does for a resident user: one injection
-kernel reading device memory, in the next step.
+(:class:`~inferscale.hydrate.fetch.FactReader`, which refuses a version of another
+fingerprint or geometry than the model's from its manifest), checked as the store checks
+every slab, and one copy into its device staging reserve in the engine's dtype and layout
+(the rank's heads under tensor parallelism). Before a read is handed over, the chunks'
+token ids are checked against the prompt's. What the engine's thread then does is what
+it does for a resident user: one injection kernel reading device memory, in the next step.
 
 **Prefetches.** The server knows a request's facts before the engine schedules it, so
 it asks every worker to start reading them then (:meth:`Fetches.prefetch`, the
@@ -90,6 +91,11 @@ class Fetches:
         self._active, self._busy_since, self.busy_s, self.busy_bytes = 0, 0.0, 0.0, 0
 
     # ------------------------------------------------------------------ starting reads
+
+    def status(self) -> dict:
+        """Reads done and failed, bytes read, reads pending, prefetches by outcome."""
+        return {"reads": self.reads, "failures": self.failures, "bytes": self.bytes_read,
+                "pending": self.pending, "prefetches": dict(self.prefetches)}
 
     def prefetch(self, user: str, version: str, chunks: list[str], deadline_s: float,
                  nbytes: int = 0) -> None:
@@ -231,6 +237,7 @@ class Fetches:
             resident = Resident(user, version, self.fingerprint, rows, offsets,
                                 {c: index.token_ids[c] for c in chunks}, tier="storage",
                                 scales=index.chunk_scales(chunks))
+            self.store.check(resident)  # the model's geometry, scales its dtype keeps finite
             dev = self.store.staging(self.store.placed_bytes(rows),
                                      max(0.0, deadline - time.monotonic()), "gpu")
             try:

@@ -22,10 +22,13 @@ externally available when
   prefills them (the server's compute-or-load split; 0 chunks: no fallback). Meanwhile
   the whole user is reloaded in the background, so its later requests find it resident.
 
-Otherwise it returns 0 and the request prefills (the reason is logged and returned). A
-miss orders a background reload as described above, after a failed reload not before a
-back-off (``reload_backoff_s``, doubling per failure). An exception in any hook degrades
-to "0 external tokens" (the request prefills; a request already admitted has its blocks
+Otherwise it returns 0 and the request prefills (the reason is logged and returned); so
+does a request whose load the workers reported failed (vLLM recomputes its blocks and
+asks again: a read from storage that always fails, a version of another geometry, would
+otherwise be admitted, fail and be recomputed forever). A miss orders a background
+reload as described above, after a failed reload not before a back-off
+(``reload_backoff_s``, doubling per failure). An exception in any hook degrades to "0
+external tokens" (the request prefills; a request already admitted has its blocks
 reported as load errors), logged and counted.
 
 The scheduler also times the engine's busy steps (from one ``build_connector_meta`` to

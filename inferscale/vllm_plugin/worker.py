@@ -27,6 +27,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from inferscale.artifacts.direct_io import read_counts
@@ -38,7 +39,8 @@ from inferscale.hydrate.store import ResidentStore
 from inferscale.stats import Histogram
 from inferscale.types import PREFIX_ID, TIERS
 from inferscale.vllm_plugin.compat import (
-    attention_layers, find_rotary, kv_head_shard, layer_kv_heads, tensor_parallel_rank,
+    attention_layers, find_rotary, kv_head_shard, layer_head_size, layer_kv_heads,
+    model_geometry, tensor_parallel_rank,
 )
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
@@ -75,18 +77,23 @@ class ConnectorWorker:
         self.model_dtype = vllm_config.model_config.dtype
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = tensor_parallel_rank() if tp_size > 1 else 0
-        total = vllm_config.model_config.get_total_num_kv_heads()
+        # the model's KV geometry: every slab is checked against it once, when it arrives
+        self.geometry = model_geometry(vllm_config)
+        total = self.geometry.kv_heads
         start, count = kv_head_shard(total, tp_size, self.tp_rank)
         # this rank's KV heads; None (all of them) without tensor parallelism
         self.heads = HeadShard(start, count, total) if tp_size > 1 else None
+        # what this rank's slabs hold once placed: [T, 2, L, heads, D]
+        self.kept = (self.geometry.layers, count, self.geometry.head_dim)
         self.store = ResidentStore(worker_device(vllm_config), config.gpu_budget_bytes,
                                    config.host_budget_bytes, self.model_dtype, self.heads,
-                                   config.staging_bytes, config.device_staging_bytes)
+                                   config.staging_bytes, config.device_staging_bytes,
+                                   self.geometry)
         self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
                                      config.storage_options, config.reload_workers,
                                      config.reload_bytes_per_s, direct_io=config.direct_io)
-        reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers) \
-            if config.artifact_root else None
+        reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers,
+                            geometry=self.geometry) if config.artifact_root else None
         self.fetches = Fetches(self.store, reader, config.model_fingerprint,
                                config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
@@ -128,16 +135,17 @@ class ConnectorWorker:
             self._build_fused()
 
     def _checked(self, layers: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """``layers``, once their caches are seen to hold as many KV heads as this rank's
-        slabs will (a different sharding than :func:`kv_head_shard`'s raises)."""
-        want = self.heads.count if self.heads is not None else None
+        """``layers``, once their caches are seen to hold what this rank's slabs will:
+        as many KV heads (a different sharding than :func:`kv_head_shard`'s raises), the
+        model's head dim, and a layer index inside the model's layers."""
+        L, heads, dim = self.kept
         for idx, layer in layers:
-            have = layer_kv_heads(layer)
-            if want is not None and have != want:
+            have = (layer_kv_heads(layer), layer_head_size(layer))
+            if have != (heads, dim) or not 0 <= idx < L:
                 raise RuntimeError(
-                    f"tensor-parallel rank {self.tp_rank}: layer {idx}'s cache holds {have} "
-                    f"KV heads, but this rank's share of the model's {self.heads.total} is "
-                    f"{want}")
+                    f"tensor-parallel rank {self.tp_rank}: layer {idx}'s cache holds "
+                    f"{have[0]} KV heads of dim {have[1]}, but this rank's slabs hold "
+                    f"{heads} of dim {dim} (the model's {self.geometry.describe()})")
         return layers
 
     def _build_fused(self) -> None:
@@ -199,9 +207,7 @@ class ConnectorWorker:
                 "inject_calls": self.inject_calls,
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
                 "inject_path": self.inject_path,
-                "fetches": {"reads": self.fetches.reads, "failures": self.fetches.failures,
-                            "bytes": self.fetches.bytes_read, "pending": self.fetches.pending,
-                            "prefetches": dict(self.fetches.prefetches)},
+                "fetches": self.fetches.status(),
                 "budgets": store.budget,
                 "used": {t: store.used(t) for t in TIERS}}
 
@@ -363,15 +369,24 @@ class ConnectorWorker:
         self._failed_loads.append((spec.req_id, why))
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
+        """Why ``spec`` cannot be loaded from ``resident`` (None: it can): once per load,
+        its slab must hold this rank's geometry (the store placed only such slabs) and its
+        slots must lie in the blocks vLLM gave the request."""
         if resident is None:
             return f"user {spec.user} version {spec.version[:12]} is not resident"
         if self.rotary is None:
             return "no rotary module attached"
+        if tuple(resident.slab.shape[2:]) != self.kept:
+            return (f"slab geometry {list(resident.slab.shape[2:])} is not this rank's "
+                    f"cache's {list(self.kept)}")
         if any(c not in resident.index for c in spec.chunks):
             return "unknown chunk"
         total = sum(resident.index[c][1] for c in spec.chunks)
         if spec.end > total or len(spec.slot_mapping) != spec.end - spec.start:
             return "load range outside the memory"
+        if len(spec.slot_mapping) and not np.isin(
+                np.asarray(spec.slot_mapping) // self.block_size, spec.block_ids).all():
+            return "slots outside the request's blocks"
         return None
 
     def wait_for_save(self) -> None:

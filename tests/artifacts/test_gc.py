@@ -242,3 +242,26 @@ def test_latest_never_moves_to_a_version_whose_manifest_is_gone(local_store):
     os.remove(loc.file(v1, "manifest.json"))
     assert point_latest(loc, v1, t + timedelta(days=1)) == v3
     assert check_latest_reads(local_store, "rhea") == v3
+
+
+def test_a_manifest_with_a_numeric_creation_time_is_left_alone(local_store):
+    """A version whose manifest was re-signed with ``created`` a number (sorting it
+    against the strings of the others raised TypeError in listing and gc): it is a
+    damaged version, which listing skips and gc leaves alone; the others are listed and
+    collected as usual."""
+    import json
+
+    from storage_schemas.manifest import _checksum
+
+    versions = [publish(local_store, "gus", *make_inputs("gus", 2, seed=s),
+                        embeddings=False).version for s in range(3)]
+    loc = Location(local_store, "gus", FP)
+    path = loc.file(versions[0], "manifest.json")
+    body = {k: v for k, v in json.loads(local_store.filesystem().cat_file(path)).items()
+            if k != "checksum"}
+    body["created"] = 1767225600
+    local_store.filesystem().pipe_file(
+        path, json.dumps({**body, "checksum": _checksum(body)}).encode())
+    assert [m.version for m in list_versions(local_store, "gus", FP)] == versions[1:]
+    assert gc(local_store, "gus", FP, keep=1) == [versions[1]]
+    assert set(loc.blobs.listdir(loc.dir)) == {versions[0], versions[2]}

@@ -69,7 +69,7 @@ def test_bad_chunks_are_refused(change, match):
         build_kv_batch(_mutated(change), "fp-x")
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5, 1e38, 7.6e35, 1e-45])
 def test_fp8_scales_must_be_finite_and_positive(bad):
     memory, _, _ = make_inputs("u", 2, dtype=torch.float8_e4m3fn)
     memory.chunks[2].scales[1, 0, 1] = bad

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from builders import expected_slab, make_inputs
+from builders import expected_slab, make_inputs, regrouped
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
     ArtifactSchemaError, ChecksumError, InvalidArtifactInput, InvalidUserId, StoreConfig,
@@ -282,3 +282,28 @@ def test_verification_never_reads_outside_the_version_folder(local_store, tmp_pa
     with open(loc.file(r.version, "manifest.json"), "w") as f:
         json.dump(body, f)
     verify_version(local_store, "otto", FP)
+
+
+def test_a_geometry_other_than_the_model_s_is_refused(local_store):
+    """Chunks of another geometry than the model's, same bytes per token: refused against
+    the encoder's record of its model and against the caller's; nothing written. Publish
+    never guesses the geometry: without either it refuses too."""
+    from dataclasses import replace
+
+    from inferscale.types import KVGeometry
+
+    memory, facts, lineage = make_inputs("u", 3, layers=2, heads=2, head_dim=8)
+    with pytest.raises(InvalidArtifactInput, match=r"geometry \[L=2, H=2, D=8\]"):
+        publish(local_store, "u", regrouped(memory), facts, lineage, embeddings=False)
+    memory, facts, lineage = make_inputs("u", 3, layers=2, heads=2, head_dim=8)
+    with pytest.raises(InvalidArtifactInput, match=r"geometry \[L=2, H=4, D=4\]"):
+        publish(local_store, "u", memory, facts, lineage, geometry=KVGeometry(2, 4, 4),
+                embeddings=False)
+    with pytest.raises(InvalidArtifactInput, match="geometry .* is not known"):
+        publish(local_store, "u", replace(memory, geometry=None), facts, lineage,
+                embeddings=False)
+    assert not os.path.exists(os.path.join(local_store.root, "users", "u"))
+    r = publish(local_store, "u", replace(memory, geometry=None), facts, lineage,
+                geometry=KVGeometry(2, 2, 8), embeddings=False)
+    assert (r.manifest.kv["layers"], r.manifest.kv["kv_heads"], r.manifest.kv["head_dim"]) \
+        == (2, 2, 8)

@@ -11,7 +11,7 @@ from inferscale.artifacts.result_codec import encoded_from_ipc, encoded_to_ipc
 from inferscale.encode.capture import EncodedChunk
 from inferscale.encode.encoder import EncodedMemory
 from inferscale.kv_quant import quantize
-from inferscale.types import PREFIX_ID
+from inferscale.types import PREFIX_ID, KVGeometry
 
 L, H, D = 2, 2, 8
 
@@ -27,15 +27,18 @@ def _memory(dtype: str) -> EncodedMemory:
             k, v, sc = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype)), None
         chunks.append(EncodedChunk(cid, list(range(n)), k, v, f"key-{cid}", sc))
     return EncodedMemory(chunks, "f" * 32, {"dtype": dtype, "window": 3}, {"facts": 2},
-                         {"mode": "head", "temperatures": [[1.5, 1.0], [1.0, 2.0]]})
+                         {"mode": "head", "temperatures": [[1.5, 1.0], [1.0, 2.0]]},
+                         KVGeometry(L, H, D))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_encoded_round_trip(dtype):
     mem = _memory(dtype)
     back = encoded_from_ipc(encoded_to_ipc(mem))
-    assert (back.model_fingerprint, back.encoder_config, back.stats, back.calibration) == (
-        mem.model_fingerprint, mem.encoder_config, mem.stats, mem.calibration)
+    assert (back.model_fingerprint, back.encoder_config, back.stats, back.calibration,
+            back.geometry) == (mem.model_fingerprint, mem.encoder_config, mem.stats,
+                               mem.calibration, mem.geometry)
+    assert isinstance(back.geometry, KVGeometry)
     assert [c.chunk_id for c in back.chunks] == [c.chunk_id for c in mem.chunks]
     for a, b in zip(mem.chunks, back.chunks):
         assert (a.token_ids, a.content_key) == (b.token_ids, b.content_key)
@@ -48,13 +51,15 @@ def test_encoded_round_trip(dtype):
             assert torch.equal(a.scales, b.scales)
 
 
-def test_forged_fp8_scales_are_refused():
+@pytest.mark.parametrize("bad", [float("nan"), 1e38, 7.6e35, 1e-45])
+def test_forged_fp8_scales_are_refused(bad):
     """A cached result whose scale was changed in its bytes (shared result storage is
-    writable by others): refused, never dequantized into garbage."""
+    writable by others): refused, never dequantized into garbage (or infinities, or a
+    chunk of zeros)."""
     data = bytearray(encoded_to_ipc(_memory("float8_e4m3fn")))
     one = _memory("float8_e4m3fn").chunks[0].scales.reshape(-1)[:1].numpy().tobytes()
     at = bytes(data).index(one)
-    data[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    data[at:at + 4] = torch.tensor([bad]).numpy().tobytes()
     with pytest.raises(ValueError, match="finite and positive"):
         encoded_from_ipc(bytes(data))
 
@@ -62,3 +67,13 @@ def test_forged_fp8_scales_are_refused():
 def test_other_bytes_are_refused():
     with pytest.raises(ValueError, match="not an Arrow IPC stream"):
         encoded_from_ipc(b"\x80\x04pickle")
+
+
+def test_a_result_cached_without_a_geometry_reads_without_one():
+    """Results cached before the encoder recorded its model's geometry still read (the
+    pipeline's publish takes the geometry from the checkpoint then)."""
+    import dataclasses
+
+    back = encoded_from_ipc(encoded_to_ipc(dataclasses.replace(_memory("float32"),
+                                                               geometry=None)))
+    assert back.geometry is None

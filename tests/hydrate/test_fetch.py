@@ -94,7 +94,7 @@ def test_fp8_chunks_come_with_their_verified_scales(store):
         FactReader(store, FP).index("dana", r.version)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0, 1e38, 7.6e35, 1e-45])
 def test_forged_fp8_scales_are_refused(store, bad):
     """A kv file whose scale was replaced and whose manifest was re-signed to match: the
     digests agree, the scale itself is refused before any row is read."""
@@ -196,3 +196,65 @@ def test_the_index_read_touches_a_few_kilobytes(local_store, monkeypatch):
     index = FactReader(local_store, FP).index("erin", r.version)
     assert len(index.rows) == 41 and 0 < sum(reads) < size / 20, (sum(reads), size)
     assert pa.ipc.open_file(path).num_record_batches == 1
+
+
+@pytest.mark.parametrize("damage", ["removed", "flipped"])
+def test_a_failed_read_forgets_the_index_so_a_repaired_version_reads(store, damage):
+    """A version's kv file is removed (a gc racing a rollback) or damaged, and the version
+    is published again (a repair: new file names, a new manifest). The reader's cached
+    index names the old file: the read through it fails once and drops it, and the next
+    request reads the manifest again and the repaired file; before, every read failed
+    until the worker restarted. Local disk and S3 alike."""
+    memory, facts, lineage = make_inputs("dana", 6, dtype=torch.bfloat16)
+    r = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    loc = Location(store, "dana", FP)
+    reader = FactReader(store, FP)
+    index = reader.index("dana", r.version)
+    picked = ["prefix", *list(index.rows)[2:4]]
+    out = torch.empty(64 << 10, dtype=torch.uint8)
+    want = reader.read(index, picked, out).clone()
+    path = data_path(loc, r.manifest, "kv.arrow")
+    fs = store.filesystem()
+    if damage == "removed":
+        fs.rm_file(path)
+    else:
+        data = bytearray(fs.cat_file(path))
+        row, n, _ = index.rows[picked[1]]
+        data[index.slab_offset + row * index.row_bytes] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+    repaired = publish(store, "dana", memory, facts, lineage, embeddings=False)
+    assert repaired.version == r.version and repaired.created  # written again
+    assert data_path(loc, repaired.manifest, "kv.arrow") != path
+    with pytest.raises((FileNotFoundError, ChecksumError, OSError)):
+        reader.read(reader.index("dana", r.version), picked, out)
+    again = reader.index("dana", r.version)
+    assert again is not index and again.path == data_path(loc, repaired.manifest, "kv.arrow")
+    assert torch.equal(reader.read(again, picked, out), want)
+    assert reader.index("dana", r.version) is again  # cached again
+
+
+def test_a_forged_geometry_is_not_indexed(store):
+    """Per-fact reads of a version whose K/V were regrouped (``[L, 2H, D/2]``, same bytes
+    per token): refused from its manifest, the kv file never opened."""
+    from builders import regrouped
+    from inferscale.artifacts.layout import GeometryMismatch
+    from inferscale.types import KVGeometry
+
+    memory, facts, lineage = make_inputs("eve", 4, layers=2, heads=2, head_dim=8)
+    r = publish(store, "eve", regrouped(memory, claim=True), facts, lineage,
+                embeddings=False)
+    with pytest.raises(GeometryMismatch, match="not the serving model's"):
+        FactReader(store, FP, geometry=KVGeometry(2, 2, 8)).index("eve", r.version)
+    assert FactReader(store, FP, geometry=KVGeometry(2, 4, 4)).index("eve", r.version).shape \
+        == (2, 4, 4)
+
+
+def test_a_kv_file_that_disagrees_with_its_manifest_is_refused(published):
+    """A manifest re-signed to claim the model's geometry over a kv file of another: the
+    file's own layout must be its manifest's (like whole-slab hydration's)."""
+    store, loc, r = published
+    m = read_manifest(store, "dana", FP, r.version)
+    store.filesystem().pipe_file(loc.file(r.version, "manifest.json"), Manifest(**{
+        **m.__dict__, "kv": {**m.kv, "kv_heads": 4, "head_dim": 4}}).to_json())
+    with pytest.raises(CorruptArtifact, match="disagrees with the manifest"):
+        FactReader(store, FP).index("dana", r.version)

@@ -157,3 +157,33 @@ def test_background_reloads_of_one_version_run_once_at_a_time(published):
     _wait(lambda: loader.store.get("ann", version))
     time.sleep(0.5)  # orders that were queued behind the first one find it resident
     assert loader.reloads == 1 and loader.take_failures() == []
+
+
+def test_a_forged_geometry_is_refused_before_anything_is_read(store):
+    """An artifact published under the model's fingerprint with its K/V regrouped as
+    ``[L, 2H, D/2]`` (same bytes per token; its publisher claimed that geometry): an
+    admin hydration and a background reload refuse it from its manifest, before any byte
+    of its kv file is read or any staging memory taken; the user is never resident."""
+    from builders import regrouped
+    from inferscale.artifacts.layout import GeometryMismatch
+    from inferscale.hydrate.slab import READS
+    from inferscale.types import KVGeometry
+
+    memory, facts, lineage = make_inputs("eve", 3, layers=2, heads=2, head_dim=8)
+    forged = publish(store, "eve", regrouped(memory, claim=True), facts, lineage,
+                     embeddings=False).version
+    res = ResidentStore("cpu", 1 << 30, 1 << 30, geometry=KVGeometry(2, 2, 8))
+    loader = ResidentLoader(res, FP, store.root, store.storage_options)
+    reads = dict(READS)
+    with pytest.raises(GeometryMismatch, match=r"\[L=2, H=4, D=4\] is not the serving model's "
+                                               r"\[L=2, H=2, D=8\]"):
+        loader.load("eve", forged)
+    loader.reload_in_background("eve", forged, "gpu")
+    (failure,) = _wait(loader.take_failures)
+    assert failure[:2] == ("eve", forged) and "GeometryMismatch" in failure[2]
+    assert READS == reads and res.held("eve") is None
+    assert res._staging_used == {"host": 0, "gpu": 0}
+    # the model's own geometry loads
+    memory, facts, lineage = make_inputs("eve", 3, layers=2, heads=2, head_dim=8, seed=4)
+    good = publish(store, "eve", memory, facts, lineage, embeddings=False).version
+    assert loader.load("eve", good).version == good

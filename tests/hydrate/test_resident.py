@@ -316,3 +316,41 @@ def test_cuda_keeps_fp8_in_both_tiers_with_its_scales():
     moved = store.held("q")
     assert moved.tier == "host" and moved.slab.dtype == torch.float8_e4m3fn
     assert torch.equal(moved.slab.view(torch.uint8), raw.view(torch.uint8))
+
+
+def test_a_slab_of_another_geometry_never_reaches_a_tier():
+    """The store of a model ``[L=2, H=2, D=4]`` refuses a slab of the same bytes per
+    token in another geometry (``[2, 4, 2]``: heads 2..3 would land in the next block of
+    the paged cache) and one of another layer count, before placing anything; its
+    staging memory is given back. Its own geometry is placed."""
+    from inferscale.types import KVGeometry
+
+    store = ResidentStore("cpu", 1 << 20, 1 << 20, geometry=KVGeometry(2, 2, 4))
+    good = make_resident("ann")
+    forged = make_resident("eve")
+    forged.slab = forged.slab.reshape(9, 2, 2, 4, 2)
+    fewer = make_resident("bob", L=1)
+    for r in (forged, fewer):
+        with pytest.raises(ResidencyError, match=r"model's geometry \[L=2, H=2, D=4\]"):
+            store.put(r, "gpu")
+    assert store.residents() == [] and store.used("gpu") == store.used("host") == 0
+    assert store.put(good, "gpu").slab.shape == (9, 2, 2, 2, 4)
+
+
+@pytest.mark.parametrize("dtype, scale, ok", [
+    (torch.float16, 147.0, False), (torch.float16, 100.0, True),
+    (torch.float32, 147.0, True), (torch.float32, 7.6e35, False),
+    (torch.bfloat16, 1e30, True), (torch.float32, 1e-40, False)])
+def test_fp8_scales_must_stay_finite_in_the_engine_dtype(dtype, scale, ok):
+    """The worker's own bound, for its engine's dtype: a scale that passes the readers'
+    dtype-independent check (147) still overflows a float16 engine (448 * 147 > 65504)
+    and is refused there, once per slab, when it arrives."""
+    r = fp8_resident()
+    r.scales[1, 0, 0, 1] = scale
+    store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=dtype)
+    if ok:
+        store.check(r)
+    else:
+        with pytest.raises(ResidencyError, match="stay finite"):
+            store.put(r, "gpu")
+        assert store.residents() == []

@@ -56,7 +56,7 @@ def test_round_trip(store, dtype):
     check(g, memory)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 0.0, -2.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 0.0, -2.0, 1e38, 7.6e35, 1e-45])
 def test_forged_fp8_scales_are_refused(store, bad):
     """Scales replaced on storage with the manifest re-signed to match (sizes, checksums
     and the index digest all agree): hydration refuses the scale itself."""
@@ -486,3 +486,22 @@ else:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().startswith("(")
+
+
+def test_hydration_refuses_another_geometry_before_reading(store):
+    """``hydrate(geometry=...)``: a version whose KV is not the model's geometry is
+    refused from its manifest (nothing of kv.arrow read)."""
+    from builders import regrouped
+    from inferscale.artifacts.layout import GeometryMismatch
+    from inferscale.hydrate.slab import READS
+    from inferscale.types import KVGeometry
+
+    memory, facts, lineage = make_inputs("eve", 2, layers=2, heads=2, head_dim=8)
+    r = publish(store, "eve", regrouped(memory, claim=True), facts, lineage,
+                embeddings=False)
+    reads = dict(READS)
+    with pytest.raises(GeometryMismatch):
+        hydrate(store, "eve", FP, r.version, geometry=KVGeometry(2, 2, 8))
+    assert READS == reads
+    assert hydrate(store, "eve", FP, r.version, geometry=KVGeometry(2, 4, 4)).slab.shape[2:] \
+        == (2, 4, 4)

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given
@@ -144,14 +145,31 @@ def test_check_index():
         kv.check_index(["prefix", "a"], [0, 3], [3, 2], [3, 2], 9)
 
 
-SCALE = st.one_of(st.none(), st.floats(width=32), st.floats(2.0 ** -100, 2.0 ** 100, width=32))  # any, positive
+# any float32 (subnormals, huge values, both zeros, NaN, infinities), ordinary positive
+# scales, and the edges of the accepted range
+SCALE = st.one_of(st.none(), st.floats(width=32), st.floats(2.0 ** -100, 2.0 ** 100, width=32),
+                  st.sampled_from([kv.FLOAT32_TINY, float(np.nextafter(np.float32(kv.FLOAT32_TINY),
+                                                                         np.float32(0))),
+                                   float(np.float32(kv.max_scale(kv.FLOAT32_MAX))), 1e-45,
+                                   7.6e35, 1e38]))
+
+
+def _refused(x, dtype_max=kv.FLOAT32_MAX) -> bool:
+    """The rule, stated on its own: a scale is read only when it is a finite normal
+    float32 whose dequantized values, and keys rotated from them, are finite in the
+    dtype: 448 * sqrt(2) * scale <= its max (computed exactly, in Python floats)."""
+    if x is None:
+        return True
+    x = float(np.float32(x))  # as stored
+    return not math.isfinite(x) or x < 2.0 ** -126 or x * 448.0 * math.sqrt(2.0) > dtype_max
 
 
 @given(st.lists(st.lists(SCALE, max_size=6), max_size=5))
-def test_scales_are_refused_unless_all_finite_and_positive(rows):
-    """Any values (NaN, infinities, zeros of either sign, negatives, nulls) in a nested
-    scales column: refused exactly when one of them is not a finite positive number."""
-    bad = any(x is None or not math.isfinite(x) or x <= 0 for r in rows for x in r)
+def test_scales_are_refused_unless_finite_normal_and_small_enough(rows):
+    """Any values (NaN, infinities, zeros of either sign, negatives, subnormals, values
+    whose dequantized K/V overflow float32, nulls) in a nested scales column: refused
+    exactly when one of them breaks the rule."""
+    bad = any(_refused(x) for r in rows for x in r)
     column = pa.array(rows, pa.list_(pa.float32()))
     if bad:
         with pytest.raises(kv.KVFormatError, match="finite and positive"):
@@ -159,3 +177,28 @@ def test_scales_are_refused_unless_all_finite_and_positive(rows):
     else:
         kv.check_scales(column)
         kv.check_scales(pa.chunked_array([column]))
+
+
+@given(st.lists(SCALE, min_size=1, max_size=8))
+def test_scales_for_a_float16_engine(values):
+    """The worker's bound for its engine's dtype: 147 (448 * 147 > 65504) and anything
+    whose rotated keys could exceed float16's max is refused; the schema's own bounds
+    still hold below it."""
+    column = pa.array(values, pa.float32())
+    if any(_refused(x, 65504.0) for x in values):
+        with pytest.raises(kv.KVFormatError, match="finite and positive"):
+            kv.check_scales(column, 65504.0, "float16")
+    else:
+        kv.check_scales(column, 65504.0, "float16")
+
+
+def test_the_scales_the_audit_found():
+    """1e38 and 7.6e35 (non-finite K/V in float32), 1e-45 (a subnormal: the chunk read as
+    zeros) are refused everywhere; 147 only where the engine computes in float16."""
+    for bad in (1e38, 7.6e35, 1e-45, 1e-39):
+        with pytest.raises(kv.KVFormatError):
+            kv.check_scales(pa.array([1.0, bad], pa.float32()))
+    kv.check_scales(pa.array([147.0, 2.0 ** -126], pa.float32()))
+    with pytest.raises(kv.KVFormatError, match="float16"):
+        kv.check_scales(pa.array([147.0], pa.float32()), 65504.0, "float16")
+    kv.check_scales(pa.array([100.0], pa.float32()), 65504.0, "float16")

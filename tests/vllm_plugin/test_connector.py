@@ -213,7 +213,8 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     # artifacts of another model: hydration refuses, requests prefill
     mem, other_table = __import__("engine_helpers").limiting_memory(
         engine_env.model.model, tok, "dora", FACTS[:2], "f" * 32, embedder)
-    publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config),
+    publish(engine_env.store, "dora", EncodedMemory(mem.chunks, "f" * 32, mem.encoder_config,
+                                                    geometry=mem.geometry),
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
     with pytest.raises(Exception, match="nothing published for user .dora., model "):
         engine_env.loop.run(engine_env.engine.hydrate("dora", version="latest", tier="gpu"))
@@ -428,3 +429,65 @@ def test_a_user_larger_than_the_budget_costs_one_refusal(engine_env, embedder):
     assert status1["kv_reads"]["kv_files"] == status0["kv_reads"]["kv_files"]  # nothing read
     assert status1["reload_failures"] - status0["reload_failures"] == 1
     assert "exceed the host budget" in engine_env.log.read_text(errors="replace")
+
+
+def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, embedder):
+    """The audit's attack: an artifact published under the serving model's fingerprint
+    with its K/V regrouped as ``[30 layers, 6 heads, 32 dims]`` (SmolLM2 is ``[30, 3, 64]``:
+    the same bytes per token; its publisher claimed that geometry). Admin hydration
+    refuses it from its manifest; a request naming it (which orders a background reload
+    and a read of its facts from storage) is prefilled with the reason, while another
+    user's request in the same steps gets exactly its greedy answer, in every round
+    (before, the forged rows were written through the cache's strides into the
+    neighbour's blocks and its answer changed in 3 rounds of 3)."""
+    from builders import regrouped
+    from inferscale.compose import Composer
+    from inferscale.types import PREFIX_ID
+
+    tok = engine_env.model.tokenizer
+    mem, table = limiting_memory(engine_env.model.model, tok, "forger", FACTS,
+                                 engine_env.model.fingerprint, embedder)
+    assert mem.geometry == (30, 3, 64)
+    forged = publish(engine_env.store, "forger", regrouped(mem, claim=True), table,
+                     Lineage("log-forger", "facts-forger"), embeddings=False).version
+    with pytest.raises(Exception, match=r"\[L=30, H=6, D=32\] is not the serving model's "
+                                        r"\[L=30, H=3, D=64\]"):
+        engine_env.loop.run(engine_env.engine.hydrate("forger", version=forged, tier="gpu"))
+    version, nb_table = publish_user(engine_env, embedder, "neighbour", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("neighbour", version=version, tier="gpu"))
+    nb_ids, nb_chunks = memory_prompt(tok, nb_table, "Where does Melanie live?")
+    nb_ref = MemoryRef("neighbour", version, nb_chunks)
+    f_ids, f_chunks = memory_prompt(tok, table, "What is Caroline allergic to?")
+    ids_of = dict(zip(table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()))
+    ids_of[PREFIX_ID] = Composer(tok).prefix_ids()
+    f_ref = MemoryRef("forger", forged, f_chunks, tuple(len(ids_of[c]) for c in f_chunks),
+                      supersedes=True)
+    engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+    want = gen(engine_env, nb_ids, nb_ref)
+    assert want.injected_tokens > 0 and want.fallback is None
+    want_f = gen(engine_env, f_ids).token_ids  # the forger's question, plainly prefilled
+    status0 = engine_env.loop.run(engine_env.engine.status())
+    try:
+        fallbacks = []
+        for _ in range(3):
+            engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
+
+            async def both():
+                return await asyncio.gather(
+                    engine_env.engine.generate(f_ids, f_ref, max_tokens=24),
+                    engine_env.engine.generate(nb_ids, nb_ref, max_tokens=24))
+
+            f, nb = engine_env.loop.run(both())
+            assert nb.token_ids == want.token_ids, nb.text
+            assert nb.injected_tokens > 0 and nb.fallback is None
+            assert f.injected_tokens == 0 and f.token_ids == want_f and f.fallback
+            fallbacks.append(f.fallback)
+            time.sleep(0.5)  # the ordered reload fails meanwhile
+        status1 = engine_env.loop.run(engine_env.engine.status())
+    finally:
+        engine_env.loop.run(engine_env.engine.evict("neighbour"))
+    assert any("not the serving model's" in fb for fb in fallbacks), fallbacks
+    assert "forger" not in {r["user"] for r in status1["residents"]}
+    assert status1["fetches"]["failures"] > status0["fetches"]["failures"]
+    assert status1["reload_failures"] > status0["reload_failures"]
+    assert "GeometryMismatch" in engine_env.log.read_text(errors="replace")

@@ -102,6 +102,31 @@ def test_missing_versions_and_chunks_fail_cleanly(local_store):
     assert store._staging_used == {"host": 0, "gpu": 0}
 
 
+def test_a_forged_geometry_never_reaches_staging(local_store):
+    """A version whose K/V were regrouped as ``[L, 2H, D/2]`` (same bytes per token, its
+    publisher claiming that geometry): the reader of a worker refuses it from its
+    manifest; and were a reader to hand such rows over, the store's check refuses them
+    before they are placed in device staging memory. Both reported as failed reads
+    (the request is recomputed), all staging memory given back."""
+    from builders import regrouped
+    from inferscale.types import KVGeometry
+
+    geometry = KVGeometry(2, 2, 8)
+    memory, facts, lineage = make_inputs("ann", 6, dtype=torch.bfloat16, seed=7)
+    version = publish(local_store, "ann", regrouped(memory, claim=True), facts, lineage,
+                      embeddings=False).version
+    whole = hydrate(local_store, "ann", FP, version)
+    store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32, geometry=geometry)
+    for reader, error in ((FactReader(local_store, FP, geometry=geometry), "GeometryMismatch"),
+                          (FactReader(local_store, FP), "ResidencyError")):
+        fetches = Fetches(store, reader, FP, timeout_s=5)
+        fetches.submit(spec(whole, version, ["prefix", list(whole.index)[2]]))
+        (got,) = wait_done(fetches)
+        assert got.resident is None and got.error.startswith(error), got.error
+        assert "[L=2, H=2, D=8]" in got.error
+        assert store._staging_used == {"host": 0, "gpu": 0}
+
+
 def test_a_cancelled_read_returns_its_memory(local_store):
     store, fetches, whole, version = setup(local_store)
     fetches.submit(spec(whole, version, ["prefix", list(whole.index)[3]]))

@@ -98,6 +98,44 @@ def test_cpu_kernel_is_bit_identical_to_rotary_op_and_backend_writer(cpu_backend
     assert got_k.shape == (rows.size, cpu_backend.heads, cpu_backend.dim)
 
 
+def test_a_launch_never_writes_outside_its_slots(cpu_backend):
+    """The kernel takes heads and dim from the slab and writes through the cache's
+    strides: a slab whose tokens hold the same bytes in another geometry (``[L, 2H, D/2]``)
+    would write heads H.. into the next block. Every launch checks the slab's heads x dim
+    against the cache's, its layers, and each token's row, position and slot: refused
+    before anything is written, the caches untouched."""
+    from vllm.config import set_current_vllm_config
+
+    L, bs, H, D = 2, 16, cpu_backend.heads, cpu_backend.dim
+    g = torch.Generator().manual_seed(3)
+    slab = torch.randn((20, 2, L, H, D), generator=g)
+    rows = np.arange(10, dtype=np.int64)
+    positions = np.arange(10, dtype=np.int64) + 5
+    slots = np.arange(10, dtype=np.int64) + 3 * bs
+    with set_current_vllm_config(cpu_backend.config):
+        layers = cpu_layers(cpu_backend, L, blocks=8)
+        writer = FusedWriter.build(layers, cpu_backend.rope, torch.float32, place=layer_major)
+        assert writer.ok, writer.reason
+        before = [layer.kv_cache.clone() for _, layer in layers]
+        bad = {
+            "regrouped [L, 2H, D/2]": Source(layer_major(slab.reshape(20, 2, L, 2 * H, D // 2)),
+                                            rows, positions, slots),
+            "fewer layers": Source(layer_major(slab[:, :, :1]), rows, positions, slots),
+            "a row past the slab": Source(layer_major(slab), rows + 11, positions, slots),
+            "a slot past the cache": Source(layer_major(slab), rows, positions, slots + 5 * bs),
+            "a negative slot": Source(layer_major(slab), rows, positions, slots - 4 * bs),
+            "a position past the rotary table": Source(layer_major(slab), rows,
+                                                       positions + 10 ** 7, slots),
+        }
+        for what, src in bad.items():
+            with pytest.raises(RuntimeError):
+                writer.write([src])
+            for (_, layer), old in zip(layers, before):
+                assert torch.equal(layer.kv_cache, old), what
+        writer.write([Source(layer_major(slab), rows, positions, slots)])  # the real one
+    assert not torch.equal(layers[0][1].kv_cache, before[0])
+
+
 def test_unknown_layout_stays_on_the_generic_path(cpu_backend):
     from vllm.config import set_current_vllm_config
 

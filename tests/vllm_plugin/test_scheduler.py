@@ -103,6 +103,38 @@ def test_reads_in_flight_are_bounded_and_a_read_done_frees_its_share():
     assert s.get_num_new_matched_tokens(b2, 0) == (8, True)
 
 
+def test_a_request_whose_read_failed_is_prefilled_not_read_again():
+    """A read from storage that fails (a version of another geometry, a damaged chunk)
+    is reported failed; vLLM recomputes the request's blocks and asks the connector
+    again: the request is prefilled from then on (before, it was admitted as a read
+    again, failed again, forever), its answer naming the failure; other requests of
+    the same user are still read. A finished request leaves nothing behind."""
+    s = sched()
+    req = request("r1", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(req, 0) == (8, True)
+    s.update_state_after_alloc(req, blocks([7, 3, 9]), 8)
+    s.build_connector_meta(output({}))
+    why = "reading its facts from storage failed (GeometryMismatch: ...)"
+    s.update_connector_output(finished({"r1"}))
+    s.update_connector_output(KVOutput(ResidencyReport(failed_loads=[("r1", why)])))
+    for _ in range(3):
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta(output({})).fetches == []
+    other = request("r2", REF, PROMPT)
+    assert s.get_num_new_matched_tokens(other, 0) == (8, True)
+    delay, params = s.request_finished(req, [7, 3, 9])
+    assert delay is False
+    reply = MemoryReply.from_params(params)
+    assert reply.injected_tokens == 0 and reply.fallback == f"memory load failed ({why}); recomputed"
+    assert "r1" not in s._recompute
+
+
+def KVOutput(report):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(kv_connector_worker_meta=report)
+
+
 @pytest.mark.parametrize("ref, why", [
     (dataclasses.replace(REF, lengths=()), "user not resident"),  # no lengths: only resident
     (dataclasses.replace(REF, lengths=(3, 50)), "user not resident"),  # longer than the prompt

@@ -128,6 +128,7 @@ class FusedWriter:
         if not layout.quantized and first.kv_cache.dtype != self.dtype:
             raise RuntimeError(f"cache dtype {first.kv_cache.dtype} is not the model's")
         self.layout = layout
+        self.blocks = first.kv_cache.shape[0]  # every layer's cache: [B, ...]
         self.neox = bool(getattr(rot, "is_neox_style", True))
         device = first.kv_cache.device
         self.cos_sin = rot.cos_sin_cache.to(device=device, dtype=(
@@ -142,6 +143,7 @@ class FusedWriter:
             offs = [(idx, (layer.kv_cache.data_ptr() - base.data_ptr()) // size)
                     for idx, layer in self.layers]
             self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
+            self._layer_idx = np.asarray([i for i, _ in self.layers], dtype=np.int64)
             self._indices = IndexBuffers(INDEX_CAPACITY, device)
             # the cache's own scales per layer row [L, 2, H] (fp8 caches; else unused)
             self._out_scales = (cache_scales([layer for _, layer in self.layers],
@@ -166,14 +168,46 @@ class FusedWriter:
         """Write every source's tokens into every layer (enqueued on CUDA, not awaited)."""
         if self.kind == "numba":
             for src in sources:
-                self._write_cpu(src, self._caches, self._layer_idx)
+                self._write_cpu(src, self._caches, self._layer_idx, self.blocks)
         else:
             self._write_cuda(sources)
 
-    def _write_cpu(self, src: Source, caches: Any, layer_idx: np.ndarray) -> None:
+    def check_source(self, src: Source, layer_idx: np.ndarray, blocks: int) -> None:
+        """RuntimeError unless the kernel can write ``src`` into caches of ``blocks``
+        blocks without leaving its slots: the slab's heads x dim are the cache's (the
+        kernels take them from the slab and write through the cache's strides: a slab
+        regrouped as ``[L, 2H, D/2]`` would write heads H.. into the next block), it has
+        every layer written, and each token's row, position, slot and scales row is in
+        range (the Numba kernel runs without bounds checks). Once per launch, over the
+        launch's index arrays; nothing per token on the device."""
+        lay, slab = self.layout, src.slab
+        if slab.dim() != 5 or slab.shape[1] != 2 or \
+                (slab.shape[3], slab.shape[4]) != (lay.num_heads, lay.head_size):
+            raise RuntimeError(f"slab {list(slab.shape)} is not [T, 2, L, H={lay.num_heads}, "
+                               f"D={lay.head_size}] of the paged cache")
+        if len(layer_idx) and int(layer_idx.max()) >= slab.shape[2]:
+            raise RuntimeError(f"slab of {slab.shape[2]} layers for layer {layer_idx.max()}")
+        n = len(src.rows)
+        if len(src.positions) != n or len(src.slots) != n:
+            raise RuntimeError("a source's rows, positions and slots differ in length")
+        for name, values, bound in (("row", src.rows, slab.shape[0]),
+                                    ("position", src.positions, self.cos_sin.shape[0]),
+                                    ("slot", src.slots, blocks * lay.block_size)):
+            if n and (int(values.min()) < 0 or int(values.max()) >= bound):
+                raise RuntimeError(f"a {name} outside [0, {bound})")
+        if src.scales is not None:
+            if tuple(src.scales.shape[1:]) != (2, *slab.shape[2:4]) or src.scale_rows is None \
+                    or len(src.scale_rows) != n or (n and (
+                        int(src.scale_rows.min()) < 0
+                        or int(src.scale_rows.max()) >= src.scales.shape[0])):
+                raise RuntimeError(f"scales {list(src.scales.shape)} do not fit the slab "
+                                   f"{list(slab.shape)} and its tokens")
+
+    def _write_cpu(self, src: Source, caches: Any, layer_idx: np.ndarray, blocks: int) -> None:
         lay = self.layout
         if src.scales is not None:  # a CPU store dequantizes fp8 slabs when it places them
             raise RuntimeError("the CPU kernel reads float slabs only")
+        self.check_source(src, layer_idx, blocks)
         flat = flat_numpy(src.slab)
         if flat is None:
             raise RuntimeError("slab is not dense")
@@ -186,7 +220,12 @@ class FusedWriter:
 
     def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
                     layer_off: torch.Tensor | None = None,
-                    out_scales: torch.Tensor | None = None) -> None:
+                    out_scales: torch.Tensor | None = None,
+                    probe: tuple[np.ndarray, int] | None = None) -> None:
+        """``probe``: (layer indices, blocks) of the scratch cache ``cache0`` stands for."""
+        layer_idx, blocks = probe or (self._layer_idx, self.blocks)
+        for src in sources:
+            self.check_source(src, layer_idx, blocks)
         for batch in batches(sources, INDEX_CAPACITY, SCALE_CAPACITY):
             self._launch(batch, cache0, layer_off, out_scales)
 
@@ -266,13 +305,15 @@ class FusedWriter:
 
                 self._kernel = kernel
                 self._caches = List(self._arrays)
-                self._write_cpu(src, List([flat_numpy(got)]), np.asarray([idx], dtype=np.int64))
+                self._write_cpu(src, List([flat_numpy(got)]), np.asarray([idx], dtype=np.int64),
+                                blocks)
 
             load(first_call)
         else:
             self._write_cuda([src], cache0=got, layer_off=torch.tensor(
                 [[idx, 0]], dtype=torch.int64, device=device),
-                out_scales=self._out_scales[idx:idx + 1] if lay.quantized else None)
+                out_scales=self._out_scales[idx:idx + 1] if lay.quantized else None,
+                probe=(np.asarray([idx], dtype=np.int64), blocks))
             torch.cuda.synchronize(device)
         if lay.quantized:  # compare fp8 codes as numbers: within one fp8 rounding
             want, got = want.view(FP8_DTYPE), got.view(FP8_DTYPE)

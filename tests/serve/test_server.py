@@ -1,0 +1,86 @@
+"""The memory server's reading of a user's version (no engine started: only its
+configuration is read): what it refuses at load, and how those users are answered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from benchmarks.memory_setup import facts_table, random_memory
+from inferscale.artifacts.publish import Lineage, publish
+from inferscale.serve.memory_cache import MemoryCacheConfig
+
+FP = "fp-server"
+
+
+@pytest.fixture
+def server(local_store, smollm2, embedder):
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.server import MemoryServer
+
+    engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP,
+                                          max_model_len=2048))
+    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
+                          cache=MemoryCacheConfig(refresh_s=0.0))
+    yield server
+    server.memories.close()
+
+
+def publish_with(store, tok, embedder, user: str, instruction) -> str:
+    texts = [f"{user} keeps bees.", f"{user} lives by the sea."]
+    table = facts_table(user, texts, [tok.encode(t, add_special_tokens=False) for t in texts],
+                        embedder)
+    mem = random_memory(table, tok, (30, 3, 64), torch.bfloat16, FP,
+                        layout={"instruction": instruction})
+    return publish(store, user, mem, table, Lineage(f"log-{user}", "f"),
+                   embeddings=False).version
+
+
+def ask(server, user: str, n: int = 2):
+    async def main():
+        out = []
+        for _ in range(n):
+            out.append(await server.request(user, "Where do I live?", mode="kv", max_tokens=8))
+            await server.memories.settle()
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("instruction, why", [
+    ("Remember this. " * 2667, "no request fits the model's context (2048 tokens)"),
+    (5, "its instruction is a int, not text"),
+])
+def test_an_instruction_that_can_never_be_served_is_refused_at_load(
+        server, local_store, smollm2, embedder, instruction, why):
+    """A version whose instruction no request can fit in the model's context (40,000
+    characters: every request of the user was a 400), or which is not text: refused once,
+    at load, and counted; the user is answered without memory and the answer names why."""
+    version = publish_with(local_store, smollm2.tokenizer, embedder, "dora", instruction)
+    prepared = ask(server, "dora")
+    assert [p.info["mode"] for p in prepared] == ["none"] * 2
+    for p in prepared:
+        assert p.ref is None and p.info["fallback_reason"] == "refused"
+        assert p.info["fallback"].startswith("memory refused (instruction): ")
+        assert why in p.info["fallback"]
+    assert server.metrics.registry.get_sample_value(
+        "inferscale_memory_refused_total", {"reason": "instruction"}) == 1
+    assert server.memories.held()["dora"] is None and version
+
+
+def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_store, smollm2,
+                                                              embedder):
+    """A user of a refused version whose next version can be served: served from it
+    (its own instruction's prefix), and its answers no longer name a refusal."""
+    publish_with(local_store, smollm2.tokenizer, embedder, "dora", 5)
+    assert ask(server, "dora", 1)[0].info["fallback_reason"] == "refused"
+    good = publish_with(local_store, smollm2.tokenizer, embedder, "dora", "Be brief.\n")
+    ask(server, "dora", 1)  # the refresh reads the new LATEST in the background
+    (p,) = ask(server, "dora", 1)
+    assert p.info["mode"] == "kv" and p.info["version"] == good and "fallback" not in p.info
+    from inferscale.compose import Composer
+
+    assert p.ids[:len(Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids())] == \
+        Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids()
