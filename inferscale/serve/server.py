@@ -89,6 +89,11 @@ class MemoryServer:
         self.metrics = ServingMetrics(self.memories, self.estimator)  # the app's /metrics
 
     @property
+    def max_model_len(self) -> int | None:
+        """The engine's context in tokens (None without an engine: nothing is checked)."""
+        return self.engine.config.max_model_len if self.engine is not None else None
+
+    @property
     def users(self) -> dict[str, str | None]:
         """user -> version held (None: no usable memory)."""
         return self.memories.held()
@@ -154,8 +159,8 @@ class MemoryServer:
         prefix = self._composer(instruction).prefix_ids()
         # the shortest request: a one-character question and one answer token
         shortest = len(self._composer(None).compose([prefix], "?")[0]) + 1
-        limit = self.engine.config.max_model_len
-        if shortest > limit:
+        limit = self.max_model_len
+        if limit is not None and shortest > limit:
             self._composers.pop(instruction or "", None)  # never used: not kept
             raise MemoryRefused(version, "instruction",
                                 f"its instruction prefix is {len(prefix)} tokens: with the "
@@ -224,8 +229,8 @@ class MemoryServer:
             p.ref = replace(p.ref, cold_chunks=p.split.chunks,
                             read_deadline_s=p.split.deadline_s)
         p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
-        limit = self.engine.config.max_model_len
-        if len(p.ids) + (max_tokens or self.max_tokens) > limit:
+        limit = self.max_model_len
+        if limit is not None and len(p.ids) + (max_tokens or self.max_tokens) > limit:
             raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "
                                 f"{max_tokens or self.max_tokens} it exceeds the model's "
                                 f"{limit}")
