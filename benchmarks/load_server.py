@@ -6,7 +6,10 @@ serve`` runs) on 127.0.0.1, over the engine the benchmark describes (a real chec
 or a dummy-weight shape that ``inferscale serve`` cannot start). ``CONFIG.json``:
 ``{"engine": {EngineConfig fields}, "tokenizer": dir, "embedder": name or dir, "top_k":
 k, "model_name": name, "port": p}``. No API keys: loopback only, the body's ``user``
-field names the user (the app's loopback policy).
+field names the user (the app's loopback policy). The memory cache takes its limits
+from ``INFERSCALE_SERVE_*`` as ``inferscale serve`` does: a run of many users at once
+sets ``INFERSCALE_SERVE_STORAGE_MISS_BURST`` to at least the number of users (and
+``..._MISSES_PER_S`` high), or their first lookups are shed (docs/serving.md).
 
 The handle (used by ``benchmarks/load.py``): :class:`ServerProcess` starts and stops it
 (its own session, so nothing of it outlives the benchmark), :class:`Http` calls its
@@ -252,8 +255,10 @@ async def serve(cfg: dict) -> None:
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.serve.app import AccessPolicy, serve_app
     from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.memory_cache import MemoryCacheConfig
     from inferscale.serve.retrieval import Embedder
     from inferscale.serve.server import MemoryServer
+    from inferscale.settings import Settings
 
     cuda = torch.cuda.is_available()
     engine = await MemoryEngine(EngineConfig.of(**cfg["engine"])).start()
@@ -261,7 +266,7 @@ async def serve(cfg: dict) -> None:
                         dtype=torch.float16 if cuda else None)
     server = MemoryServer(engine, AutoTokenizer.from_pretrained(cfg["tokenizer"]), embedder,
                           StoreConfig(cfg["engine"]["artifact_root"]), mode="kv",
-                          top_k=cfg["top_k"])
+                          top_k=cfg["top_k"], cache=MemoryCacheConfig.from_settings(Settings()))
     await serve_app(server, AccessPolicy({}, None, None, loopback=True), cfg["model_name"],
                     "127.0.0.1", cfg["port"], log_level="warning")
 

@@ -111,10 +111,12 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         ignore_eos = bool(body.ignore_eos)
+        shed = not identity.authenticated  # an API key's user is never shed under load
         try:
             if body.stream:
                 started = time.perf_counter()
-                prepared = await server.request(user, question, k, mode, max_tokens)
+                prepared = await server.request(user, question, k, mode, max_tokens,
+                                                shed=shed)
                 answer = server.answer_stream(prepared, started, max_tokens=max_tokens,
                                               temperature=temperature, ignore_eos=ignore_eos)
                 usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -122,7 +124,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                                          media_type="text/event-stream")
             out = await _unless_disconnected(req, server.answer(
                 user, question, k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
-                ignore_eos=ignore_eos))
+                ignore_eos=ignore_eos, shed=shed))
         except PromptTooLong as exc:
             raise RequestError(400, str(exc)) from exc
         if out is None:  # the client went away: its request was aborted in the engine

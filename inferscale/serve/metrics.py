@@ -10,8 +10,8 @@ One scrape is three parts, in this order:
   in the API process when a request finishes, from what came back with it (the
   connector's ``kv_transfer_params``: injected tokens, the fallback and its reason);
 - the server's memory cache (:class:`CacheCollector`: users and bytes held, entries
-  without memory, storage lookups refused by the rate limit, failed loads, refused
-  versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
+  without memory, storage lookups shed or delayed by the rate limit, failed loads,
+  refused versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
   scrape time;
 - the workers' counters and residency (:class:`WorkerCollector`), read from every
   worker through the engine's collective RPC at scrape time
@@ -25,6 +25,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     text_tail_tokens_total                  facts prefilled as text after injected memory
     completion_tokens_total{mode}           tokens generated
     fallbacks_total{reason}                 kv requests whose memory was prefilled
+    memory_fallbacks_total{reason}          requests answered without the user's memory:
+                                            shed | load_failed | refused
     retrieval_seconds                       query embedding + exact top-k
     composition_seconds                     prompt composition from stored token ids
     query_to_first_token_seconds{mode}      request start -> first token
@@ -32,7 +34,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_negative_entries                 users remembered without usable memory
     memory_negative_evictions_total         of those, forgotten under max_negative
     memory_storage_lookups_total            loads of users the server held nothing for
-    memory_lookups_limited_total            such lookups refused by the rate limit
+    memory_lookups_limited_total            such lookups shed by the rate limit
+    memory_lookups_delayed_total            such lookups that waited for their turn
     memory_load_failures_total              loads that failed (tried again after a back-off)
     memory_refused_total{reason}            versions refused at load (embedding_dim, layout)
     resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
@@ -56,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from inferscale.serve.memory_cache import MEMORY_FALLBACKS
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.failures import FALLBACK_REASONS
 
@@ -168,8 +172,10 @@ class CacheCollector:
                 ("memory_storage_lookups", "storage_lookups",
                  "Loads of users the server held nothing for"),
                 ("memory_lookups_limited", "lookups_limited",
-                 "Lookups of users the server held nothing for refused by the rate limit "
-                 "(answered without memory)"),
+                 "Lookups of unauthenticated users the server held nothing for shed by the "
+                 "rate limit (answered without memory, fallback shed)"),
+                ("memory_lookups_delayed", "lookups_delayed",
+                 "Such lookups that waited for their turn under the rate limit"),
                 ("memory_load_failures", "load_failures",
                  "Memory loads that failed (answered without memory, tried again)")):
             yield CounterMetricFamily(f"inferscale_{name}", doc, value=stats[key])
@@ -204,6 +210,10 @@ class ServingMetrics:
         self.fallbacks = Counter("inferscale_fallbacks",
                                  "KV requests whose memory was prefilled instead of injected",
                                  ["reason"], registry=r)
+        self.memory_fallbacks = Counter(
+            "inferscale_memory_fallbacks", "Requests of a user with (possibly) memory answered "
+            "without it: lookup shed under load, load failed, version refused", ["reason"],
+            registry=r)
         self.retrieval = Histogram("inferscale_retrieval_seconds",
                                    "Query embedding and exact top-k", buckets=_FAST_S, registry=r)
         self.composition = Histogram("inferscale_composition_seconds",
@@ -217,6 +227,8 @@ class ServingMetrics:
                 metric.labels(mode)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
+        for reason in MEMORY_FALLBACKS:
+            self.memory_fallbacks.labels(reason)
         self.workers = WorkerCollector()
         r.register(self.workers)
         if cache is not None:
@@ -234,6 +246,8 @@ class ServingMetrics:
         self.text_tail.inc(info.get("text_tail_tokens", 0))
         if mode == "kv" and gen.fallback:
             self.fallbacks.labels(gen.fallback_reason).inc()
+        elif info.get("fallback_reason") in MEMORY_FALLBACKS:
+            self.memory_fallbacks.labels(info["fallback_reason"]).inc()
         if mode != "none":
             self.retrieval.observe((timings.get("embed", 0.0) + timings.get("retrieve", 0.0))
                                    / 1e3)

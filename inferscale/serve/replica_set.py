@@ -223,10 +223,11 @@ class ReplicaSet:
     # ------------------------------------------------------------------ the app's API
 
     async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: str | None = None, max_tokens: int | None = None
-                      ) -> RemotePrepared:
+                      mode: str | None = None, max_tokens: int | None = None,
+                      shed: bool = True) -> RemotePrepared:
         key = user_key(user)
-        prepared = await self._call(key, "prepare", user, question, k, mode, max_tokens)
+        prepared = await self._call(key, "prepare", user, question, k, mode, max_tokens,
+                                    shed)
         return RemotePrepared(prepared, key, user)
 
     async def answer_stream(self, p: RemotePrepared, started: float, *,
@@ -274,10 +275,11 @@ class ReplicaSet:
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: str | None = None, ignore_eos: bool = False) -> dict:
+                     mode: str | None = None, ignore_eos: bool = False,
+                     shed: bool = True) -> dict:
         return await self._call(user_key(user), "answer", user, question, k=k,
                                 max_tokens=max_tokens, temperature=temperature, mode=mode,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, shed=shed)
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: str = "gpu") -> dict:
         """On the user's home replica (``hydrate maya`` lands where maya's requests go)."""

@@ -140,8 +140,8 @@ class MemoryReplica:
         return info
 
     async def prepare(self, user: str | None, question: str, k: int | None, mode: str | None,
-                      max_tokens: int | None):
-        return await self.server.request(user, question, k, mode, max_tokens)
+                      max_tokens: int | None, shed: bool = True):
+        return await self.server.request(user, question, k, mode, max_tokens, shed)
 
     async def generate(self, prepared, elapsed_s: float, *, max_tokens: int | None = None,
                        temperature: float = 0.0, ignore_eos: bool = False):

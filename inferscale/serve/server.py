@@ -8,8 +8,10 @@ compose ``[instruction prefix | facts | query]`` from stored token ids -> genera
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
 and the same retrieval); a request without a user or whose user has no memory is
-answered from the question alone (mode ``none``). Every request carries a ``cache_salt``
-derived from its user, its memory's version and the mode
+answered from the question alone (mode ``none``); a user whose memory exists but goes
+unused (its first lookup shed under load, a failed load, a refused version) is answered
+so too, saying why in the answer's ``fallback`` (the cache's ``Lookup``). Every request
+carries a ``cache_salt`` derived from its user, its memory's version and the mode
 (:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
 (:mod:`inferscale.serve.metrics`).
@@ -27,7 +29,7 @@ from typing import Any, AsyncIterator, Literal
 from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
 from inferscale.serve.memory_cache import (
-    MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
+    Lookup, MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
 )
 from inferscale.serve.metrics import ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
@@ -152,15 +154,20 @@ class MemoryServer:
         return Prepared(ids, ref, salt, info)
 
     async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
+                      mode: Mode | None = None, max_tokens: int | None = None,
+                      shed: bool = True) -> Prepared:
         """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
-        when the prompt and ``max_tokens`` exceed the engine's context."""
+        when the prompt and ``max_tokens`` exceed the engine's context. ``shed``: the
+        user's first lookup may be shed under load (False: an API-key user); memory that
+        goes unused is named in ``info["fallback"]`` / ``["fallback_reason"]``."""
         t0 = time.perf_counter()
-        mem = await self.memories.get(user) if user is not None else None
+        found = await self.memories.lookup(user, shed) if user is not None else Lookup(None)
         # off the event loop, which streams every other request's tokens: embedding the
         # question and reading the top-k back from the GPU wait for the device
         p = await asyncio.get_running_loop().run_in_executor(
-            self._retrieval, self.compose, mem, user, question, k, mode)
+            self._retrieval, self.compose, found.memory, user, question, k, mode)
+        if found.fallback:
+            p.info.update(fallback=found.fallback, fallback_reason=found.reason)
         p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
         limit = self.engine.config.max_model_len
         if len(p.ids) + (max_tokens or self.max_tokens) > limit:
@@ -202,14 +209,15 @@ class MemoryServer:
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: Mode | None = None, ignore_eos: bool = False) -> dict:
+                     mode: Mode | None = None, ignore_eos: bool = False,
+                     shed: bool = True) -> dict:
         """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
         dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
         fallback if any, and timings in ms: memory, embed, retrieve, compose,
-        engine_ttft, query_to_first_token)."""
+        engine_ttft, query_to_first_token). ``shed``: as for :meth:`request`."""
         started = time.perf_counter()
         max_tokens = max_tokens or self.max_tokens
-        p = await self.request(user, question, k, mode, max_tokens)
+        p = await self.request(user, question, k, mode, max_tokens, shed)
         async for item in self.answer_stream(p, started, max_tokens=max_tokens,
                                              temperature=temperature, ignore_eos=ignore_eos):
             if isinstance(item, dict):

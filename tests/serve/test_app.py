@@ -29,17 +29,18 @@ class RecordingServer:
         self.calls: list[tuple[str, dict]] = []
 
     async def answer(self, user, question, *, k=None, max_tokens=None, temperature=0.0,
-                     mode=None, ignore_eos=False) -> dict:
+                     mode=None, ignore_eos=False, shed=True) -> dict:
         self.calls.append(("answer", dict(user=user, question=question, k=k,
                                           max_tokens=max_tokens, temperature=temperature,
-                                          mode=mode, ignore_eos=ignore_eos)))
+                                          mode=mode, ignore_eos=ignore_eos, shed=shed)))
         return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
                 "info": {"user": user}}
 
-    async def request(self, user, question, k=None, mode=None, max_tokens=None) -> dict:
+    async def request(self, user, question, k=None, mode=None, max_tokens=None,
+                      shed=True):
         """The streaming path's first half (``MemoryServer.request``)."""
         self.calls.append(("request", dict(user=user, question=question, k=k, mode=mode,
-                                           max_tokens=max_tokens)))
+                                           max_tokens=max_tokens, shed=shed)))
         return {"user": user}
 
     async def answer_stream(self, prepared, started, *, max_tokens=None, temperature=0.0,
@@ -231,7 +232,24 @@ def test_a_valid_request_reaches_the_server_with_its_options():
     assert r.json()["choices"][0]["message"]["content"] == "ok"
     assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
                                             max_tokens=9, temperature=0.5, mode="prompt",
-                                            ignore_eos=True))]
+                                            ignore_eos=True, shed=False))]
+
+
+def test_only_users_without_an_api_key_may_be_shed():
+    """An API key's user (a closed set) is never shed under load; a user named by the
+    body on loopback, or by a gateway's header, may be (its first memory lookup waits
+    for its turn, boundedly), on the unary and the streaming path alike."""
+    for policy, headers, shed in (
+            (AccessPolicy(KEYS, "admin", None, loopback=True), ANN, False),
+            (AccessPolicy({}, None, None, loopback=True), {}, True),
+            (AccessPolicy({}, None, "X-User", loopback=True), {"X-User": "ann"}, True)):
+        client, server = http(policy)
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", headers=headers,
+                            json={**ASK, "user": "ann", "stream": stream})
+            assert r.status_code == 200, r.text
+        assert [(kind, c["shed"]) for kind, c in server.calls if "shed" in c] == \
+            [("answer", shed), ("request", shed)], policy
 
 
 def test_the_last_user_message_is_answered_in_either_form():
@@ -596,3 +614,76 @@ def test_a_disconnect_waits_for_the_work_to_take_its_cancel():
         return gone, await _unless_disconnected(Receive(10), answer(0.01))
 
     assert asyncio.run(main()) == (None, "answer")
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_cold_start_answers_every_user_with_its_memory_or_a_named_fallback(engine_env,
+                                                                            embedder):
+    """300 users with published memory ask at once a server that holds none of them (a
+    restart, a failover), with the default rate limit of first lookups. With API keys
+    every one is answered from its own memory: an API key's user is never shed. Without
+    (loopback, the body names the user) each is answered from its own memory or, when
+    its lookup was shed (beyond the burst and the bounded wait for a turn), without it,
+    saying so (``fallback_reason: shed``), never silently; ``/metrics`` counts those."""
+    import asyncio
+
+    import httpx
+
+    from engine_helpers import limiting_memory, served_app
+    from inferscale.artifacts.publish import Lineage, publish
+    from inferscale.serve.memory_cache import MemoryCacheConfig
+    from inferscale.serve.server import MemoryServer
+
+    env = engine_env
+    users = [f"cold-{i:03d}" for i in range(300)]
+    fact_ids = {}
+    for i, user in enumerate(users):
+        mem, table = limiting_memory(env.model.model, env.model.tokenizer, user,
+                                     [f"The user's locker number is {1000 + i}."],
+                                     env.model.fingerprint, embedder)
+        publish(env.store, user, mem, table, Lineage(f"log-{user}", "f"), embeddings=False)
+        fact_ids[user] = set(table.column("fact_id").to_pylist())
+    keys = {f"key-{u}": u for u in users}
+    ask = {"model": "smollm2", "max_tokens": 1,
+           "messages": [{"role": "user", "content": "What is my locker number?"}]}
+
+    async def everyone(url: str, keyed: bool) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=900,
+                                     limits=httpx.Limits(max_connections=len(users))) as c:
+            async def one(user: str) -> dict:
+                r = await c.post("/v1/chat/completions", json=ask if keyed else
+                                 {**ask, "user": user},
+                                 headers={"Authorization": f"Bearer key-{user}"} if keyed
+                                 else {})
+                assert r.status_code == 200, r.text
+                return r.json()["inferscale"]
+            return await asyncio.gather(*(one(u) for u in users))
+
+    for keyed in (True, False):
+        config = MemoryCacheConfig()
+        assert config.miss_burst < len(users)  # the defaults shed some of them
+        server = MemoryServer(env.engine, env.model.tokenizer, embedder, env.store, top_k=1,
+                              cache=config)  # a fresh server: nothing held
+        policy = AccessPolicy(keys if keyed else {}, "admin" if keyed else None, None,
+                              loopback=True)
+        with served_app(env.loop, server, policy) as url:
+            infos = asyncio.run(everyone(url, keyed))
+            metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+        server.memories.close()
+        shed = []
+        for user, info in zip(users, infos):
+            assert info["user"] == user
+            if info["mode"] == "kv":  # its own memory (injected, or prefilled from it)
+                assert info["facts"] and set(info["facts"]) <= fact_ids[user], info
+            else:
+                assert info["mode"] == "none" and info["fallback_reason"] == "shed", info
+                assert "answered without memory" in info["fallback"]
+                shed.append(user)
+        if keyed:
+            assert shed == []
+        else:  # the burst at least, then as many as took a turn within the wait
+            assert len(shed) <= len(users) - config.miss_burst
+            assert f'inferscale_memory_fallbacks_total{{reason="shed"}} {float(len(shed))}' \
+                in metrics
+            assert f"inferscale_memory_lookups_limited_total {float(len(shed))}" in metrics
