@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -123,6 +124,14 @@ class Generation:
     def fallback_reason(self) -> str | None:
         """The class of :attr:`fallback` (``not_resident``, ``stale_version``, ...)."""
         return fallback_reason(self.fallback)
+
+
+@dataclass
+class Progress:
+    """Tokens generated so far for a request (:meth:`MemoryEngine.generate_stream` keeps
+    it up to date): what an aborted request had produced."""
+
+    tokens: int = 0
 
 
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
@@ -243,7 +252,8 @@ class MemoryEngine:
     async def stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                      max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
                      cache_salt: str | None = None) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``."""
+        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``. Closing this generator
+        (or cancelling its reader) closes vLLM's at once, which aborts the request."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -255,16 +265,21 @@ class MemoryEngine:
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
             prompt["cache_salt"] = salt
-        async for out in self.llm.generate(prompt, params, request_id=f"is-{next(self._ids)}"):
-            yield out
+        async with aclosing(self.llm.generate(prompt, params,
+                                              request_id=f"is-{next(self._ids)}")) as outs:
+            async for out in outs:
+                yield out
 
     async def generate_stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                               max_tokens: int = 64, temperature: float = 0.0,
-                              ignore_eos: bool = False, cache_salt: str | None = None
+                              ignore_eos: bool = False, cache_salt: str | None = None,
+                              progress: Progress | None = None
                               ) -> AsyncIterator[str | Generation]:
         """Yield the text of each output that brings new tokens, as it arrives (``""``
         when those tokens have no text of their own yet), then the finished
-        :class:`Generation` (timings, vLLM's counters, the connector's answer)."""
+        :class:`Generation` (timings, vLLM's counters, the connector's answer).
+        ``progress`` (if given) counts the tokens as they come. Closing it early closes
+        :meth:`stream` (the request is aborted)."""
         start = time.perf_counter()
         ttft = None
         tokens: list[int] = []
@@ -272,20 +287,23 @@ class MemoryEngine:
         cached = 0
         finish = None
         reply = MemoryReply()
-        async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
-                                     temperature=temperature, ignore_eos=ignore_eos,
-                                     cache_salt=cache_salt):
-            comp = out.outputs[0]
-            if ttft is None and comp.token_ids:
-                ttft = time.perf_counter() - start
-            tokens.extend(comp.token_ids)
-            text += comp.text
-            cached = out.num_cached_tokens or cached
-            finish = comp.finish_reason or finish
-            if out.kv_transfer_params:  # the finished request's reply
-                reply = MemoryReply.from_params(out.kv_transfer_params)
-            if comp.token_ids:
-                yield comp.text
+        progress = progress or Progress()
+        async with aclosing(self.stream(prompt_ids, memory, max_tokens=max_tokens,
+                                        temperature=temperature, ignore_eos=ignore_eos,
+                                        cache_salt=cache_salt)) as outs:
+            async for out in outs:
+                comp = out.outputs[0]
+                if ttft is None and comp.token_ids:
+                    ttft = time.perf_counter() - start
+                tokens.extend(comp.token_ids)
+                progress.tokens = len(tokens)
+                text += comp.text
+                cached = out.num_cached_tokens or cached
+                finish = comp.finish_reason or finish
+                if out.kv_transfer_params:  # the finished request's reply
+                    reply = MemoryReply.from_params(out.kv_transfer_params)
+                if comp.token_ids:
+                    yield comp.text
         yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
                          len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
                          reply.facts_by_tier, reply.storage_bytes)

@@ -8,7 +8,8 @@ One scrape is three parts, in this order:
   Python process collectors of that registry;
 - the server's per-request counters and histograms (:class:`ServingMetrics`), updated
   in the API process when a request finishes, from what came back with it (the
-  connector's ``kv_transfer_params``: injected tokens, the fallback and its reason);
+  connector's ``kv_transfer_params``: injected tokens, the fallback and its reason; the
+  memory lookup's fallback), or when it is aborted;
 - the server's memory cache (:class:`CacheCollector`: users and bytes held, entries
   without memory, storage lookups shed or delayed by the rate limit, failed loads,
   refused versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
@@ -27,6 +28,9 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     fallbacks_total{reason}                 kv requests whose memory was prefilled
     memory_fallbacks_total{reason}          requests answered without the user's memory:
                                             shed | load_failed | refused
+    requests_aborted_total{mode,reason}     requests aborted before they finished:
+                                            client_disconnected | cancelled
+    aborted_completion_tokens_total{mode}   tokens those had generated
     retrieval_seconds                       query embedding + exact top-k
     composition_seconds                     prompt composition from stored token ids
     query_to_first_token_seconds{mode}      request start -> first token
@@ -68,6 +72,9 @@ if TYPE_CHECKING:
     from inferscale.serve.memory_cache import MemoryCache
 
 MODES = ("kv", "prompt", "none")
+# why a request was aborted: its client went (the HTTP layer saw it), or its caller
+# cancelled it for another reason or without saying (a gateway, a timeout, a shutdown)
+ABORT_REASONS = ("client_disconnected", "cancelled")
 _FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -214,6 +221,12 @@ class ServingMetrics:
             "inferscale_memory_fallbacks", "Requests of a user with (possibly) memory answered "
             "without it: lookup shed under load, load failed, version refused", ["reason"],
             registry=r)
+        self.aborted = Counter("inferscale_requests_aborted", "Chat requests aborted before "
+                               "they finished (the engine's request aborted), by memory mode "
+                               "and reason", ["mode", "reason"], registry=r)
+        self.aborted_tokens = Counter("inferscale_aborted_completion_tokens",
+                                      "Tokens generated for requests then aborted", ["mode"],
+                                      registry=r)
         self.retrieval = Histogram("inferscale_retrieval_seconds",
                                    "Query embedding and exact top-k", buckets=_FAST_S, registry=r)
         self.composition = Histogram("inferscale_composition_seconds",
@@ -223,8 +236,11 @@ class ServingMetrics:
                               "Request start (before retrieval) to the first token", ["mode"],
                               buckets=_TTFT_S, registry=r)
         for mode in MODES:  # every label value shows from the first scrape, at 0
-            for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft):
+            for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft,
+                           self.aborted_tokens):
                 metric.labels(mode)
+            for reason in ABORT_REASONS:
+                self.aborted.labels(mode, reason)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
         for reason in MEMORY_FALLBACKS:
@@ -254,6 +270,11 @@ class ServingMetrics:
             self.composition.observe(timings.get("compose", 0.0) / 1e3)
         if "query_to_first_token" in timings:
             self.q2ft.labels(mode).observe(timings["query_to_first_token"] / 1e3)
+
+    def count_abort(self, mode: str, reason: str, tokens: int) -> None:
+        """Count one request aborted before it finished, with the tokens it had made."""
+        self.aborted.labels(mode, reason).inc()
+        self.aborted_tokens.labels(mode).inc(tokens)
 
     async def render(self, engine: "MemoryEngine") -> bytes:
         """One scrape: vLLM's engine metrics, then the server's, with the workers'

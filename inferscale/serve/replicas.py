@@ -146,15 +146,19 @@ class MemoryReplica:
     async def generate(self, prepared, elapsed_s: float, *, max_tokens: int | None = None,
                        temperature: float = 0.0, ignore_eos: bool = False):
         """Stream ``prepared`` (composed by ``prepare``, here or on a replica that died
-        since): text items, then ``{"generation", "info"}``."""
+        since): text items, then ``{"generation", "info"}``. Cancelled or closed (the
+        gateway cancels the call when its client goes), it closes the answer at once:
+        vLLM aborts the request."""
         import time
+        from contextlib import aclosing
 
         self._placed(prepared.info)
         started = time.perf_counter() - elapsed_s
-        async for item in self.server.answer_stream(prepared, started, max_tokens=max_tokens,
-                                                    temperature=temperature,
-                                                    ignore_eos=ignore_eos):
-            yield item
+        async with aclosing(self.server.answer_stream(
+                prepared, started, max_tokens=max_tokens, temperature=temperature,
+                ignore_eos=ignore_eos)) as items:
+            async for item in items:
+                yield item
 
     async def answer(self, user: str | None, question: str, **kwargs: Any) -> dict:
         out = await self.server.answer(user, question, **kwargs)

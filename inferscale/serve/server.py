@@ -14,7 +14,8 @@ so too, saying why in the answer's ``fallback`` (the cache's ``Lookup``). Every 
 carries a ``cache_salt`` derived from its user, its memory's version and the mode
 (:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
-(:mod:`inferscale.serve.metrics`).
+(:mod:`inferscale.serve.metrics`), and so is every request aborted before it finished
+(its client went, or its caller cancelled it), with the tokens it had generated.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
-from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
+from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, Progress
 from inferscale.serve.memory_cache import (
     Lookup, MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
 )
-from inferscale.serve.metrics import ServingMetrics
+from inferscale.serve.metrics import ABORT_REASONS, ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
@@ -46,12 +48,15 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class Prepared:
-    """One request ready for the engine: prompt ids, memory to inject, salt, info."""
+    """One request ready for the engine: prompt ids, memory to inject, salt, info.
+    ``abort_reason``: set by whoever stops reading its answer and knows why
+    (``client_disconnected``: the HTTP layer), for the abort count."""
 
     ids: list[int]
     ref: MemoryRef | None
     salt: str
     info: dict
+    abort_reason: str | None = None
 
 
 class MemoryServer:
@@ -183,17 +188,28 @@ class MemoryServer:
         ``time.perf_counter()``) as tokens arrive: yield the text of each new output
         (``""`` for tokens without text of their own yet), then ``{"generation",
         "info"}`` as :meth:`answer` returns it. The finished request is counted in
-        :attr:`metrics`. The app's streaming responses call this."""
+        :attr:`metrics`. The app's streaming responses call this.
+
+        Closed early or cancelled, it closes the engine's generation at once (vLLM aborts
+        the request) and counts the abort: ``p.abort_reason``, else the reason a
+        cancellation carries (``client_disconnected``), else ``cancelled``."""
         first = gen = None
-        async for item in self.engine.generate_stream(
-                p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
-                ignore_eos=ignore_eos, cache_salt=p.salt):
-            if isinstance(item, Generation):
-                gen = item
-                continue
-            if first is None:
-                first = time.perf_counter()
-            yield item
+        progress = Progress()
+        try:
+            async with aclosing(self.engine.generate_stream(
+                    p.ids, p.ref, max_tokens=max_tokens or self.max_tokens,
+                    temperature=temperature, ignore_eos=ignore_eos, cache_salt=p.salt,
+                    progress=progress)) as items:
+                async for item in items:
+                    if isinstance(item, Generation):
+                        gen = item
+                        continue
+                    if first is None:
+                        first = time.perf_counter()
+                    yield item
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            self._aborted(p, exc, progress.tokens)
+            raise
         assert gen is not None
         info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
@@ -206,6 +222,14 @@ class MemoryServer:
             info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
         self.metrics.observe(info, gen)
         yield {"generation": gen, "info": info}
+
+    def _aborted(self, p: Prepared, exc: BaseException, tokens: int) -> None:
+        said = exc.args[0] if isinstance(exc, asyncio.CancelledError) and exc.args else None
+        reason = p.abort_reason or (said if said in ABORT_REASONS else "cancelled")
+        mode = p.info.get("mode") or "none"
+        self.metrics.count_abort(mode, reason, tokens)
+        log.info("a %s request of user %s was aborted (%s) after %d generated tokens", mode,
+                 p.info.get("user"), reason, tokens)
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,

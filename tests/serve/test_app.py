@@ -10,6 +10,7 @@ import pytest
 from inferscale.serve.access import AccessPolicy
 from inferscale.serve.app import create_app
 from inferscale.serve.engine import Generation
+from inferscale.serve.server import Prepared
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
 ANN = {"Authorization": "Bearer key-ann"}
@@ -41,7 +42,7 @@ class RecordingServer:
         """The streaming path's first half (``MemoryServer.request``)."""
         self.calls.append(("request", dict(user=user, question=question, k=k, mode=mode,
                                            max_tokens=max_tokens, shed=shed)))
-        return {"user": user}
+        return Prepared([1], None, "salt", {"user": user})
 
     async def answer_stream(self, prepared, started, *, max_tokens=None, temperature=0.0,
                             ignore_eos=False):
@@ -51,7 +52,7 @@ class RecordingServer:
                                                  ignore_eos=ignore_eos)))
         yield "ok"
         yield {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
-               "info": dict(prepared)}
+               "info": dict(prepared.info)}
 
     async def hydrate(self, user, tier="gpu", version="latest") -> dict:
         self.calls.append(("hydrate", dict(user=user, tier=tier, version=version)))
@@ -402,16 +403,30 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
 
 
+def _request_bytes(body: str) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder):
-    """A non-streaming request (and a streaming one) whose client disconnects is aborted
-    in the engine: it stops generating long before its ``max_tokens`` (vLLM's own
-    generation-token counter tells how far it got)."""
+    """A request whose client disconnects is aborted in the engine, whatever it was
+    doing: a unary one, a streamed one awaiting its next token, and a streamed one whose
+    sends were paused (a client on a slow link: 1 KiB receive buffer, 536-byte segments,
+    reading nothing) when its client went. With the garbage collector off, so that
+    nothing but the server closes the abandoned generator chain: each stops long before
+    its ``max_tokens`` (vLLM's own generation-token counter), and each abort is counted
+    in ``/metrics`` (``inferscale_requests_aborted_total{mode,reason}``, and the tokens
+    it had generated)."""
+    import gc
     import socket
     import time
 
-    from engine_helpers import served_app
+    import httpx
+
+    from engine_helpers import serving
     from inferscale.serve.server import MemoryServer
     from inferscale.vllm_plugin.compat import engine_metrics_registry
 
@@ -425,27 +440,54 @@ def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder)
             assert time.monotonic() < deadline, what
             time.sleep(0.05)
 
+    def aborted(http) -> tuple[float, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(http.get("/metrics").text)
+                   for s in fam.samples}
+        return (samples[("inferscale_requests_aborted_total",
+                         (("mode", "none"), ("reason", "client_disconnected")))],
+                samples[("inferscale_aborted_completion_tokens_total", (("mode", "none"),))])
+
     llm = engine_env.engine.llm
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
-    max_tokens = 400  # minutes on this CPU when not aborted
-    with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+    max_tokens = 1800  # many minutes on this CPU when not aborted
+    policy = AccessPolicy({}, None, None, loopback=True)
+    with serving(engine_env.loop, server, policy) as (url, web), \
+            httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
         port = int(url.rsplit(":", 1)[1])
-        for stream in (False, True):
+        counted = aborted(http)
+        for case in ("unary", "stream", "paused stream"):
             body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "ignore_eos": True,
-                               "stream": stream, "messages": [
+                               "stream": case != "unary", "messages": [
                                    {"role": "user", "content": "Tell me a long story."}]})
             wait_for(lambda: llm.get_num_unfinished_requests() == 0, "idle engine")
             before = generated()
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
-            wait_for(lambda: generated() > before, "the request to start generating")
-            sock.close()
-            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            sock = socket.socket()
+            if case == "paused stream":  # a slow link: tiny window, small segments
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+            sock.connect(("127.0.0.1", port))
+            gc.disable()
+            try:
+                sock.sendall(_request_bytes(body))
+                wait_for(lambda: generated() > before + 5, "the request to generate")
+                if case == "paused stream":  # the server's sends to it have stopped
+                    wait_for(lambda: any(c.flow is not None and c.flow.write_paused
+                                         for c in web.server_state.connections),
+                             "the server's writes to pause")
+                sock.close()
+                wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            finally:
+                gc.enable()
             time.sleep(1.0)  # vLLM records a finished request's last tokens just after it
-            assert generated() - before < max_tokens, stream
+            assert generated() - before < max_tokens, case
+            now = aborted(http)
+            assert now[0] == counted[0] + 1, (case, counted, now)
+            assert 0 < now[1] - counted[1] <= generated() - before, (case, counted, now)
+            counted = now
 
 
 # ------------------------------------------------------------------ on the real engine

@@ -12,6 +12,7 @@ cross-user memory.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -404,6 +405,58 @@ def test_requests_land_on_their_users_home_replica_and_are_injected(cluster):
             before, "inferscale_requests_total", mode="kv", replica=slot)
         assert served == 25 * sum(s == slot for s in HOMES.values())
         assert metric(after, "vllm:num_requests_running", replica=slot) >= 0  # vLLM's, per replica
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_stream_whose_client_goes_is_aborted_on_its_replica(cluster):
+    """Through the gateway: a stream's client reads its first chunk and goes; the
+    replica's engine aborts the request long before its max_tokens, and the replica
+    counts the abort (``inferscale_requests_aborted_total``, with the tokens it had)."""
+    import socket
+
+    from benchmarks.replica_cluster import metric
+
+    c, user, max_tokens = cluster, "rp-cyd", 1500
+    slot = HOMES[user]
+
+    def settled() -> dict:
+        """A scrape once the replica's engine has stopped generating."""
+        last = c.scrape()
+        while True:
+            time.sleep(2)
+            now = c.scrape()
+            if metric(now, "vllm:generation_tokens_total", replica=slot) == metric(
+                    last, "vllm:generation_tokens_total", replica=slot):
+                return now
+            last = now
+
+    before = settled()
+    body = json.dumps({"model": "embedded", "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "messages": [{"role": "user", "content": "Tell me a "
+                                                                                "long story."}]})
+    port = int(c.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                 f"key-{user}\r\nContent-Type: application/json\r\nContent-Length: "
+                 f"{len(body)}\r\n\r\n{body}".encode())
+    sock.settimeout(600)
+    seen = b""
+    while b"chat.completion.chunk" not in seen:  # its first chunk: generating
+        data = sock.recv(65536)
+        assert data, seen
+        seen += data
+    sock.close()
+    after = settled()
+    made = (metric(after, "vllm:generation_tokens_total", replica=slot)
+            - metric(before, "vllm:generation_tokens_total", replica=slot))
+    assert 0 < made < max_tokens
+    aborted = (metric(after, "inferscale_requests_aborted_total", replica=slot, mode="kv")
+               - metric(before, "inferscale_requests_aborted_total", replica=slot, mode="kv"))
+    assert aborted == 1
+    assert 0 < (metric(after, "inferscale_aborted_completion_tokens_total", replica=slot)
+                - metric(before, "inferscale_aborted_completion_tokens_total",
+                         replica=slot)) <= made
 
 
 @pytest.mark.slow
