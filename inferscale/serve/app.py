@@ -172,9 +172,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     @app.get("/admin/status")
     async def status(req: Request) -> dict:
         checked(policy.check_admin, headers_of(req))
-        return {"mode": server.mode, "users": sorted(server.users),
-                "versions": server.users, "memory_bytes": server.memories.nbytes,
-                "engine": await server.engine.status()}
+        return await server.status()
 
     return app
 

@@ -248,6 +248,12 @@ class MemoryServer:
                 return item
         raise RuntimeError("the answer finished without a result")
 
+    async def status(self) -> dict:
+        """``/admin/status``: the mode, the users and versions held, their bytes, and
+        the engine's status (workers' residents, paths, counters)."""
+        return {"mode": self.mode, "users": sorted(self.users), "versions": self.users,
+                "memory_bytes": self.memories.nbytes, "engine": await self.engine.status()}
+
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
         and KV (into the engine's ``tier``)."""

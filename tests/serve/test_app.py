@@ -62,6 +62,10 @@ class RecordingServer:
         self.calls.append(("evict", dict(user=user)))
         return True
 
+    async def status(self) -> dict:
+        self.calls.append(("status", {}))
+        return {"mode": self.mode, "users": []}
+
 
 def http(policy: AccessPolicy | None = None, limits=None):
     from fastapi.testclient import TestClient

@@ -127,6 +127,42 @@ def test_the_cli_refuses_zero_replicas_and_an_open_bind_without_keys(capsys):
     assert "refus" in capsys.readouterr().err.lower()
 
 
+def test_where_serves_proxies_listen_decides_loopback():
+    from inferscale.serve.access import is_loopback
+    from inferscale.serve.replicas import bind_host, build_app
+
+    assert is_loopback(bind_host("127.0.0.1", []))
+    assert not is_loopback(bind_host("0.0.0.0", []))
+    assert not is_loopback(bind_host(None, []))  # all interfaces
+    assert not is_loopback(bind_host("127.0.0.1", ["x.add_servicer"]))  # gRPC on [::]
+    with pytest.raises(ValueError, match="http_options"):  # no argument says otherwise
+        build_app({"replicas": 1, "host": "127.0.0.1"})
+
+
+def test_the_gateways_admin_status_parses_identity_headers_as_the_app():
+    """The gateway's own app (no route of its own): a repeated Authorization header is a
+    400 on /admin/status too (it took the last copy: a wrong then the right key listed
+    every user)."""
+    from fastapi.testclient import TestClient
+
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.api_models import RequestLimits
+    from inferscale.serve.replicas import Gateway
+    from test_app import RecordingServer
+
+    gateway = Gateway.__new__(Gateway)  # as __init__ leaves it, without a Serve replica
+    gateway.policy = AccessPolicy({"key-ann": "ann"}, "admin", None, loopback=False)
+    gateway.replicas, gateway.model_name = RecordingServer(), "m"
+    gateway.limits = RequestLimits()
+    client = TestClient(gateway.__serve_build_asgi_app__())
+    wrong_then_right = [("Authorization", "Bearer nope"), ("Authorization", "Bearer admin")]
+    assert client.get("/admin/status", headers=wrong_then_right).status_code == 400
+    assert client.get("/admin/status",
+                      headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.get("/admin/status", headers={"Authorization": "Bearer admin"}).json() == \
+        {"mode": "kv", "users": []}
+
+
 def test_the_config_file_builds_the_application():
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -228,6 +264,52 @@ def test_the_router_keeps_users_home_spills_only_to_the_second_choice_and_follow
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_gateway_wants_keys_unless_serves_proxies_listen_on_loopback():
+    """The gateway over a light replica in real Ray Serve, no API keys: with Serve's
+    proxies on 0.0.0.0 (as deploy/ray-serve.yaml starts them) it refuses to start; on
+    127.0.0.1 it serves, and its /admin/status refuses a repeated Authorization header
+    as every route of the app does."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from benchmarks.replica_cluster import free_port
+    from inferscale.serve.replicas import MEMORY_DEPLOYMENT, Gateway
+
+    class Light:
+        async def status(self, slot: int) -> dict:
+            return {"replica": slot, "state": "running", "users": ["ann"]}
+
+    replica = serve.deployment(Light).options(name=MEMORY_DEPLOYMENT, num_replicas=1,
+                                              ray_actor_options={"num_cpus": 0})
+    gateway = serve.deployment(serve.ingress()(Gateway)).options(
+        name="Gateway", ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1)
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in (
+        "INFERSCALE_API_KEYS", "INFERSCALE_ADMIN_KEY", "INFERSCALE_TRUSTED_USER_HEADER")}
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 << 20, num_cpus=2)
+    try:
+        serve.start(http_options={"host": "0.0.0.0", "port": free_port()})
+        with pytest.raises(RuntimeError, match="refusing to start"):
+            serve.run(gateway.bind(replica.bind(), {"admin_key": "adm"}, "kv"),
+                      name="gateway-test", route_prefix="/")
+        serve.shutdown()
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(gateway.bind(replica.bind(), {"admin_key": "adm"}, "kv"),
+                  name="gateway-test", route_prefix="/")
+        url = f"http://127.0.0.1:{port}/admin/status"
+        right = ("Authorization", "Bearer adm")
+        assert httpx.get(url, headers=[right], trust_env=False).json()["users"] == ["ann"]
+        assert httpx.get(url, headers=[("Authorization", "Bearer nope"), right],
+                         trust_env=False).status_code == 400
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.update(saved)
 
 
 @pytest.mark.slow
@@ -386,6 +468,8 @@ def test_requests_land_on_their_users_home_replica_and_are_injected(cluster):
         assert h.post("/v1/chat/completions", json={**body, "user": "rp-bob"},
                       headers={"Authorization": "Bearer key-rp-ann"}).status_code == 401
         assert h.get("/admin/status").status_code == 401
+        wrong_then_right = [("Authorization", "Bearer nope"), ("Authorization", f"Bearer {ADMIN}")]
+        assert h.get("/admin/status", headers=wrong_then_right).status_code == 400
         for stream in (False, True):  # too long for the model: a 400 from the replica
             r = h.post("/v1/chat/completions", headers={"Authorization": "Bearer key-rp-ann"},
                        json={**body, "max_tokens": 2047, "stream": stream})
