@@ -16,6 +16,9 @@ One application, two deployments:
   proxies listen on is loopback (:func:`proxy_bind_host`, from Serve's own config):
   otherwise it refuses to start, as ``inferscale serve`` does.
 
+A replica that dies leaves its engine's shared memory behind; the next replica started
+on that host removes it (:mod:`inferscale.serve.leftovers`).
+
 Each replica counts its chat requests by placement
 (``inferscale_replica_requests_total{placement="home"|"away"|"none"}``: served by the
 user's home among all slots, by another replica, or without a user) and stamps each
@@ -38,6 +41,7 @@ from typing import Any, Iterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from inferscale.serve import leftovers
 from inferscale.serve.placement import home
 from inferscale.serve.replica_set import ReplicaConfig, ReplicaSet
 from inferscale.settings import Settings
@@ -86,12 +90,15 @@ class MemoryReplica:
         settings = Settings(**overrides)
         ctx = serve.get_replica_context()
         self.world = max(1, int(ctx.world_size))
+        self._records = leftovers.record_folder()
+        leftovers.clear_dead(self._records)  # what a killed predecessor's engine left
         cuda = torch.cuda.is_available() and settings.device != "cpu"
         if not cuda and settings.kv_cache_memory_bytes is None:  # N engines share the host
             settings = settings.model_copy(update={
                 "gpu_memory_utilization": settings.gpu_memory_utilization / self.world})
         with replica_cores(self.slot, self.world, settings.tensor_parallel_size):
             self.server, self.model_name = await start_server(settings, mode)  # type: ignore
+        self._record = leftovers.record_replica(self._records)
         self.registry = CollectorRegistry(auto_describe=True)
         self.placement = Counter("inferscale_replica_requests",
                                  "Chat requests this replica served, by placement: home = "
@@ -114,17 +121,32 @@ class MemoryReplica:
     def record_routing_stats(self) -> dict:
         return {"slot": self.slot}
 
-    def check_health(self) -> None:
-        """Ray Serve restarts a replica whose engine has died."""
+    async def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine has died. Also (off the event loop)
+        keeps this replica's record of its engine's shared memory current and clears
+        what dead replicas left (one whose engine was still exiting when this replica
+        started is cleared at a later check)."""
+        import asyncio
+
         llm = self.server.engine.llm
         if llm is None or llm.errored:
             raise RuntimeError(f"the engine of replica slot {self.slot} is not running")
+        try:
+            await asyncio.to_thread(self._tend_records)
+        except Exception as exc:  # noqa: BLE001 - never fails the health check
+            log.warning("tending replica records failed: %s: %s", type(exc).__name__, exc)
+
+    def _tend_records(self) -> None:
+        leftovers.clear_dead(self._records)
+        pids = [self._record["pid"], *(p for p, _ in self._record["engine"])]
+        if leftovers.segments_of(pids) - set(self._record["segments"]):
+            self._record = leftovers.record_replica(self._records)
 
     def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
             server.memories.close()
-            server.engine.shutdown()
+            server.engine.shutdown()  # unlinks the engine's shared memory
 
     # ------------------------------------------------------------ chat
 

@@ -1,13 +1,17 @@
 """Memory replicas on Ray Serve (``inferscale serve --replicas N``).
 
-Without Ray: the placement rule (rendezvous hashing over slots, the routing keys).
-With real Ray Serve: the router on light replicas (homes, the spill rule under overload,
-a killed replica's users moving to their second choice and back to the restarted slot),
-the config file. With real vLLM CPU engines: two replicas (SmolLM2, 1 GiB KV cache each),
-four users, through the OpenAI endpoint: every request on its user's home replica
-(counted from the replicas' metrics), every answer injected, hydrate on the home, status
-of every replica, and a replica killed mid-run losing no request and serving no
-cross-user memory.
+Without Ray: the placement rule (rendezvous hashing over slots, the routing keys), where
+Serve's proxies listen, the gateway's identity headers, a dead replica's shared memory
+removed (real processes and segments). With real Ray Serve: the router on light replicas
+(homes, the spill rule under overload, a killed replica's users moving to their second
+choice and back to the restarted slot), the gateway over a light replica (no start
+without keys while Serve's proxies listen beyond loopback), the config file. With real
+vLLM CPU engines: two replicas (SmolLM2, 1 GiB KV cache each), four users, through the
+OpenAI endpoint: every request on its user's home replica (counted from the replicas'
+metrics), every answer injected, hydrate on the home, status of every replica, a stream
+whose client goes aborted on its replica, a replica killed mid-run losing no request and
+serving no cross-user memory, and ``/dev/shm``: the killed replica's segments removed
+once it is back, every replica's unlinked at shutdown.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from inferscale.serve.leftovers import SHM, segments_of
 from inferscale.serve.placement import (
     Route, choices, home, home_key, parse_key, ranking, score, slot_key,
 )
@@ -161,6 +166,80 @@ def test_the_gateways_admin_status_parses_identity_headers_as_the_app():
                       headers={"Authorization": "Bearer nope"}).status_code == 401
     assert client.get("/admin/status", headers={"Authorization": "Bearer admin"}).json() == \
         {"mode": "kv", "users": []}
+
+
+ENGINE_LIKE = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(shm._name, "shared_memory")  # as vLLM's queues: not tracked
+print(shm.name, flush=True)
+time.sleep(600)
+"""
+REPLICA_LIKE = """
+import subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
+                          text=True)
+print(engine.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _replica_like():
+    """A "replica" process whose child (its "engine") creates a shared-memory segment
+    (``psm_*``) as vLLM's engine core does, maps it and waits: (process, segment)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", REPLICA_LIKE, ENGINE_LIKE],
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_dead_replicas_shared_memory_is_removed_and_no_live_ones(tmp_path):
+    """Real processes and segments: three replicas recorded with their engines'
+    segments. While they live, nothing is touched. Two are killed (SIGKILL, engines
+    too): their segments stay in /dev/shm. A clear removes the one nobody maps and
+    leaves the one another live process still maps; the live replica's is never
+    touched."""
+    import signal
+    from multiprocessing import resource_tracker, shared_memory
+
+    import psutil
+
+    from inferscale.serve.leftovers import clear_dead, record_replica
+
+    folder = tmp_path / "records"
+    procs, segments = [], []
+    try:
+        for _ in range(3):
+            proc, segment = _replica_like()
+            procs.append(proc)
+            segments.append(segment)
+            assert segment.startswith("psm_")
+            assert record_replica(folder, proc.pid)["segments"] == [segment]
+        (dead, kept, live), (dead_seg, kept_seg, live_seg) = procs, segments
+        borrowed = shared_memory.SharedMemory(name=kept_seg)  # this process maps it too
+        resource_tracker.unregister(borrowed._name, "shared_memory")
+        assert clear_dead(folder) == []  # all alive: nothing touched
+        for p in (dead, kept):  # the replica and its engine die at once
+            for q in [*psutil.Process(p.pid).children(recursive=True), p]:
+                os.kill(q.pid, signal.SIGKILL)
+            p.wait()
+        assert all((SHM / s).exists() for s in segments)  # leaked
+        assert clear_dead(folder) == [dead_seg]
+        assert not (SHM / dead_seg).exists()
+        assert (SHM / kept_seg).exists() and (SHM / live_seg).exists()
+        assert sorted(x.name for x in folder.glob("*.json")) == [f"{live.pid}.json"]
+        borrowed.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                for q in [*psutil.Process(p.pid).children(recursive=True), p]:
+                    q.kill()
+                p.wait()
+        for segment in segments:
+            (SHM / segment).unlink(missing_ok=True)
 
 
 def test_the_config_file_builds_the_application():
@@ -405,6 +484,17 @@ def cluster(tmp_path_factory, smollm2, embedder):
     with ReplicaCluster(env, replicas=2, admin_key=ADMIN) as c:
         c.fact_ids = fact_ids
         yield c
+        segments = segments_of(replica_processes(c))
+    # a graceful stop unlinks every segment the replicas' engines had
+    assert segments and not [s for s in segments if (SHM / s).exists()], segments
+
+
+def replica_processes(c, slots=(0, 1)) -> list[int]:
+    """The processes of the replicas in ``slots``: each replica and its engine's."""
+    import psutil
+
+    pids = [c.replica(s)["pid"] for s in slots]
+    return pids + [p.pid for pid in pids for p in psutil.Process(pid).children(recursive=True)]
 
 
 def ask(c, user: str, question: str, *, stream: bool = False, max_tokens: int = 4) -> dict:
@@ -559,6 +649,8 @@ def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(clus
         unary = pool.submit(ask, c, "rp-bob", QUESTIONS[2], max_tokens=120)
         others = [pool.submit(ask, c, u, q, max_tokens=24) for u in FACTS for q in QUESTIONS[:2]]
         time.sleep(3)
+        doomed = segments_of(replica_processes(c, (0,)))  # its engine's message queues
+        assert doomed and all((SHM / s).exists() for s in doomed)
         pid, children = c.kill(0)
         later = [pool.submit(ask, c, u, QUESTIONS[1]) for u in FACTS for _ in range(3)]
         done = [f.result(timeout=600) for f in [unary, *others, *later]]
@@ -584,6 +676,13 @@ def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(clus
     gone = [p for p in children if psutil.pid_exists(p)
             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not gone, f"processes of the killed replica still running: {gone}"
+    # the segments nothing maps any more are removed by the replica that took the slot
+    # (at start, or at a health check once the dead engine had exited)
+    deadline = time.monotonic() + 120
+    while (left := [s for s in doomed if (SHM / s).exists()]):
+        assert time.monotonic() < deadline, f"the killed replica's segments stay: {left}"
+        time.sleep(2)
+    assert segments_of(replica_processes(c, (0,)))  # the new replica's own are in use
     deadline = time.monotonic() + 300
     while True:  # and its users come home: prefilled from storage, then injected
         a = ask(c, "rp-ann", QUESTIONS[1])
