@@ -482,6 +482,9 @@ def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder)
                     wait_for(lambda: any(c.flow is not None and c.flow.write_paused
                                          for c in web.server_state.connections),
                              "the server's writes to pause")
+                    # and it has taken its next token since: now it waits in a send
+                    paused_at = generated()
+                    wait_for(lambda: generated() > paused_at + 10, "tokens after the pause")
                 sock.close()
                 wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
             finally:
