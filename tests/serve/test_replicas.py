@@ -372,9 +372,11 @@ def test_the_gateway_wants_keys_unless_serves_proxies_listen_on_loopback():
              object_store_memory=100 << 20, num_cpus=2)
     try:
         serve.start(http_options={"host": "0.0.0.0", "port": free_port()})
-        with pytest.raises(RuntimeError, match="refusing to start"):
+        with pytest.raises(RuntimeError, match="Deploying application gateway-test failed"):
             serve.run(gateway.bind(replica.bind(), {"admin_key": "adm"}, "kv"),
                       name="gateway-test", route_prefix="/")
+        why = serve.status().applications["gateway-test"].deployments["Gateway"].message
+        assert "binding beyond loopback needs INFERSCALE_API_KEYS" in why, why
         serve.shutdown()
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
