@@ -50,6 +50,8 @@ class ClosingStream(StreamingResponse):
                                           and isinstance(sending.exception(), OSError))
         finally:  # also when this response is cancelled: the body is closed all the same
             watching.cancel()
+            if watching.done() and not watching.cancelled():
+                watching.exception()  # a receive that failed: taken as the client gone
             if gone and self.on_disconnect is not None:
                 self.on_disconnect()
             closing = asyncio.ensure_future(
