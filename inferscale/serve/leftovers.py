@@ -14,8 +14,10 @@ then each of its health checks, clears what dead ones left on this host
 (:func:`clear_dead`): for each record whose process is gone (no such pid, or the pid
 taken by another process, told by its start time) and none of whose engine processes
 lives on, it removes the recorded segments that no live process maps or holds open, then
-the record. (A graceful stop leaves its record: its engine unlinked the segments, and
-whatever it did not is cleared the same way.) Segments are known only by what a
+the record. (A stop leaves its record: a graceful one has unlinked the segments, and
+whatever it did not, Ray's shutdown killing a replica first for one, is cleared the same
+way; the process that ran Ray clears after its shutdown too,
+:func:`~inferscale.serve.replicas.stop_replicas`.) Segments are known only by what a
 replica's own engine mapped, never by a name pattern or a time, so another engine's
 segments on the host are never touched. A replica restarted on another node clears
 nothing here; the next replica started on this node does.
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -105,10 +108,31 @@ def record_replica(folder: Path, pid: int | None = None) -> dict:
     return record
 
 
-def clear_dead(folder: Path) -> list[str]:
+def clear_dead(folder: Path, wait_s: float = 0.0) -> list[str]:
     """Remove the segments dead replicas recorded in ``folder`` left behind (see the
-    module docstring); the names removed."""
+    module docstring); the names removed. ``wait_s``: how long to wait for the engine
+    processes of dead replicas to exit (a replica just killed takes its engine with it,
+    not at once); 0: clear what can be cleared now, the rest at a later call."""
+    deadline = time.monotonic() + wait_s
     removed: list[str] = []
+    while True:
+        waiting = _clear_once(folder, removed)
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if waiting:
+        log.warning("replicas %s are gone but their engine processes are not; their shared "
+                    "memory is left until they are", waiting)
+    if removed:
+        log.info("removed %d shared-memory segments dead replicas left: %s", len(removed),
+                 removed)
+    return removed
+
+
+def _clear_once(folder: Path, removed: list[str]) -> list[int]:
+    """One pass of :func:`clear_dead` (appending to ``removed``); the dead replicas
+    whose engine processes still live."""
+    waiting = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())
@@ -125,8 +149,7 @@ def clear_dead(folder: Path) -> list[str]:
         if _alive(pid, started):
             continue
         if any(_alive(p, t) for p, t in engine):
-            log.warning("replica %d is gone but its engine processes are not; its shared "
-                        "memory is left until they are", pid)
+            waiting.append(pid)
             continue
         busy = in_use(segments)
         for name in sorted(segments - busy):
@@ -139,7 +162,4 @@ def clear_dead(folder: Path) -> list[str]:
             log.warning("replica %d is gone; segments %s are in use by live processes: "
                         "left", pid, sorted(busy))
         path.unlink(missing_ok=True)
-    if removed:
-        log.info("removed %d shared-memory segments dead replicas left: %s", len(removed),
-                 removed)
-    return removed
+    return waiting

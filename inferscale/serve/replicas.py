@@ -325,7 +325,7 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
                  overrides: dict) -> None:
     """``inferscale serve --replicas N``: check the access policy (before starting
     anything), serve until SIGINT/SIGTERM, then shut Serve and Ray down (the replicas'
-    engines with them)."""
+    engines with them, and what they left in shared memory: :func:`stop_replicas`)."""
     import ray
 
     from inferscale.serve.app import policy_from
@@ -342,6 +342,19 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
               flush=True)
         stop.wait()
     finally:
+        stop_replicas()
+
+
+def stop_replicas() -> list[str]:
+    """Shut Serve and this process's Ray instance down, then remove the shared memory of
+    replicas that did not unlink theirs (Ray's shutdown may kill a replica before its
+    engine has): :func:`~inferscale.serve.leftovers.clear_dead`, waiting up to 30 s for
+    their engines to exit. The segments removed."""
+    import ray
+
+    try:
         if ray.is_initialized():
             serve.shutdown()
-            ray.shutdown()
+    finally:
+        ray.shutdown()
+    return leftovers.clear_dead(leftovers.record_folder(), wait_s=30.0)
