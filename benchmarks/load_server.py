@@ -6,9 +6,12 @@ serve`` runs) on 127.0.0.1, over the engine the benchmark describes (a real chec
 or a dummy-weight shape that ``inferscale serve`` cannot start). ``CONFIG.json``:
 ``{"engine": {EngineConfig fields}, "tokenizer": dir, "embedder": name or dir, "top_k":
 k, "model_name": name, "port": p, "memory_cache": {MemoryCacheConfig fields},
-"info_path": file}`` (the engine's version and effective scheduling limits are written
-to ``info_path`` once it is up). No API keys: loopback only, the body's ``user`` field
-names the user (the app's loopback policy).
+"cold_split": {ColdSplitConfig fields}, "info_path": file}`` (the engine's version and
+effective scheduling limits are written to ``info_path`` once it is up). No API keys:
+loopback only, the body's ``user`` field names the user (the app's loopback policy). The
+memory cache's limits come from the config, not from ``INFERSCALE_SERVE_*``, so that the
+result records them: a run of many users at once needs a storage-miss burst of at least
+the number of users, or their first lookups are shed (docs/serving.md).
 
 The handle (used by ``benchmarks/load.py``): :class:`ServerProcess` starts and stops it
 or stock ``vllm serve`` (:mod:`benchmarks.load_peer`) (its own session, so nothing of it

@@ -72,14 +72,11 @@ class ReplicaCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import ray
-        from ray import serve
+        from inferscale.serve.replicas import stop_replicas
 
         try:
-            if ray.is_initialized():
-                serve.shutdown()
+            stop_replicas()  # Serve, Ray, and what killed replicas left in /dev/shm
         finally:
-            ray.shutdown()
             for k, v in self._saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -139,10 +139,13 @@ class Settings(BaseSettings):
         default=10_000, ge=1, description="users the server remembers as having no usable "
         "memory (least recently used forgotten first)")
     serve_storage_misses_per_s: float = Field(
-        default=20.0, ge=0, description="storage lookups per second of users the server "
-        "holds nothing for (beyond it, answered without memory)")
+        default=20.0, ge=0, description="storage lookups per second of unauthenticated "
+        "users (no API key) the server holds nothing for; API-key users are never limited")
     serve_storage_miss_burst: int = Field(
         default=100, ge=1, description="such lookups allowed at once")
+    serve_storage_miss_wait_s: float = Field(
+        default=2.0, ge=0, description="longest such a lookup waits for its turn; beyond "
+        "it the request is answered without memory (fallback: shed)")
     replica_max_ongoing_requests: int = Field(
         default=32, ge=1, description="requests one memory replica (serve --replicas) takes "
         "at once; a user's home replica at this many spills to the user's second choice")

@@ -62,6 +62,14 @@ def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2", li
     """``inferscale.serve``'s app for ``server`` (request ``limits``: the default
     RequestLimits when None) on 127.0.0.1 and a free port, run by uvicorn on ``loop``
     (the engine's loop); yields the base URL."""
+    with serving(loop, server, policy, model_name, limits) as (url, _):
+        yield url
+
+
+@contextmanager
+def serving(loop: LoopThread, server, policy, model_name: str = "smollm2", limits=None):
+    """:func:`served_app`, yielding ``(url, uvicorn.Server)`` (its connections' flow
+    control tells whether a send is paused)."""
     import socket
     import time
 
@@ -87,7 +95,7 @@ def served_app(loop: LoopThread, server, policy, model_name: str = "smollm2", li
                 raise
             time.sleep(0.2)
     try:
-        yield url
+        yield url, web
     finally:
         web.should_exit = True
         done.result(30)

@@ -59,11 +59,14 @@ def same_secret(given: str | None, expected: str) -> bool:
 
 @dataclass(frozen=True)
 class Identity:
-    """What a request's headers establish: ``user`` (None: none yet) and whether the
-    credentials bound it (then the body may not name another user)."""
+    """What a request's headers establish: ``user`` (None: none yet), whether the
+    credentials bound it (then the body may not name another user) and whether an API
+    key (a closed set of configured keys) established it: ``authenticated`` users' memory
+    lookups are never shed under load (:mod:`inferscale.serve.memory_cache`)."""
 
     user: str | None
     bound: bool
+    authenticated: bool = False
 
     def resolve(self, body_user: str | None) -> str | None:
         """The user whose memory the request may use; PermissionError or
@@ -151,7 +154,7 @@ class AccessPolicy:
             if header_user is not None and header_user != user:
                 raise PermissionError(f"the {self.trusted_user_header} header names another "
                                       "user than the API key")
-            return Identity(user, True)
+            return Identity(user, True, authenticated=True)
         if self.trusted_user_header:
             if not header_user:
                 raise PermissionError(f"missing {self.trusted_user_header} header")

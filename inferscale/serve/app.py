@@ -18,6 +18,11 @@ Beyond the OpenAI fields, a chat request may carry ``inferscale: {"mode", "top_k
 ``stream_options: {"include_usage": true}``. Streams send the first chunk (role and
 text) when the first token is out, and the ``inferscale`` extras (facts, tokens,
 fallback, timings) with the last.
+
+A client that goes stops its request in the engine: a unary answer is cancelled by a
+watch for the disconnect, a stream's whole generator chain is closed by its response
+(:mod:`inferscale.serve.streaming`), whatever it was doing; either way vLLM aborts the
+request and the server counts the abort (``client_disconnected``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import json
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable
 
 # FastAPI resolves the endpoints' (string) annotations in this module's globals: without
@@ -39,6 +45,7 @@ from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
 from inferscale.serve.server import MemoryServer, Mode, PromptTooLong, start_server
+from inferscale.serve.streaming import ClosingStream
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -51,7 +58,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     Each endpoint checks the credentials first (headers only), then reads the body
     within ``limits`` and validates it; every refusal is a 4xx with its reason."""
     from fastapi import FastAPI, HTTPException
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     from inferscale.types import InvalidUserIdError
 
@@ -111,18 +118,24 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         ignore_eos = bool(body.ignore_eos)
+        shed = not identity.authenticated  # an API key's user is never shed under load
         try:
             if body.stream:
                 started = time.perf_counter()
-                prepared = await server.request(user, question, k, mode, max_tokens)
+                prepared = await server.request(user, question, k, mode, max_tokens,
+                                                shed=shed)
                 answer = server.answer_stream(prepared, started, max_tokens=max_tokens,
                                               temperature=temperature, ignore_eos=ignore_eos)
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(_sse(answer, rid, created, model_name, usage),
-                                         media_type="text/event-stream")
+
+                def gone() -> None:
+                    prepared.abort_reason = "client_disconnected"
+
+                return ClosingStream(_sse(answer, rid, created, model_name, usage),
+                                     media_type="text/event-stream", on_disconnect=gone)
             out = await _unless_disconnected(req, server.answer(
                 user, question, k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
-                ignore_eos=ignore_eos))
+                ignore_eos=ignore_eos, shed=shed))
         except PromptTooLong as exc:
             raise RequestError(400, str(exc)) from exc
         if out is None:  # the client went away: its request was aborted in the engine
@@ -159,18 +172,16 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     @app.get("/admin/status")
     async def status(req: Request) -> dict:
         checked(policy.check_admin, headers_of(req))
-        return {"mode": server.mode, "users": sorted(server.users),
-                "versions": server.users, "memory_bytes": server.memories.nbytes,
-                "engine": await server.engine.status()}
+        return await server.status()
 
     return app
 
 
 async def _unless_disconnected(req: Any, work: Awaitable[Any]) -> Any:
-    """``await work``, unless the client disconnects first: then ``work`` is cancelled
-    (the engine aborts its request: vLLM's ``generate`` aborts on cancellation) and None
-    is returned. The body has been read: the next ASGI message is the disconnect.
-    (A streaming response is cancelled by the server itself when its client goes.)"""
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled,
+    saying ``client_disconnected`` (the engine aborts its request: vLLM's ``generate``
+    aborts on cancellation; the server counts the abort with that reason) and None is
+    returned. The body has been read: the next ASGI message is the disconnect."""
     async def disconnected() -> None:
         while (await req.receive())["type"] != "http.disconnect":
             pass
@@ -182,7 +193,7 @@ async def _unless_disconnected(req: Any, work: Awaitable[Any]) -> Any:
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()
+            task.cancel("client_disconnected")
             # a cancel is only requested: wait until the work has taken it (the engine has
             # aborted), or task.result() below would find it still running
             await asyncio.wait({task})
@@ -205,28 +216,30 @@ async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_
         return f"data: {json.dumps(payload)}\n\n"
 
     started = False
-    async for item in answer:
-        if isinstance(item, dict):
-            gen, info = item["generation"], item["info"]
-            if not started:  # no token at all (max_tokens reached at once)
-                yield chunk({"role": "assistant", "content": ""})
-            yield chunk({}, gen.finish_reason or "stop", info)
-            if include_usage:
-                completion = len(gen.token_ids)
-                yield "data: " + json.dumps({
-                    "id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": model_name, "choices": [],
-                    "usage": {"prompt_tokens": gen.prompt_tokens,
-                              "completion_tokens": completion,
-                              "total_tokens": gen.prompt_tokens + completion,
-                              "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
-                }) + "\n\n"
-        elif not started:
-            started = True
-            yield chunk({"role": "assistant", "content": item})
-        elif item:
-            yield chunk({"content": item})
-        await asyncio.sleep(0)
+    async with aclosing(answer) as items:  # closing the events closes the answer
+        async for item in items:
+            if isinstance(item, dict):
+                gen, info = item["generation"], item["info"]
+                if not started:  # no token at all (max_tokens reached at once)
+                    yield chunk({"role": "assistant", "content": ""})
+                yield chunk({}, gen.finish_reason or "stop", info)
+                if include_usage:
+                    completion = len(gen.token_ids)
+                    yield "data: " + json.dumps({
+                        "id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": model_name, "choices": [],
+                        "usage": {"prompt_tokens": gen.prompt_tokens,
+                                  "completion_tokens": completion,
+                                  "total_tokens": gen.prompt_tokens + completion,
+                                  "prompt_tokens_details": {
+                                      "cached_tokens": gen.cached_tokens}},
+                    }) + "\n\n"
+            elif not started:
+                started = True
+                yield chunk({"role": "assistant", "content": item})
+            elif item:
+                yield chunk({"content": item})
+            await asyncio.sleep(0)
     yield "data: [DONE]\n\n"
 
 

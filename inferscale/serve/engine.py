@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -136,6 +137,14 @@ class Generation:
     def fallback_reason(self) -> str | None:
         """The class of :attr:`fallback` (``not_resident``, ``stale_version``, ...)."""
         return fallback_reason(self.fallback)
+
+
+@dataclass
+class Progress:
+    """Tokens generated so far for a request (:meth:`MemoryEngine.generate_stream` keeps
+    it up to date): what an aborted request had produced."""
+
+    tokens: int = 0
 
 
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
@@ -299,7 +308,8 @@ class MemoryEngine:
                      max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
                      cache_salt: str | None = None, request_id: str | None = None
                      ) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``."""
+        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``. Closing this generator
+        (or cancelling its reader) closes vLLM's at once, which aborts the request."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -311,17 +321,21 @@ class MemoryEngine:
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
             prompt["cache_salt"] = salt
-        async for out in self.llm.generate(prompt, params,
-                                           request_id=request_id or f"is-{next(self._ids)}"):
-            yield out
+        async with aclosing(self.llm.generate(
+                prompt, params, request_id=request_id or f"is-{next(self._ids)}")) as outs:
+            async for out in outs:
+                yield out
 
     async def generate_stream(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                               max_tokens: int = 64, temperature: float = 0.0,
-                              ignore_eos: bool = False, cache_salt: str | None = None
+                              ignore_eos: bool = False, cache_salt: str | None = None,
+                              progress: Progress | None = None
                               ) -> AsyncIterator[str | Generation]:
         """Yield the text of each output that brings new tokens, as it arrives (``""``
         when those tokens have no text of their own yet), then the finished
-        :class:`Generation` (timings, vLLM's counters, the connector's answer)."""
+        :class:`Generation` (timings, vLLM's counters, the connector's answer).
+        ``progress`` (if given) counts the tokens as they come. Closing it early closes
+        :meth:`stream` (the request is aborted)."""
         start = time.perf_counter()
         ttft = None
         tokens: list[int] = []
@@ -330,20 +344,23 @@ class MemoryEngine:
         finish = None
         reply = MemoryReply()
         rid = f"is-{next(self._ids)}"
-        async for out in self.stream(prompt_ids, memory, max_tokens=max_tokens,
-                                     temperature=temperature, ignore_eos=ignore_eos,
-                                     cache_salt=cache_salt, request_id=rid):
-            comp = out.outputs[0]
-            if ttft is None and comp.token_ids:
-                ttft = time.perf_counter() - start
-            tokens.extend(comp.token_ids)
-            text += comp.text
-            cached = out.num_cached_tokens or cached
-            finish = comp.finish_reason or finish
-            if out.kv_transfer_params:  # the finished request's reply
-                reply = MemoryReply.from_params(out.kv_transfer_params)
-            if comp.token_ids:
-                yield comp.text
+        progress = progress or Progress()
+        async with aclosing(self.stream(prompt_ids, memory, max_tokens=max_tokens,
+                                        temperature=temperature, ignore_eos=ignore_eos,
+                                        cache_salt=cache_salt, request_id=rid)) as outs:
+            async for out in outs:
+                comp = out.outputs[0]
+                if ttft is None and comp.token_ids:
+                    ttft = time.perf_counter() - start
+                tokens.extend(comp.token_ids)
+                progress.tokens = len(tokens)
+                text += comp.text
+                cached = out.num_cached_tokens or cached
+                finish = comp.finish_reason or finish
+                if out.kv_transfer_params:  # the finished request's reply
+                    reply = MemoryReply.from_params(out.kv_transfer_params)
+                if comp.token_ids:
+                    yield comp.text
         yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
                          len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
                          reply.facts_by_tier, reply.storage_bytes, reply.cold, rid)

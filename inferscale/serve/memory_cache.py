@@ -22,13 +22,19 @@ on every request:
   removed between reading LATEST and reading it) answers that request without memory
   and is tried again, LATEST first, by the first request after a back-off (``retry_s``,
   doubling per failure up to ``refresh_s``).
+- **Never without memory silently**: :meth:`MemoryCache.lookup` says why a user who has
+  (or may have) memory goes without it (:class:`Lookup`: ``shed``, ``load_failed``,
+  ``refused``); the server puts it in the answer's ``fallback`` and counts it.
 - **Bounded**: the entries' bytes (embeddings on the index's device, token ids, texts)
   stay under ``budget_bytes``, least recently used users dropped first (a later request
   loads them again); entries without memory (nothing published, refused, failed) are at
-  most ``max_negative``, least recently used evicted first; and storage lookups of users
-  the cache holds nothing for are rate-limited (``misses_per_s``, bursts of
-  ``miss_burst``): beyond it such a request is answered without memory and nothing is
-  read or remembered. All of it is counted (:meth:`MemoryCache.stats`, in ``/metrics``).
+  most ``max_negative``, least recently used evicted first; and storage lookups of
+  unauthenticated users the cache holds nothing for are rate-limited (``misses_per_s``,
+  bursts of ``miss_burst``): such a request waits for the next free lookup if it comes
+  within ``miss_wait_s`` (lookups are booked in arrival order), else it is shed at once:
+  answered without memory (fallback ``shed``), nothing read or remembered. Users of an
+  API key (a closed set: no flood of ids can come through them) are never rate-limited.
+  All of it is counted (:meth:`MemoryCache.stats`, in ``/metrics``).
 - **Pins**: an admin hydrate of an explicit version pins the user to it (no refresh)
   until a hydrate of ``"latest"`` or an eviction.
 
@@ -74,6 +80,20 @@ class UserMemory:
                        + sum(len(t.encode()) for t in self.texts))
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """What :meth:`MemoryCache.lookup` found: the user's ``memory`` (None: none usable)
+    and, when the user has or may have memory this request goes without, ``fallback``
+    (why, in words) and ``reason`` (its class: one of :data:`MEMORY_FALLBACKS`)."""
+
+    memory: UserMemory | None
+    fallback: str | None = None
+    reason: str | None = None
+
+
+MEMORY_FALLBACKS = ("shed", "load_failed", "refused")
+
+
 class MemoryRefused(Exception):
     """A version this server will not serve (``reason``: ``embedding_dim``, ``layout``),
     raised by the cache's ``read``: remembered and counted, not retried until LATEST
@@ -89,9 +109,10 @@ class MemoryCacheConfig:
     """``refresh_s``: INFERSCALE_SERVE_REFRESH_S; ``budget_bytes``:
     INFERSCALE_SERVE_MEMORY_BUDGET_BYTES; ``load_threads``: concurrent loads;
     ``max_negative``: INFERSCALE_SERVE_MAX_NEGATIVE_ENTRIES (entries without memory);
-    ``misses_per_s`` / ``miss_burst``: INFERSCALE_SERVE_STORAGE_MISSES_PER_S / ``_BURST``
-    (lookups of users the cache holds nothing for); ``retry_s``: the first back-off after
-    a failed load."""
+    ``misses_per_s`` / ``miss_burst`` / ``miss_wait_s``:
+    INFERSCALE_SERVE_STORAGE_MISSES_PER_S / ``_BURST`` / ``_WAIT_S`` (lookups of
+    unauthenticated users the cache holds nothing for, and the longest such a lookup
+    waits for its turn); ``retry_s``: the first back-off after a failed load."""
 
     refresh_s: float = 60.0
     budget_bytes: int = 2 << 30
@@ -99,6 +120,7 @@ class MemoryCacheConfig:
     max_negative: int = 10_000
     misses_per_s: float = 20.0
     miss_burst: int = 100
+    miss_wait_s: float = 2.0
     retry_s: float = 1.0
 
     @classmethod
@@ -107,10 +129,11 @@ class MemoryCacheConfig:
                    budget_bytes=settings.serve_memory_budget_bytes,
                    max_negative=settings.serve_max_negative_entries,
                    misses_per_s=settings.serve_storage_misses_per_s,
-                   miss_burst=settings.serve_storage_miss_burst)
+                   miss_burst=settings.serve_storage_miss_burst,
+                   miss_wait_s=settings.serve_storage_miss_wait_s)
 
     def __post_init__(self) -> None:
-        for name in ("refresh_s", "budget_bytes", "misses_per_s", "retry_s"):
+        for name in ("refresh_s", "budget_bytes", "misses_per_s", "miss_wait_s", "retry_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("load_threads", "max_negative", "miss_burst"):
@@ -125,24 +148,33 @@ class _Entry:
     refused: str | None = None  # the version LATEST named that was refused
     failures: int = 0  # consecutive failed loads (memory is None)
     retry_at: float = 0.0  # failed: monotonic time from which a request loads again
+    fallback: str | None = None  # refused or failed: what the answers say (Lookup)
+    reason: str | None = None
 
 
 class _Bucket:
-    """A token bucket: ``take()`` is True at most ``burst`` times at once and ``rate``
-    times a second on average (event-loop thread only)."""
+    """A token bucket (``burst`` tokens, ``rate`` a second) with bookings (event-loop
+    thread only): :meth:`reserve` takes a token, or books the next one to come, in
+    arrival order, if it comes within ``max_wait`` seconds."""
 
     def __init__(self, rate: float, burst: int):
         self.rate, self.burst = rate, burst
         self.tokens, self.at = float(burst), time.monotonic()
 
-    def take(self) -> bool:
+    def reserve(self, max_wait: float) -> float | None:
+        """Seconds to wait for the token now taken (0: at once); None: none within
+        ``max_wait`` (nothing taken)."""
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        wait = (1 - self.tokens) / self.rate if self.rate > 0 else float("inf")
+        if wait > max_wait:
+            return None
+        self.tokens -= 1  # booked: below zero until the refill pays it back
+        return wait
 
 
 class MemoryCache:
@@ -165,44 +197,64 @@ class MemoryCache:
         self._refreshing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._misses = _Bucket(self.config.misses_per_s, self.config.miss_burst)
-        self._stats = {"storage_lookups": 0, "lookups_limited": 0, "load_failures": 0,
-                       "negative_evictions": 0}
+        self._stats = {"storage_lookups": 0, "lookups_limited": 0, "lookups_delayed": 0,
+                       "load_failures": 0, "negative_evictions": 0}
         self._refused: dict[str, int] = {}  # reason -> versions refused
         self._pool = ThreadPoolExecutor(self.config.load_threads,
                                         thread_name_prefix="inferscale-load")
 
     # ------------------------------------------------------------------ requests
 
-    async def get(self, user: str) -> UserMemory | None:
-        """The user's memory (None: none usable); loads it off the event loop the first
-        time and starts a background refresh when the last check is ``refresh_s`` old."""
+    async def get(self, user: str, shed: bool = True) -> UserMemory | None:
+        """The user's memory (None: none usable): :meth:`lookup`'s."""
+        return (await self.lookup(user, shed)).memory
+
+    async def lookup(self, user: str, shed: bool = True) -> Lookup:
+        """The user's memory, and why it goes without when it may have some; loads it
+        off the event loop the first time and starts a background refresh when the last
+        check is ``refresh_s`` old. ``shed``: the first lookup is rate-limited (an
+        unauthenticated user: see the module docstring); False for API-key users."""
         entry = self._entries.get(user)
         if entry is not None:
             self._entries.move_to_end(user)
         else:
             entry = self._negative.get(user)
-            if entry is None:  # a storage miss: rate-limited
-                if user not in self._loading and not self._misses.take():
-                    self._stats["lookups_limited"] += 1
-                    return None
+            if entry is None:  # a storage miss
+                if shed and user not in self._loading:
+                    wait = self._misses.reserve(self.config.miss_wait_s)
+                    if wait is None:
+                        self._stats["lookups_limited"] += 1
+                        return Lookup(None, self._shed_text(), "shed")
+                    if wait:  # booked: loaded once its turn comes (or by then loaded)
+                        self._stats["lookups_delayed"] += 1
+                        await asyncio.sleep(wait)
+                        return await self.lookup(user, shed=False)
                 return await self._first_load(user)
             self._negative.move_to_end(user)
             if entry.failures:  # a failed load: again once its back-off is over
                 if time.monotonic() >= entry.retry_at:
                     return await self._first_load(user)
-                return None
+                return Lookup(None, entry.fallback, entry.reason)
         if user not in self._pins and user not in self._refreshing and \
                 time.monotonic() - entry.checked >= self.config.refresh_s:
             self._refreshing.add(user)
             self._spawn(self._refresh(user, entry))
-        return entry.memory
+        if entry.memory is None and entry.reason:
+            return Lookup(None, entry.fallback, entry.reason)
+        return Lookup(entry.memory)
+
+    def _shed_text(self) -> str:
+        c = self.config
+        return (f"memory lookup shed: first lookups of unauthenticated users are limited to "
+                f"{c.misses_per_s:g}/s (INFERSCALE_SERVE_STORAGE_MISSES_PER_S) and none was "
+                f"free within {c.miss_wait_s:g} s; answered without memory")
 
     def peek(self, user: str) -> UserMemory | None:
         """The memory held now, without loading or refreshing (benchmarks, status)."""
         entry = self._entries.get(user)
         return entry.memory if entry else None
 
-    async def _first_load(self, user: str) -> UserMemory | None:
+    async def _first_load(self, user: str) -> Lookup:
         fut = self._loading.get(user)
         if fut is None:
             fut = asyncio.ensure_future(self._load(user, self._pins.get(user)))
@@ -210,7 +262,7 @@ class MemoryCache:
             fut.add_done_callback(lambda _: self._loading.pop(user, None))
         return await asyncio.shield(fut)
 
-    async def _load(self, user: str, pinned: str | None) -> UserMemory | None:
+    async def _load(self, user: str, pinned: str | None) -> Lookup:
         checked = time.monotonic()
         self._stats["storage_lookups"] += 1
         version = pinned
@@ -219,12 +271,14 @@ class MemoryCache:
                 version = await self._run(self.latest, user)
                 if version is None:  # nothing published: no memory, checked again later
                     self._put(user, _Entry(None, checked))
-                    return None
+                    return Lookup(None)
             memory = await self._run(self.read, user, version)
         except MemoryRefused as exc:
             self._refuse(user, exc)
-            self._put(user, _Entry(None, checked, refused=exc.version))
-            return None
+            why = f"version {exc.version[:12]} refused ({exc.reason}): {exc}"
+            self._put(user, _Entry(None, checked, refused=exc.version, fallback=why,
+                                   reason="refused"))
+            return Lookup(None, why, "refused")
         except Exception as exc:  # noqa: BLE001 - answered without memory, tried again soon
             old = self._negative.get(user)
             failures = (old.failures if old else 0) + 1
@@ -233,11 +287,14 @@ class MemoryCache:
             self._stats["load_failures"] += 1
             log.warning("user %s: loading memory failed (%s: %s); answering without it, "
                         "trying again in %.1f s", user, type(exc).__name__, exc, delay)
+            why = (f"memory load failed ({type(exc).__name__}: {str(exc)[:200]}); answered "
+                   f"without memory, tried again from {delay:.1f} s after the failure")
             self._put(user, _Entry(None, checked, failures=failures,
-                                   retry_at=time.monotonic() + delay))
-            return None
+                                   retry_at=time.monotonic() + delay, fallback=why,
+                                   reason="load_failed"))
+            return Lookup(None, why, "load_failed")
         self._put(user, _Entry(memory, checked))
-        return memory
+        return Lookup(memory)
 
     async def _refresh(self, user: str, entry: _Entry) -> None:
         checked = time.monotonic()
@@ -251,6 +308,9 @@ class MemoryCache:
         except MemoryRefused as exc:
             self._refuse(user, exc)
             entry.refused, entry.checked = exc.version, checked
+            if entry.memory is None:  # nothing held: answered without memory, saying why
+                entry.fallback = f"version {exc.version[:12]} refused ({exc.reason}): {exc}"
+                entry.reason = "refused"
             return
         except Exception as exc:  # noqa: BLE001 - keep what is held; check again soon
             log.warning("user %s: refreshing memory failed (%s: %s); keeping version %s",
@@ -305,8 +365,8 @@ class MemoryCache:
 
     def stats(self) -> dict[str, Any]:
         """Counters since start (``/metrics``): users and bytes held, entries without
-        memory and their evictions, storage lookups of uncached users and those refused
-        by the rate limit, failed loads, versions refused by reason."""
+        memory and their evictions, storage lookups of uncached users, those the rate
+        limit shed and those it delayed, failed loads, versions refused by reason."""
         return {**self._stats, "users": len(self._entries), "bytes": self._bytes,
                 "negative_entries": len(self._negative), "refused": dict(self._refused)}
 

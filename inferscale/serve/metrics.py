@@ -8,10 +8,11 @@ One scrape is three parts, in this order:
   Python process collectors of that registry;
 - the server's per-request counters and histograms (:class:`ServingMetrics`), updated
   in the API process when a request finishes, from what came back with it (the
-  connector's ``kv_transfer_params``: injected tokens, the fallback and its reason);
+  connector's ``kv_transfer_params``: injected tokens, the fallback and its reason; the
+  memory lookup's fallback), or when it is aborted;
 - the server's memory cache (:class:`CacheCollector`: users and bytes held, entries
-  without memory, storage lookups refused by the rate limit, failed loads, refused
-  versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
+  without memory, storage lookups shed or delayed by the rate limit, failed loads,
+  refused versions), read from :meth:`~inferscale.serve.memory_cache.MemoryCache.stats` at
   scrape time;
 - the workers' counters and residency (:class:`WorkerCollector`), read from every
   worker through the engine's collective RPC at scrape time
@@ -25,6 +26,11 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     text_tail_tokens_total                  facts prefilled as text after injected memory
     completion_tokens_total{mode}           tokens generated
     fallbacks_total{reason}                 kv requests whose memory was prefilled
+    memory_fallbacks_total{reason}          requests answered without the user's memory:
+                                            shed | load_failed | refused
+    requests_aborted_total{mode,reason}     requests aborted before they finished:
+                                            client_disconnected | cancelled
+    aborted_completion_tokens_total{mode}   tokens those had generated
     retrieval_seconds                       query embedding + exact top-k
     composition_seconds                     prompt composition from stored token ids
     query_to_first_token_seconds{mode}      request start -> first token
@@ -32,7 +38,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_negative_entries                 users remembered without usable memory
     memory_negative_evictions_total         of those, forgotten under max_negative
     memory_storage_lookups_total            loads of users the server held nothing for
-    memory_lookups_limited_total            such lookups refused by the rate limit
+    memory_lookups_limited_total            such lookups shed by the rate limit
+    memory_lookups_delayed_total            such lookups that waited for their turn
     memory_load_failures_total              loads that failed (tried again after a back-off)
     memory_refused_total{reason}            versions refused at load (embedding_dim, layout)
     resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
@@ -66,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from inferscale.serve.memory_cache import MEMORY_FALLBACKS
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.failures import FALLBACK_REASONS
 
@@ -75,6 +83,9 @@ if TYPE_CHECKING:
     from inferscale.serve.memory_cache import MemoryCache
 
 MODES = ("kv", "prompt", "none")
+# why a request was aborted: its client went (the HTTP layer saw it), or its caller
+# cancelled it for another reason or without saying (a gateway, a timeout, a shutdown)
+ABORT_REASONS = ("client_disconnected", "cancelled")
 _FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -159,7 +170,9 @@ def _histogram(name: str, doc: str, per_rank: list[tuple[str, dict]]) -> Histogr
     return hist
 
 
-REFUSAL_REASONS = ("embedding_dim",)
+# why a version is refused at load (MemoryRefused.reason, serve/server.py): every one
+# shows from the first scrape, at 0
+REFUSAL_REASONS = ("embedding_dim", "layout", "instruction")
 
 
 class CacheCollector:
@@ -182,8 +195,10 @@ class CacheCollector:
                 ("memory_storage_lookups", "storage_lookups",
                  "Loads of users the server held nothing for"),
                 ("memory_lookups_limited", "lookups_limited",
-                 "Lookups of users the server held nothing for refused by the rate limit "
-                 "(answered without memory)"),
+                 "Lookups of unauthenticated users the server held nothing for shed by the "
+                 "rate limit (answered without memory, fallback shed)"),
+                ("memory_lookups_delayed", "lookups_delayed",
+                 "Such lookups that waited for their turn under the rate limit"),
                 ("memory_load_failures", "load_failures",
                  "Memory loads that failed (answered without memory, tried again)")):
             yield CounterMetricFamily(f"inferscale_{name}", doc, value=stats[key])
@@ -241,6 +256,16 @@ class ServingMetrics:
         self.fallbacks = Counter("inferscale_fallbacks",
                                  "KV requests whose memory was prefilled instead of injected",
                                  ["reason"], registry=r)
+        self.memory_fallbacks = Counter(
+            "inferscale_memory_fallbacks", "Requests of a user with (possibly) memory answered "
+            "without it: lookup shed under load, load failed, version refused", ["reason"],
+            registry=r)
+        self.aborted = Counter("inferscale_requests_aborted", "Chat requests aborted before "
+                               "they finished (the engine's request aborted), by memory mode "
+                               "and reason", ["mode", "reason"], registry=r)
+        self.aborted_tokens = Counter("inferscale_aborted_completion_tokens",
+                                      "Tokens generated for requests then aborted", ["mode"],
+                                      registry=r)
         self.retrieval = Histogram("inferscale_retrieval_seconds",
                                    "Query embedding and exact top-k", buckets=_FAST_S, registry=r)
         self.composition = Histogram("inferscale_composition_seconds",
@@ -262,10 +287,15 @@ class ServingMetrics:
         for source in ("storage", "prefill"):
             self.cold_facts.labels(source)
         for mode in MODES:  # every label value shows from the first scrape, at 0
-            for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft):
+            for metric in (self.requests, self.memory_tokens, self.completion, self.q2ft,
+                           self.aborted_tokens):
                 metric.labels(mode)
+            for reason in ABORT_REASONS:
+                self.aborted.labels(mode, reason)
         for reason in FALLBACK_REASONS:
             self.fallbacks.labels(reason)
+        for reason in MEMORY_FALLBACKS:
+            self.memory_fallbacks.labels(reason)
         self.workers = WorkerCollector()
         r.register(self.workers)
         if cache is not None:
@@ -285,6 +315,8 @@ class ServingMetrics:
         self.text_tail.inc(info.get("text_tail_tokens", 0))
         if mode == "kv" and gen.fallback:
             self.fallbacks.labels(gen.fallback_reason).inc()
+        elif info.get("fallback_reason") in MEMORY_FALLBACKS:
+            self.memory_fallbacks.labels(info["fallback_reason"]).inc()
         if gen.cold is not None:
             self.cold.inc()
             self.cold_facts.labels("storage").inc(gen.cold.loaded)
@@ -299,6 +331,11 @@ class ServingMetrics:
             self.composition.observe(timings.get("compose", 0.0) / 1e3)
         if "query_to_first_token" in timings:
             self.q2ft.labels(mode).observe(timings["query_to_first_token"] / 1e3)
+
+    def count_abort(self, mode: str, reason: str, tokens: int) -> None:
+        """Count one request aborted before it finished, with the tokens it had made."""
+        self.aborted.labels(mode, reason).inc()
+        self.aborted_tokens.labels(mode).inc(tokens)
 
     async def render(self, engine: "MemoryEngine") -> bytes:
         """One scrape: vLLM's engine metrics, then the server's, with the workers'

@@ -8,6 +8,8 @@ routing key (:mod:`inferscale.serve.placement`), so the memory router
 
 - chat: ``prepare`` (retrieve and compose on the user's replica; a prompt too long is a
   400 before any stream starts), then ``generate`` there; ``answer`` for unary requests;
+  a stream the app stops reading (its client went) cancels the replica's call, which
+  closes the replica's generation (vLLM aborts the request);
 - ``hydrate``: the user's home only; ``evict``, ``status`` and ``/metrics``: every slot.
 
 **When a replica dies** (its actor or its engine), a call that has sent no output to
@@ -137,11 +139,14 @@ def labelled_scrapes(texts: dict[int, str]) -> bytes:
 
 @dataclass
 class RemotePrepared:
-    """A chat request prepared on a replica: its :class:`Prepared` and routing key."""
+    """A chat request prepared on a replica: its :class:`Prepared` and routing key.
+    (``abort_reason`` is set by the app like a :class:`Prepared`'s; the replica counts a
+    cancelled call as ``cancelled``.)"""
 
     prepared: Prepared
     key: str
     user: str | None
+    abort_reason: str | None = None
 
 
 class ReplicaSet:
@@ -223,30 +228,41 @@ class ReplicaSet:
     # ------------------------------------------------------------------ the app's API
 
     async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: str | None = None, max_tokens: int | None = None
-                      ) -> RemotePrepared:
+                      mode: str | None = None, max_tokens: int | None = None,
+                      shed: bool = True) -> RemotePrepared:
         key = user_key(user)
-        prepared = await self._call(key, "prepare", user, question, k, mode, max_tokens)
+        prepared = await self._call(key, "prepare", user, question, k, mode, max_tokens,
+                                    shed)
         return RemotePrepared(prepared, key, user)
 
     async def answer_stream(self, p: RemotePrepared, started: float, *,
                             max_tokens: int | None = None, temperature: float = 0.0,
                             ignore_eos: bool = False) -> AsyncIterator[str | dict]:
-        """The replica's stream; retried while nothing was sent, an error item after."""
+        """The replica's stream; retried while nothing was sent, an error item after.
+        Closed or cancelled once the replica has answered, it cancels the replica's call
+        (before that, cancelling the wait cancels the call)."""
         sent = 0
         for attempt in range(self.config.retries + 1):
             stream = self._handle(p.key, stream=True).generate.remote(
                 p.prepared, time.perf_counter() - started, max_tokens=max_tokens,
                 temperature=temperature, ignore_eos=ignore_eos)
+            answered = False
             try:
                 while True:
                     try:
                         item = await asyncio.wait_for(stream.__anext__(), self.config.timeout_s)
                     except StopAsyncIteration:
                         return
+                    answered = True
                     if isinstance(item, str):
                         sent += 1
                     yield item
+            except (GeneratorExit, asyncio.CancelledError):
+                # only once answered: its replica is known, so cancel() does not block on
+                # the router (Ray Serve 2.60 resolves the assignment synchronously)
+                if answered:
+                    stream.cancel()
+                raise
             except asyncio.TimeoutError:
                 stream.cancel()
                 self.metrics.failures.labels("timeout").inc()
@@ -274,10 +290,11 @@ class ReplicaSet:
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: str | None = None, ignore_eos: bool = False) -> dict:
+                     mode: str | None = None, ignore_eos: bool = False,
+                     shed: bool = True) -> dict:
         return await self._call(user_key(user), "answer", user, question, k=k,
                                 max_tokens=max_tokens, temperature=temperature, mode=mode,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, shed=shed)
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: str = "gpu") -> dict:
         """On the user's home replica (``hydrate maya`` lands where maya's requests go)."""

@@ -12,7 +12,12 @@ One application, two deployments:
   (:func:`~inferscale.serve.app.create_app`: keys, validation, streaming, admin),
   over a :class:`~inferscale.serve.replica_set.ReplicaSet` instead of one server;
   ``/admin/status`` lists every replica and ``/metrics`` labels each replica's series
-  with ``replica="<slot>"``.
+  with ``replica="<slot>"``. Without API keys it serves only while every address Serve's
+  proxies listen on is loopback (:func:`proxy_bind_host`, from Serve's own config):
+  otherwise it refuses to start, as ``inferscale serve`` does.
+
+A replica that dies leaves its engine's shared memory behind; the next replica started
+on that host removes it (:mod:`inferscale.serve.leftovers`).
 
 Each replica counts its chat requests by placement
 (``inferscale_replica_requests_total{placement="home"|"away"|"none"}``: served by the
@@ -33,11 +38,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-# FastAPI resolves the status endpoint's (string) annotation in this module's globals
-from fastapi import Request  # noqa: F401
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from inferscale.serve import leftovers
 from inferscale.serve.placement import home
 from inferscale.serve.replica_set import ReplicaConfig, ReplicaSet
 from inferscale.settings import Settings
@@ -86,12 +90,15 @@ class MemoryReplica:
         settings = Settings(**overrides)
         ctx = serve.get_replica_context()
         self.world = max(1, int(ctx.world_size))
+        self._records = leftovers.record_folder()
+        leftovers.clear_dead(self._records)  # what a killed predecessor's engine left
         cuda = torch.cuda.is_available() and settings.device != "cpu"
         if not cuda and settings.kv_cache_memory_bytes is None:  # N engines share the host
             settings = settings.model_copy(update={
                 "gpu_memory_utilization": settings.gpu_memory_utilization / self.world})
         with replica_cores(self.slot, self.world, settings.tensor_parallel_size):
             self.server, self.model_name = await start_server(settings, mode)  # type: ignore
+        self._record = leftovers.record_replica(self._records)
         self.registry = CollectorRegistry(auto_describe=True)
         self.placement = Counter("inferscale_replica_requests",
                                  "Chat requests this replica served, by placement: home = "
@@ -114,17 +121,32 @@ class MemoryReplica:
     def record_routing_stats(self) -> dict:
         return {"slot": self.slot}
 
-    def check_health(self) -> None:
-        """Ray Serve restarts a replica whose engine has died."""
+    async def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine has died. Also (off the event loop)
+        keeps this replica's record of its engine's shared memory current and clears
+        what dead replicas left (one whose engine was still exiting when this replica
+        started is cleared at a later check)."""
+        import asyncio
+
         llm = self.server.engine.llm
         if llm is None or llm.errored:
             raise RuntimeError(f"the engine of replica slot {self.slot} is not running")
+        try:
+            await asyncio.to_thread(self._tend_records)
+        except Exception as exc:  # noqa: BLE001 - never fails the health check
+            log.warning("tending replica records failed: %s: %s", type(exc).__name__, exc)
+
+    def _tend_records(self) -> None:
+        leftovers.clear_dead(self._records)
+        pids = [self._record["pid"], *(p for p, _ in self._record["engine"])]
+        if leftovers.segments_of(pids) - set(self._record["segments"]):
+            self._record = leftovers.record_replica(self._records)
 
     def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
             server.memories.close()
-            server.engine.shutdown()
+            server.engine.shutdown()  # unlinks the engine's shared memory
 
     # ------------------------------------------------------------ chat
 
@@ -140,21 +162,25 @@ class MemoryReplica:
         return info
 
     async def prepare(self, user: str | None, question: str, k: int | None, mode: str | None,
-                      max_tokens: int | None):
-        return await self.server.request(user, question, k, mode, max_tokens)
+                      max_tokens: int | None, shed: bool = True):
+        return await self.server.request(user, question, k, mode, max_tokens, shed)
 
     async def generate(self, prepared, elapsed_s: float, *, max_tokens: int | None = None,
                        temperature: float = 0.0, ignore_eos: bool = False):
         """Stream ``prepared`` (composed by ``prepare``, here or on a replica that died
-        since): text items, then ``{"generation", "info"}``."""
+        since): text items, then ``{"generation", "info"}``. Cancelled or closed (the
+        gateway cancels the call when its client goes), it closes the answer at once:
+        vLLM aborts the request."""
         import time
+        from contextlib import aclosing
 
         self._placed(prepared.info)
         started = time.perf_counter() - elapsed_s
-        async for item in self.server.answer_stream(prepared, started, max_tokens=max_tokens,
-                                                    temperature=temperature,
-                                                    ignore_eos=ignore_eos):
-            yield item
+        async with aclosing(self.server.answer_stream(
+                prepared, started, max_tokens=max_tokens, temperature=temperature,
+                ignore_eos=ignore_eos)) as items:
+            async for item in items:
+                yield item
 
     async def answer(self, user: str | None, question: str, **kwargs: Any) -> dict:
         out = await self.server.answer(user, question, **kwargs)
@@ -180,11 +206,9 @@ class MemoryReplica:
     async def status(self, slot: int) -> dict:
         s = self.server
         return self._not_me(slot) or {
-            "replica": slot, "state": "running", "pid": os.getpid(),
+            **await s.status(), "replica": slot, "state": "running", "pid": os.getpid(),
             "replica_id": serve.get_replica_context().replica_id.unique_id,
-            "users": sorted(s.users), "versions": s.users,
-            "home_users": sorted(u for u in s.users if home(u, range(self.world)) == slot),
-            "memory_bytes": s.memories.nbytes, "engine": await s.engine.status()}
+            "home_users": sorted(u for u in s.users if home(u, range(self.world)) == slot)}
 
     async def metrics(self, slot: int) -> dict:
         from prometheus_client import generate_latest
@@ -196,16 +220,36 @@ class MemoryReplica:
                 "text": (text + generate_latest(self.registry)).decode()}
 
 
+def bind_host(http_host: str | None, grpc_servicers: list) -> str:
+    """The widest address Serve's proxies listen on: the HTTP proxies' (and HAProxy's,
+    and direct ingress') ``http_options.host`` (None: all interfaces); gRPC proxies, which
+    start when servicers are configured, listen on ``[::]`` (Ray Serve 2.60)."""
+    return "::" if grpc_servicers else (http_host or "0.0.0.0")
+
+
+def proxy_bind_host() -> str:
+    """:func:`bind_host` of the running Serve instance, read from its controller (the
+    HTTP options Serve was started with, e.g. ``deploy/ray-serve.yaml``'s
+    ``http_options``), never from an argument that could disagree with them."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    grpc = (client.get_serve_details().get("grpc_options") or {})
+    return bind_host(client.http_config.host, grpc.get("grpc_servicer_functions") or [])
+
+
 class Gateway:
-    """The HTTP ingress: ``create_app`` over the replicas, status over every replica."""
+    """The HTTP ingress: ``create_app`` over the replicas (status over every replica).
+    Its access policy takes loopback to be where Serve's proxies really listen
+    (:func:`proxy_bind_host`): beyond it, no API keys, no start."""
 
     def __init__(self, replicas: Any, overrides: dict, mode: str = "kv",
-                 host: str = "0.0.0.0", routing: str = "memory"):
+                 routing: str = "memory"):
         from inferscale.serve.api_models import RequestLimits
         from inferscale.serve.app import policy_from
 
         settings = Settings(**overrides)
-        self.policy = policy_from(settings, host)  # refuses an unsafe configuration
+        self.policy = policy_from(settings, proxy_bind_host())  # refuses an unsafe setup
         self.limits = RequestLimits.from_settings(settings)
         self.model_name = settings.model
         self.replicas = ReplicaSet(replicas, ReplicaConfig.from_settings(settings, routing),  # type: ignore
@@ -213,38 +257,27 @@ class Gateway:
                                    MEMORY_DEPLOYMENT)
 
     def __serve_build_asgi_app__(self):
-        from fastapi import HTTPException
-        from fastapi.routing import APIRoute
-
         from inferscale.serve.app import create_app
 
-        app = create_app(self.replicas, self.policy, self.model_name, self.limits)  # type: ignore
-        app.router.routes = [r for r in app.router.routes
-                             if not (isinstance(r, APIRoute) and r.path == "/admin/status")]
-
-        async def status(req: Request) -> dict:
-            try:
-                self.policy.check_admin({k.lower(): v for k, v in req.headers.items()})
-            except PermissionError as exc:
-                raise HTTPException(status_code=401, detail=str(exc)) from exc
-            return await self.replicas.status()
-
-        app.add_api_route("/admin/status", status, methods=["GET"])
-        return app
+        return create_app(self.replicas, self.policy, self.model_name, self.limits)  # type: ignore
 
 
 def build_app(args: dict | None = None):
     """The Ray Serve application (``import_path: inferscale.serve.replicas:build_app``).
 
-    ``args``: ``replicas`` (N, default 2), ``mode`` (kv|prompt), ``host`` (the address
-    Serve's proxy binds: off loopback the access policy wants keys; default 0.0.0.0),
-    ``routing`` (memory|default), ``model`` and ``artifact_root`` (settings overrides),
+    ``args``: ``replicas`` (N, default 2), ``mode`` (kv|prompt), ``routing``
+    (memory|default), ``model`` and ``artifact_root`` (settings overrides),
     ``gpus_per_replica`` (default: the tensor-parallel size when CUDA is visible here,
-    else 0). The config file's ``deployments`` entries override these options."""
+    else 0). The config file's ``deployments`` entries override these options. Where
+    the gateway is reachable is Serve's own ``http_options``, not an argument."""
     import torch
 
     args = dict(args or {})
-    unknown = set(args) - {"replicas", "mode", "host", "routing", "model", "artifact_root",
+    if "host" in args:
+        raise ValueError("'host' is not an application arg: the gateway reads where Serve's "
+                         "proxies listen from Serve's http_options (its access policy "
+                         "wants API keys unless that is loopback)")
+    unknown = set(args) - {"replicas", "mode", "routing", "model", "artifact_root",
                            "gpus_per_replica"}
     if unknown:
         raise ValueError(f"unknown application args: {sorted(unknown)}")
@@ -271,17 +304,20 @@ def build_app(args: dict | None = None):
         name="Gateway", num_replicas=1, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0})
     return gateway.bind(memory.bind(overrides, args.get("mode", "kv")), overrides,
-                        args.get("mode", "kv"), args.get("host", "0.0.0.0"), routing)
+                        args.get("mode", "kv"), routing)
 
 
 def start_replicas(args: dict, port: int, *, ray_init: dict | None = None) -> Any:
-    """A local Ray instance, Serve's proxy on ``args["host"]:port`` and the application,
-    returned once every replica is up (its handle)."""
+    """A local Ray instance, Serve's proxy on ``args["host"]:port`` (default 127.0.0.1)
+    and the application of the other ``args``, returned once every replica is up (its
+    handle)."""
     import ray
 
+    args = dict(args)
+    host = args.pop("host", "127.0.0.1")
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, **(ray_init or {}))
-    serve.start(http_options={"host": args.get("host", "127.0.0.1"), "port": port})
+    serve.start(http_options={"host": host, "port": port})
     return serve.run(build_app(args), name=APP_NAME, route_prefix="/")
 
 
@@ -289,7 +325,7 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
                  overrides: dict) -> None:
     """``inferscale serve --replicas N``: check the access policy (before starting
     anything), serve until SIGINT/SIGTERM, then shut Serve and Ray down (the replicas'
-    engines with them)."""
+    engines with them, and what they left in shared memory: :func:`stop_replicas`)."""
     import ray
 
     from inferscale.serve.app import policy_from
@@ -306,6 +342,19 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
               flush=True)
         stop.wait()
     finally:
+        stop_replicas()
+
+
+def stop_replicas() -> list[str]:
+    """Shut Serve and this process's Ray instance down, then remove the shared memory of
+    replicas that did not unlink theirs (Ray's shutdown may kill a replica before its
+    engine has): :func:`~inferscale.serve.leftovers.clear_dead`, waiting up to 30 s for
+    their engines to exit. The segments removed."""
+    import ray
+
+    try:
         if ray.is_initialized():
             serve.shutdown()
-            ray.shutdown()
+    finally:
+        ray.shutdown()
+    return leftovers.clear_dead(leftovers.record_folder(), wait_s=30.0)

@@ -8,34 +8,37 @@ compose ``[instruction prefix | facts | query]`` from stored token ids -> genera
 vLLM engine with the memory KV injected by the connector (mode ``kv``), or with the facts
 as text and a full prefill (mode ``prompt``, the Mem0-style baseline on the same engine
 and the same retrieval); a request without a user or whose user has no memory is
-answered from the question alone (mode ``none``). A ``kv`` request also carries how many
-of its leading chunks to read from storage should its user be in neither tier
-(:mod:`inferscale.serve.cold_split`), and the workers start reading those before the
-engine sees the request (:meth:`MemoryServer.answer_stream`). Every request carries a
-``cache_salt`` derived from its user, its memory's version and the mode
+answered from the question alone (mode ``none``); a user whose memory exists but goes
+unused (its first lookup shed under load, a failed load, a refused version) is answered
+so too, saying why in the answer's ``fallback`` (the cache's ``Lookup``). A ``kv``
+request also carries how many of its leading chunks to read from storage should its user
+be in neither tier (:mod:`inferscale.serve.cold_split`), and the workers start reading
+those before the engine sees the request (:meth:`MemoryServer.answer_stream`). Every
+request carries a ``cache_salt`` derived from its user, its memory's version and the mode
 (:func:`inferscale.vllm_plugin.metadata.request_salt`), so no two users share prefix-cache
 blocks. Every finished request is counted in the server's metrics
-(:mod:`inferscale.serve.metrics`).
+(:mod:`inferscale.serve.metrics`), and so is every request aborted before it finished
+(its client went, or its caller cancelled it), with the tokens it had generated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
-from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
-from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine
+from inferscale.serve.cold_requests import ColdRequests
+from inferscale.serve.cold_split import ColdSplitConfig, Split
+from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, Progress
 from inferscale.serve.memory_cache import (
-    MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
+    Lookup, MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
 )
-from inferscale.serve.metrics import ServingMetrics
+from inferscale.serve.metrics import ABORT_REASONS, ServingMetrics
 from inferscale.types import PREFIX_ID, Tier
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
@@ -50,13 +53,16 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class Prepared:
-    """One request ready for the engine: prompt ids, memory to inject, salt, info."""
+    """One request ready for the engine: prompt ids, memory to inject, salt, info.
+    ``abort_reason``: set by whoever stops reading its answer and knows why
+    (``client_disconnected``: the HTTP layer), for the abort count."""
 
     ids: list[int]
     ref: MemoryRef | None
     salt: str
     info: dict
     split: Split | None = None  # the facts to read should the user be in neither tier
+    abort_reason: str | None = None
 
 
 class MemoryServer:
@@ -74,19 +80,11 @@ class MemoryServer:
         self.fp = fingerprint or engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, cache)
         self._composers: dict[str, Composer] = {}
-        # user -> why the version last read for it was refused (MemoryRefused): its
-        # answers without memory name it (``fallback``); bounded like the cache's
-        # entries without memory
-        self._refusals: dict[str, str] = {}
-        self._refusals_lock = threading.Lock()
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
-        self.cold = cold or ColdSplitConfig()
-        self.estimator = LoadEstimator(self.cold)  # fed and read on the event loop only
-        self._poll: asyncio.Future | None = None  # the workers' storage statistics
-        self._resident: OrderedDict[str, bool] = OrderedDict()  # user -> last seen in a tier
-        self.metrics = ServingMetrics(self.memories, self.estimator)  # the app's /metrics
+        self.cold = ColdRequests(cold)  # the compute-or-load split of users in no tier
+        self.metrics = ServingMetrics(self.memories, self.cold.estimator)  # the app's /metrics
 
     @property
     def max_model_len(self) -> int | None:
@@ -112,19 +110,7 @@ class MemoryServer:
         the encoder config that cannot be served, and for an instruction that is not text
         or whose prefix leaves no room in the model's context for any request (a
         40,000-character one made every request of its user a 400); the user's answers
-        without memory then name the refusal (``fallback``)."""
-        with self._refusals_lock:
-            self._refusals.pop(user, None)
-        try:
-            return self._read_user(user, version)
-        except MemoryRefused as exc:
-            with self._refusals_lock:
-                self._refusals[user] = f"memory refused ({exc.reason}): {exc}"
-                while len(self._refusals) > self.memories.config.max_negative:
-                    self._refusals.pop(next(iter(self._refusals)))
-            raise
-
-    def _read_user(self, user: str, version: str) -> UserMemory:
+        without memory then name the refusal (the cache's ``Lookup.fallback``)."""
         from inferscale.artifacts.read import read_facts, read_manifest
         from inferscale.serve.retrieval import FactIndex
 
@@ -184,9 +170,6 @@ class MemoryServer:
         info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:  # no memory to use: the question alone
             info["mode"] = "none"
-            refused = self._refusals.get(user) if user is not None else None
-            if refused:  # its memory exists but cannot be served: say why
-                info.update(fallback=refused, fallback_reason="refused")
             ids = composer.compose([composer.prefix_ids()], question)[0]
             info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
             return Prepared(ids, None, request_salt(user, None, mode), info)
@@ -215,17 +198,23 @@ class MemoryServer:
         return Prepared(ids, ref, salt, info)
 
     async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: Mode | None = None, max_tokens: int | None = None) -> Prepared:
+                      mode: Mode | None = None, max_tokens: int | None = None,
+                      shed: bool = True) -> Prepared:
         """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
-        when the prompt and ``max_tokens`` exceed the engine's context."""
+        when the prompt and ``max_tokens`` exceed the engine's context. ``shed``: the
+        user's first lookup may be shed under load (False: an API-key user); memory that
+        goes unused is named in ``info["fallback"]`` / ``["fallback_reason"]``."""
         t0 = time.perf_counter()
-        mem = await self.memories.get(user) if user is not None else None
+        found = await self.memories.lookup(user, shed) if user is not None else Lookup(None)
         # off the event loop, which streams every other request's tokens: embedding the
         # question and reading the top-k back from the GPU wait for the device
         p = await asyncio.get_running_loop().run_in_executor(
-            self._retrieval, self.compose, mem, user, question, k, mode)
-        if p.ref is not None and p.ref.lengths and mem.kv_row_bytes and self.cold.mode != "off":
-            p.split = self._split(p.ref.lengths, mem.kv_row_bytes)
+            self._retrieval, self.compose, found.memory, user, question, k, mode)
+        if found.fallback:
+            p.info.update(fallback=found.fallback, fallback_reason=found.reason)
+        mem = found.memory
+        if p.ref is not None and p.ref.lengths and mem.kv_row_bytes and self.cold.on:
+            p.split = self.cold.split(self.engine, p.ref.lengths, mem.kv_row_bytes)
             p.ref = replace(p.ref, cold_chunks=p.split.chunks,
                             read_deadline_s=p.split.deadline_s)
         p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
@@ -243,18 +232,29 @@ class MemoryServer:
         ``time.perf_counter()``) as tokens arrive: yield the text of each new output
         (``""`` for tokens without text of their own yet), then ``{"generation",
         "info"}`` as :meth:`answer` returns it. The finished request is counted in
-        :attr:`metrics`. The app's streaming responses call this."""
+        :attr:`metrics`. The app's streaming responses call this.
+
+        Closed early or cancelled, it closes the engine's generation at once (vLLM aborts
+        the request) and counts the abort: ``p.abort_reason``, else the reason a
+        cancellation carries (``client_disconnected``), else ``cancelled``."""
         first = gen = None
-        await self._prefetch(p)
-        async for item in self.engine.generate_stream(
-                p.ids, p.ref, max_tokens=max_tokens or self.max_tokens, temperature=temperature,
-                ignore_eos=ignore_eos, cache_salt=p.salt):
-            if isinstance(item, Generation):
-                gen = item
-                continue
-            if first is None:
-                first = time.perf_counter()
-            yield item
+        progress = Progress()
+        try:
+            await self.cold.prefetch(self.engine, p.ref, p.split)
+            async with aclosing(self.engine.generate_stream(
+                    p.ids, p.ref, max_tokens=max_tokens or self.max_tokens,
+                    temperature=temperature, ignore_eos=ignore_eos, cache_salt=p.salt,
+                    progress=progress)) as items:
+                async for item in items:
+                    if isinstance(item, Generation):
+                        gen = item
+                        continue
+                    if first is None:
+                        first = time.perf_counter()
+                    yield item
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            self._aborted(p, exc, progress.tokens)
+            raise
         assert gen is not None
         info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
@@ -265,86 +265,40 @@ class MemoryServer:
             info.update(facts_by_tier=gen.facts_by_tier, storage_bytes=gen.storage_bytes)
         if gen.fallback:
             info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
-        self._finished(p, gen)
+        self.cold.finished(p.ref, p.split, gen, info)
         self.metrics.observe(info, gen)
         yield {"generation": gen, "info": info}
 
-    # ------------------------------------------------------------ users in neither tier
-
-    def _split(self, lengths: tuple[int, ...], row_bytes: int) -> Split:
-        """The split of a request's memory chunks by the estimates of now (and ask the
-        workers for fresh storage statistics when they are older than ``poll_s``)."""
-        self.estimator.engine_stats(self.engine.finished_stats())
-        at = self.estimator.storage_at
-        if (self._poll is None or self._poll.done()) and \
-                (at is None or time.monotonic() - at > self.cold.poll_s):
-            self._poll = asyncio.ensure_future(self.engine.storage_stats())
-            self._poll.add_done_callback(self._storage_stats)
-        pinned = self.cold.pinned_chunks if self.cold.mode == "pinned" else None
-        return split(lengths, row_bytes, self.estimator.estimates(),
-                     self.cold.deadline_factor, pinned)
-
-    def _storage_stats(self, done: asyncio.Future) -> list[dict] | None:
-        if done.cancelled() or done.exception() is not None:
-            log.warning("reading the workers' storage statistics failed: %r",
-                        None if done.cancelled() else done.exception())
-            return None
-        self.estimator.storage(done.result())
-        return done.result()
-
-    async def _prefetch(self, p: Prepared) -> None:
-        """Have the workers start reading the split's chunks before the engine sees the
-        request, unless the user was in a tier when last seen (a stale guess only costs
-        the overlap: the read then starts when the engine schedules the request)."""
-        ref, s = p.ref, p.split
-        if ref is None or s is None or not s.chunks or self._resident.get(ref.user):
-            return
-        deadline = self.engine.config.connector.fetch_timeout_s if s.deadline_s is None \
-            else s.deadline_s
-        task = await self.engine.prefetch(ref, s.chunks, deadline, s.bytes)
-
-        def done(t: asyncio.Future) -> None:
-            stats = self._storage_stats(t)
-            if stats:
-                self._seen(ref.user, all(r.get("resident") for r in stats))
-
-        task.add_done_callback(done)
-
-    def _seen(self, user: str, resident: bool) -> None:
-        self._resident[user] = resident
-        self._resident.move_to_end(user)
-        while len(self._resident) > 10_000:
-            self._resident.popitem(last=False)
-
-    def _finished(self, p: Prepared, gen: Generation) -> None:
-        """Feed the estimator and the residency guess; report a cold request's split."""
-        cold = gen.cold
-        self.estimator.request_read(gen.request_id, bool(cold and cold.read))
-        if p.ref is None:
-            return
-        if cold is not None:
-            self._seen(p.ref.user, False)
-            p.info["cold"] = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
-                              "bytes_read": gen.storage_bytes,
-                              "split": p.split.info() if p.split else None}
-        elif gen.facts_by_tier.get("gpu") or gen.facts_by_tier.get("host"):
-            self._seen(p.ref.user, True)
+    def _aborted(self, p: Prepared, exc: BaseException, tokens: int) -> None:
+        said = exc.args[0] if isinstance(exc, asyncio.CancelledError) and exc.args else None
+        reason = p.abort_reason or (said if said in ABORT_REASONS else "cancelled")
+        mode = p.info.get("mode") or "none"
+        self.metrics.count_abort(mode, reason, tokens)
+        log.info("a %s request of user %s was aborted (%s) after %d generated tokens", mode,
+                 p.info.get("user"), reason, tokens)
 
     async def answer(self, user: str | None, question: str, *, k: int | None = None,
                      max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: Mode | None = None, ignore_eos: bool = False) -> dict:
+                     mode: Mode | None = None, ignore_eos: bool = False,
+                     shed: bool = True) -> dict:
         """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
         dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
         fallback if any, and timings in ms: memory, embed, retrieve, compose,
-        engine_ttft, query_to_first_token)."""
+        engine_ttft, query_to_first_token). ``shed``: as for :meth:`request`."""
         started = time.perf_counter()
         max_tokens = max_tokens or self.max_tokens
-        p = await self.request(user, question, k, mode, max_tokens)
+        p = await self.request(user, question, k, mode, max_tokens, shed)
         async for item in self.answer_stream(p, started, max_tokens=max_tokens,
                                              temperature=temperature, ignore_eos=ignore_eos):
             if isinstance(item, dict):
                 return item
         raise RuntimeError("the answer finished without a result")
+
+    async def status(self) -> dict:
+        """``/admin/status``: the mode, the users and versions held, their bytes, and
+        the engine's status (workers' residents, paths, counters)."""
+        return {"mode": self.mode, "users": sorted(self.users), "versions": self.users,
+                "memory_bytes": self.memories.nbytes, "engine": await self.engine.status()}
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)

@@ -171,3 +171,13 @@ def test_a_repeated_identity_header_is_refused():
         for extra in (value, "bob", ""):
             with pytest.raises(DuplicateHeader, match=f"(?i){name}"):
                 policy.single_headers([*good, (name.upper(), extra)])
+
+
+def test_only_an_api_key_authenticates_its_user():
+    """An API key's user is ``authenticated`` (a closed set: never shed under load); a
+    user named by a gateway's header or by the body on loopback is not."""
+    keys = AccessPolicy(KEYS, "admin", "X-User", loopback=True)
+    assert keys.identify({"x-user": "ann", **bearer("key-ann")}).authenticated
+    header = AccessPolicy({}, "admin", "X-User", loopback=False, gateway_secret="s3cret")
+    assert not header.identify({"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret"}).authenticated
+    assert not AccessPolicy({}, None, None, loopback=True).identify({}).authenticated

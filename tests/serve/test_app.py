@@ -10,6 +10,7 @@ import pytest
 from inferscale.serve.access import AccessPolicy
 from inferscale.serve.app import create_app
 from inferscale.serve.engine import Generation
+from inferscale.serve.server import Prepared
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
 ANN = {"Authorization": "Bearer key-ann"}
@@ -29,18 +30,19 @@ class RecordingServer:
         self.calls: list[tuple[str, dict]] = []
 
     async def answer(self, user, question, *, k=None, max_tokens=None, temperature=0.0,
-                     mode=None, ignore_eos=False) -> dict:
+                     mode=None, ignore_eos=False, shed=True) -> dict:
         self.calls.append(("answer", dict(user=user, question=question, k=k,
                                           max_tokens=max_tokens, temperature=temperature,
-                                          mode=mode, ignore_eos=ignore_eos)))
+                                          mode=mode, ignore_eos=ignore_eos, shed=shed)))
         return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
                 "info": {"user": user}}
 
-    async def request(self, user, question, k=None, mode=None, max_tokens=None) -> dict:
+    async def request(self, user, question, k=None, mode=None, max_tokens=None,
+                      shed=True):
         """The streaming path's first half (``MemoryServer.request``)."""
         self.calls.append(("request", dict(user=user, question=question, k=k, mode=mode,
-                                           max_tokens=max_tokens)))
-        return {"user": user}
+                                           max_tokens=max_tokens, shed=shed)))
+        return Prepared([1], None, "salt", {"user": user})
 
     async def answer_stream(self, prepared, started, *, max_tokens=None, temperature=0.0,
                             ignore_eos=False):
@@ -50,7 +52,7 @@ class RecordingServer:
                                                  ignore_eos=ignore_eos)))
         yield "ok"
         yield {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
-               "info": dict(prepared)}
+               "info": dict(prepared.info)}
 
     async def hydrate(self, user, tier="gpu", version="latest") -> dict:
         self.calls.append(("hydrate", dict(user=user, tier=tier, version=version)))
@@ -59,6 +61,10 @@ class RecordingServer:
     async def evict(self, user) -> bool:
         self.calls.append(("evict", dict(user=user)))
         return True
+
+    async def status(self) -> dict:
+        self.calls.append(("status", {}))
+        return {"mode": self.mode, "users": []}
 
 
 def http(policy: AccessPolicy | None = None, limits=None):
@@ -231,7 +237,24 @@ def test_a_valid_request_reaches_the_server_with_its_options():
     assert r.json()["choices"][0]["message"]["content"] == "ok"
     assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
                                             max_tokens=9, temperature=0.5, mode="prompt",
-                                            ignore_eos=True))]
+                                            ignore_eos=True, shed=False))]
+
+
+def test_only_users_without_an_api_key_may_be_shed():
+    """An API key's user (a closed set) is never shed under load; a user named by the
+    body on loopback, or by a gateway's header, may be (its first memory lookup waits
+    for its turn, boundedly), on the unary and the streaming path alike."""
+    for policy, headers, shed in (
+            (AccessPolicy(KEYS, "admin", None, loopback=True), ANN, False),
+            (AccessPolicy({}, None, None, loopback=True), {}, True),
+            (AccessPolicy({}, None, "X-User", loopback=True), {"X-User": "ann"}, True)):
+        client, server = http(policy)
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", headers=headers,
+                            json={**ASK, "user": "ann", "stream": stream})
+            assert r.status_code == 200, r.text
+        assert [(kind, c["shed"]) for kind, c in server.calls if "shed" in c] == \
+            [("answer", shed), ("request", shed)], policy
 
 
 def test_the_last_user_message_is_answered_in_either_form():
@@ -384,16 +407,30 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
 
 
+def _request_bytes(body: str) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder):
-    """A non-streaming request (and a streaming one) whose client disconnects is aborted
-    in the engine: it stops generating long before its ``max_tokens`` (vLLM's own
-    generation-token counter tells how far it got)."""
+    """A request whose client disconnects is aborted in the engine, whatever it was
+    doing: a unary one, a streamed one awaiting its next token, and a streamed one whose
+    sends were paused (a client on a slow link: 1 KiB receive buffer, 536-byte segments,
+    reading nothing) when its client went. With the garbage collector off, so that
+    nothing but the server closes the abandoned generator chain: each stops long before
+    its ``max_tokens`` (vLLM's own generation-token counter), and each abort is counted
+    in ``/metrics`` (``inferscale_requests_aborted_total{mode,reason}``, and the tokens
+    it had generated)."""
+    import gc
     import socket
     import time
 
-    from engine_helpers import served_app
+    import httpx
+
+    from engine_helpers import serving
     from inferscale.serve.server import MemoryServer
     from inferscale.vllm_plugin.compat import engine_metrics_registry
 
@@ -407,27 +444,57 @@ def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder)
             assert time.monotonic() < deadline, what
             time.sleep(0.05)
 
+    def aborted(http) -> tuple[float, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(http.get("/metrics").text)
+                   for s in fam.samples}
+        return (samples[("inferscale_requests_aborted_total",
+                         (("mode", "none"), ("reason", "client_disconnected")))],
+                samples[("inferscale_aborted_completion_tokens_total", (("mode", "none"),))])
+
     llm = engine_env.engine.llm
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
-    max_tokens = 400  # minutes on this CPU when not aborted
-    with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
+    max_tokens = 1800  # many minutes on this CPU when not aborted
+    policy = AccessPolicy({}, None, None, loopback=True)
+    with serving(engine_env.loop, server, policy) as (url, web), \
+            httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
         port = int(url.rsplit(":", 1)[1])
-        for stream in (False, True):
+        counted = aborted(http)
+        for case in ("unary", "stream", "paused stream"):
             body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "ignore_eos": True,
-                               "stream": stream, "messages": [
+                               "stream": case != "unary", "messages": [
                                    {"role": "user", "content": "Tell me a long story."}]})
             wait_for(lambda: llm.get_num_unfinished_requests() == 0, "idle engine")
             before = generated()
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
-            wait_for(lambda: generated() > before, "the request to start generating")
-            sock.close()
-            wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            sock = socket.socket()
+            if case == "paused stream":  # a slow link: tiny window, small segments
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+            sock.connect(("127.0.0.1", port))
+            gc.disable()
+            try:
+                sock.sendall(_request_bytes(body))
+                wait_for(lambda: generated() > before + 5, "the request to generate")
+                if case == "paused stream":  # the server's sends to it have stopped
+                    wait_for(lambda: any(c.flow is not None and c.flow.write_paused
+                                         for c in web.server_state.connections),
+                             "the server's writes to pause")
+                    # and it has taken its next token since: now it waits in a send
+                    paused_at = generated()
+                    wait_for(lambda: generated() > paused_at + 10, "tokens after the pause")
+                sock.close()
+                wait_for(lambda: llm.get_num_unfinished_requests() == 0, "the request to end")
+            finally:
+                gc.enable()
             time.sleep(1.0)  # vLLM records a finished request's last tokens just after it
-            assert generated() - before < max_tokens, stream
+            assert generated() - before < max_tokens, case
+            now = aborted(http)
+            assert now[0] == counted[0] + 1, (case, counted, now)
+            assert 0 < now[1] - counted[1] <= generated() - before, (case, counted, now)
+            counted = now
 
 
 # ------------------------------------------------------------------ on the real engine
@@ -596,3 +663,76 @@ def test_a_disconnect_waits_for_the_work_to_take_its_cancel():
         return gone, await _unless_disconnected(Receive(10), answer(0.01))
 
     assert asyncio.run(main()) == (None, "answer")
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_cold_start_answers_every_user_with_its_memory_or_a_named_fallback(engine_env,
+                                                                            embedder):
+    """300 users with published memory ask at once a server that holds none of them (a
+    restart, a failover), with the default rate limit of first lookups. With API keys
+    every one is answered from its own memory: an API key's user is never shed. Without
+    (loopback, the body names the user) each is answered from its own memory or, when
+    its lookup was shed (beyond the burst and the bounded wait for a turn), without it,
+    saying so (``fallback_reason: shed``), never silently; ``/metrics`` counts those."""
+    import asyncio
+
+    import httpx
+
+    from engine_helpers import limiting_memory, served_app
+    from inferscale.artifacts.publish import Lineage, publish
+    from inferscale.serve.memory_cache import MemoryCacheConfig
+    from inferscale.serve.server import MemoryServer
+
+    env = engine_env
+    users = [f"cold-{i:03d}" for i in range(300)]
+    fact_ids = {}
+    for i, user in enumerate(users):
+        mem, table = limiting_memory(env.model.model, env.model.tokenizer, user,
+                                     [f"The user's locker number is {1000 + i}."],
+                                     env.model.fingerprint, embedder)
+        publish(env.store, user, mem, table, Lineage(f"log-{user}", "f"), embeddings=False)
+        fact_ids[user] = set(table.column("fact_id").to_pylist())
+    keys = {f"key-{u}": u for u in users}
+    ask = {"model": "smollm2", "max_tokens": 1,
+           "messages": [{"role": "user", "content": "What is my locker number?"}]}
+
+    async def everyone(url: str, keyed: bool) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=900,
+                                     limits=httpx.Limits(max_connections=len(users))) as c:
+            async def one(user: str) -> dict:
+                r = await c.post("/v1/chat/completions", json=ask if keyed else
+                                 {**ask, "user": user},
+                                 headers={"Authorization": f"Bearer key-{user}"} if keyed
+                                 else {})
+                assert r.status_code == 200, r.text
+                return r.json()["inferscale"]
+            return await asyncio.gather(*(one(u) for u in users))
+
+    for keyed in (True, False):
+        config = MemoryCacheConfig()
+        assert config.miss_burst < len(users)  # the defaults shed some of them
+        server = MemoryServer(env.engine, env.model.tokenizer, embedder, env.store, top_k=1,
+                              cache=config)  # a fresh server: nothing held
+        policy = AccessPolicy(keys if keyed else {}, "admin" if keyed else None, None,
+                              loopback=True)
+        with served_app(env.loop, server, policy) as url:
+            infos = asyncio.run(everyone(url, keyed))
+            metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+        server.memories.close()
+        shed = []
+        for user, info in zip(users, infos):
+            assert info["user"] == user
+            if info["mode"] == "kv":  # its own memory (injected, or prefilled from it)
+                assert info["facts"] and set(info["facts"]) <= fact_ids[user], info
+            else:
+                assert info["mode"] == "none" and info["fallback_reason"] == "shed", info
+                assert "answered without memory" in info["fallback"]
+                shed.append(user)
+        if keyed:
+            assert shed == []
+        else:  # the burst at least, then as many as took a turn within the wait
+            assert len(shed) <= len(users) - config.miss_burst
+            assert f'inferscale_memory_fallbacks_total{{reason="shed"}} {float(len(shed))}' \
+                in metrics
+            assert f"inferscale_memory_lookups_limited_total {float(len(shed))}" in metrics

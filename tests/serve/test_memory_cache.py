@@ -1,6 +1,8 @@
 """The server's per-user memory cache on real artifacts (local store, tiny random KV):
 loads off the event loop, LATEST picked up after the refresh interval, LRU under the
-byte budget, pins, users without memory, a held version deleted by gc."""
+byte budget, pins, users without memory, a held version deleted by gc, the rate limit
+of first lookups (API-key users never shed, others waiting their turn boundedly) and
+the named reason whenever a user goes without memory it may have."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from builders import make_inputs
 from inferscale.artifacts import gc as G
 from inferscale.artifacts import publish as P
 from inferscale.artifacts import read as R
-from inferscale.serve.memory_cache import MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.memory_cache import Lookup, MemoryCache, MemoryCacheConfig, UserMemory
 from inferscale.serve.retrieval import FactIndex
 
 FP = "fp-test"
@@ -177,7 +179,8 @@ def test_a_user_without_memory_is_remembered_until_the_next_check(local_store):
 
 def test_config_is_validated():
     for bad in ({"refresh_s": -1}, {"budget_bytes": -1}, {"load_threads": 0},
-                {"max_negative": 0}, {"misses_per_s": -1}, {"miss_burst": 0}, {"retry_s": -1}):
+                {"max_negative": 0}, {"misses_per_s": -1}, {"miss_burst": 0}, {"retry_s": -1},
+                {"miss_wait_s": -1}):
         with pytest.raises(ValueError):
             MemoryCacheConfig(**bad)
 
@@ -224,6 +227,73 @@ def test_a_failed_first_load_is_retried_not_cached_as_no_memory(local_store):
     assert stats["load_failures"] == 2
 
 
+def test_a_failed_load_is_named_not_silent(local_store):
+    """A user whose load failed is answered without memory saying so (``load_failed``,
+    with the cause), on the failing request and on those within the back-off; a user
+    with nothing published goes without memory and without a fallback."""
+    publish(local_store, "ann", 1)
+
+    async def main():
+        reader = Flaky(local_store, fail=1)
+        memories = MemoryCache(reader.read, reader.latest,
+                               MemoryCacheConfig(refresh_s=3600.0, retry_s=60.0))
+        return [await memories.lookup("ann"), await memories.lookup("ann"),
+                await memories.lookup("nobody")]
+
+    failed, within, nobody = asyncio.run(main())
+    for found in (failed, within):
+        assert found.memory is None and found.reason == "load_failed"
+        assert "OSError: storage timed out" in found.fallback
+    assert nobody == Lookup(None)
+
+
+def test_an_api_key_users_first_lookup_is_never_shed(local_store):
+    """With the rate limit spent (one lookup, next in ~1000 s), an unauthenticated user
+    is shed at once, named (``shed``) and not remembered; users of API keys
+    (``shed=False``) are all loaded."""
+    users = [f"u{i}" for i in range(6)]
+    for i, user in enumerate(users):
+        publish(local_store, user, i + 1)
+
+    async def main():
+        memories, _ = cache(local_store, misses_per_s=0.001, miss_burst=1, miss_wait_s=5.0)
+        first = await memories.lookup("u0")
+        shed = await memories.lookup("u1")
+        keyed = await asyncio.gather(*(memories.lookup(u, shed=False) for u in users[1:]))
+        return first, shed, keyed, memories
+
+    first, shed, keyed, memories = asyncio.run(main())
+    assert first.memory is not None and first.fallback is None
+    assert shed.memory is None and shed.reason == "shed"
+    assert "INFERSCALE_SERVE_STORAGE_MISSES_PER_S" in shed.fallback
+    assert [k.memory.user for k in keyed] == users[1:] and all(k.fallback is None for k in keyed)
+    stats = memories.stats()
+    assert stats["lookups_limited"] == 1 and stats["storage_lookups"] == 6
+
+
+def test_shed_lookups_wait_their_turn_then_are_shed(local_store):
+    """Ten unauthenticated first lookups at once, 2 at once then 10 a second, waiting at
+    most 0.35 s: 2 load at once, the next 3 wait for their turn (booked in arrival order)
+    and load, the last 5 are shed at once, named; nothing is remembered of those."""
+    users = [f"u{i}" for i in range(10)]
+    for i, user in enumerate(users):
+        publish(local_store, user, i + 1)
+
+    async def main():
+        memories, reader = cache(local_store, misses_per_s=10.0, miss_burst=2,
+                                 miss_wait_s=0.35)
+        found = await asyncio.gather(*(memories.lookup(u) for u in users))
+        return found, memories, reader
+
+    found, memories, reader = asyncio.run(main())
+    assert [f.memory.user for f in found[:5]] == users[:5]
+    assert all(f.memory is None and f.reason == "shed" for f in found[5:])
+    stats = memories.stats()
+    assert stats["lookups_delayed"] == 3 and stats["lookups_limited"] == 5
+    assert sorted(u for u, _ in reader.reads) == users[:5]
+    assert sorted(memories.held()) == users[:5]
+
+
 def test_unknown_users_are_bounded_in_entries_and_storage_reads(local_store):
     """A flood of unknown user ids: storage lookups are rate-limited (beyond the burst
     they are answered without memory, uncached) and the entries without memory are
@@ -257,8 +327,7 @@ def test_the_default_config_bounds_storage_reads_of_unknown_users(local_store):
         calls = []
         memories = MemoryCache(reader.read, lambda u: calls.append(u) or reader.latest(u))
         start = time.monotonic()
-        for i in range(3000):
-            await memories.get(f"nobody-{i}")
+        await asyncio.gather(*(memories.get(f"nobody-{i}") for i in range(3000)))
         return calls, time.monotonic() - start
 
     calls, elapsed = asyncio.run(main())
@@ -299,6 +368,8 @@ def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, s
     server.memories.close()
     assert [p.info["mode"] for p in prepared] == ["none"] * 3
     assert all(p.ref is None for p in prepared)
+    assert all(p.info["fallback_reason"] == "refused" and v1[:12] in p.info["fallback"]
+               for p in prepared)
     assert reads == [v1]  # refused once; the refresh sees LATEST unchanged
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "embedding_dim"}) == 1
@@ -336,5 +407,6 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
     prepared = asyncio.run(main())
     server.memories.close()
     assert [p.info["mode"] for p in prepared] == ["none"] * 2
+    assert [p.info["fallback_reason"] for p in prepared] == ["refused"] * 2
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "layout"}) == 1

@@ -1,17 +1,22 @@
 """Memory replicas on Ray Serve (``inferscale serve --replicas N``).
 
-Without Ray: the placement rule (rendezvous hashing over slots, the routing keys).
-With real Ray Serve: the router on light replicas (homes, the spill rule under overload,
-a killed replica's users moving to their second choice and back to the restarted slot),
-the config file. With real vLLM CPU engines: two replicas (SmolLM2, 1 GiB KV cache each),
-four users, through the OpenAI endpoint: every request on its user's home replica
-(counted from the replicas' metrics), every answer injected, hydrate on the home, status
-of every replica, and a replica killed mid-run losing no request and serving no
-cross-user memory.
+Without Ray: the placement rule (rendezvous hashing over slots, the routing keys), where
+Serve's proxies listen, the gateway's identity headers, a dead replica's shared memory
+removed (real processes and segments). With real Ray Serve: the router on light replicas
+(homes, the spill rule under overload, a killed replica's users moving to their second
+choice and back to the restarted slot), the gateway over a light replica (no start
+without keys while Serve's proxies listen beyond loopback), the config file. With real
+vLLM CPU engines: two replicas (SmolLM2, 1 GiB KV cache each), four users, through the
+OpenAI endpoint: every request on its user's home replica (counted from the replicas'
+metrics), every answer injected, hydrate on the home, status of every replica, a stream
+whose client goes aborted on its replica, a replica killed mid-run losing no request and
+serving no cross-user memory, and ``/dev/shm``: the killed replica's segments removed
+once it is back, every replica's unlinked at shutdown.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from inferscale.serve.leftovers import SHM, segments_of
 from inferscale.serve.placement import (
     Route, choices, home, home_key, parse_key, ranking, score, slot_key,
 )
@@ -126,6 +132,116 @@ def test_the_cli_refuses_zero_replicas_and_an_open_bind_without_keys(capsys):
     assert "refus" in capsys.readouterr().err.lower()
 
 
+def test_where_serves_proxies_listen_decides_loopback():
+    from inferscale.serve.access import is_loopback
+    from inferscale.serve.replicas import bind_host, build_app
+
+    assert is_loopback(bind_host("127.0.0.1", []))
+    assert not is_loopback(bind_host("0.0.0.0", []))
+    assert not is_loopback(bind_host(None, []))  # all interfaces
+    assert not is_loopback(bind_host("127.0.0.1", ["x.add_servicer"]))  # gRPC on [::]
+    with pytest.raises(ValueError, match="http_options"):  # no argument says otherwise
+        build_app({"replicas": 1, "host": "127.0.0.1"})
+
+
+def test_the_gateways_admin_status_parses_identity_headers_as_the_app():
+    """The gateway's own app (no route of its own): a repeated Authorization header is a
+    400 on /admin/status too (it took the last copy: a wrong then the right key listed
+    every user)."""
+    from fastapi.testclient import TestClient
+
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.api_models import RequestLimits
+    from inferscale.serve.replicas import Gateway
+    from test_app import RecordingServer
+
+    gateway = Gateway.__new__(Gateway)  # as __init__ leaves it, without a Serve replica
+    gateway.policy = AccessPolicy({"key-ann": "ann"}, "admin", None, loopback=False)
+    gateway.replicas, gateway.model_name = RecordingServer(), "m"
+    gateway.limits = RequestLimits()
+    client = TestClient(gateway.__serve_build_asgi_app__())
+    wrong_then_right = [("Authorization", "Bearer nope"), ("Authorization", "Bearer admin")]
+    assert client.get("/admin/status", headers=wrong_then_right).status_code == 400
+    assert client.get("/admin/status",
+                      headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.get("/admin/status", headers={"Authorization": "Bearer admin"}).json() == \
+        {"mode": "kv", "users": []}
+
+
+ENGINE_LIKE = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+resource_tracker.unregister(shm._name, "shared_memory")  # as vLLM's queues: not tracked
+print(shm.name, flush=True)
+time.sleep(600)
+"""
+REPLICA_LIKE = """
+import subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
+                          text=True)
+print(engine.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _replica_like():
+    """A "replica" process whose child (its "engine") creates a shared-memory segment
+    (``psm_*``) as vLLM's engine core does, maps it and waits: (process, segment)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", REPLICA_LIKE, ENGINE_LIKE],
+                            stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_dead_replicas_shared_memory_is_removed_and_no_live_ones(tmp_path):
+    """Real processes and segments: three replicas recorded with their engines'
+    segments. While they live, nothing is touched. Two are killed (SIGKILL, engines
+    too): their segments stay in /dev/shm. A clear removes the one nobody maps and
+    leaves the one another live process still maps; the live replica's is never
+    touched."""
+    import signal
+    from multiprocessing import resource_tracker, shared_memory
+
+    import psutil
+
+    from inferscale.serve.leftovers import clear_dead, record_replica
+
+    folder = tmp_path / "records"
+    procs, segments = [], []
+    try:
+        for _ in range(3):
+            proc, segment = _replica_like()
+            procs.append(proc)
+            segments.append(segment)
+            assert segment.startswith("psm_")
+            assert record_replica(folder, proc.pid)["segments"] == [segment]
+        (dead, kept, live), (dead_seg, kept_seg, live_seg) = procs, segments
+        borrowed = shared_memory.SharedMemory(name=kept_seg)  # this process maps it too
+        resource_tracker.unregister(borrowed._name, "shared_memory")
+        assert clear_dead(folder) == []  # all alive: nothing touched
+        for p in (dead, kept):  # the replica and its engine die at once
+            for q in [*psutil.Process(p.pid).children(recursive=True), p]:
+                os.kill(q.pid, signal.SIGKILL)
+            p.wait()
+        assert all((SHM / s).exists() for s in segments)  # leaked
+        assert clear_dead(folder) == [dead_seg]
+        assert not (SHM / dead_seg).exists()
+        assert (SHM / kept_seg).exists() and (SHM / live_seg).exists()
+        assert sorted(x.name for x in folder.glob("*.json")) == [f"{live.pid}.json"]
+        borrowed.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                for q in [*psutil.Process(p.pid).children(recursive=True), p]:
+                    q.kill()
+                p.wait()
+        for segment in segments:
+            (SHM / segment).unlink(missing_ok=True)
+
+
 def test_the_config_file_builds_the_application():
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -230,6 +346,54 @@ def test_the_router_keeps_users_home_spills_only_to_the_second_choice_and_follow
 
 
 @pytest.mark.slow
+def test_the_gateway_wants_keys_unless_serves_proxies_listen_on_loopback():
+    """The gateway over a light replica in real Ray Serve, no API keys: with Serve's
+    proxies on 0.0.0.0 (as deploy/ray-serve.yaml starts them) it refuses to start; on
+    127.0.0.1 it serves, and its /admin/status refuses a repeated Authorization header
+    as every route of the app does."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from benchmarks.replica_cluster import free_port
+    from inferscale.serve.replicas import MEMORY_DEPLOYMENT, Gateway
+
+    class Light:
+        async def status(self, slot: int) -> dict:
+            return {"replica": slot, "state": "running", "users": ["ann"]}
+
+    replica = serve.deployment(Light).options(name=MEMORY_DEPLOYMENT, num_replicas=1,
+                                              ray_actor_options={"num_cpus": 0})
+    gateway = serve.deployment(serve.ingress()(Gateway)).options(
+        name="Gateway", ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1)
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in (
+        "INFERSCALE_API_KEYS", "INFERSCALE_ADMIN_KEY", "INFERSCALE_TRUSTED_USER_HEADER")}
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             object_store_memory=100 << 20, num_cpus=2)
+    try:
+        serve.start(http_options={"host": "0.0.0.0", "port": free_port()})
+        with pytest.raises(RuntimeError, match="Deploying application gateway-test failed"):
+            serve.run(gateway.bind(replica.bind(), {"admin_key": "adm"}, "kv"),
+                      name="gateway-test", route_prefix="/")
+        why = serve.status().applications["gateway-test"].deployments["Gateway"].message
+        assert "binding beyond loopback needs INFERSCALE_API_KEYS" in why, why
+        serve.shutdown()
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(gateway.bind(replica.bind(), {"admin_key": "adm"}, "kv"),
+                  name="gateway-test", route_prefix="/")
+        url = f"http://127.0.0.1:{port}/admin/status"
+        right = ("Authorization", "Bearer adm")
+        assert httpx.get(url, headers=[right], trust_env=False).json()["users"] == ["ann"]
+        assert httpx.get(url, headers=[("Authorization", "Bearer nope"), right],
+                         trust_env=False).status_code == 400
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.update(saved)
+
+
+@pytest.mark.slow
 @pytest.mark.engine
 def test_the_cli_serves_replicas_until_sigterm(tmp_path):
     """``inferscale serve --replicas 1`` end to end: serving on the given port, then
@@ -322,6 +486,17 @@ def cluster(tmp_path_factory, smollm2, embedder):
     with ReplicaCluster(env, replicas=2, admin_key=ADMIN) as c:
         c.fact_ids = fact_ids
         yield c
+        segments = segments_of(replica_processes(c))
+    # a graceful stop unlinks every segment the replicas' engines had
+    assert segments and not [s for s in segments if (SHM / s).exists()], segments
+
+
+def replica_processes(c, slots=(0, 1)) -> list[int]:
+    """The processes of the replicas in ``slots``: each replica and its engine's."""
+    import psutil
+
+    pids = [c.replica(s)["pid"] for s in slots]
+    return pids + [p.pid for pid in pids for p in psutil.Process(pid).children(recursive=True)]
 
 
 def ask(c, user: str, question: str, *, stream: bool = False, max_tokens: int = 4) -> dict:
@@ -385,6 +560,8 @@ def test_requests_land_on_their_users_home_replica_and_are_injected(cluster):
         assert h.post("/v1/chat/completions", json={**body, "user": "rp-bob"},
                       headers={"Authorization": "Bearer key-rp-ann"}).status_code == 401
         assert h.get("/admin/status").status_code == 401
+        wrong_then_right = [("Authorization", "Bearer nope"), ("Authorization", f"Bearer {ADMIN}")]
+        assert h.get("/admin/status", headers=wrong_then_right).status_code == 400
         for stream in (False, True):  # too long for the model: a 400 from the replica
             r = h.post("/v1/chat/completions", headers={"Authorization": "Bearer key-rp-ann"},
                        json={**body, "max_tokens": 2047, "stream": stream})
@@ -408,6 +585,58 @@ def test_requests_land_on_their_users_home_replica_and_are_injected(cluster):
 
 @pytest.mark.slow
 @pytest.mark.engine
+def test_a_stream_whose_client_goes_is_aborted_on_its_replica(cluster):
+    """Through the gateway: a stream's client reads its first chunk and goes; the
+    replica's engine aborts the request long before its max_tokens, and the replica
+    counts the abort (``inferscale_requests_aborted_total``, with the tokens it had)."""
+    import socket
+
+    from benchmarks.replica_cluster import metric
+
+    c, user, max_tokens = cluster, "rp-cyd", 1500
+    slot = HOMES[user]
+
+    def settled() -> dict:
+        """A scrape once the replica's engine has stopped generating."""
+        last = c.scrape()
+        while True:
+            time.sleep(2)
+            now = c.scrape()
+            if metric(now, "vllm:generation_tokens_total", replica=slot) == metric(
+                    last, "vllm:generation_tokens_total", replica=slot):
+                return now
+            last = now
+
+    before = settled()
+    body = json.dumps({"model": "embedded", "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "messages": [{"role": "user", "content": "Tell me a "
+                                                                                "long story."}]})
+    port = int(c.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                 f"key-{user}\r\nContent-Type: application/json\r\nContent-Length: "
+                 f"{len(body)}\r\n\r\n{body}".encode())
+    sock.settimeout(600)
+    seen = b""
+    while b"chat.completion.chunk" not in seen:  # its first chunk: generating
+        data = sock.recv(65536)
+        assert data, seen
+        seen += data
+    sock.close()
+    after = settled()
+    made = (metric(after, "vllm:generation_tokens_total", replica=slot)
+            - metric(before, "vllm:generation_tokens_total", replica=slot))
+    assert 0 < made < max_tokens
+    aborted = (metric(after, "inferscale_requests_aborted_total", replica=slot, mode="kv")
+               - metric(before, "inferscale_requests_aborted_total", replica=slot, mode="kv"))
+    assert aborted == 1
+    assert 0 < (metric(after, "inferscale_aborted_completion_tokens_total", replica=slot)
+                - metric(before, "inferscale_aborted_completion_tokens_total",
+                         replica=slot)) <= made
+
+
+@pytest.mark.slow
+@pytest.mark.engine
 def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(cluster):
     import psutil
 
@@ -422,6 +651,8 @@ def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(clus
         unary = pool.submit(ask, c, "rp-bob", QUESTIONS[2], max_tokens=120)
         others = [pool.submit(ask, c, u, q, max_tokens=24) for u in FACTS for q in QUESTIONS[:2]]
         time.sleep(3)
+        doomed = segments_of(replica_processes(c, (0,)))  # its engine's message queues
+        assert doomed and all((SHM / s).exists() for s in doomed)
         pid, children = c.kill(0)
         later = [pool.submit(ask, c, u, QUESTIONS[1]) for u in FACTS for _ in range(3)]
         done = [f.result(timeout=600) for f in [unary, *others, *later]]
@@ -447,6 +678,13 @@ def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(clus
     gone = [p for p in children if psutil.pid_exists(p)
             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not gone, f"processes of the killed replica still running: {gone}"
+    # the segments nothing maps any more are removed by the replica that took the slot
+    # (at start, or at a health check once the dead engine had exited)
+    deadline = time.monotonic() + 120
+    while (left := [s for s in doomed if (SHM / s).exists()]):
+        assert time.monotonic() < deadline, f"the killed replica's segments stay: {left}"
+        time.sleep(2)
+    assert segments_of(replica_processes(c, (0,)))  # the new replica's own are in use
     deadline = time.monotonic() + 300
     while True:  # and its users come home: prefilled from storage, then injected
         a = ask(c, "rp-ann", QUESTIONS[1])

@@ -63,7 +63,7 @@ def test_an_instruction_that_can_never_be_served_is_refused_at_load(
     assert [p.info["mode"] for p in prepared] == ["none"] * 2
     for p in prepared:
         assert p.ref is None and p.info["fallback_reason"] == "refused"
-        assert p.info["fallback"].startswith("memory refused (instruction): ")
+        assert p.info["fallback"].startswith(f"version {version[:12]} refused (instruction): ")
         assert why in p.info["fallback"]
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "instruction"}) == 1

@@ -1,0 +1,100 @@
+"""The server's side of the compute-or-load split (:mod:`inferscale.serve.cold_split`).
+
+:class:`ColdRequests` decides each ``kv`` request's split at composition, from the
+estimates of now (vLLM's stats of finished requests, and the workers' storage statistics,
+read at most every ``poll_s``); asks the workers to start reading the split's chunks
+before the engine sees the request (the ``inferscale_prefetch`` RPC, sent ahead of it on
+the same socket), unless the user was in a tier when last seen; and, once the request
+has finished, feeds the estimator, remembers where the user was found, and reports a
+cold request's split in its answer. Event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
+from inferscale.serve.engine import Generation, MemoryEngine
+from inferscale.vllm_plugin.metadata import MemoryRef
+
+log = logging.getLogger("inferscale.serve")
+REMEMBERED = 10_000  # users whose last known residency is kept (least recent dropped)
+
+
+class ColdRequests:
+    """Splits, prefetches and the estimator of one server's engine."""
+
+    def __init__(self, config: ColdSplitConfig | None = None):
+        self.config = config or ColdSplitConfig()
+        self.estimator = LoadEstimator(self.config)
+        self._poll: asyncio.Future | None = None  # the workers' storage statistics
+        self._resident: OrderedDict[str, bool] = OrderedDict()  # user -> last seen in a tier
+
+    @property
+    def on(self) -> bool:
+        return self.config.mode != "off"
+
+    def split(self, engine: MemoryEngine, lengths: tuple[int, ...], row_bytes: int) -> Split:
+        """The split of a request's memory chunks by the estimates of now (and ask the
+        workers for fresh storage statistics when they are older than ``poll_s``)."""
+        self.estimator.engine_stats(engine.finished_stats())
+        at = self.estimator.storage_at
+        if (self._poll is None or self._poll.done()) and \
+                (at is None or time.monotonic() - at > self.config.poll_s):
+            self._poll = asyncio.ensure_future(engine.storage_stats())
+            self._poll.add_done_callback(self._storage_stats)
+        pinned = self.config.pinned_chunks if self.config.mode == "pinned" else None
+        return split(lengths, row_bytes, self.estimator.estimates(),
+                     self.config.deadline_factor, pinned)
+
+    def _storage_stats(self, done: asyncio.Future) -> list[dict] | None:
+        if done.cancelled() or done.exception() is not None:
+            log.warning("reading the workers' storage statistics failed: %r",
+                        None if done.cancelled() else done.exception())
+            return None
+        self.estimator.storage(done.result())
+        return done.result()
+
+    async def prefetch(self, engine: MemoryEngine, ref: MemoryRef | None,
+                       s: Split | None) -> None:
+        """Have the workers start reading the split's chunks before the engine sees the
+        request, unless the user was in a tier when last seen (a stale guess only costs
+        the overlap: the read then starts when the engine schedules the request)."""
+        if ref is None or s is None or not s.chunks or self._resident.get(ref.user):
+            return
+        deadline = engine.config.connector.fetch_timeout_s if s.deadline_s is None \
+            else s.deadline_s
+        task = await engine.prefetch(ref, s.chunks, deadline, s.bytes)
+
+        def done(t: asyncio.Future) -> None:
+            stats = self._storage_stats(t)
+            if stats:
+                self._seen(ref.user, all(r.get("resident") for r in stats))
+
+        task.add_done_callback(done)
+
+    def _seen(self, user: str, resident: bool) -> None:
+        self._resident[user] = resident
+        self._resident.move_to_end(user)
+        while len(self._resident) > REMEMBERED:
+            self._resident.popitem(last=False)
+
+    def finished(self, ref: MemoryRef | None, s: Split | None, gen: Generation,
+                 info: dict[str, Any]) -> None:
+        """Feed the estimator and the residency guess; report a cold request's split in
+        its answer's ``info``."""
+        cold = gen.cold
+        self.estimator.request_read(gen.request_id, bool(cold and cold.read))
+        if ref is None:
+            return
+        if cold is not None:
+            self._seen(ref.user, False)
+            info["cold"] = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
+                            "bytes_read": gen.storage_bytes,
+                            "split": s.info() if s else None}
+        elif gen.facts_by_tier.get("gpu") or gen.facts_by_tier.get("host"):
+            self._seen(ref.user, True)
