@@ -16,7 +16,8 @@ import pytest
 
 from chromium import Browser, chromium_binary
 from prefect_env import (
-    PREFECT, REPO, artifacts_of_run, artifacts_with_key, kill_tree, table_rows, task_runs_of,
+    PREFECT, REPO, _free_port, artifacts_of_run, artifacts_with_key, kill_tree, table_rows,
+    task_runs_of,
 )
 
 pytestmark = pytest.mark.slow
@@ -230,8 +231,10 @@ def _worker_reported_exit(log: Path, run_name: str, timeout: float = 60) -> str:
 
 def test_runs_that_fail_some_users_end_failed_with_their_report(deployed, tmp_path,
                                                                   monkeypatch):
-    """The hydrate deployment with users the server refuses (here: a server the admin key
-    may not go to, refused before anything is sent) and the encode deployment with a
+    """The hydrate deployment with users the server refuses (here: the worker's configured
+    server, http://127.0.0.1:INFERSCALE_PORT by default, is not on INFERSCALE_SERVER_URLS,
+    so the admin key may not go there: refused before anything is sent) and the encode
+    deployment with a
     damaged store for tomas: each run ends Failed, not Crashed; the engine raises the run's
     ``UsersFailed`` (no ``TypeError: Unexpected result for failed state``) and its process
     exits 1, as Prefect's does for every Failed run; the per-user report comes back from
@@ -243,15 +246,16 @@ def test_runs_that_fail_some_users_end_failed_with_their_report(deployed, tmp_pa
     root = tmp_path / "artifacts"
     (root / "users").mkdir(parents=True)
     (root / "users" / "tomas").write_text("not a folder")
+    port = _free_port()
     monkeypatch.setenv("INFERSCALE_ADMIN_KEY", "k")  # the worker's environment
-    monkeypatch.delenv("INFERSCALE_SERVER_URLS", raising=False)
+    monkeypatch.setenv("INFERSCALE_PORT", str(port))
+    monkeypatch.setenv("INFERSCALE_SERVER_URLS", '["http://127.0.0.1:1"]')
     name = f"w-{uuid.uuid4().hex[:6]}"
     worker = start_worker(tmp_path, name)
     try:
         runs = {
             "hydrate": run_deployment("hydrate-serving/hydrate", {
-                "users": ["nobody", "tomas"], "tier": "gpu",
-                "server_url": "http://127.0.0.1:1"}),
+                "users": ["nobody", "tomas"], "tier": "gpu"}),  # prefect.yaml: server_url null
             "encode": run_deployment("encode-users/encode", {
                 "users": ["maya", "tomas"], "artifact_root": str(root), "fact_mode": "raw",
                 "window": 1})}
@@ -276,7 +280,8 @@ def test_runs_that_fail_some_users_end_failed_with_their_report(deployed, tmp_pa
     assert isinstance(failed, UsersFailed) and str(failed) == hydrate.state.message
     rows = failed.report["users"]
     assert {u: r["status"] for u, r in rows.items()} == {"nobody": "failed", "tomas": "failed"}
-    assert "not a configured server" in rows["nobody"]["error"]
+    assert failed.report["server_url"] == f"http://127.0.0.1:{port}"
+    assert f"http://127.0.0.1:{port} is not a configured server" in rows["nobody"]["error"]
     with pytest.raises(UsersFailed):
         hydrate.state.result()
     report = encode.state.result(raise_on_failure=False).report
