@@ -204,9 +204,11 @@ class MemoryServer:
                      max_tokens: int | None = None, temperature: float = 0.0,
                      mode: Mode | None = None, ignore_eos: bool = False) -> dict:
         """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
-        dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
-        fallback if any, and timings in ms: memory, embed, retrieve, compose,
-        engine_ttft, query_to_first_token)."""
+        dict}`` (``info``: mode, facts, version, ``memory_tokens`` = the memory's tokens
+        in the prompt however vLLM got them (injected, prefix-cache hits, or prefilled),
+        ``injected_tokens`` = those the connector injected, ``cached_tokens``,
+        ``text_tail_tokens``, the fallback if any, and timings in ms: memory, embed,
+        retrieve, compose, engine_ttft, query_to_first_token)."""
         started = time.perf_counter()
         max_tokens = max_tokens or self.max_tokens
         p = await self.request(user, question, k, mode, max_tokens)
