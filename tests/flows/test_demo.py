@@ -14,28 +14,15 @@ import pytest
 from flows.demo import _next_steps, demo_root
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch, inferscale_home):
-    """An InferScale home of its own (no artifacts), sharing the converted model."""
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("models", "fingerprints"):
-        (inferscale_home / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(inferscale_home / name, target_is_directory=True)
-    monkeypatch.setenv("INFERSCALE_HOME", str(home))
-    monkeypatch.delenv("INFERSCALE_ARTIFACT_ROOT", raising=False)
-    return home
-
-
 @pytest.mark.slow
-def test_the_demo_publishes_where_the_cli_looks(flow_env, home):
+def test_the_demo_publishes_where_the_cli_looks(flow_env, own_home):
     """(No capsys here: Prefect's log handler would keep the captured stream.)"""
     from flows.demo import publish_sample
     from inferscale.settings import Settings
 
     settings = Settings()
     root, why = demo_root(settings)
-    assert (root, why) == (str(home / "artifacts"), None)
+    assert (root, why) == (str(own_home / "artifacts"), None)
     assert root == settings.resolved_artifact_root()  # the CLI's default
     report = publish_sample("raw", root, window=2)
     assert {u: r["status"] for u, r in report["users"].items()} == {
@@ -51,7 +38,7 @@ def test_the_demo_publishes_where_the_cli_looks(flow_env, home):
     assert "export" not in _next_steps(root, None)
 
 
-def test_the_demo_never_writes_into_a_store_of_yours(home, tmp_path, monkeypatch):
+def test_the_demo_never_writes_into_a_store_of_yours(own_home, tmp_path, monkeypatch):
     from builders import make_inputs
 
     from inferscale.artifacts.layout import StoreConfig
@@ -59,7 +46,7 @@ def test_the_demo_never_writes_into_a_store_of_yours(home, tmp_path, monkeypatch
     from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
     from inferscale.settings import Settings
 
-    demo_folder = str(home / "demo" / "artifacts")
+    demo_folder = str(own_home / "demo" / "artifacts")
     monkeypatch.setenv("INFERSCALE_ARTIFACT_ROOT", str(tmp_path / "mine"))
     root, why = demo_root(Settings())
     assert root == demo_folder and "INFERSCALE_ARTIFACT_ROOT" in why
@@ -67,13 +54,14 @@ def test_the_demo_never_writes_into_a_store_of_yours(home, tmp_path, monkeypatch
     monkeypatch.delenv("INFERSCALE_ARTIFACT_ROOT")
 
     # a maya of other logs in the default root, for the demo's model
-    fp = checkpoint_fingerprint(resolve_checkpoint("embedded", home), home)
+    fp = checkpoint_fingerprint(resolve_checkpoint("embedded", own_home), own_home)
     memory, facts, lineage = make_inputs("maya", fp=fp)
-    publish(StoreConfig(str(home / "artifacts")), "maya", memory, facts, lineage,
+    publish(StoreConfig(str(own_home / "artifacts")), "maya", memory, facts, lineage,
             embeddings=False)
     root, why = demo_root(Settings())
     assert root == demo_folder and "maya" in why and "tomas" not in why
     # a root named on the command line is used as it is
     assert demo_root(Settings(), str(tmp_path / "x")) == (str(tmp_path / "x"),
                                                           "--artifact-root named it")
-    assert demo_root(Settings(), str(home / "artifacts")) == (str(home / "artifacts"), None)
+    default = str(own_home / "artifacts")
+    assert demo_root(Settings(), default) == (default, None)

@@ -17,16 +17,10 @@ ANN = [{"user": "ann smith", "session": "1", "turn": f"A{i}", "speaker": "Ann",
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch, inferscale_home):
+def home(own_home, monkeypatch):
     """An InferScale home of its own (Mem0 scratch), sharing the converted model."""
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("models", "fingerprints"):
-        (inferscale_home / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(inferscale_home / name, target_is_directory=True)
-    monkeypatch.setenv("INFERSCALE_HOME", str(home))
     monkeypatch.setenv("INFERSCALE_WINDOW", "2")
-    return home
+    return own_home
 
 
 def logs_with_ann(tmp_path) -> str:
