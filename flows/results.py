@@ -10,8 +10,9 @@ the run stays Failed (not Crashed) and its process exits with status 1, as for e
 Failed run.
 
 The flows persist their result (``persist_result=True``) in Prefect's result storage with
-:data:`RESULT_SERIALIZER`: JSON, a :class:`UsersFailed` as its message and report (never
-a pickle, so reading one back runs no code of whoever wrote it). A deployment run's
+:data:`RESULT_SERIALIZER`: JSON, a :class:`UsersFailed` as its message and report, the
+exception of a flow that raised as Prefect's JSON writes it (its type and message); never
+a pickle, whose loading would run whatever its writer put there. A deployment run's
 report is then read from its state, ``state.result(raise_on_failure=False)`` (the
 report, or a :class:`UsersFailed` holding it), wherever that storage can be read.
 """

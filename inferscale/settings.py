@@ -227,10 +227,9 @@ def settings_problem(exc: ValueError) -> str:
     pydantic's ValidationError, or pydantic-settings' SettingsError for a value it could
     not parse), naming each variable; never the values, which may be secrets."""
     errors = getattr(exc, "errors", None)
-    if callable(errors):
-        return "; ".join(
-            f"INFERSCALE_{'_'.join(str(p) for p in e['loc']).upper()}: "
-            f"{str(e['msg']).removeprefix('Value error, ')}" for e in errors())
+    if callable(errors):  # the field only: a deeper location may be a key of a secret map
+        return "; ".join(f"INFERSCALE_{str(e['loc'][0]).upper()}: "
+                         f"{str(e['msg']).removeprefix('Value error, ')}" for e in errors())
     field = re.search(r'field "(\w+)"', str(exc))
     name = f"INFERSCALE_{field.group(1).upper()}" if field else "a setting"
     cause = exc.__cause__ or exc.__context__

@@ -146,7 +146,8 @@ def test_bad_input_is_one_line_and_fails(argv, words, child_env):
 
 BAD_SETTINGS = [("notjson", "INFERSCALE_API_KEYS cannot be parsed"),
                 ('{"s3cret": "bad user"}', "INFERSCALE_API_KEYS: user id 'bad user' contains"),
-                ('{"s3cret": ann}', "INFERSCALE_API_KEYS cannot be parsed")]
+                ('{"s3cret": ann}', "INFERSCALE_API_KEYS cannot be parsed"),
+                ('{"s3cret": 5}', "INFERSCALE_API_KEYS: Input should be a valid string")]
 
 
 @pytest.mark.parametrize("keys, words", BAD_SETTINGS)
