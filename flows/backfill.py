@@ -9,13 +9,14 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
+from flows.results import PERSISTED
 from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
 from inferscale.pipeline.chain import select_users
 from inferscale.pipeline.report import RunReport, UserOutcome
 from tasks.store import plan
 
 
-@flow(name="backfill-model", log_prints=True)
+@flow(name="backfill-model", log_prints=True, **PERSISTED)
 def backfill_model(model: str, users: list[str] | None = None, logs: list[str] | None = None,
                    fact_mode: Literal["raw", "mem0"] | None = None,
                    artifact_root: str | None = None, window: int | None = None,

@@ -8,8 +8,9 @@ process, or Ray (a local instance, or a cluster at ``ray_address`` listed in
 by the Prefect global concurrency limit ``inferscale-compute``; a user's failure is
 recorded and the others go on.
 :func:`finish` turns the outcomes into the run's markdown summary (an artifact per
-flow key) and the flow's return value, or a Failed state carrying it when users failed
-(the run then ends Failed, after every other user finished).
+flow key) and the flow's return value, or a Failed state carrying it in a
+:class:`~flows.results.UsersFailed` when users failed (the run then ends Failed, after
+every other user finished).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from prefect.artifacts import (
     create_markdown_artifact, create_progress_artifact, update_progress_artifact,
 )
 from prefect.futures import as_completed
-from prefect.states import Failed
 
+from flows.results import failed_run
 from inferscale.artifacts.lineage_view import artifact_key
 from inferscale.facts.extractor import FactsConfig
 from inferscale.ingest.logs import IngestResult, sample_conversations
@@ -184,7 +185,8 @@ def record_skipped(prep: Prepared, versions: dict[str, str]) -> None:
 
 def finish(title: str, summary_key: str, prep: Prepared, outcomes: list[UserOutcome],
            started: float) -> Any:
-    """Markdown summary artifact; the report dict, or a Failed state carrying it."""
+    """Markdown summary artifact; the report dict, or a Failed state carrying it
+    (:func:`flows.results.failed_run`)."""
     ing = prep.ingest
     report = RunReport(title, prep.model_fp, outcomes, ing.counts, ing.quarantine_uri,
                        time.perf_counter() - started)
@@ -201,8 +203,8 @@ def finish(title: str, summary_key: str, prep: Prepared, outcomes: list[UserOutc
     result = report.to_dict()
     if report.failed:
         names = ", ".join(o.user for o in report.failed[:10])
-        return Failed(message=f"{len(report.failed)} of {len(outcomes)} users failed: {names}",
-                      data=result)
+        return failed_run(f"{len(report.failed)} of {len(outcomes)} users failed: {names}",
+                          result)
     return result
 
 

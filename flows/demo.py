@@ -1,7 +1,9 @@
 """``inferscale-demo`` (``make demo``): the main job on the embedded defaults, in one process.
 
 1. the encode flow (Prefect, in-process with a temporary local server) on the sample
-   conversation: facts, pre-RoPE KV, published artifacts;
+   conversation: facts, pre-RoPE KV, published artifacts where the ``inferscale`` command
+   looks by default (:func:`demo_root`), so ``inferscale versions --user maya`` and
+   ``inferscale serve`` find them afterwards;
 2. serving: the vLLM engine with the InferScale connector and the OpenAI-compatible
    server on 127.0.0.1, both users hydrated through the admin API;
 3. answers to a few questions, each with KV injection and with the prompt baseline on
@@ -36,23 +38,100 @@ def demo(fact_mode: str = "raw", artifact_root: str | None = None,
     """Encode the sample conversation with the encode flow, serve it, compare answers;
     the exit status."""
     settings = Settings()
-    root = artifact_root or str(settings.home / "demo" / "artifacts")
     use_prefect_home(str(settings.home / "prefect"))
-    from flows.encode import encode_users
-    from inferscale.ingest.logs import sample_conversations
-
-    print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({fact_mode})"
-          f" -> pre-RoPE KV (window {settings.window}) -> artifacts under {root}", flush=True)
-    report = encode_users(logs=[str(sample_conversations())], fact_mode=fact_mode,
-                          artifact_root=root)
-    print(_report_lines(report), flush=True)
+    root, why = demo_root(settings, artifact_root)
+    report = publish_sample(fact_mode, root, settings.window)
+    if report is None:
+        return 1
     # on CPU a 1 GiB KV cache (the demo's prompts are ~400 tokens) instead of half the
     # host's memory: the engine starts sooner and fits a small CI machine
     kv_bytes = settings.kv_cache_memory_bytes or (
         None if settings.resolved_device().startswith("cuda") else 1 << 30)
-    settings = Settings(artifact_root=root, model=settings.model, window=settings.window,
-                        kv_cache_memory_bytes=kv_bytes)
-    return asyncio.run(_serve_and_ask(settings, questions, max_tokens))
+    status = asyncio.run(_serve_and_ask(
+        Settings(artifact_root=root, model=settings.model, window=settings.window,
+                 kv_cache_memory_bytes=kv_bytes), questions, max_tokens))
+    print(_next_steps(root, why), flush=True)
+    return status
+
+
+def demo_root(settings: Settings, explicit: str | None = None) -> tuple[str, str | None]:
+    """Where the demo publishes, and why that is not the ``inferscale`` command's default
+    root (None when it is).
+
+    The default is the CLI's own root (``INFERSCALE_HOME/artifacts``), so the commands
+    that follow the demo find its users without a flag. The demo never writes into a
+    store it could damage: when ``INFERSCALE_ARTIFACT_ROOT`` names one (perhaps shared,
+    perhaps S3), or when the default root already holds a sample user (maya, tomas)
+    published from other logs, it uses ``INFERSCALE_HOME/demo/artifacts`` instead."""
+    if explicit:
+        same = _same_root(explicit, settings.resolved_artifact_root())
+        return explicit, None if same else "--artifact-root named it"
+    if settings.artifact_root:
+        return str(settings.home / "demo" / "artifacts"), \
+            "INFERSCALE_ARTIFACT_ROOT names a store of your own"
+    root = settings.resolved_artifact_root()
+    taken = _users_from_other_logs(settings, root)
+    if taken:
+        return str(settings.home / "demo" / "artifacts"), \
+            f"{root} holds {', '.join(taken)} from other logs"
+    return root, None
+
+
+def _same_root(a: str, b: str) -> bool:
+    from inferscale.artifacts.layout import StoreConfig
+
+    return StoreConfig(a).root == StoreConfig(b).root
+
+
+def _users_from_other_logs(settings: Settings, root: str) -> list[str]:
+    """The sample's users whose ``LATEST`` under ``root`` (for the settings' model) was
+    published from other logs, or cannot be read."""
+    from inferscale.artifacts.layout import ArtifactError, StoreConfig
+    from inferscale.artifacts.read import latest_version, read_manifest
+    from inferscale.ingest.logs import read_logs, sample_conversations
+    from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
+
+    store = StoreConfig(root)
+    fp = checkpoint_fingerprint(resolve_checkpoint(settings.model, settings.home), settings.home)
+    taken = []
+    for user, log_hash in sorted(read_logs(str(sample_conversations())).turns_hashes().items()):
+        try:
+            latest = latest_version(store, user, fp)
+            if latest and read_manifest(store, user, fp, latest).parents.get("log") != log_hash:
+                taken.append(user)
+        except (ArtifactError, OSError):
+            taken.append(user)
+    return taken
+
+
+def publish_sample(fact_mode: str, root: str, window: int) -> dict | None:
+    """Step 1: the encode flow on the sample conversation, publishing under ``root``; the
+    run report, or None (said why) when a user failed."""
+    from flows.encode import encode_users
+    from flows.results import UsersFailed
+    from inferscale.ingest.logs import sample_conversations
+
+    print(f"[1/3] encode flow (Prefect, in-process): sample conversation -> facts ({fact_mode})"
+          f" -> pre-RoPE KV (window {window}) -> artifacts under {root}", flush=True)
+    try:
+        report = encode_users(logs=[str(sample_conversations())], fact_mode=fact_mode,
+                              artifact_root=root)
+    except UsersFailed as exc:  # the flow ended Failed: the report says who and why
+        print(_report_lines(exc.report), flush=True)
+        print(f"inferscale-demo: {exc}", file=sys.stderr)
+        return None
+    print(_report_lines(report), flush=True)
+    return report
+
+
+def _next_steps(root: str, why: str | None) -> str:
+    """What to try after the demo: the commands of the README, which find its users."""
+    setup = "" if why is None else (f"  ({why}: the demo published under {root}; first\n"
+                                    f"   export INFERSCALE_ARTIFACT_ROOT={root})\n")
+    return ("\nNext (README, 'Using it'):\n" + setup
+            + "  inferscale versions --user maya        # the published versions\n"
+            "  inferscale serve                       # the OpenAI-compatible server\n"
+            "  inferscale hydrate maya tomas ; inferscale status    # in another shell")
 
 
 def _report_lines(report: dict) -> str:
@@ -130,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fact-mode", choices=["raw", "mem0"], default="raw",
                     help="raw: each turn is a fact (fast); mem0: LLM extraction (slow on CPU)")
     ap.add_argument("--artifact-root", default=None,
-                    help="where the demo publishes (default: ~/.cache/inferscale/demo/artifacts)")
+                    help="where the demo publishes (default: where the inferscale command "
+                    "looks, INFERSCALE_HOME/artifacts, unless INFERSCALE_ARTIFACT_ROOT is "
+                    "set or maya or tomas there came from other logs: then "
+                    "INFERSCALE_HOME/demo/artifacts)")
     ap.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS),
                     help=f"how many of the {len(DEMO_QUESTIONS)} sample questions to ask")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (greedy)")

@@ -8,10 +8,11 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.common import fan_out, finish, prepare
+from flows.results import PERSISTED
 from inferscale.pipeline.chain import select_users
 
 
-@flow(name="encode-users", log_prints=True)
+@flow(name="encode-users", log_prints=True, **PERSISTED)
 def encode_users(users: list[str] | None = None, logs: list[str] | None = None,
                  fact_mode: Literal["raw", "mem0"] | None = None, model: str | None = None,
                  artifact_root: str | None = None, window: int | None = None,

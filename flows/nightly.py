@@ -8,12 +8,13 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
+from flows.results import PERSISTED
 from inferscale.artifacts.lineage_view import artifact_key
 from inferscale.pipeline.report import UserOutcome
 from tasks.store import plan
 
 
-@flow(name="nightly-reencode", log_prints=True)
+@flow(name="nightly-reencode", log_prints=True, **PERSISTED)
 def nightly_reencode(logs: list[str] | None = None,
                      fact_mode: Literal["raw", "mem0"] | None = None, model: str | None = None,
                      artifact_root: str | None = None, window: int | None = None,

@@ -14,6 +14,7 @@ importing them, and the flows pass the same list to their Ray workers.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -205,13 +206,24 @@ class Settings(BaseSettings):
             check_user_id(user)
         return keys
 
+    def server_url(self) -> str:
+        """The root URL of this host's configured server (``host``, ``port``): what the
+        admin CLI talks to by default. A wildcard address (``0.0.0.0``, ``::``) is reached
+        on loopback; an IPv6 address is bracketed."""
+        host = self.host.strip()
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     def admin_urls(self) -> list[str]:
         """The servers INFERSCALE_ADMIN_KEY may be sent to (``server_urls``, or this host's
         configured server)."""
         if self.server_urls:
             return list(self.server_urls)
-        return [f"http://127.0.0.1:{self.port}", f"http://localhost:{self.port}",
-                f"http://{self.host}:{self.port}"]
+        return list(dict.fromkeys([f"http://127.0.0.1:{self.port}",
+                                   f"http://localhost:{self.port}", self.server_url()]))
 
     def resolved_device(self) -> str:
         """``device``, with ``"auto"`` decided: CUDA when there is one, else the CPU."""
@@ -236,6 +248,21 @@ class Settings(BaseSettings):
         if self.s3_secret_access_key:
             opts["secret"] = self.s3_secret_access_key.get_secret_value()
         return opts
+
+
+def settings_problem(exc: ValueError) -> str:
+    """One line saying what is wrong with the settings (``Settings()`` raised ``exc``:
+    pydantic's ValidationError, or pydantic-settings' SettingsError for a value it could
+    not parse), naming each variable; never the values, which may be secrets."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # the field only: a deeper location may be a key of a secret map
+        return "; ".join(f"INFERSCALE_{str(e['loc'][0]).upper()}: "
+                         f"{str(e['msg']).removeprefix('Value error, ')}" for e in errors())
+    field = re.search(r'field "(\w+)"', str(exc))
+    name = f"INFERSCALE_{field.group(1).upper()}" if field else "a setting"
+    cause = exc.__cause__ or exc.__context__
+    return f"{name} cannot be parsed" + (f" ({type(cause).__name__}: {cause}; lists and "
+                                          "maps are JSON)" if cause else f": {exc}")
 
 
 def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -135,6 +135,20 @@ def inferscale_home():
     return Settings().home
 
 
+@pytest.fixture
+def own_home(tmp_path, monkeypatch, inferscale_home):
+    """An InferScale home of this test's own (INFERSCALE_HOME: Mem0 scratch, the default
+    artifact root, empty), sharing the converted model; INFERSCALE_ARTIFACT_ROOT unset."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("models", "fingerprints"):
+        (inferscale_home / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(inferscale_home / name, target_is_directory=True)
+    monkeypatch.setenv("INFERSCALE_HOME", str(home))
+    monkeypatch.delenv("INFERSCALE_ARTIFACT_ROOT", raising=False)
+    return home
+
+
 @pytest.fixture(scope="session")
 def smollm2(inferscale_home):
     """The real embedded SmolLM2-135M-Instruct, fp32 on CPU (converted once, ~40 s)."""

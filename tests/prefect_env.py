@@ -226,7 +226,8 @@ def table_rows(artifact) -> list[dict]:
 def result_records() -> dict[str, dict]:
     """Every result record in this session's result storage by storage key (a cached
     task's cache key), as parsed JSON (``metadata.serializer.type`` names how
-    ``result`` is encoded)."""
+    ``result`` is encoded); a flow's persisted report is stored as its JSON alone (its
+    metadata is in the run's state)."""
     import json
 
     root = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])

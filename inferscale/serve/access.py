@@ -11,6 +11,8 @@ The rules (:class:`AccessPolicy`):
   (beyond loopback it refuses to start). With keys as well, the key decides and the
   header must agree.
 - neither: the body's ``user`` decides, on loopback only.
+- a request that uses nobody's memory (``GET /v1/models``, :meth:`check_client`) needs
+  the same key or gateway secret, less the user.
 - admin endpoints: ``INFERSCALE_ADMIN_KEY`` as a bearer token when set. Without one
   they are open on loopback, and only when no API keys are set: with API keys, or beyond
   loopback, the server refuses to start without an admin key.
@@ -20,7 +22,9 @@ The rules (:class:`AccessPolicy`):
 
 Credentials are checked from the headers before the body is read (:meth:`identify`),
 compared in constant time (``hmac.compare_digest``), and every user id is checked by
-:func:`inferscale.types.check_user_id`.
+:func:`inferscale.types.check_user_id`. :func:`policy_from` builds the policy from the
+settings; it imports nothing heavy, so ``inferscale serve`` refuses a bad configuration
+before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from inferscale.types import InvalidUserIdError, check_user_id
 
@@ -139,18 +143,14 @@ class AccessPolicy:
         """Check the request's credentials (lower-cased ``headers`` only, before any body
         is read). PermissionError when they are missing or wrong; InvalidUserIdError
         when a gateway's header holds a malformed user id."""
+        self._check_gateway(headers)
         header_user = None
         if self.trusted_user_header:
-            if self.gateway_secret and not same_secret(headers.get(GATEWAY_SECRET_HEADER),
-                                                       self.gateway_secret):
-                raise PermissionError("missing or wrong gateway secret")
             header_user = headers.get(self.trusted_user_header.lower())
             if header_user is not None:
                 check_user_id(header_user)
         if self.api_keys:
-            user = self._key_user(_bearer(headers))
-            if user is None:
-                raise PermissionError("unknown API key")
+            user = self._key_user(headers)
             if header_user is not None and header_user != user:
                 raise PermissionError(f"the {self.trusted_user_header} header names another "
                                       "user than the API key")
@@ -161,12 +161,31 @@ class AccessPolicy:
             return Identity(header_user, True)
         return Identity(None, False)
 
-    def _key_user(self, key: str | None) -> str | None:
-        """The user of ``key``: every configured key is compared in constant time."""
+    def check_client(self, headers: dict[str, str]) -> None:
+        """The credentials of a request that uses nobody's memory (``GET /v1/models``):
+        a known API key when keys are configured, the gateway secret when one is (as
+        for a chat request); PermissionError otherwise. Open when neither is set."""
+        self._check_gateway(headers)
+        if self.api_keys:
+            self._key_user(headers)
+
+    def _check_gateway(self, headers: dict[str, str]) -> None:
+        if self.gateway_secret and not same_secret(headers.get(GATEWAY_SECRET_HEADER),
+                                                   self.gateway_secret):
+            raise PermissionError("missing or wrong gateway secret")
+
+    def _key_user(self, headers: dict[str, str]) -> str:
+        """The user of the request's bearer key, every configured key compared in
+        constant time; PermissionError saying whether the key is missing or unknown."""
+        key = _bearer(headers)
+        if not key:
+            raise PermissionError("missing API key (send Authorization: Bearer <key>)")
         found = None
         for known, user in self.api_keys.items():
             if same_secret(key, known):
                 found = user
+        if found is None:
+            raise PermissionError("unknown API key")
         return found
 
     def check_admin(self, headers: dict[str, str]) -> None:
@@ -176,6 +195,19 @@ class AccessPolicy:
             return
         if not same_secret(_bearer(headers), self.admin_key):
             raise PermissionError("admin key required")
+
+
+def policy_from(settings: Any, host: str) -> AccessPolicy:
+    """The policy of a server binding ``host`` with these settings (ServeError when it
+    refuses to start). Imports nothing heavy: ``inferscale serve`` checks it before vLLM
+    or Ray is imported."""
+    def secret(value: Any) -> str | None:
+        return value.get_secret_value() if value else None
+
+    return AccessPolicy(
+        api_keys=dict(settings.api_keys), admin_key=secret(settings.admin_key),
+        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host),
+        gateway_secret=secret(settings.gateway_secret))
 
 
 def _bearer(headers: dict[str, str]) -> str | None:

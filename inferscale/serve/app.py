@@ -12,6 +12,8 @@ key first, then validate their bodies the same way.
 
 ``GET /metrics`` is open, like vLLM's own (it names no user): vLLM's engine metrics and
 the server's, in the Prometheus text format (:mod:`inferscale.serve.metrics`).
+``GET /v1/models`` wants a chat request's credentials, less the user
+(:meth:`~inferscale.serve.access.AccessPolicy.check_client`).
 
 Beyond the OpenAI fields, a chat request may carry ``inferscale: {"mode", "top_k"}``,
 ``ignore_eos`` (as vLLM's server: generate exactly ``max_tokens``) and, when streaming,
@@ -39,7 +41,7 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Request  # noqa: F401
 
 from inferscale.serve.access import (  # noqa: F401
-    AccessPolicy, DuplicateHeader, ServeError, is_loopback,
+    AccessPolicy, DuplicateHeader, ServeError, is_loopback, policy_from,
 )
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
@@ -92,7 +94,8 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         return validate(model, body)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(req: Request) -> dict:
+        checked(policy.check_client, headers_of(req))  # a key when keys are set, as vLLM's
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "owned_by": "inferscale"}]}
 
@@ -244,16 +247,6 @@ async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_
 
 
 # ---------------------------------------------------------------------------- start-up
-
-
-def policy_from(settings: Any, host: str) -> AccessPolicy:
-    def secret(value: Any) -> str | None:
-        return value.get_secret_value() if value else None
-
-    return AccessPolicy(
-        api_keys=dict(settings.api_keys), admin_key=secret(settings.admin_key),
-        trusted_user_header=settings.trusted_user_header, loopback=is_loopback(host),
-        gateway_secret=secret(settings.gateway_secret))
 
 
 async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str, host: str,

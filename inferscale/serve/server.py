@@ -282,9 +282,12 @@ class MemoryServer:
                      mode: Mode | None = None, ignore_eos: bool = False,
                      shed: bool = True) -> dict:
         """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
-        dict}`` (``info``: mode, facts, version, memory/tail/injected tokens, the
-        fallback if any, and timings in ms: memory, embed, retrieve, compose,
-        engine_ttft, query_to_first_token). ``shed``: as for :meth:`request`."""
+        dict}`` (``info``: mode, facts, version, ``memory_tokens`` = the memory's tokens
+        in the prompt however vLLM got them (injected, prefix-cache hits, or prefilled),
+        ``injected_tokens`` = those the connector injected, ``cached_tokens``,
+        ``text_tail_tokens``, the fallback if any, and timings in ms: memory, embed,
+        retrieve, compose, engine_ttft, query_to_first_token). ``shed``: as for
+        :meth:`request`."""
         started = time.perf_counter()
         max_tokens = max_tokens or self.max_tokens
         p = await self.request(user, question, k, mode, max_tokens, shed)

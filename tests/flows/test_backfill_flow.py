@@ -58,7 +58,7 @@ def test_backfill_isolates_failures_and_resumes(flow_env, tmp_path, new_model):
     state = backfill_model(model=new_model, artifact_root=str(root), fact_mode="raw",
                            max_workers=2, concurrency_limit=1, return_state=True)
     assert state.is_failed() and "tomas" in state.message
-    report = state.result(raise_on_failure=False)
+    report = state.result(raise_on_failure=False).report  # flows.results.UsersFailed
     assert report["model_fingerprint"] == fp
     assert report["users"]["maya"]["status"] == "published"
     assert report["users"]["tomas"]["status"] == "failed"

@@ -1,6 +1,7 @@
 """Deployments from prefect.yaml, run by a process worker against the real local server;
 lineage read back through the API and in the UI (headless Chromium); a worker killed in
-the middle of a run, then the run again: complete, no duplicate, nothing partial."""
+the middle of a run, then the run again: complete, no duplicate, nothing partial; runs
+that fail some users end Failed, with their report read back from the API."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from chromium import Browser, chromium_binary
 from prefect_env import (
-    PREFECT, REPO, artifacts_of_run, artifacts_with_key, kill_tree, table_rows, task_runs_of,
+    PREFECT, REPO, _free_port, artifacts_of_run, artifacts_with_key, kill_tree, table_rows,
+    task_runs_of,
 )
 
 pytestmark = pytest.mark.slow
@@ -214,3 +216,77 @@ def test_worker_killed_mid_flow_then_rerun(deployed, tmp_path, inferscale_home):
     # maya was published before the kill: the rerun did not encode her again
     names = {r.name for r in task_runs_of(fr2.id)}
     assert "encode-kv-maya" not in names and "encode-kv-tomas" in names
+
+
+def _worker_reported_exit(log: Path, run_name: str, timeout: float = 60) -> str:
+    """The worker's log once it has reported how the run's process exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log.read_text(errors="replace")
+        if f"Process for flow run {run_name!r} exited" in text:
+            return text
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
+
+
+def test_runs_that_fail_some_users_end_failed_with_their_report(deployed, tmp_path,
+                                                                  monkeypatch):
+    """The hydrate deployment with users the server refuses (here: the worker's configured
+    server, http://127.0.0.1:INFERSCALE_PORT by default, is not on INFERSCALE_SERVER_URLS,
+    so the admin key may not go there: refused before anything is sent) and the encode
+    deployment with a
+    damaged store for tomas: each run ends Failed, not Crashed; the engine raises the run's
+    ``UsersFailed`` (no ``TypeError: Unexpected result for failed state``) and its process
+    exits 1, as Prefect's does for every Failed run; the per-user report comes back from
+    the API through the run's state, and the encode run's summary artifact lists it."""
+    from prefect import get_client
+
+    from flows.results import UsersFailed
+
+    root = tmp_path / "artifacts"
+    (root / "users").mkdir(parents=True)
+    (root / "users" / "tomas").write_text("not a folder")
+    port = _free_port()
+    monkeypatch.setenv("INFERSCALE_ADMIN_KEY", "k")  # the worker's environment
+    monkeypatch.setenv("INFERSCALE_PORT", str(port))
+    monkeypatch.setenv("INFERSCALE_SERVER_URLS", '["http://127.0.0.1:1"]')
+    name = f"w-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(tmp_path, name)
+    try:
+        runs = {
+            "hydrate": run_deployment("hydrate-serving/hydrate", {
+                "users": ["nobody", "tomas"], "tier": "gpu"}),  # prefect.yaml: server_url null
+            "encode": run_deployment("encode-users/encode", {
+                "users": ["maya", "tomas"], "artifact_root": str(root), "fact_mode": "raw",
+                "window": 1})}
+        final = {k: wait_final(fr.id) for k, fr in runs.items()}
+        log = ""
+        for fr in final.values():
+            log = _worker_reported_exit(tmp_path / f"{name}.log", fr.name)
+    finally:
+        kill_tree(worker)
+    assert "Unexpected result for failed state" not in log and "TypeError" not in log, log
+    hydrate, encode = final["hydrate"], final["encode"]
+    assert f"Process for flow run {hydrate.name!r} exited with status code: 1" in log
+    assert "flows.results.UsersFailed: 2 of 2 users not hydrated: nobody, tomas" in log
+    assert "flows.results.UsersFailed: 1 of 2 users failed: tomas" in log
+    with get_client(sync_client=True) as client:  # after the worker saw the exit: still Failed
+        hydrate, encode = (client.read_flow_run(fr.id) for fr in (hydrate, encode))
+    assert hydrate.state.is_failed() and hydrate.state.name == "Failed", hydrate.state
+    assert hydrate.state.message == "2 of 2 users not hydrated: nobody, tomas"
+    assert encode.state.is_failed() and encode.state.message == "1 of 2 users failed: tomas"
+
+    failed = hydrate.state.result(raise_on_failure=False)  # read back from result storage
+    assert isinstance(failed, UsersFailed) and str(failed) == hydrate.state.message
+    rows = failed.report["users"]
+    assert {u: r["status"] for u, r in rows.items()} == {"nobody": "failed", "tomas": "failed"}
+    assert failed.report["server_url"] == f"http://127.0.0.1:{port}"
+    assert f"http://127.0.0.1:{port} is not a configured server" in rows["nobody"]["error"]
+    with pytest.raises(UsersFailed):
+        hydrate.state.result()
+    report = encode.state.result(raise_on_failure=False).report
+    assert report["users"]["maya"]["status"] == "published"
+    assert report["users"]["tomas"]["status"] == "failed"
+    assert "NotADirectoryError" in report["users"]["tomas"]["error"]
+    (summary,) = [a for a in artifacts_of_run(encode.id) if a.key == "inferscale-encode-summary"]
+    assert "| tomas | failed: NotADirectoryError" in summary.data

@@ -54,7 +54,7 @@ def test_hydrate_users_into_running_server(flow_env, engine_env, served):
     state = hydrate_serving(users=["maya", "nobody"], server_url=served, tier="gpu",
                             return_state=True)
     assert state.is_failed() and "nobody" in state.message
-    rows = state.result(raise_on_failure=False)["users"]
+    rows = state.result(raise_on_failure=False).report["users"]  # flows.results.UsersFailed
     assert rows["maya"]["status"] == "hydrated" and rows["nobody"]["status"] == "failed"
     assert "404" in rows["nobody"]["error"]
     (run,) = [r for r in task_runs_of(state.state_details.flow_run_id)

@@ -6,7 +6,6 @@ version's lineage is recorded in the run's log."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -18,16 +17,10 @@ ANN = [{"user": "ann smith", "session": "1", "turn": f"A{i}", "speaker": "Ann",
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch, inferscale_home):
+def home(own_home, monkeypatch):
     """An InferScale home of its own (Mem0 scratch), sharing the converted model."""
-    home = tmp_path / "home"
-    home.mkdir()
-    for name in ("models", "fingerprints"):
-        (inferscale_home / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(inferscale_home / name, target_is_directory=True)
-    monkeypatch.setenv("INFERSCALE_HOME", str(home))
     monkeypatch.setenv("INFERSCALE_WINDOW", "2")
-    return home
+    return own_home
 
 
 def logs_with_ann(tmp_path) -> str:
@@ -41,15 +34,23 @@ def logs_with_ann(tmp_path) -> str:
     return str(path)
 
 
-def encode(capsys, *argv: str) -> tuple[int, dict]:
+def encode(capsys, *argv: str) -> tuple[int, dict, str]:
+    """``inferscale encode``: its exit status, the report (stdout), the run's log (stderr)."""
     from inferscale.cli import main
 
     status = main(["encode", "--fact-mode", "raw", *argv])
-    out = capsys.readouterr().out
-    return status, json.loads(out[out.index("{"):])
+    out, err = capsys.readouterr()
+    return status, json.loads(out[out.index("{"):]), err
 
 
-def test_one_users_failure_costs_the_others_nothing(home, tmp_path, capsys, caplog):
+def lineage(log: str, user: str, version: str, fp: str) -> str:
+    """The line of the run's log that records ``user``'s ``version`` (exactly one)."""
+    (line,) = [x for x in log.splitlines()
+               if f"user {user}: version {version} of model {fp[:12]}, parents log " in x]
+    return line
+
+
+def test_one_users_failure_costs_the_others_nothing(home, tmp_path, capsys):
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.read import verify_version
 
@@ -58,7 +59,7 @@ def test_one_users_failure_costs_the_others_nothing(home, tmp_path, capsys, capl
     store = StoreConfig(str(root))
 
     # a user id Mem0 refuses (inner space) is quarantined at ingestion: the others publish
-    status, report = encode(capsys, "--logs", logs, "--artifact-root", str(root))
+    status, report, log = encode(capsys, "--logs", logs, "--artifact-root", str(root))
     assert status == 0
     users = report["users"]
     assert sorted(users) == ["maya", "tomas"]
@@ -68,25 +69,39 @@ def test_one_users_failure_costs_the_others_nothing(home, tmp_path, capsys, capl
         assert users[user]["status"] == "published" and users[user]["facts"] == 4
         assert verify_version(store, user, fp).version == users[user]["version"]
 
-    # unchanged inputs: LATEST already names each version, nothing is encoded or written;
-    # each version's lineage is in the run's log
-    with caplog.at_level(logging.INFO, logger="inferscale.pipeline"):
-        status, again = encode(capsys, "--logs", logs, "--artifact-root", str(root))
+    # each published version's lineage is in the command's output (its log, on stderr)
+    for user in ("maya", "tomas"):
+        line = lineage(log, user, users[user]["version"], fp)
+        assert ", previous (none), from " in line and line.endswith(logs)
+
+    # unchanged inputs: LATEST already names each version, nothing is encoded or written
+    status, again, log = encode(capsys, "--logs", logs, "--artifact-root", str(root))
     assert status == 0
     for user in ("maya", "tomas"):
         out = again["users"][user]
         assert out["status"] == "unchanged" and out["version"] == users[user]["version"]
         assert out["encoded"] is None and out["kv_bytes"] is None
-        assert f"user {user}: LATEST already names version {out['version']}" in caplog.text
-        assert f"user {user}: version {out['version']} of model {fp[:12]}, parents log" \
-            in caplog.text
+        assert f"user {user}: LATEST already names version {out['version']}" in log
+        assert lineage(log, user, out["version"], fp)
+
+    # another window: new versions, each naming its parents and the previous version
+    status, wider, log = encode(capsys, "--logs", logs, "--artifact-root", str(root),
+                                "--window", "3")
+    assert status == 0
+    for user in ("maya", "tomas"):
+        new = wider["users"][user]
+        assert new["status"] == "published" and new["version"] != users[user]["version"]
+        line = lineage(log, user, new["version"], fp)
+        assert f", previous {users[user]['version']}, from " in line
+        m = verify_version(store, user, fp)
+        assert f"parents log {m.parents['log'][:12]} facts {m.parents['facts'][:12]}," in line
 
     # a user whose chain fails (a damaged store: a file where maya's folder should be)
     # fails alone, after the others were published
     other = tmp_path / "other"
     (other / "users").mkdir(parents=True)
     (other / "users" / "maya").write_text("not a folder")
-    status, broken = encode(capsys, "--logs", logs, "--artifact-root", str(other))
+    status, broken, _ = encode(capsys, "--logs", logs, "--artifact-root", str(other))
     assert status == 1
     assert broken["users"]["maya"]["status"] == "failed"
     assert "NotADirectoryError" in broken["users"]["maya"]["error"]

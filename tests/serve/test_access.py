@@ -38,8 +38,12 @@ def test_keys_only_decide_the_user():
     assert user_for(policy, bearer("key-ann"), "ann") == "ann"
     with pytest.raises(PermissionError, match="another user"):
         user_for(policy, bearer("key-ann"), "bob")
-    for headers in (bearer("nope"), {}, bearer(""), bearer("key-ann-x"), bearer("é")):
-        with pytest.raises(PermissionError, match="unknown API key"):
+    for headers in (bearer("nope"), bearer("key-ann-x"), bearer("é")):
+        with pytest.raises(PermissionError, match="^unknown API key"):
+            user_for(policy, headers, "ann")
+    # no key at all is told apart from a wrong one
+    for headers in ({}, bearer(""), {"authorization": "Basic a2V5LWFubg=="}):
+        with pytest.raises(PermissionError, match="^missing API key"):
             user_for(policy, headers, "ann")
 
 
@@ -80,7 +84,7 @@ def test_wrong_or_missing_gateway_secret_is_refused():
 
 def test_header_and_keys_the_key_is_always_checked():
     policy = AccessPolicy(KEYS, "admin", "X-User", loopback=True)
-    with pytest.raises(PermissionError, match="unknown API key"):
+    with pytest.raises(PermissionError, match="missing API key"):
         user_for(policy, {"x-user": "ann"}, None)  # no key: the header alone gets nothing
     with pytest.raises(PermissionError, match="unknown API key"):
         user_for(policy, {"x-user": "ann", **bearer("nope")}, None)
@@ -93,6 +97,23 @@ def test_header_and_keys_the_key_is_always_checked():
         user_for(remote, {"x-user": "ann", **bearer("key-ann")}, None)
     assert user_for(remote, {"x-user": "ann", GATEWAY_SECRET_HEADER: "s3cret",
                             **bearer("key-ann")}, None) == "ann"
+
+
+def test_a_request_for_nobodys_memory_needs_the_same_credentials():
+    """``GET /v1/models``: a known key when keys are set, the gateway secret when one is,
+    open otherwise; never a user."""
+    keys = AccessPolicy(KEYS, "admin", None, loopback=True)
+    keys.check_client(bearer("key-bob"))
+    with pytest.raises(PermissionError, match="^missing API key"):
+        keys.check_client({})
+    with pytest.raises(PermissionError, match="^unknown API key"):
+        keys.check_client(bearer("nope"))
+    gateway = AccessPolicy({}, "admin", "X-User", loopback=False, gateway_secret="s3cret")
+    gateway.check_client({GATEWAY_SECRET_HEADER: "s3cret"})  # no X-User needed
+    with pytest.raises(PermissionError, match="gateway secret"):
+        gateway.check_client({"x-user": "ann"})
+    AccessPolicy({}, None, None, loopback=True).check_client({})
+    AccessPolicy({}, None, "X-User", loopback=True).check_client({})
 
 
 def test_malformed_user_ids_are_refused():

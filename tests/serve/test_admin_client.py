@@ -40,6 +40,7 @@ def test_default_allow_list_is_this_hosts_server(monkeypatch):
 
 def test_the_cli_takes_no_key_on_its_command_line(tmp_path, monkeypatch, capsys):
     from inferscale.cli import _admin, build_parser
+    from inferscale.settings import Settings
 
     for argv in (["hydrate", "ann", "--admin-key", "s3cret"], ["status", "--admin-key", "x"]):
         with pytest.raises(SystemExit):
@@ -51,9 +52,9 @@ def test_the_cli_takes_no_key_on_its_command_line(tmp_path, monkeypatch, capsys)
     monkeypatch.delenv("INFERSCALE_SERVER_URLS", raising=False)
     monkeypatch.delenv("INFERSCALE_PORT", raising=False)
     args = build_parser().parse_args(["status", "--admin-key-file", str(key_file)])
-    assert _admin(args).admin_key == "from-file"
+    assert _admin(args, Settings()).admin_key == "from-file"
     args = build_parser().parse_args(["evict", "ann"])
-    assert _admin(args).admin_key == "from-env"
+    assert _admin(args, Settings()).admin_key == "from-env"
     args = build_parser().parse_args(["evict", "ann", "--url", "http://evil.example:8000"])
     with pytest.raises(AdminKeyRefused):
-        _admin(args)
+        _admin(args, Settings())

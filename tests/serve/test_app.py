@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from inferscale.serve.access import AccessPolicy
+from inferscale.serve.access import GATEWAY_SECRET_HEADER, AccessPolicy
 from inferscale.serve.app import create_app
 from inferscale.serve.engine import Generation
 from inferscale.serve.server import Prepared
@@ -84,6 +84,30 @@ def test_credentials_are_checked_before_the_body_is_read():
             assert r.status_code == 401, (body[:20], headers, r.status_code, r.text)
         r = client.post("/admin/hydrate", content=body, headers=ANN)  # not the admin key
         assert r.status_code == 401
+    assert server.calls == []
+
+
+def test_a_missing_key_is_told_apart_from_an_unknown_one():
+    client, _ = http()
+    r = client.post("/v1/chat/completions", json=ASK)
+    assert r.status_code == 401 and r.json()["detail"].startswith("missing API key")
+    r = client.post("/v1/chat/completions", json=ASK, headers={"Authorization": "Bearer x"})
+    assert r.status_code == 401 and r.json()["detail"] == "unknown API key"
+
+
+def test_the_model_list_wants_a_key_when_keys_are_set():
+    """As vLLM's ``--api-key`` guards every ``/v1`` route; without keys it stays open."""
+    client, server = http()
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401
+    r = client.get("/v1/models", headers=ANN)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["m"]
+    gateway = AccessPolicy({}, "admin", "X-User", loopback=False, gateway_secret="s3cret")
+    client, _ = http(gateway)
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={GATEWAY_SECRET_HEADER: "s3cret"}).status_code == 200
+    client, _ = http(AccessPolicy({}, None, None, loopback=True))
+    assert client.get("/v1/models").status_code == 200
     assert server.calls == []
 
 
