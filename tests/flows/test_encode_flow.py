@@ -108,6 +108,8 @@ def test_encode_publishes_every_user_with_lineage(flow_env, tmp_path):
     for r in records.values():
         if "metadata" not in r:  # a flow's report: JSON itself (flows.results), its
             continue  # metadata in the run's state
+        if r["metadata"]["serializer"]["type"] == "json":  # JSON text (a failed task's
+            continue  # exception under a JSON serializer among them): no pickle
         raw = base64.b64decode(r["result"])
         if raw.startswith(b"\x80"):  # a pickle (Prefect pickles a failed task's exception)
             assert not any(m in raw for m in (b"inferscale.encode", b"inferscale.facts",
