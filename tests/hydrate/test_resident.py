@@ -257,6 +257,18 @@ def dequantized(r: Resident) -> torch.Tensor:
     return r.slab.float() * r.row_scales()[..., None]
 
 
+def test_the_kept_dtype_rule():
+    """fp8 stays fp8 on CUDA only; everything else becomes the store's dtype (the
+    engine's), float32 for fp8 on the CPU when the store has none."""
+    from inferscale.hydrate.store import kept_dtype
+
+    fp8, bf16, f32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
+    assert kept_dtype(fp8, bf16, cuda=True) == fp8
+    assert kept_dtype(fp8, bf16, cuda=False) == bf16 and kept_dtype(fp8, None, False) == f32
+    assert kept_dtype(bf16, f32, cuda=False) == f32 and kept_dtype(bf16, None, True) == bf16
+    assert ResidentStore("cpu", 1, 1, dtype=None).kept_dtype(fp8) == f32
+
+
 def test_fp8_slabs_are_dequantized_once_on_the_cpu():
     """A CPU store converts an fp8 slab to float32 with each row's chunk scales when it
     places it (the scales are then dropped); budgets count the float32 bytes; under
