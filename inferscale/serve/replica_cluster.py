@@ -1,8 +1,10 @@
-"""Memory replicas on Ray Serve on this machine, for ``benchmarks/replicas.py`` and the
-tests: a local Ray instance, Serve's proxy on 127.0.0.1 and a free port, the
-application of :mod:`inferscale.serve.replicas` with the settings given as
-``INFERSCALE_*`` variables (Ray's worker processes inherit this process's environment
-when ``ray.init`` starts them), and the admin calls, scrapes and faults the runs need.
+"""Memory replicas on this machine's own Ray instance for as long as a block runs: what
+``inferscale serve --replicas N`` serves (:mod:`inferscale.serve.replicas`), driven from
+Python (the replicas benchmark, the tests). A local Ray instance, Serve's proxy on
+127.0.0.1 and a free port, the settings given as ``INFERSCALE_*`` variables (Ray's
+worker processes inherit this process's environment when ``ray.init`` starts them);
+the admin calls and scrapes a run makes, and a fault drill: a replica's process killed
+(``psutil``) and its restart awaited.
 """
 
 from __future__ import annotations
