@@ -35,16 +35,17 @@ def raw_text(turn: Mapping[str, Any]) -> str:
 
 
 def facts_table(user: str, facts: Sequence[tuple[Mapping[str, Any], str]],
-                embeddings: Sequence[Sequence[float]], tokenizer: Any, *,
+                embeddings: Any, tokenizer: Any, *,
                 max_tokens: int = 256, dims: int | None = None) -> pa.Table:
     """``user``'s facts table: one row per ``(source turn, text)`` of ``facts`` (the turn
     a row of ``storage_schemas.turns``: its ``turn_id`` and ``turn_index`` are the
-    source), with the embedding of the same position. ``dims``: the embedding size
-    (default: the first embedding's; required when ``facts`` is empty)."""
+    source), with the embedding of the same position (``embeddings``: one vector per
+    fact, lists or a 2-D array). ``dims``: the embedding size (default: the first
+    embedding's; required when ``facts`` is empty)."""
     if len(embeddings) != len(facts):
         raise ValueError(f"{len(facts)} facts but {len(embeddings)} embeddings")
     if dims is None:
-        if not embeddings:
+        if len(embeddings) == 0:
             raise ValueError("no facts: give the embedding size (dims)")
         dims = len(embeddings[0])
     composer = Composer(tokenizer)

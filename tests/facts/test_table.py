@@ -40,7 +40,12 @@ def test_texts_are_normalized_and_repeats_and_empty_facts_dropped(tokenizer):
 
 
 def test_an_empty_table_needs_its_embedding_size_and_sizes_must_agree(tokenizer):
+    import numpy as np
+
     assert facts_table("ann", [], [], tokenizer, dims=3).schema == facts_schema.schema(3)
+    two = [({"turn_id": f"t{i}", "turn_index": i}, f"fact {i}") for i in range(2)]
+    rows = facts_table("ann", two, np.eye(2, dtype=np.float32), tokenizer)  # an array too
+    assert rows["embedding"].to_pylist() == [[1.0, 0.0], [0.0, 1.0]]
     with pytest.raises(ValueError, match="dims"):
         facts_table("ann", [], [], tokenizer)
     with pytest.raises(ValueError, match="1 facts but 2 embeddings"):
