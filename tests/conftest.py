@@ -22,12 +22,10 @@ offline_environment()
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
-sys.path.insert(1, str(REPO))  # benchmarks/ (its helpers and CLIs are tested too)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers: tests/builders.py ...
+sys.path.insert(1, str(REPO))  # flows/, tasks/, benchmarks/ (tests/benchmarks tests them)
 
-S3_KEY = "testing"
-S3_SECRET = "testing"
-S3_REGION = "us-east-1"
+from moto_s3 import S3_KEY, S3_REGION, S3_SECRET, s3_options  # noqa: E402
 
 
 def _free_port() -> int:
@@ -49,11 +47,6 @@ def moto_endpoint():
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
-
-
-def s3_options(endpoint: str) -> dict:
-    return {"key": S3_KEY, "secret": S3_SECRET,
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": S3_REGION}}
 
 
 @pytest.fixture

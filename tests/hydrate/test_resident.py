@@ -3,22 +3,10 @@
 import pytest
 import torch
 
+from builders import make_resident
 from inferscale.hydrate.arena import ALIGN
 from inferscale.hydrate.resident import ResidencyError, Resident
 from inferscale.hydrate.store import ResidentStore
-
-
-def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),
-                  L=2, H=2, D=4, seed=0) -> Resident:
-    g = torch.Generator().manual_seed(seed)
-    total = sum(n for _, n in chunks)
-    slab = torch.randn((total, 2, L, H, D), generator=g)  # [T, 2, L, H, D]
-    index, tokens, off = {}, {}, 0
-    for cid, n in chunks:
-        index[cid] = (off, n)
-        tokens[cid] = tuple(range(100 + off, 100 + off + n))
-        off += n
-    return Resident(user, version, "fp", slab, index, tokens)
 
 
 def nbytes(r: Resident) -> int:

@@ -153,7 +153,7 @@ def test_the_gateways_admin_status_parses_identity_headers_as_the_app():
     from inferscale.serve.access import AccessPolicy
     from inferscale.serve.api_models import RequestLimits
     from inferscale.serve.replicas import Gateway
-    from test_app import RecordingServer
+    from tests.serve.recording_server import RecordingServer
 
     gateway = Gateway.__new__(Gateway)  # as __init__ leaves it, without a Serve replica
     gateway.policy = AccessPolicy({"key-ann": "ann"}, "admin", None, loopback=False)
