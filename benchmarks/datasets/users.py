@@ -1,18 +1,20 @@
-"""The users of the load benchmark (``benchmarks/load.py``): many users with published
-artifacts, built from LoCoMo turns, their questions and how often each one asks.
+"""Many benchmark users with published artifacts, built from LoCoMo turns, their
+questions and how often each one asks (the load benchmark's, ``benchmarks.load``, and
+the replicas benchmark's, ``benchmarks.replicas``).
 
 - **Facts.** The turns of every given conversation are pooled in order (conv-26's 419,
   then conv-30's 369: 788). Users come in ``groups`` memory groups: group ``g`` holds
   ``facts`` consecutive pooled turns from turn ``g * len(pool) // groups`` on (wrapping
-  around), each turn one fact ``"[date] Speaker: text"`` (the pipeline's raw fact mode),
-  embedded with MiniLM.
+  around), each turn one fact ``"[date] Speaker: text"`` (the pipeline's raw fact mode:
+  :func:`inferscale.facts.table.raw_facts`), embedded with MiniLM.
 - **Artifacts.** Every user has an artifact of its own, published into the store
   (version, manifest, facts table). Users of one group hold the same facts, so their KV
   slabs are the same bytes: the group's first user is published by
-  :func:`~inferscale.artifacts.publish.publish`, the others by :func:`publish_linked`,
-  whose KV file (``kv.<nonce>.arrow``) is a hard link to the first user's. A machine
-  thus stores ``groups`` slabs on disk, not ``users``; the server reads them around the
-  page cache (``O_DIRECT``, :mod:`benchmarks.storage_bandwidth`), so a user sharing its
+  :func:`~inferscale.artifacts.publish.publish`, the others by
+  :func:`~inferscale.artifacts.publish.publish_linked`, whose KV file
+  (``kv.<nonce>.arrow``) is a hard link to the first user's. A machine thus stores
+  ``groups`` slabs on disk, not ``users``; the server reads them around the page cache
+  (``O_DIRECT``, :mod:`benchmarks.lib.load.storage_bandwidth`), so a user sharing its
   group's file is still read from the disk, never from RAM. In the serving worker every
   user is hydrated into a slab of its own (residency, tiers and budgets count every user).
 - **KV.** A real model: every pooled turn some group holds is encoded once with ``w = 0``
@@ -31,31 +33,22 @@ artifacts, built from LoCoMo turns, their questions and how often each one asks.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from benchmarks.memory_setup import load_turns
-from inferscale.artifacts.blobs import Location
-from inferscale.artifacts.layout import FACTS_FILE, KV_FILE, MANIFEST_FILE, StoreConfig
-from inferscale.artifacts.latest import inputs_time, point_latest
-from inferscale.artifacts.publish import Lineage, publish, version_id
-from inferscale.compose import Composer, memory_text
+from benchmarks.datasets import locomo
+from inferscale.artifacts.layout import StoreConfig
+from inferscale.artifacts.publish import Lineage, publish, publish_linked
+from inferscale.compose import Composer
 from inferscale.encode.capture import EncodedChunk
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
-from inferscale.facts.extractor import fact_id
+from inferscale.facts.table import facts_table, raw_facts
 from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID, KVGeometry
-from storage_schemas import facts as facts_schema
-from storage_schemas.manifest import FileEntry, Manifest
 
 
 @dataclass
@@ -80,16 +73,18 @@ class Group:
         return f"group-{self.index:03d}"
 
 
-def pool_turns(conversations: list[str], tokenizer, max_tokens: int = 256) -> list[PooledTurn]:
-    """Every turn of every conversation, in order, as a raw-mode fact."""
-    composer = Composer(tokenizer)
-    pool = []
+def pool_turns(conversations: list[str], tokenizer, embed, max_tokens: int = 256
+               ) -> tuple[list[PooledTurn], np.ndarray]:
+    """Every turn of every conversation, in order, as its raw-mode fact (``embed(texts)``
+    -> their vectors): the pool and its embeddings ``[len(pool), dims]``."""
+    pool, vectors = [], []
     for c, path in enumerate(conversations):
-        for r in load_turns(path).sort_by("turn_index").to_pylist():
-            text = memory_text(r["speaker"], r["text"], r["timestamp"])
-            pool.append(PooledTurn(c, r["turn_id"], r["turn_index"], text,
-                                   composer.fact_ids(text, max_tokens)))
-    return pool
+        facts = raw_facts(locomo.turns(path), tokenizer, embed, max_tokens=max_tokens)
+        for r in facts.to_pylist():
+            pool.append(PooledTurn(c, r["source_turn_id"], r["source_index"], r["text"],
+                                   r["token_ids"]))
+            vectors.append(r["embedding"])
+    return pool, np.asarray(vectors, dtype=np.float32)
 
 
 def make_groups(pool_size: int, groups: int, facts: int, users: int) -> list[Group]:
@@ -105,20 +100,22 @@ def make_groups(pool_size: int, groups: int, facts: int, users: int) -> list[Gro
     return out
 
 
-def facts_table(group: Group, user: str, pool: list[PooledTurn], embeddings: np.ndarray
-                ) -> pa.Table:
-    """``user``'s facts table; fact ids are the group's (the same in every user's)."""
-    rows = [pool[i] for i in group.turns]
-    return pa.table({
-        "fact_id": [fact_id(group.name, f"c{r.conversation}:{r.turn_id}", r.text) for r in rows],
-        "user": [user] * len(rows),
-        "source_turn_id": [f"c{r.conversation}:{r.turn_id}" for r in rows],
-        "source_index": list(range(len(rows))),
-        "text": [r.text for r in rows],
-        "token_ids": [r.token_ids for r in rows],
-        "embedding": pa.FixedSizeListArray.from_arrays(
-            pa.array(embeddings[group.turns].astype(np.float32).ravel()), embeddings.shape[1]),
-    }, schema=facts_schema.schema(embeddings.shape[1]))
+def group_facts(group: Group, user: str, pool: list[PooledTurn], embeddings: np.ndarray,
+                tokenizer) -> pa.Table:
+    """``user``'s facts table: the group's pooled turns in its order, sources
+    ``c<conversation>:<turn id>``; fact ids are the group's (the same in every user's)."""
+    sources = [{"turn_id": f"c{pool[i].conversation}:{pool[i].turn_id}", "turn_index": n}
+               for n, i in enumerate(group.turns)]
+    table = facts_table(group.name, [(s, pool[i].text) for s, i in zip(sources, group.turns)],
+                        embeddings[group.turns], tokenizer)
+    return for_user(table, user)
+
+
+def for_user(table: pa.Table, user: str) -> pa.Table:
+    """The same facts table with ``user`` in its user column."""
+    at = table.schema.get_field_index("user")
+    return table.set_column(at, table.schema.field(at),
+                            pa.array([user] * table.num_rows, table.schema.field(at).type))
 
 
 def encode_pool(model, tokenizer, pool: list[PooledTurn], groups: list[Group],
@@ -166,61 +163,24 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
                          geometry=KVGeometry(L, H, D))
 
 
-def publish_linked(store: StoreConfig, user: str, source: Manifest, facts: pa.Table,
-                   lineage: Lineage) -> str:
-    """Publish ``user``'s version holding the same KV as the published version
-    ``source``: its own facts table and manifest, its KV file a hard link to the
-    source's (a local store only), then ``LATEST``. The files are not re-read here (the
-    source's KV file verified when it was published); hydration verifies them like any
-    artifact's (sizes, checksums, fingerprint)."""
-    if not os.path.isdir(store.root):
-        raise ValueError("publish_linked needs a local artifact store (hard links)")
-    fp = source.model_fingerprint
-    src_loc, loc = Location(store, source.user, fp), Location(store, user, fp)
-    version = version_id(user, lineage, fp, source.encoder_config)
-    nonce = uuid.uuid4().hex[:16]
-
-    def write_facts(w) -> None:
-        with pa.ipc.new_file(w, facts.schema) as writer:
-            writer.write_table(facts)
-
-    facts_name = f"facts.{nonce}.arrow"
-    out = loc.blobs.write_stream(loc.file(version, facts_name), write_facts)
-    kv = source.files[KV_FILE]
-    kv_name = kv.stored_name(KV_FILE)
-    os.link(src_loc.file(source.version, kv_name), loc.file(version, kv_name))
-    manifest = Manifest(
-        user=user, model_fingerprint=fp, version=version, encoder_config=source.encoder_config,
-        parents={"log": lineage.log_hash, "facts": lineage.facts_hash},
-        files={FACTS_FILE: FileEntry(out.nbytes, out.xxh3_128, facts_name), KV_FILE: kv},
-        counts=dict(source.counts, facts=facts.num_rows), kv=dict(source.kv),
-        created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        producer=f"{source.producer} (KV file linked from {source.user})")
-    if not loc.blobs.create_exclusive(loc.file(version, MANIFEST_FILE), manifest.to_json()):
-        raise FileExistsError(f"{loc.describe(version)} exists: use a fresh --workdir")
-    point_latest(loc, version, inputs_time(None))
-    return version
-
-
 def publish_users(store: StoreConfig, groups: list[Group], pool: list[PooledTurn],
-                  embeddings: np.ndarray, memory_of, progress=print) -> dict[str, dict]:
+                  embeddings: np.ndarray, tokenizer, memory_of, progress=print
+                  ) -> dict[str, dict]:
     """Publish every user of every group (``memory_of(group, fact_ids)`` -> the group's
     :class:`EncodedMemory`) -> user -> ``{"version", "slab_bytes"}``."""
     versions: dict[str, dict] = {}
     for group in groups:
         first, *others = group.users
-        table = facts_table(group, first, pool, embeddings)
+        table = group_facts(group, first, pool, embeddings, tokenizer)
         fids = table.column("fact_id").to_pylist()
         lineage = Lineage(f"locomo-pool-{len(pool)}", f"{group.name}-{len(fids)}")
         res = publish(store, first, memory_of(group, fids), table, lineage, embeddings=False)
         size = res.manifest.kv["slab_bytes"]
         versions[first] = {"version": res.version, "slab_bytes": size}
-        at = table.schema.get_field_index("user")
-        for user in others:  # the group's table with the user's name: built once
-            mine = table.set_column(at, table.schema.field(at),
-                                    pa.array([user] * table.num_rows, table.schema.field(at).type))
-            versions[user] = {"version": publish_linked(store, user, res.manifest, mine, lineage),
-                              "slab_bytes": size}
+        for user in others:  # the group's table with the user's name
+            versions[user] = {"version": publish_linked(
+                store, user, res.manifest, for_user(table, user), lineage).version,
+                "slab_bytes": size}
         progress(f"published {group.name}: {len(group.users)} users, "
                  f"{res.manifest.kv['slab_bytes'] / 2**30:.2f} GiB of KV each")
     return versions
@@ -248,11 +208,8 @@ class QuestionDeck:
 
 def locomo_questions(conversations: list[str]) -> dict[int, list[str]]:
     """Questions of categories 1-4 per conversation index."""
-    out = {}
-    for c, path in enumerate(conversations):
-        qa = json.loads(Path(path).read_text()).get("qa", [])
-        out[c] = [q["question"] for q in qa if q.get("category") in (1, 2, 3, 4)]
-    return out
+    return {c: [q["question"] for q in locomo.questions(path)]
+            for c, path in enumerate(conversations)}
 
 
 def shares(group: Group, pool: list[PooledTurn]) -> dict[int, float]:

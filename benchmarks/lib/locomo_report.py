@@ -1,9 +1,9 @@
-"""Scores and tables of ``benchmarks/locomo.py``: F1 per mode, k and category, paired
+"""Scores and tables of ``benchmarks.locomo``: F1 per mode, k and category, paired
 bootstrap intervals against the prompt baseline, transcript-continuation shares, the
 injected share of the retrieved facts' tokens and evidence recall, per conversation and
 pooled.
 
-Callers: ``benchmarks/locomo.py`` (after every phase), ``tests/test_bench_locomo.py``.
+Callers: ``benchmarks.locomo`` (after every phase), ``benchmarks.locomo_select``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import platform
 from typing import Any, Iterable, Sequence
 
-from benchmarks import qa_metrics
+from benchmarks.lib import qa_metrics
 
 SHARE_FROM_K = 10  # injected_share_min_k10: the default's smallest share over k >= this
 

@@ -1,5 +1,6 @@
-"""The KV variants of ``benchmarks/locomo.py``: specs (``NAME:field=value,...``), variants
-files with ``[section]`` headers, and which variants share one encoding."""
+"""The KV variants of ``benchmarks.locomo``: specs (``NAME:field=value,...``), variants
+files with ``[section]`` headers (``benchmarks/locomo_variants.txt``), and which variants
+share one encoding."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def read_specs(text: str, section: str | None = None) -> list[str]:
 LAYOUT_FIELDS = ("memory_order", "text_tail", "tail_max_k")
 # The stored format: never part of the encoding (a stored dtype other than the engine's is
 # the shared encoding converted, or quantized for fp8, as the encoder itself would:
-# benchmarks.memory_setup.as_stored).
+# inferscale.encode.encoder.EncodedMemory.stored_as).
 STORED_FIELDS = ("dtype",)
 
 

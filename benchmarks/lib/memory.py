@@ -1,14 +1,13 @@
-"""Build a benchmark user's memory from a LoCoMo conversation and publish it.
+"""A benchmark user's memory from a LoCoMo conversation, published as a real artifact, so
+the benchmarks hydrate and serve exactly what production does. Imports only what the
+GPU machine has (no Mem0, no LanceDB).
 
-Every turn becomes one fact (``"Speaker: text"``), embedded with the packaged
-MiniLM, tokenized on its own, encoded (real model) or filled with random KV (dummy-weight
-shapes), and published as a real artifact, so the benchmarks hydrate and serve exactly
-what production does. Imports only what the GPU machine has (no Mem0, no LanceDB).
-
-Small hand-written memories (the equivalence benchmark, the connector tests through
-``tests/engine_helpers.py``): :func:`facts_table` from texts, :func:`limiting_memory`
-(each fact encoded with the whole memory before it: exactly a joint prefill's KV) and
-:func:`memory_prompt` (every fact in stored order).
+Facts: the library's (:mod:`inferscale.facts.table`): ``raw_facts`` (the pipeline's raw
+fact mode, ``"[date] Speaker: text"``) with :func:`vectors` of the packaged MiniLM, or
+:func:`turn_facts` (``"Speaker: text"``, the TTFT and footprint benchmarks'). K/V: the
+real encoder (:func:`encoded_memory`), or random K/V of a model's geometry for
+dummy-weight shapes (:func:`random_memory`); :func:`kv_errors` measures what a stored
+dtype loses. :func:`placed_bytes`: what a published user takes in a worker's tiers.
 """
 
 from __future__ import annotations
@@ -20,59 +19,32 @@ import torch
 
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import Lineage, publish
-from inferscale.encode.batches import Segment
 from inferscale.compose import Composer, memory_text
-from inferscale.encode.capture import EncodedChunk, encode_segments, kv_shape
+from inferscale.encode.capture import EncodedChunk
 from inferscale.encode.encoder import EncodedMemory, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
-from inferscale.facts.extractor import fact_id
-from inferscale.ingest.logs import read_logs, turns_hash
-from inferscale.kv_quant import is_quantized, quantize
+from inferscale.facts.table import facts_table
+from inferscale.hydrate.slab import slab_nbytes
+from inferscale.hydrate.store import kept_dtype
+from inferscale.ingest.logs import turns_hash
+from inferscale.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, is_quantized, quantize
 from inferscale.pipeline.steps import turns_and_facts
 from inferscale.types import PREFIX_ID, KVGeometry
-from storage_schemas import facts as facts_schema
+from storage_schemas.manifest import Manifest
 
 
-def load_turns(conversation: str | Path) -> pa.Table:
-    (turns,) = read_logs(str(conversation)).turns.values()
-    return turns
+def vectors(embedder):
+    """``embed(texts)`` -> one row per text, by ``embedder`` (an
+    ``inferscale.serve.retrieval.Embedder``)."""
+    return lambda texts: embedder.embed(texts).float().cpu().numpy()
 
 
 def turn_facts(turns: pa.Table, user: str, tokenizer, embedder, max_tokens: int = 256) -> pa.Table:
-    """One fact per turn, for ``user``: the facts table the artifact stores."""
+    """One fact per turn, ``"Speaker: text"`` (no date), for ``user``."""
     rows = turns.sort_by("turn_index").to_pylist()
-    texts = [f"{r['speaker']}: {r['text']}" for r in rows]
-    composer = Composer(tokenizer)
-    emb = embedder.embed(texts).cpu().numpy()
-    return pa.table({
-        "fact_id": [fact_id(user, r["turn_id"], t) for r, t in zip(rows, texts)],
-        "user": [user] * len(rows),
-        "source_turn_id": [r["turn_id"] for r in rows],
-        "source_index": [r["turn_index"] for r in rows],
-        "text": texts,
-        "token_ids": [composer.fact_ids(t, max_tokens) for t in texts],
-        "embedding": [list(map(float, e)) for e in emb],
-    }, schema=facts_schema.schema(emb.shape[1]))
-
-
-def raw_facts(turns: pa.Table, tokenizer, embedder, max_tokens: int = 256) -> pa.Table:
-    """The pipeline's raw fact mode without Mem0: every turn one fact
-    ``"[date] Speaker: text"`` (the same ids, texts and token ids ``extract_facts`` gives
-    in raw mode), embedded with ``embedder``. For machines without Mem0/LanceDB."""
-    rows = turns.sort_by("turn_index").to_pylist()
-    user = rows[0]["user"]
-    texts = [memory_text(r["speaker"], r["text"], r["timestamp"]) for r in rows]
-    composer = Composer(tokenizer)
-    emb = embedder.embed(texts).cpu().numpy()
-    return pa.table({
-        "fact_id": [fact_id(user, r["turn_id"], t) for r, t in zip(rows, texts)],
-        "user": [user] * len(rows),
-        "source_turn_id": [r["turn_id"] for r in rows],
-        "source_index": [r["turn_index"] for r in rows],
-        "text": texts,
-        "token_ids": [composer.fact_ids(t, max_tokens) for t in texts],
-        "embedding": [list(map(float, e)) for e in emb],
-    }, schema=facts_schema.schema(emb.shape[1]))
+    texts = [memory_text(r["speaker"], r["text"]) for r in rows]
+    return facts_table(user, list(zip(rows, texts)), vectors(embedder)(texts), tokenizer,
+                       max_tokens=max_tokens)
 
 
 def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype: torch.dtype,
@@ -99,33 +71,12 @@ def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype
                                             **(layout or {})}, geometry=KVGeometry(L, H, D))
 
 
-def as_stored(memory: EncodedMemory, dtype: str) -> EncodedMemory:
-    """``memory`` (encoded in a float dtype) stored in ``dtype`` instead: converted, or
-    quantized per chunk for fp8 (what the encoder itself does with that stored dtype:
-    capture in the compute dtype, then convert), with the encoder config's ``dtype`` set
-    accordingly. One encoding, several storage formats."""
-    chunks = []
-    for c in memory.chunks:
-        if c.scales is not None:
-            raise ValueError("as_stored converts float encodings only")
-        if is_quantized(dtype):
-            k, v, sc = quantize(c.keys, c.values)
-        else:
-            k, v, sc = c.keys.to(getattr(torch, dtype)), c.values.to(getattr(torch, dtype)), None
-        chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, c.content_key, sc))
-    return EncodedMemory(chunks, memory.model_fingerprint,
-                         {**memory.encoder_config, "dtype": dtype}, memory.stats,
-                         memory.calibration, memory.geometry)
-
-
 def kv_errors(memory: EncodedMemory) -> dict:
     """How far stored K/V are from a float encoding (``memory``, float32 or bf16), for
     bf16 storage and two fp8 scale granularities: the stored format's (per chunk, K/V,
     layer, KV head) and per token (one scale per token, layer, head: what the format
     would need if chunk scales were too coarse). Relative RMS error over all chunks,
     K and V apart: sqrt(sum (x' - x)^2 / sum x^2)."""
-    from inferscale.kv_quant import FP8_DTYPE, FP8_MAX, dequantize
-
     err: dict[str, list[float]] = {}
 
     def add(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -163,44 +114,9 @@ def publish_memory(root: str | Path, user: str, turns: pa.Table, facts: pa.Table
     return res.version
 
 
-def facts_table(user: str, texts: list[str], token_ids: list[list[int]], embedder) -> pa.Table:
-    emb = embedder.embed(texts).cpu().numpy()
-    return pa.table({
-        "fact_id": [fact_id(user, f"t{i}", t) for i, t in enumerate(texts)],
-        "user": [user] * len(texts),
-        "source_turn_id": [f"t{i}" for i in range(len(texts))],
-        "source_index": list(range(len(texts))),
-        "text": texts,
-        "token_ids": token_ids,
-        "embedding": [list(map(float, e)) for e in emb],
-    }, schema=facts_schema.schema(emb.shape[1]))
-
-
-def limiting_memory(model, tokenizer, user: str, texts: list[str], fingerprint: str,
-                    embedder, dtype: torch.dtype = torch.float32
-                    ) -> tuple[EncodedMemory, pa.Table]:
-    """The limiting case: each fact encoded with the whole memory before it (instruction
-    prefix and the preceding facts) as its window -> exactly a joint prefill's KV."""
-    composer = Composer(tokenizer)
-    prefix = composer.prefix_ids()
-    ids = [composer.fact_ids(t) for t in texts]
-    table = facts_table(user, texts, ids, embedder)
-    fids = table.column("fact_id").to_pylist()
-    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
-    before = list(prefix)
-    for fid, f in zip(fids, ids):
-        segments.append(Segment(tuple(before), ((fid, tuple(f)),)))
-        before += f
-    chunks = {c.chunk_id: c for c in encode_segments(model, segments, out_dtype=dtype,
-                                                     batch_tokens=8192)}
-    ordered = [chunks[PREFIX_ID]] + [chunks[f] for f in fids]
-    return EncodedMemory(ordered, fingerprint, {"limiting_case": True, "dtype": str(dtype)},
-                         geometry=kv_shape(model)), table
-
-
-def memory_prompt(tokenizer, table: pa.Table, question: str) -> tuple[list[int], tuple[str, ...]]:
-    """Prompt ids with every fact in stored order, and the chunk list naming them."""
-    composer = Composer(tokenizer)
-    chunks = (PREFIX_ID, *table.column("fact_id").to_pylist())
-    memory = [composer.prefix_ids()] + table.column("token_ids").to_pylist()
-    return composer.compose(memory, question)[0], chunks
+def placed_bytes(manifest: Manifest, engine_dtype: str, cuda: bool) -> int:
+    """The bytes a published version takes placed in the tiers of an engine of
+    ``engine_dtype`` (fp8 kept with its scales on CUDA, dequantized on the CPU), from
+    its manifest alone, as the worker's loader counts them."""
+    stored = getattr(torch, manifest.kv["dtype"])
+    return slab_nbytes(manifest, kept_dtype(stored, getattr(torch, engine_dtype), cuda))

@@ -17,8 +17,8 @@ Category 5 (adversarial) is not scored here (left out of accuracy tables).
 :func:`judge` asks any OpenAI-compatible endpoint whether an answer is correct (the
 "LLM-as-a-judge" score Mem0's LoCoMo evaluation reports); off unless configured.
 
-Callers: ``benchmarks/locomo.py`` (scores), ``benchmarks/equivalence.py`` (normalized
-text), ``tests/test_bench_metrics.py``.
+Callers: ``benchmarks.lib.locomo_report`` (scores), ``benchmarks.equivalence``
+(normalized text).
 """
 
 from __future__ import annotations

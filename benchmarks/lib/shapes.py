@@ -1,16 +1,19 @@
 """Architectures of the big models benchmarked with random/dummy weights.
 
-Used by ``encode.py`` (transformers ``from_config``), ``ttft.py`` (vLLM with
-``load_format="dummy"``: a checkpoint directory holding only ``config.json`` and a
-tokenizer) and ``footprint.py`` (KV sizes). Values are those of the models' public
-``config.json`` files. No weights are downloaded anywhere.
+Used by ``benchmarks.encode`` (transformers ``from_config``: :func:`hf_config`),
+``benchmarks.ttft`` and ``benchmarks.load`` (vLLM with ``load_format="dummy"``: a
+checkpoint of only ``config.json`` and a tokenizer, :func:`dummy_checkpoint`) and
+``benchmarks.footprint`` (KV sizes: ``KVGeometry.of_config``). Values are those of the
+models' public ``config.json`` files. No weights are downloaded anywhere.
+:data:`RANDOM_LLAMA`: a small model with real random weights (tensor parallelism at
+TP=2, ``benchmarks.equivalence --model random-llama``).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
+
+from inferscale.models import write_dummy_checkpoint
 
 SHAPES: dict[str, dict] = {
     "llama-3.1-8b-shape": {
@@ -60,30 +63,12 @@ SHAPES["tiny-llama-shape"] = {
     "head_dim": 64, "vocab_size": 49152, "torch_dtype": "float32",
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-
-def write_dummy_checkpoint(shape: str, tokenizer_dir: str | Path, dest: str | Path) -> Path:
-    """A checkpoint directory for ``load_format="dummy"``: config + a tokenizer.
-
-    Having no tokenizer of these models offline, the embedded SmolLM2 tokenizer stands
-    in (its ids fit both vocabularies; only shapes and timings matter here).
-    """
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
-    for name in TOKENIZER_FILES:
-        src = Path(tokenizer_dir) / name
-        if src.exists():
-            shutil.copy(src, dest / name)
-    return dest
-
-
-def kv_shape(config: dict) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a config dict (head_dim defaults to hidden/heads)."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return config["num_hidden_layers"], heads, head_dim
+def dummy_checkpoint(shape: str, tokenizer_dir: str | Path, dest: str | Path) -> Path:
+    """A checkpoint directory of ``shape`` for ``load_format="dummy"``. Having no
+    tokenizer of these models offline, the embedded SmolLM2 tokenizer stands in (its ids
+    fit both vocabularies; only shapes and timings matter here)."""
+    return write_dummy_checkpoint(SHAPES[shape], tokenizer_dir, dest)
 
 
 def hf_config(shape: str):
@@ -98,7 +83,8 @@ def hf_config(shape: str):
 
 # A small Llama with real random weights for tensor parallelism at TP=2 (its 4 KV heads
 # split in two): larger than default initial weights (``initializer_range`` 0.1), so that
-# greedy answers depend on the whole context instead of repeating one token.
+# greedy answers depend on the whole context instead of repeating one token; written by
+# ``inferscale.models.write_random_checkpoint`` with the SmolLM2 tokenizer.
 RANDOM_LLAMA = {
     **SHAPES["tiny-llama-shape"], "num_hidden_layers": 4, "num_attention_heads": 8,
     "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096,
@@ -106,26 +92,3 @@ RANDOM_LLAMA = {
     "tie_word_embeddings": True,
 }
 
-
-def write_random_checkpoint(tokenizer_dir: str | Path, dest: str | Path, seed: int = 0,
-                            **overrides) -> Path:
-    """A float32 checkpoint of :data:`RANDOM_LLAMA` (``overrides`` changed) with random
-    weights drawn from ``seed`` and the tokenizer of ``tokenizer_dir`` (its special token
-    ids replace the shape's). Used by the tensor-parallel tests and
-    ``equivalence.py --model random-llama``; written once per ``dest``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    dest = Path(dest)
-    if (dest / "model.safetensors").exists():
-        return dest
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = {**RANDOM_LLAMA, **overrides, "vocab_size": len(tok),
-           "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
-    cfg.pop("architectures")
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
-    return dest

@@ -1,4 +1,4 @@
-"""The load benchmark's client (``benchmarks/load.py``): open-loop steps of Poisson
+"""The load benchmark's client (``benchmarks.load``): open-loop steps of Poisson
 arrivals, each request streamed through the official ``openai`` client so that TTFT is
 what a client sees.
 
@@ -9,7 +9,7 @@ what a client sees.
 - Stock vLLM (mode ``peer``, ``vllm serve``): a completion of the token ids our prompt
   mode composes for that user and question (:attr:`Load.prompts`: ``(user, question) ->
   (ids, info)``, composed before the step by the library's own code,
-  :mod:`benchmarks.load_peer`), so the peer prefills exactly what our prompt mode does.
+  :mod:`benchmarks.lib.load.peer`), so the peer prefills exactly what our prompt mode does.
 
 Every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy.
 """
@@ -20,7 +20,7 @@ import asyncio
 import random
 import time
 
-from benchmarks.load_users import QuestionDeck
+from benchmarks.datasets.users import QuestionDeck
 
 
 class Load:

@@ -1,8 +1,9 @@
-"""The load benchmark's statistics (``benchmarks/load.py``): per step (one mode at one
+"""The load benchmark's statistics (``benchmarks.load``): per step (one mode at one
 arrival rate) the latency percentiles, throughput, fallbacks and memory sources of its
 requests, and per mode the goodput: the highest rate whose p99 TTFT met the objective,
 before the first rate that missed it (a request that failed or did not finish counts as
-missing it). ``python -m benchmarks.load_stats RESULT.json ...`` prints a run's progress.
+missing it). ``python -m benchmarks.lib.load.goodput RESULT.json ...`` prints a run's
+progress.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.load_plan import GIB, MODES  # noqa: F401 - re-exported for load.py
+from benchmarks.lib.load.plan import GIB, MODES
 
 TIERS = ("gpu", "host", "storage")
 

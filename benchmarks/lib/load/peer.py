@@ -1,4 +1,4 @@
-"""The peer: stock vLLM under the same load (``benchmarks/load.py --peer``), the server
+"""The peer: stock vLLM under the same load (``benchmarks.load --peer``), the server
 every load result is compared with (``goodput_vs_peer``).
 
 **Server.** ``vllm serve`` (``python -m vllm.entrypoints.cli.main serve``; on the CPU
@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.load import Run
-from benchmarks.load_server import Http, ServerProcess, free_port
-from benchmarks.shapes import SHAPES
+from benchmarks.lib.load.run import Run, out_path, write
+from benchmarks.lib.load.server_process import Http, ServerProcess, free_port
+from benchmarks.lib.shapes import SHAPES
 
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # /server_info: the effective config
 
@@ -110,7 +110,7 @@ class PeerPrompts:
 
     def compose(self, schedule: list[tuple[float, str, str]]) -> None:
         """Compose every ``(user, question)`` of ``schedule`` not composed yet."""
-        from benchmarks.common import prepare
+        from benchmarks.lib.prompts import prepare
 
         for _, user, question in schedule:
             if (user, question) not in self.composed:
@@ -137,8 +137,6 @@ class PeerRun(Run):
 async def measure_peer(args, base: dict, memory: dict, work: Path, started: float,
                        embedder) -> list[dict]:
     """Start ``vllm serve``, run the first user count's peer steps, stop it."""
-    from benchmarks.load import out_path, write
-
     import torch
 
     if torch.cuda.is_available():  # vllm serve takes 90% of the GPU: free our cache first

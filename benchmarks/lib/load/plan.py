@@ -1,4 +1,4 @@
-"""What the load benchmark (``benchmarks/load.py``) runs, decided before and during the run.
+"""What the load benchmark (``benchmarks.load``) runs, decided before and during the run.
 
 - :func:`tier_plan`: where a scenario's users start (the gpu tier as full as its budget
   allows, by popularity, then the host tier, then storage).

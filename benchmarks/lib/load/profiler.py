@@ -1,4 +1,4 @@
-"""py-spy profiles of the load benchmark's server during chosen steps (``benchmarks/load.py
+"""py-spy profiles of the load benchmark's server during chosen steps (``benchmarks.load
 --profile-dir``): vLLM's engine-core process (scheduler, connector, and on one GPU the
 model runner: the engine steps), vLLM's worker processes where there are any (the CPU
 build, tensor parallelism) and the API server process (uvicorn's event loop, retrieval,
@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from benchmarks.load_server import engine_core_pid, worker_pids
+from benchmarks.lib.load.server_process import engine_core_pid, worker_pids
 
 
 class Profiler:

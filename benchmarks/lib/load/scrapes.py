@@ -1,4 +1,4 @@
-"""The load benchmark's reading of the server's ``/metrics`` (``benchmarks/load.py``).
+"""The load benchmark's reading of the server's ``/metrics`` (``benchmarks.load``).
 
 A scrape is parsed into ``{(sample name, sorted labels): value}`` (:func:`parse`, with
 prometheus_client's parser). Per rate step, the benchmark scrapes at the step's start and

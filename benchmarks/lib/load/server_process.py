@@ -1,6 +1,6 @@
 """The load benchmark's server process and the benchmark's handle on it.
 
-The process (``python benchmarks/load_server.py CONFIG.json``): InferScale's
+The process (``python -m benchmarks.lib.load.server_process CONFIG.json``): InferScale's
 OpenAI-compatible app (:func:`inferscale.serve.app.serve_app`, the code ``inferscale
 serve`` runs) on 127.0.0.1, over the engine the benchmark describes (a real checkpoint,
 or a dummy-weight shape that ``inferscale serve`` cannot start). ``CONFIG.json``:
@@ -13,11 +13,11 @@ memory cache's limits come from the config, not from ``INFERSCALE_SERVE_*``, so 
 result records them: a run of many users at once needs a storage-miss burst of at least
 the number of users, or their first lookups are shed (docs/serving.md).
 
-The handle (used by ``benchmarks/load.py``): :class:`ServerProcess` starts and stops it
-or stock ``vllm serve`` (:mod:`benchmarks.load_peer`) (its own session, so nothing of it
+The handle (used by ``benchmarks.load``): :class:`ServerProcess` starts and stops it
+or stock ``vllm serve`` (:mod:`benchmarks.lib.load.peer`) (its own session, so nothing of it
 outlives the benchmark), :class:`Http` calls its
 health, admin and metrics endpoints with the standard library (nothing the GPU machine
-might lack), :func:`scrape` reads ``/metrics`` (parsed by :mod:`benchmarks.load_metrics`),
+might lack), :func:`scrape` reads ``/metrics`` (parsed by :mod:`benchmarks.lib.load.scrapes`),
 :func:`evict_all` empties the workers' tiers between scenarios.
 """
 
@@ -33,14 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.load_metrics import metric, parse  # noqa: E402
-from inferscale.settings import offline_environment  # noqa: E402
+from inferscale.settings import offline_environment
 
 offline_environment()
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.lib.load.scrapes import metric, parse  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -63,16 +62,15 @@ class ServerProcess:
 
     @classmethod
     def inferscale(cls, config: dict, work: Path, log: Path) -> "ServerProcess":
-        """``benchmarks/load_server.py CONFIG`` (``config`` written to ``work``); once it
+        """This module's server on ``config`` (written to ``work``); once it
         is up, :meth:`engine_info` holds its engine's effective scheduling limits."""
         cfg_path = work / "server.json"
         config = {**config, "info_path": str(work / "server-info.json")}
         cfg_path.write_text(json.dumps(config))
         Path(config["info_path"]).unlink(missing_ok=True)
-        env = {"PYTHONPATH": os.pathsep.join([str(HERE.parent),
-                                              os.environ.get("PYTHONPATH", "")])}
-        server = cls([sys.executable, str(HERE / "load_server.py"), str(cfg_path)],
-                     config["port"], log, env)
+        env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        server = cls([sys.executable, "-m", __spec__.name, str(cfg_path)], config["port"], log,
+                     env)
         server.info_path = Path(config["info_path"])
         return server
 
@@ -153,7 +151,8 @@ def scrape_text(http: Http) -> str:
 
 
 def scrape(http: Http) -> dict:
-    """``/metrics`` -> {(sample name, sorted labels): value} (:mod:`benchmarks.load_metrics`)."""
+    """``/metrics`` -> {(sample name, sorted labels): value}
+    (:mod:`benchmarks.lib.load.scrapes`)."""
     return parse(scrape_text(http))
 
 

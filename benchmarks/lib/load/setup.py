@@ -1,4 +1,4 @@
-"""The load benchmark's setup (``benchmarks/load.py``): its command line, and the memory it
+"""The load benchmark's setup (``benchmarks.load``): its command line, and the memory it
 serves (every user published once, for the largest user count, or reused from an
 earlier run in the same ``--workdir``) with the server's config.
 """
@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.load_plan import GIB
-from benchmarks.shapes import SHAPES
+from benchmarks.lib.load.plan import GIB
+from benchmarks.lib.shapes import SHAPES
 from inferscale.settings import Settings
-
 
 MEMORY_FILE = "memory.json"  # in --workdir: what was published there, for --reuse-memory
 
@@ -51,8 +50,9 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
     -> {"version", "slab_bytes"}, "reused": whether they were reused}``."""
     from transformers import AutoTokenizer
 
-    from benchmarks import load_users as lu
-    from benchmarks.shapes import write_dummy_checkpoint
+    from benchmarks.datasets import users as lu
+    from benchmarks.lib.memory import vectors
+    from benchmarks.lib.shapes import dummy_checkpoint
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
 
@@ -61,7 +61,7 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
     store = StoreConfig(str(work / "artifacts"))
     if args.model in SHAPES:
         tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
-        ckpt = write_dummy_checkpoint(args.model, tok_dir, work / args.model)
+        ckpt = dummy_checkpoint(args.model, tok_dir, work / args.model)
         fp, tok = dummy_fingerprint(ckpt), AutoTokenizer.from_pretrained(ckpt)
         engine = dict(model=str(ckpt), load_format="dummy",
                       dtype="bfloat16" if cuda else "float32")
@@ -69,11 +69,12 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         loaded = load_model(args.model, home, device="cpu", dtype="float32")
         ckpt, fp, tok = loaded.checkpoint, loaded.fingerprint, loaded.tokenizer
         engine = dict(model=str(ckpt), dtype="bfloat16" if cuda else "float32")
-    pool = lu.pool_turns(args.conversations, tok)
+    pool, embeddings = lu.pool_turns(args.conversations, tok, vectors(embedder))
     groups = lu.make_groups(len(pool), args.groups or users, args.facts, users)
     reused = reused_memory(args, work, users)
     versions = reused["versions"] if reused else publish_memory(
-        args, store, tok, fp, pool, groups, embedder, None if args.model in SHAPES else loaded)
+        args, store, tok, fp, pool, embeddings, groups,
+        None if args.model in SHAPES else loaded)
     if not reused:
         (work / MEMORY_FILE).write_text(json.dumps(
             {"key": memory_key(args, users), "versions": versions}))
@@ -89,7 +90,7 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         staging_bytes=int(args.staging_gib * GIB),
         device_staging_bytes=int(args.device_staging_gib * GIB),
         direct_io=args.storage_direct_io)  # reads from storage bypass the page cache
-    from benchmarks.load_server import free_port
+    from benchmarks.lib.load.server_process import free_port
 
     server = {"engine": engine, "tokenizer": str(ckpt), "embedder": args.embedder,
               "top_k": args.top_k, "model_name": "load", "port": free_port(),
@@ -134,15 +135,14 @@ def cold_split_arg(value: str) -> str:
     return value
 
 
-def publish_memory(args, store, tok, fp: str, pool, groups, embedder, loaded) -> dict:
-    """Embed the pooled turns and publish every group's users (random K/V of the shape's
-    geometry, or the real model's encoding when ``loaded``)."""
-    from benchmarks import load_users as lu
+def publish_memory(args, store, tok, fp: str, pool, embeddings, groups, loaded) -> dict:
+    """Publish every group's users (random K/V of the shape's geometry, or the real
+    model's encoding when ``loaded``)."""
+    from benchmarks.datasets import users as lu
+    from inferscale.types import KVGeometry
 
-    embeddings = embedder.embed([t.text for t in pool]).float().cpu().numpy()
     if loaded is None:
-        cfg = SHAPES[args.model]
-        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+        shape = KVGeometry.of_config(SHAPES[args.model])
 
         def memory_of(group, fids):
             return lu.group_memory(group, fids, None, tok, pool, fp, shape,
@@ -156,7 +156,7 @@ def publish_memory(args, store, tok, fp: str, pool, groups, embedder, loaded) ->
 
         def memory_of(group, fids):
             return lu.group_memory(group, fids, encoded, tok, pool, fp)
-    return lu.publish_users(store, groups, pool, embeddings, memory_of,
+    return lu.publish_users(store, groups, pool, embeddings, tok, memory_of,
                             progress=lambda m: print(m, flush=True))
 
 
@@ -197,7 +197,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--peer", action="store_true",
       help="run stock `vllm serve` on the same checkpoint instead of InferScale's server, "
            "on the prompts the prompt mode composes for the first of --user-counts, rising "
-           "through --rates until its first miss (benchmarks/load_peer.py); one result")
+           "through --rates until its first miss (benchmarks/lib/load/peer.py); one result")
     a("--peer-serve-args", default="",
       help="more arguments for the peer's `vllm serve` (a CPU host's small KV cache); "
            "recorded in the result")

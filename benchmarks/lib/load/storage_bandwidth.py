@@ -1,7 +1,7 @@
 """The storage tier's bandwidth, measured in the load benchmark's own run with the reader
 its server uses (:mod:`inferscale.artifacts.direct_io`).
 
-``benchmarks/load.py`` serves many users whose memory groups share KV files on disk (hard
+``benchmarks.load`` serves many users whose memory groups share KV files on disk (hard
 links: a machine stores ``groups`` slabs, not ``users``). Sharing bytes between users is
 fair only because every read bypasses the page cache: read through it, the second user
 of a group would be served from RAM (7 GB/s on the H200 machine, against 1.1-1.9 GB/s
@@ -29,7 +29,6 @@ measurement and every read of the server bypassed it.
 from __future__ import annotations
 
 import mmap
-import os
 import random
 import threading
 import time

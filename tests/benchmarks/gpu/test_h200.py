@@ -1,10 +1,11 @@
 """benchmarks/gpu/h200.sh stays in step with the package: the script parses (``bash -n``),
 every Python block it embeds (heredocs fed to ``python -`` and ``python -c`` strings)
-imports only modules and names that exist, and every ``python benchmarks/X.py`` /
-``python -m benchmarks.X`` it runs exists and accepts the flags it is given (each
-script's own argparse parser reads them, shell variables replaced by their defaults or
-placeholders). The GPU machine is the first to run this script, with no way to fix it
-there: a moved module or a renamed flag must fail here."""
+imports only modules and names that exist, and every ``python -m benchmarks.X`` it runs
+exists and accepts the flags it is given (each module's own argparse parser reads them,
+shell variables replaced by their defaults or placeholders). The GPU machine is the
+first to run this script, with no way to fix it there: a moved module or a renamed flag
+must fail here. The modules are imported by the names the script gives them (none
+statically: what this tests is the script)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "benchmarks" / "gpu" / "h200.sh"
 TEXT = SCRIPT.read_text()
 LOGICAL = re.sub(r"\\\n\s*", " ", TEXT)  # continuation lines joined
@@ -179,9 +180,10 @@ def expand(text: str, quoted: bool = False, depth: int = 0, bound: dict | None =
 
 
 def invocations() -> list[tuple[str, list[str]]]:
-    """(benchmarks module, its arguments) for every benchmark the script runs."""
+    """(benchmarks module, its arguments) for every benchmark the script runs (``python
+    -m benchmarks.X``; ``python benchmarks/X.py`` too, which the tests below refuse)."""
     found = []
-    pattern = re.compile(rf"{PYTHON}\s+(?:benchmarks/(\w+)\.py|-m\s+benchmarks\.(\w+))(.*)")
+    pattern = re.compile(rf"{PYTHON}\s+(?:benchmarks/([\w/]+)\.py|-m\s+benchmarks\.([\w.]+))(.*)")
     for line in LOGICAL.splitlines():
         if line.lstrip().startswith("#"):
             continue
@@ -195,7 +197,7 @@ def invocations() -> list[tuple[str, list[str]]]:
             if word and set(word) <= set(";&|<>()"):
                 break  # the command ends (a redirection, a pipe, a list)
             words.append(word)
-        found.append((m.group(1) or m.group(2), words))
+        found.append((m.group(2) or m.group(1).replace("/", "."), words))
     return found
 
 
@@ -214,35 +216,42 @@ def test_every_benchmark_it_runs_exists_and_takes_its_flags(monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     problems = []
     for name, argv in runs:
-        if not (REPO / "benchmarks" / f"{name}.py").is_file():
-            problems.append(f"benchmarks/{name}.py does not exist")
+        if not (REPO / "benchmarks" / f"{name.replace('.', '/')}.py").is_file():
+            problems.append(f"benchmarks.{name} does not exist")
             continue
         module = importlib.import_module(f"benchmarks.{name}")
-        if not hasattr(module, "main"):  # reads sys.argv itself (load_stats: result paths)
+        if not hasattr(module, "main"):  # reads sys.argv itself (goodput: result paths)
             continue
         try:
             module.main(argv)
         except _Parsed:
             continue
         except SystemExit as exc:  # argparse refused the flags
-            problems.append(f"benchmarks/{name}.py refuses {shlex.join(argv)} ({exc})")
+            problems.append(f"benchmarks.{name} refuses {shlex.join(argv)} ({exc})")
             continue
-        problems.append(f"benchmarks/{name}.py ran without parsing its arguments")
+        problems.append(f"benchmarks.{name} ran without parsing its arguments")
     assert not problems, "\n".join(problems)
 
 
-def test_every_load_run_resolves_its_flags(monkeypatch, capsys):
-    """load.py's checks across flags (``resolve``), through its estimate: what the GPU
-    machine's runs would be refused for before they start."""
-    from benchmarks import load
+def test_every_benchmark_runs_as_a_module():
+    """``python -m benchmarks.X`` from the repository root, as the GPU machine runs them
+    (a script path would miss the package on ``sys.path``)."""
+    scripts = [line for line in LOGICAL.splitlines() if not line.lstrip().startswith("#")
+               and re.search(rf"{PYTHON}\s+benchmarks/[\w/]+\.py", line)]
+    assert not scripts, scripts
 
+
+def test_every_load_run_resolves_its_flags(monkeypatch, capsys):
+    """benchmarks.load's checks across flags (``resolve``), through its estimate: what the
+    GPU machine's runs would be refused for before they start."""
+    load = importlib.import_module("benchmarks.load")
     runs = [argv for name, argv in invocations() if name == "load"]
     assert any("--peer" in argv for argv in runs)
     for argv in runs:
         try:
             load.main([*argv, "--estimate-only"])
         except SystemExit as exc:
-            pytest.fail(f"load.py refuses {shlex.join(argv)}: {capsys.readouterr().err}"
+            pytest.fail(f"benchmarks.load refuses {shlex.join(argv)}: {capsys.readouterr().err}"
                         f" ({exc})")
         assert "estimate for" in capsys.readouterr().out
 
