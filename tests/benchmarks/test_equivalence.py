@@ -1,4 +1,5 @@
-"""benchmarks/equivalence.py's tally with --memory-dtype (no engine)."""
+"""The equivalence benchmark's tally (``benchmarks.equivalence``) with --memory-dtype (no
+engine)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/plots.py writes PNGs from result files and skips missing or broken ones."""
+"""``benchmarks.plots`` writes PNGs from result files and skips missing or broken ones."""
 
 from __future__ import annotations
 

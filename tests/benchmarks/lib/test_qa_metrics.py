@@ -1,4 +1,4 @@
-"""LoCoMo's token F1 (benchmarks/qa_metrics.py) on examples worked by hand from the
+"""LoCoMo's token F1 (``benchmarks.lib.qa_metrics``) on examples worked by hand from the
 paper's definition: normalize (no commas, lowercase, no punctuation, no a/an/the/and),
 Porter-stem, token-overlap F1; comma-split answers for multi-hop (category 1); the
 first ';' alternative for open-domain (category 3)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.qa_metrics import (
+from benchmarks.lib.qa_metrics import (
     first_line, locomo_f1, multi_answer_f1, normalize_answer, summarize, token_f1,
 )
 
@@ -59,7 +59,7 @@ def test_summarize_and_first_line():
 
 
 def test_continues_transcript():
-    from benchmarks.qa_metrics import continues_transcript
+    from benchmarks.lib.qa_metrics import continues_transcript
 
     speakers = ["Caroline", "Melanie"]
     for text in ("- [2023-07-17] Caroline: I", "[2023-05-08] Melanie: hi", "* item",
@@ -71,7 +71,7 @@ def test_continues_transcript():
 
 
 def test_paired_bootstrap():
-    from benchmarks.qa_metrics import paired_bootstrap
+    from benchmarks.lib.qa_metrics import paired_bootstrap
 
     same = paired_bootstrap([0.5, 0.2, 1.0], [0.5, 0.2, 1.0])
     assert same == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 3}

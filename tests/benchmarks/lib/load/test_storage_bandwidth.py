@@ -1,7 +1,7 @@
-"""The load benchmark's storage measurement (benchmarks/storage_bandwidth.py): the users'
-distinct KV files, both read patterns with the serving reader, the refusal to claim a
-bypass that was not had, and the server's reads by reader. No timed assertion: the
-figures are only checked to be measured."""
+"""The load benchmark's storage measurement (``benchmarks.lib.load.storage_bandwidth``):
+the users' distinct KV files, both read patterns with the serving reader, the refusal to
+claim a bypass that was not had, and the server's reads by reader. No timed assertion:
+the figures are only checked to be measured."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from benchmarks import storage_bandwidth as sb
+from benchmarks.lib.load import storage_bandwidth as sb
 from inferscale.artifacts.direct_io import BUFFERED, DIRECT, FALLBACK, supports_direct_io
 
 
