@@ -138,8 +138,7 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     if cfg.dtype != args.kv_dtype:
         errors = {"kv_rel_rms_error": kv_errors(mem)}  # bf16 and both fp8 scale rules
         mem = mem.stored_as(cfg.dtype)
-    mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats,
-                    mem.calibration)
+    mem = replace(mem, encoder_config=cfg.to_dict())  # the model's geometry kept
     seconds = time.perf_counter() - t0
     vuser = f"{conv.user}-{variant.name}".replace("_", "-")
     version = publish_memory(root, vuser, conv.turns, for_user(facts, vuser), mem)
