@@ -56,11 +56,9 @@ LAYER_MAJOR = (1, 2, 0, 3, 4)  # [T, 2, L, H, D] stored as [2, L, T, H, D] (CPU 
 
 
 def kept_dtype(stored: torch.dtype, dtype: torch.dtype | None, cuda: bool) -> torch.dtype:
-    """The dtype a store of ``dtype`` (the engine's; None: each slab's own) on CUDA or on
-    the CPU keeps a slab stored in ``stored`` in: fp8 stays fp8 on CUDA (the kernel
-    dequantizes), on the CPU it becomes ``dtype`` (float32 by default); any other dtype
-    becomes ``dtype``. With :func:`inferscale.hydrate.slab.slab_nbytes`: the bytes a
-    version takes placed, from its manifest alone."""
+    """The dtype a store of ``dtype`` (the engine's; None: each slab's own) keeps a slab
+    stored in ``stored`` in: fp8 stays fp8 on CUDA (the kernel dequantizes), on the CPU
+    it becomes ``dtype`` (float32 by default); any other dtype becomes ``dtype``."""
     if is_quantized(stored):
         return stored if cuda else (dtype or torch.float32)
     return dtype or stored
@@ -183,8 +181,7 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ placement
 
-    def kept_dtype(self, stored: torch.dtype) -> torch.dtype:
-        """The dtype this store keeps a slab stored in ``stored`` in (:func:`kept_dtype`)."""
+    def kept_dtype(self, stored: torch.dtype) -> torch.dtype:  # the module's rule
         return kept_dtype(stored, self.dtype, self.cuda)
 
     def place(self, slab: torch.Tensor, tier: str = "gpu", all_heads: bool = True,

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from benchmarks.locomo import encode_variant, prepare
-from benchmarks.lib.locomo_variants import parse_variant
+from benchmarks.locomo import encode_variant, parse_variant, prepare
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.read import read_manifest
 

@@ -32,14 +32,15 @@ def test_groups_windows_and_users():
 
 
 def test_the_pool_is_every_conversations_raw_facts(conversations, tokenizer):
-    from benchmarks.datasets import locomo
+    from inferscale.ingest.logs import read_logs
 
     def embed(texts):
         return [[float(len(t)), 1.0] for t in texts]
 
     pool, embeddings = lu.pool_turns(conversations, tokenizer, embed)
     assert len(pool) == 14 and pool[8].conversation == 1 and embeddings.shape == (14, 2)
-    c1 = raw_facts(locomo.turns(conversations[1]), tokenizer, embed)
+    (turns,) = read_logs(conversations[1]).turns.values()
+    c1 = raw_facts(turns, tokenizer, embed)
     assert [t.text for t in pool[8:]] == c1["text"].to_pylist()
     assert [t.token_ids for t in pool[8:]] == c1["token_ids"].to_pylist()
     assert embeddings[8:].tolist() == c1["embedding"].to_pylist()
