@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.lib.load import goodput
-from load_helpers import load_args, step_row
+from tests.benchmarks.load_helpers import load_args, step_row
 
 
 def test_percentile_counts_failures_as_largest():

@@ -5,7 +5,7 @@ goodput, stock vLLM rising until its first miss) and how long a run takes."""
 from __future__ import annotations
 
 from benchmarks.lib.load import plan
-from load_helpers import load_args
+from tests.benchmarks.load_helpers import load_args
 
 
 def test_tier_plan_fills_gpu_then_host():
