@@ -292,9 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="answer only the KV variants (no prompt baseline, no nomem)")
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
-                         "benchmarks/locomo_select.py and compare it with the baseline")
+                         "benchmarks.locomo_select and compare it with the baseline")
     ap.add_argument("--rule", choices=["exact", "injection"], default="exact",
-                    help="--select-default's rule (benchmarks/locomo_select.py)")
+                    help="--select-default's rule (benchmarks.locomo_select)")
     ap.add_argument("--max-tail", type=int, default=5,
                     help="longest text tail the exact rule may pick (serving cost)")
     ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
             (name, _, score), rule = select_injection(res), "--rule injection"
         else:
             (name, _, score), rule = select(res, args.max_tail), f"--max-tail {args.max_tail}"
-        meta.update(default_variant=name, default_rule=f"benchmarks/locomo_select.py {rule}",
+        meta.update(default_variant=name, default_rule=f"benchmarks.locomo_select {rule}",
                     default_score=score)
         args.default_variant = name
         res = write(complete=True)
