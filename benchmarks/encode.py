@@ -10,9 +10,9 @@ state; ``--prefill-every N`` runs the plain prefill on every N-th batch only (th
 then compares those batches' encode and prefill times; the conversation time is always
 the encoding of every batch).
 
-    python benchmarks/encode.py --model embedded --device cpu --prefill-every 4 \
+    python -m benchmarks.encode --model embedded --device cpu --prefill-every 4 \
         --out benchmarks/results/encode-cpu.json
-    python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \
+    python -m benchmarks.encode --model llama-3.1-8b-shape --device cuda \
         --out benchmarks/results/encode-h200.json   # random weights, bf16
 
 ``llama-3.1-8b-shape`` builds Llama-3.1-8B's architecture with random weights
@@ -25,26 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
-from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
+from benchmarks.datasets import locomo  # noqa: E402
+from benchmarks.lib.results import command_line, write_result  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, hf_config  # noqa: E402
 from inferscale.compose import Composer  # noqa: E402
+from inferscale.encode.batches import Segment, build_batch, plan_batches  # noqa: E402
 from inferscale.encode.capture import encode_segments  # noqa: E402
 from inferscale.encode.encoder import FactSpec, TurnText, window_segments  # noqa: E402
 from inferscale.encode.identity import EncoderConfig  # noqa: E402
-from inferscale.ingest.logs import read_logs  # noqa: E402
-from benchmarks.common import command_line, write_result  # noqa: E402
-from benchmarks.shapes import SHAPES, hf_config  # noqa: E402
+from inferscale.types import PREFIX_ID  # noqa: E402
+
 
 def load(model_name: str, device: str, dtype: str, tokenizer_path: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_tokens = args.batch_tokens or (65536 if cuda else 8192)
 
     model, tok, model_desc = load(args.model, args.device, dtype, args.tokenizer)
-    (turns_table,) = read_logs(args.conversation).turns.values()
+    turns_table = locomo.turns(args.conversation)
     turns = [TurnText(s, t) for s, t in zip(turns_table.column("speaker").to_pylist(),
                                             turns_table.column("text").to_pylist())]
     turns = turns[:args.max_turns] if args.max_turns else turns
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for w in args.windows:
         cfg = EncoderConfig(window=w, dtype=args.kv_dtype, batch_tokens=batch_tokens)
-        segments = [Segment((), (("prefix", tuple(composer.prefix_ids())),))]
+        segments = [Segment((), ((PREFIX_ID, tuple(composer.prefix_ids())),))]
         segments += window_segments(turns, facts, composer, cfg)
         forward_tokens = sum(s.length for s in segments)
         fact_tokens = sum(len(ids) for s in segments for _, ids in s.chunks)
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     w50 = next((r for r in rows if r["window"] == 50), rows[-1])
     result = {
-        "command": command_line(argv),
+        "command": command_line(__spec__.name, argv),
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" ({args.device}, torch {torch.__version__})",
         "model": model_desc, "model_dtype": dtype, "kv_dtype": args.kv_dtype,

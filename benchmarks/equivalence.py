@@ -8,7 +8,7 @@ composed in stored order, ``[prefix | fact_1 .. fact_n | query]``, and answered 
 - ``prefill``: the same prompt ids, prefilled by vLLM (no memory named, no salt);
 - ``limiting``: the memory injected from KV encoded in the limiting case (each fact with
   the whole memory before it as its window: exactly a joint prefill's KV,
-  :func:`benchmarks.memory_setup.limiting_memory`);
+  :func:`inferscale.encode.encoder.encode_limiting`);
 - ``window``: the memory injected from the ordinary encoding (each fact with its own
   ``--window`` preceding turns, ``inferscale.encode.encoder.encode_facts``).
 
@@ -28,10 +28,10 @@ On CPU, ``bfloat16`` is emulated (slow): keep the memories small. On CUDA the sa
 command measures the GPU columns; ``cuda-bfloat16`` on the H200 was not run (no device
 time left) and is recorded as such in the CPU result.
 
-    python benchmarks/equivalence.py --out benchmarks/results/equivalence-cpu.json
+    python -m benchmarks.equivalence --out benchmarks/results/equivalence-cpu.json
 
 ``--model random-llama`` writes a small Llama with random weights (4 KV heads,
-``benchmarks.shapes.RANDOM_LLAMA``, the SmolLM2 tokenizer) for tensor parallelism
+``benchmarks.lib.shapes.RANDOM_LLAMA``, the SmolLM2 tokenizer) for tensor parallelism
 (``--tensor-parallel-size 2``): its answers are meaningless, but token identity with
 prefill (the limiting case) is exactly as demanding.
 
@@ -49,17 +49,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line  # noqa: E402
-from benchmarks.qa_metrics import first_line, normalize_answer  # noqa: E402
+from benchmarks.lib.memory import vectors  # noqa: E402
+from benchmarks.lib.qa_metrics import first_line, normalize_answer  # noqa: E402
+from benchmarks.lib.results import command_line  # noqa: E402
 from inferscale.encode.identity import EncoderConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 # user -> turns (speaker, text), and two queries: (kind, question, key facts). A factual
 # answer is right when it contains one of its keys; for both kinds, "equivalent" means
@@ -144,12 +145,12 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
                 memory_dtype: str | None = None) -> dict[str, dict]:
     """Publish every user twice (limiting, window), and twice more stored in
     ``memory_dtype`` when given -> per user: versions and its table."""
-    from benchmarks.memory_setup import as_stored, facts_table, limiting_memory
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.compose import Composer
-    from inferscale.encode.encoder import FactSpec, TurnText, encode_facts
+    from inferscale.encode.encoder import FactSpec, TurnText, encode_facts, encode_limiting
     from inferscale.encode.identity import EncodingIdentity
+    from inferscale.facts.table import facts_table
 
     store = StoreConfig(str(root))
     composer = Composer(tok)
@@ -157,11 +158,16 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
     out = {}
     for user, spec in USERS.items():
         texts = [f"{s}: {t}" for s, t in spec["turns"]]
+        sources = [{"turn_id": f"t{i}", "turn_index": i} for i in range(len(texts))]
+        emb = vectors(embedder)(texts)
         lim_user, win_user = f"{user}-limiting", f"{user}-w{window}"
-        mem, table = limiting_memory(model, tok, lim_user, texts, fp, embedder, dtype)
+        table = facts_table(lim_user, list(zip(sources, texts)), emb, tok)
+        mem = encode_limiting(model, composer.prefix_ids(), list(zip(
+            table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist())),
+            fp, dtype)
         lim = publish(store, lim_user, mem, table, Lineage(f"eq-{user}", f"lim-{dname}"),
                       embeddings=False).version
-        wtable = facts_table(win_user, texts, table.column("token_ids").to_pylist(), embedder)
+        wtable = facts_table(win_user, list(zip(sources, texts)), emb, tok)
         turns = [TurnText(s, t) for s, t in spec["turns"]]
         specs = [FactSpec(fid, text, i, tuple(ids)) for i, (fid, text, ids) in enumerate(zip(
             wtable.column("fact_id").to_pylist(), texts, wtable.column("token_ids").to_pylist()))]
@@ -178,7 +184,7 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
                 t = t.set_column(t.schema.get_field_index("user"), "user",
                                  [[other] * t.num_rows])
                 out[user][f"{enc}_{memory_dtype}"] = (other, publish(
-                    store, other, as_stored(m, memory_dtype), t,
+                    store, other, m.stored_as(memory_dtype), t,
                     Lineage(f"eq-{user}", f"{enc}-{dname}-{memory_dtype}"),
                     embeddings=False).version)
         assert composer.prefix_ids() == list(mem.chunks[0].token_ids)
@@ -187,20 +193,21 @@ def build_users(model, tok, fp: str, embedder, dtype: torch.dtype, window: int, 
 
 async def run_dtype(args, dtype_name: str, device: str) -> dict:
     """One engine in ``dtype_name``: every user's queries, three ways."""
-    from benchmarks.memory_setup import memory_prompt
+    from inferscale.compose import Composer
     from inferscale.models import load_model
     from inferscale.serve.engine import EngineConfig, MemoryEngine
-    from inferscale.vllm_plugin.metadata import MemoryRef
     from inferscale.serve.retrieval import Embedder
+    from inferscale.types import PREFIX_ID
+    from inferscale.vllm_plugin.metadata import MemoryRef
 
     dtype = getattr(torch, dtype_name)
     root = Path(tempfile.mkdtemp(prefix=f"inferscale-eq-{dtype_name}-")) / "artifacts"
     model = args.model
     if model == "random-llama":
-        from benchmarks.shapes import write_random_checkpoint
-        from inferscale.models import embedded_checkpoint
+        from benchmarks.lib.shapes import RANDOM_LLAMA
+        from inferscale.models import embedded_checkpoint, write_random_checkpoint
 
-        model = str(write_random_checkpoint(embedded_checkpoint(Settings().home),
+        model = str(write_random_checkpoint(RANDOM_LLAMA, embedded_checkpoint(Settings().home),
                                             root.parent / "random-llama"))
     loaded = load_model(model, Settings().home, device=device, dtype=dtype_name)
     embedder = Embedder(Settings().embedder, device=device)
@@ -217,6 +224,7 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
         max_model_len=2048, enforce_eager=not cuda, artifact_root=str(root),
         tensor_parallel_size=args.tensor_parallel_size)).start()
     tok = loaded.tokenizer
+    composer = Composer(tok)
     del loaded
     rows = []
     t0 = time.perf_counter()
@@ -225,7 +233,10 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
             for enc in ("limiting", "window", *extra):
                 await engine.hydrate(u[enc][0], version=u[enc][1], tier="gpu")
             for kind, question, keys in USERS[user]["queries"]:
-                ids, chunks = memory_prompt(tok, u["table"], question)
+                # the whole memory in stored order: [prefix | fact_1 .. fact_n | query]
+                memory = [composer.prefix_ids()] + u["table"].column("token_ids").to_pylist()
+                ids = composer.compose(memory, question)[0]
+                chunks = (PREFIX_ID, *u["table"].column("fact_id").to_pylist())
                 await engine.llm.reset_prefix_cache()
                 pre = await engine.generate(ids, None, max_tokens=args.max_tokens)
                 row = {"user": user, "kind": kind, "question": question,
@@ -287,14 +298,14 @@ def run_isolated(args, name: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--dtypes", name,
+        cmd = [sys.executable, "-m", __spec__.name, "--dtypes", name,
                *(["--memory-dtype", args.memory_dtype] if args.memory_dtype else []),
                "--device", args.device, "--window", str(args.window),
                "--max-tokens", str(args.max_tokens), "--model", args.model, "--out", str(out),
                "--tensor-parallel-size", str(args.tensor_parallel_size)]
         if args.gpu_memory_utilization:
             cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout + proc.stderr)[-3000:]
             print(tail, file=sys.stderr)
@@ -356,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
                 summary["fp32_limiting_identical_share"] = round(
                     c["limiting"]["token_identical"] / c["limiting"]["queries"], 4)
     result = {
-        "command": command_line(argv),
+        "command": command_line(__spec__.name, argv),
         "device": f"{device} (torch {torch.__version__}, vllm {__import__('vllm').__version__})",
         "model": args.model, "window": args.window, "max_tokens": args.max_tokens,
         "memory_dtype": args.memory_dtype,

@@ -4,15 +4,16 @@ For each conversation and model, one artifact is really published (to a temporar
 directory) and its sizes are read back: ``kv.arrow`` (the KV slab, bf16, and its offsets
 table), ``facts.arrow`` (texts, token ids and embeddings) and the LanceDB fact table
 (embeddings for retrieval). Every turn is one fact (``"Speaker: text"``,
-``benchmarks.memory_setup.turn_facts``), tokenized with the SmolLM2 tokenizer for every
+``benchmarks.lib.memory.turn_facts``), tokenized with the SmolLM2 tokenizer for every
 model (no other tokenizer is available offline; a model's own tokenizer changes the
 token count by its compression ratio, and the KV size in proportion).
 
 - SmolLM2-135M (the embedded model): its real encoding (window ``--window``, float32,
   stored in each ``--dtypes``), or random K/V of its shape with ``--random-kv`` (the
   sizes do not depend on the values; the CPU encoding takes minutes per conversation);
-- Llama-3.1-8B, Qwen2.5-7B, Mistral-7B, Qwen3-14B (``benchmarks.shapes``): random K/V of
-  the model's shape (``memory_setup.random_memory``), which has exactly the real size.
+- Llama-3.1-8B, Qwen2.5-7B, Mistral-7B, Qwen3-14B (``benchmarks.lib.shapes``): random
+  K/V of the model's shape (``benchmarks.lib.memory.random_memory``), which has exactly
+  the real size.
 
 Every (conversation, model) is published once per stored dtype (``--dtypes``: bf16 and
 fp8 by default). Each row checks the arithmetic: slab bytes = tokens x layers x kv_heads
@@ -21,11 +22,11 @@ on a CUDA worker (``resident_bytes``: the slab as kept, fp8 with its scales, fro
 manifest alone: ``inferscale.hydrate.slab.slab_nbytes``) and per fact. The summary's
 ``fp8_bytes_vs_bf16`` is the largest fp8/bf16 ratio of resident bytes over every
 (conversation, model). The offline encoding time per conversation against the window
-comes from ``benchmarks/results/encode-*.json`` (written by ``benchmarks/encode.py``).
+comes from ``benchmarks/results/encode-*.json`` (written by ``benchmarks.encode``).
 
-    python benchmarks/footprint.py --out benchmarks/results/footprint.json
+    python -m benchmarks.footprint --out benchmarks/results/footprint.json
 
-Callers: this CLI; ``tests/test_bench_footprint.py`` (the arithmetic on a tiny shape).
+Callers: this CLI; ``tests/benchmarks/test_footprint.py`` (the arithmetic on a tiny shape).
 """
 
 from __future__ import annotations
@@ -34,22 +35,21 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
 import torch  # noqa: E402
 
-from benchmarks.shapes import SHAPES, kv_shape  # noqa: E402
+from benchmarks.datasets import locomo  # noqa: E402
+from benchmarks.lib.results import command_line  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, dummy_checkpoint  # noqa: E402
+from inferscale.types import KVGeometry  # noqa: E402
 from storage_schemas import kv as kv_schema  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -116,21 +116,19 @@ def measure(store, user: str, model_fp: str, version: str, shape: tuple[int, int
 def conversation_rows(conversation: str, models: list[str], window: int, work: Path,
                       lancedb: bool, dtypes: list[str] = DTYPES,
                       random_kv: bool = False) -> list[dict]:
-    from benchmarks.memory_setup import (
-        as_stored, encoded_memory, load_turns, random_memory, turn_facts)
+    from benchmarks.lib.memory import encoded_memory, random_memory, turn_facts
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.encode.identity import EncoderConfig
-    from inferscale.models import dummy_fingerprint, load_model
     from inferscale.ingest.logs import turns_hash
+    from inferscale.models import checkpoint_geometry, dummy_fingerprint, load_model
     from inferscale.serve.retrieval import Embedder
-    from benchmarks.shapes import write_dummy_checkpoint
 
     home = Settings().home
     smol = load_model("embedded", home, device="cpu", dtype="float32")
     tok = smol.tokenizer
     embedder = Embedder("embedded", device="cpu")
-    turns = load_turns(conversation)
+    turns = locomo.turns(conversation)
     name = Path(conversation).stem
     rows = []
     for model in models:
@@ -142,20 +140,20 @@ def conversation_rows(conversation: str, models: list[str], window: int, work: P
             store = StoreConfig(str(root))
             t0 = time.perf_counter()
             if model == "smollm2-135m" and not random_kv:  # encoded once, stored per dtype
-                shape = kv_shape(json.loads((Path(smol.checkpoint) / "config.json").read_text()))
+                shape = checkpoint_geometry(smol.checkpoint)
                 if encoded is None:
                     encoded = encoded_memory(smol.model, tok, turns, facts, EncoderConfig(
                         window=window, dtype="float32"), smol.fingerprint)
-                mem = as_stored(encoded, dtype)
+                mem = encoded.stored_as(dtype)
                 kv_note = f"real encoding, window {window}"
             elif model == "smollm2-135m":  # its geometry, random values
-                shape = kv_shape(json.loads((Path(smol.checkpoint) / "config.json").read_text()))
+                shape = checkpoint_geometry(smol.checkpoint)
                 mem = random_memory(facts, tok, shape, getattr(torch, dtype), smol.fingerprint)
                 kv_note = "random K/V of the model's shape"
             else:
-                shape = kv_shape(SHAPES[model])
-                fp = dummy_fingerprint(write_dummy_checkpoint(model, smol.checkpoint,
-                                                              work / "ckpt" / model))
+                shape = KVGeometry.of_config(SHAPES[model])
+                fp = dummy_fingerprint(dummy_checkpoint(model, smol.checkpoint,
+                                                        work / "ckpt" / model))
                 mem = random_memory(facts, tok, shape, getattr(torch, dtype), fp)
                 kv_note = "random K/V of the model's shape"
             build_s = time.perf_counter() - t0
@@ -260,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary["fp8_bytes_vs_bf16"] = max(v["resident"] for v in ratios.values())
         summary["fp8_bytes_per_fact_vs_bf16"] = max(v["per_fact"] for v in ratios.values())
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": command_line(__spec__.name, argv),
         "device": f"{platform.processor() or 'cpu'} (torch {torch.__version__})",
         "tokenizer": "SmolLM2 (stand-in for every model)", "kv_dtypes": args.dtypes,
         "rows": rows, "fp8_vs_bf16": ratios, "encode_time": encode, "markdown": table,

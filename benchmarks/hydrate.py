@@ -19,6 +19,9 @@ be written (cold reads); otherwise reads are warm and the summary says so. Repor
 figures are medians. No timed assertion anywhere: this prints figures.
 
 Needs only torch, numpy, pyarrow, fsspec and xxhash (plus this repository).
+
+    python -m benchmarks.hydrate --device cpu --size-gb 2 \
+        --out benchmarks/results/hydrate-cpu.json
 """
 
 from __future__ import annotations
@@ -27,26 +30,25 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import torch
+
+from benchmarks.lib.results import command_line
+from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.layout import KV_FILE, StoreConfig
+from inferscale.artifacts.publish import Lineage, publish
+from inferscale.artifacts.read import data_path
+from inferscale.hydrate.slab import hydrate
+from inferscale.types import PREFIX_ID
+from storage_schemas import facts as facts_schema
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import pyarrow as pa  # noqa: E402
-import torch  # noqa: E402
-
-from inferscale.artifacts.blobs import Location  # noqa: E402
-from inferscale.artifacts.layout import KV_FILE, StoreConfig  # noqa: E402
-from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
-from inferscale.artifacts.read import data_path  # noqa: E402
-from inferscale.hydrate.slab import hydrate  # noqa: E402
-from inferscale.types import PREFIX_ID  # noqa: E402
-from storage_schemas import facts as facts_schema  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128
 FP = "bench-synthetic-qwen3-8b-geometry"
@@ -252,9 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary["h2d_plain_pinned_gbps"] = med("h2d_plain")
         summary["h2d_vs_plain_pinned"] = med("h2d") / med("h2d_plain")
         summary["hydrate_gpu_gbps"] = med("hydrate_gpu")
-    out = {"command": shlex.join(["python", *sys.argv]) if argv is None
-           else shlex.join(["python", "benchmarks/hydrate.py", *argv]),
-           "device": device_name(dev), "rows": rows, "summary": summary}
+    out = {"command": command_line(__spec__.name, argv), "device": device_name(dev),
+           "rows": rows, "summary": summary}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -14,7 +14,7 @@ encoded one pass per fact (what the encoder does) and packed into padded batches
 ``--batch-tokens`` (how it encoded before), batch by batch in alternation, with the
 number of facts whose K/V bits differ between the two.
 
-    python benchmarks/incremental.py --window 20 --batched-sample 60 \
+    python -m benchmarks.incremental --window 20 --batched-sample 60 \
         --out benchmarks/results/incremental-cpu.json
 
 ``--first-session S`` starts the conversation at session S (a shorter run; the appended
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -34,48 +33,33 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
-from benchmarks.common import command_line, write_result  # noqa: E402
+from benchmarks.datasets import locomo  # noqa: E402
+from benchmarks.lib.results import command_line, write_result  # noqa: E402
 from inferscale.artifacts.blobs import Location  # noqa: E402
 from inferscale.artifacts.layout import KV_FILE  # noqa: E402
 from inferscale.artifacts.publish import Lineage, publish  # noqa: E402
 from inferscale.artifacts.read import data_path  # noqa: E402
+from inferscale.compose import Composer  # noqa: E402
 from inferscale.encode.batches import plan_batches  # noqa: E402
-from inferscale.compose import Composer, memory_text  # noqa: E402
 from inferscale.encode.capture import encode_segments  # noqa: E402
 from inferscale.encode.encoder import window_segments  # noqa: E402
 from inferscale.encode.identity import EncoderConfig  # noqa: E402
-from inferscale.facts.extractor import fact_id, facts_hash  # noqa: E402
-from inferscale.ingest.logs import read_logs, turns_hash  # noqa: E402
+from inferscale.facts.extractor import facts_hash  # noqa: E402
+from inferscale.facts.table import raw_facts  # noqa: E402
+from inferscale.ingest.logs import turns_hash  # noqa: E402
 from inferscale.pipeline.config import PipelineConfig  # noqa: E402
 from inferscale.pipeline.steps import (  # noqa: E402
     encode_user_kv, serving_model, turns_and_facts,
 )
-from storage_schemas import facts as facts_schema  # noqa: E402
 
 EMB = 4  # embeddings play no part here; the facts table needs some
-
-
-def raw_facts(turns: pa.Table, tokenizer, cfg: EncoderConfig) -> pa.Table:
-    """One fact per turn, ``"[date] speaker: text"`` as raw fact mode stores it."""
-    composer = Composer(tokenizer, cfg.instruction)
-    rows = turns.sort_by("turn_index").to_pylist()
-    texts = [memory_text(r["speaker"], r["text"], r["timestamp"]) for r in rows]
-    return pa.table({
-        "fact_id": [fact_id(r["user"], r["turn_id"], t) for r, t in zip(rows, texts)],
-        "user": [r["user"] for r in rows], "source_turn_id": [r["turn_id"] for r in rows],
-        "source_index": [r["turn_index"] for r in rows], "text": texts,
-        "token_ids": [composer.fact_ids(t, cfg.max_fact_tokens) for t in texts],
-        "embedding": [[0.0] * EMB for _ in rows],
-    }, schema=facts_schema.schema(EMB))
 
 
 def timed_encode(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Table,
@@ -165,8 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
 
-    (user, turns), = read_logs(args.conversation).turns.items()
-    turns = turns.sort_by("turn_index")
+    turns = locomo.turns(args.conversation).sort_by("turn_index")
+    user = turns["user"][0].as_py()
     sessions = list(dict.fromkeys(turns.column("session").to_pylist()))  # in order
     if args.first_session is not None:
         keep = [s for s in sessions if int(s) >= args.first_session]
@@ -186,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
             artifact_root=str(root / "incremental"), storage_options={})
         scratch = replace(cfg, artifact_root=str(root / "scratch"))
         model = serving_model(cfg)
-        facts_all = raw_facts(turns, model.tokenizer, cfg.encoder)
+        facts_all = raw_facts(turns, model.tokenizer, lambda texts: [[0.0] * EMB] * len(texts),
+                              max_tokens=cfg.encoder.max_fact_tokens)
         facts_base = facts_all.filter(pc.is_in(facts_all["source_turn_id"],
                                                base["turn_id"]))
         # warm-up (kernels, allocator), then version 1: the conversation without its end
@@ -215,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row("base", enc1, enc1_s, v1, pub1_s), row("full", full, full_s, ref, ref_pub_s),
             row("incremental", inc, inc_s, v2, pub2_s)]
     result = {
-        "command": command_line(argv),
+        "command": command_line(__spec__.name, argv),
         "device": (torch.cuda.get_device_name() if cuda else platform.processor() or "cpu")
         + f" ({args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads)",
         "model": str(model.checkpoint), "model_dtype": dtype, "kv_dtype": args.kv_dtype,

@@ -3,7 +3,7 @@ LoCoMo-format conversations, per conversation and pooled.
 
 For each conversation file (``--conversation a.json b.json ...``), the user's memory is
 built the pipeline's way: every turn one fact ``"[date] Speaker: text"`` (raw fact mode,
-:func:`benchmarks.memory_setup.raw_facts`; ``--fact-mode mem0`` extracts facts through
+:func:`inferscale.facts.table.raw_facts`; ``--fact-mode mem0`` extracts facts through
 Mem0 and an OpenAI-compatible LLM instead), embedded with MiniLM. Every question of
 categories 1-4 (no sampling unless ``--max-questions``) is then answered greedily on ONE
 vLLM engine, in these modes:
@@ -19,18 +19,19 @@ Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encod
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
 ``inferscale.encode.identity.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
 ``key_calibration``, ``memory_order``, ``text_tail``, ``tail_max_k``);
-``--variants-file FILE [--section NAME]`` adds a file's (:mod:`benchmarks.locomo_specs`).
+``--variants-file FILE [--section NAME]`` adds a file's (:mod:`benchmarks.lib.locomo_variants`).
 Retrieval runs once per question (exact top-``max(ks)``) and top-k is its first k facts,
 so every mode and k answers from the same facts.
 
-Scores: LoCoMo's token F1 of the first line (:mod:`benchmarks.qa_metrics`) per mode, k
+Scores: LoCoMo's token F1 of the first line (:mod:`benchmarks.lib.qa_metrics`) per mode, k
 and category; the paired bootstrap 95% interval of (mode - prompt) at each k; the share
 of answers that continue the transcript (they begin like a memory line or a speaker
 label); the injected share of the retrieved facts' tokens; evidence recall of the shared
-retrieval. Per conversation and pooled over all. ``--select-default --rule exact|injection``
-picks the default by :mod:`benchmarks.locomo_select`'s fixed rule.
+retrieval. Per conversation and pooled over all (:mod:`benchmarks.lib.locomo_report`).
+``--select-default --rule exact|injection`` picks the default by
+:mod:`benchmarks.locomo_select`'s fixed rule.
 
-    python benchmarks/locomo.py --conversation ../shared/data/locomo/conv-26.json \\
+    python -m benchmarks.locomo --conversation ../shared/data/locomo/conv-26.json \\
         ../shared/data/locomo/conv-30.json --out benchmarks/results/locomo-cpu-smollm2.json
 
 Needs ``nltk`` (Porter stemmer). Starts an engine: run as a script.
@@ -41,15 +42,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
@@ -57,34 +55,22 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import locomo_report  # noqa: E402
-from benchmarks.common import command_line  # noqa: E402
-from benchmarks.locomo_specs import (  # noqa: E402,F401 (parse_variant: the tests' entry)
+from benchmarks.datasets import locomo  # noqa: E402
+from benchmarks.lib import locomo_report  # noqa: E402
+from benchmarks.lib.locomo_variants import (  # noqa: E402
     Variant, encoding_key, parse_variant, read_specs)
+from benchmarks.lib.results import command_line  # noqa: E402
 
 QUERY_TEMPLATE = "Question: {question} Short answer:"  # the same for every mode
-
-
-def load_questions(conversation: str, categories=(1, 2, 3, 4),
-                   max_questions: int | None = None) -> list[dict]:
-    """The conversation's questions of ``categories``; ``max_questions`` keeps that many,
-    evenly spaced over the file's order (so every category keeps its share)."""
-    data = json.loads(Path(conversation).read_text())
-    qa = [q for q in data.get("qa", []) if q.get("category") in categories]
-    if max_questions and max_questions < len(qa):
-        step = len(qa) / max_questions
-        qa = [qa[int(i * step)] for i in range(max_questions)]
-    return [{"id": i, "question": q["question"], "answer": str(q.get("answer", "")),
-             "category": q["category"], "evidence": q.get("evidence", [])}
-            for i, q in enumerate(qa)]
 
 
 def build_facts(args, turns: pa.Table, tokenizer, embedder) -> pa.Table:
     """The pipeline's fact step for this user (raw: no LLM; mem0: Mem0 + an LLM)."""
     if args.fact_mode == "raw":
-        from benchmarks.memory_setup import raw_facts
+        from benchmarks.lib.memory import vectors
+        from inferscale.facts.table import raw_facts
 
-        return raw_facts(turns, tokenizer, embedder)
+        return raw_facts(turns, tokenizer, vectors(embedder))
     from inferscale.facts.extractor import FactsConfig, extract_facts
 
     cfg = FactsConfig(mode="mem0", llm_base_url=args.llm_base_url, llm_model=args.llm_model)
@@ -112,12 +98,11 @@ class Conversation:
 
 
 def prepare(args, path: str, loaded, embedder) -> Conversation:
-    from benchmarks.memory_setup import load_turns
     from inferscale.serve.retrieval import FactIndex
 
-    turns = load_turns(path)
+    turns = locomo.turns(path)
     facts = build_facts(args, turns, loaded.tokenizer, embedder)
-    questions = load_questions(path, max_questions=args.max_questions)
+    questions = locomo.questions(path, max_questions=args.max_questions)
     q = embedder.embed([item["question"] for item in questions])
     top = FactIndex.from_table(facts, device=embedder.device).topk(
         q, min(max(args.ks), facts.num_rows))
@@ -137,7 +122,7 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     ``{user}-{variant}``: (user, version, encoder config, stats)."""
     from dataclasses import replace
 
-    from benchmarks.memory_setup import as_stored, encoded_memory, kv_errors, publish_memory
+    from benchmarks.lib.memory import encoded_memory, kv_errors, publish_memory
 
     used = sorted({f for t in conv.top for f in t})
     facts = conv.facts.filter(pc.is_in(conv.facts["fact_id"], pa.array(used)))
@@ -152,9 +137,8 @@ def encode_variant(args, loaded, conv: Conversation, variant: Variant, root: Pat
     errors = {}
     if cfg.dtype != args.kv_dtype:
         errors = {"kv_rel_rms_error": kv_errors(mem)}  # bf16 and both fp8 scale rules
-        mem = as_stored(mem, cfg.dtype)
-    mem = type(mem)(mem.chunks, mem.model_fingerprint, cfg.to_dict(), mem.stats,
-                    mem.calibration)
+        mem = mem.stored_as(cfg.dtype)
+    mem = replace(mem, encoder_config=cfg.to_dict())  # the model's geometry kept
     seconds = time.perf_counter() - t0
     vuser = f"{conv.user}-{variant.name}".replace("_", "-")
     version = publish_memory(root, vuser, conv.turns, for_user(facts, vuser), mem)
@@ -308,9 +292,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="answer only the KV variants (no prompt baseline, no nomem)")
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
-                         "benchmarks/locomo_select.py and compare it with the baseline")
+                         "benchmarks.locomo_select and compare it with the baseline")
     ap.add_argument("--rule", choices=["exact", "injection"], default="exact",
-                    help="--select-default's rule (benchmarks/locomo_select.py)")
+                    help="--select-default's rule (benchmarks.locomo_select)")
     ap.add_argument("--max-tail", type=int, default=5,
                     help="longest text tail the exact rule may pick (serving cost)")
     ap.add_argument("--ks", type=int, nargs="+", default=[5, 10, 20, 50],
@@ -353,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.compare and "prompt" in args.compare)):
         ap.error("--skip-baselines leaves nothing to compare a default with")
     t_start = time.perf_counter()
-    command = command_line(argv)
+    command = command_line(__spec__.name, argv)
 
     from inferscale.encode.identity import EncoderConfig
     from inferscale.models import load_model
@@ -407,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
             (name, _, score), rule = select_injection(res), "--rule injection"
         else:
             (name, _, score), rule = select(res, args.max_tail), f"--max-tail {args.max_tail}"
-        meta.update(default_variant=name, default_rule=f"benchmarks/locomo_select.py {rule}",
+        meta.update(default_variant=name, default_rule=f"benchmarks.locomo_select {rule}",
                     default_score=score)
         args.default_variant = name
         res = write(complete=True)

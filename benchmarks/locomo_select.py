@@ -1,4 +1,4 @@
-"""Pick the default KV variant from a ``benchmarks/locomo.py`` result, by a fixed rule.
+"""Pick the default KV variant from a ``benchmarks.locomo`` result, by a fixed rule.
 
 Two rules, both fixed before the measurements they were applied to:
 
@@ -20,12 +20,12 @@ Two rules, both fixed before the measurements they were applied to:
   the most (largest smallest share; ties: worst-k difference), and the result says
   ``rule_met: false``; if none meets them either, the largest worst-k difference.
 
-    python benchmarks/locomo_select.py benchmarks/results/locomo-h200-variants.json
-    python benchmarks/locomo_select.py RESULT --rule injection --apply  # record the pick
+    python -m benchmarks.locomo_select benchmarks/results/locomo-h200-variants.json
+    python -m benchmarks.locomo_select RESULT --rule injection --apply  # record the pick
 
 Prints ``name``, the variant's encoder fields (``field=value,...``) and its score;
-``--fields`` the fields without the window (what ``locomo.py --base`` takes), ``--tail``
-its text tail, ``--layout`` its layout as ``benchmarks/ttft.py`` flags. ``--apply`` writes
+``--fields`` the fields without the window (what ``benchmarks.locomo --base`` takes),
+``--tail`` its text tail, ``--layout`` its layout as ``benchmarks.ttft`` flags. ``--apply`` writes
 the pick into the result (``default_variant``, ``default_rule``, ``default_score``, and in
 the summary ``f1_default_minus_prompt_min``, ``continues_default_minus_prompt`` and, where
 the result has shares, ``injected_share_min_k10``) with this command.
@@ -38,10 +38,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import command_line  # noqa: E402
-from benchmarks.locomo_report import SHARE_FROM_K, dumps  # noqa: E402
+from benchmarks.lib.locomo_report import SHARE_FROM_K, dumps
+from benchmarks.lib.results import command_line
 
 # the injection rule (issue 27), fixed before its measurement
 RULE_KS = (5, 10, 20, 50)
@@ -156,7 +154,7 @@ def apply(result: dict, name: str, rule: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result", help="a locomo.py result JSON")
+    ap.add_argument("result", help="a benchmarks.locomo result JSON")
     ap.add_argument("--rule", choices=["exact", "injection"], default="exact",
                     help="which fixed rule (see the module docstring)")
     ap.add_argument("--max-tail", type=int, default=5,
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="print only the fields without the window (for --base)")
     ap.add_argument("--tail", action="store_true", help="print only the text tail")
     ap.add_argument("--layout", action="store_true",
-                    help="print only the layout, as benchmarks/ttft.py flags")
+                    help="print only the layout, as benchmarks.ttft flags")
     ap.add_argument("--apply", action="store_true", help="record the pick in the result file")
     args = ap.parse_args(argv)
     path = Path(args.result)
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         name, fields, score = select(result, args.max_tail, not args.any_temperature)
     if args.apply:
-        apply(result, name, command_line(argv))
+        apply(result, name, command_line(__spec__.name, argv))
         result["default_score"] = score
         path.write_text(dumps(result))
     cfg = _config(result, fields)

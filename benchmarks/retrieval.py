@@ -9,8 +9,8 @@ Imports only torch, numpy, sentence-transformers and ``inferscale.serve.retrieva
 no LanceDB, no network: ``HF_HUB_OFFLINE=1``), so it runs on a bare GPU machine with the
 model directory copied there (``--embedder-path``).
 
-    python benchmarks/retrieval.py --device cpu --out benchmarks/results/retrieval-cpu.json
-    python benchmarks/retrieval.py --device cuda --embedder-path /models/all-MiniLM-L6-v2 \
+    python -m benchmarks.retrieval --device cpu --out benchmarks/results/retrieval-cpu.json
+    python -m benchmarks.retrieval --device cuda --embedder-path /models/all-MiniLM-L6-v2 \
         --out benchmarks/results/retrieval-h200.json
 
 Output JSON: ``{"command", "device", "rows", "summary"}``; ``summary`` holds
@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -33,11 +32,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.lib.results import command_line  # noqa: E402
 from inferscale.serve.retrieval import Embedder, FactIndex  # noqa: E402
 
 TARGETS_MS = {"embed_p50_ms": 3.0, "topk_p50_ms": 0.2}
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sentence_transformers": sys.modules["sentence_transformers"].__version__,
     }
     result = {
-        "command": shlex.join(["python", "benchmarks/retrieval.py", *(argv or sys.argv[1:])]),
+        "command": command_line(__spec__.name, argv),
         "device": describe(device), "rows": rows, "summary": summary,
     }
     text = json.dumps(result, indent=2, ensure_ascii=False)

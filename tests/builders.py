@@ -1,4 +1,5 @@
-"""Tiny random inputs for artifact tests: encoder-shaped KV, facts tables, lineage.
+"""Tiny random inputs for artifact tests: encoder-shaped KV, facts tables, lineage; and
+worker residents (:func:`make_resident`).
 
 Importable by tests and by the subprocesses they start (publishers killed mid-way).
 """
@@ -11,6 +12,7 @@ import pyarrow as pa
 import torch
 
 from inferscale.artifacts.publish import Lineage
+from inferscale.hydrate.resident import Resident
 from inferscale.types import KVGeometry
 from storage_schemas import facts as facts_schema
 
@@ -156,3 +158,18 @@ def forge_scale(store, user: str, fp: str, version: str, value: float) -> None:
                                               entry.stored_as)}
     store.filesystem().pipe_file(loc.file(version, "manifest.json"), Manifest(**{
         **m.__dict__, "files": files, "kv": {**m.kv, "index_xxh3": digest}}).to_json())
+
+
+def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),
+                  L=2, H=2, D=4, seed=0) -> Resident:
+    """A float32 :class:`~inferscale.hydrate.resident.Resident` of random rows: chunk
+    ``(id, tokens)`` after chunk, token ids counting from 100."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n for _, n in chunks)
+    slab = torch.randn((total, 2, L, H, D), generator=g)  # [T, 2, L, H, D]
+    index, tokens, off = {}, {}, 0
+    for cid, n in chunks:
+        index[cid] = (off, n)
+        tokens[cid] = tuple(range(100 + off, 100 + off + n))
+        off += n
+    return Resident(user, version, "fp", slab, index, tokens)

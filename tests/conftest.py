@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny model configs, random KV builders, the real embedded model,
-artifact stores on local disk and on a real S3-protocol server.
+"""Shared fixtures: the real embedded model, artifact stores on local disk and on a real
+S3-protocol server, one real engine per session (tiny models and random KV for the
+encoder's tests: ``tests/tiny_models.py``).
 
 The S3 server is moto in server mode (``ThreadedMotoServer``) on 127.0.0.1 and a free
 port, started once per session; each test gets its own bucket.
@@ -19,15 +20,12 @@ from inferscale.settings import offline_environment
 offline_environment()
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/builders.py
-sys.path.insert(1, str(REPO))  # benchmarks/ (its helpers and CLIs are tested too)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers: tests/builders.py ...
+sys.path.insert(1, str(REPO))  # flows/, tasks/, benchmarks/ (tests/benchmarks tests them)
 
-S3_KEY = "testing"
-S3_SECRET = "testing"
-S3_REGION = "us-east-1"
+from moto_s3 import S3_KEY, S3_REGION, S3_SECRET, s3_options  # noqa: E402
 
 
 def _free_port() -> int:
@@ -49,11 +47,6 @@ def moto_endpoint():
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
-
-
-def s3_options(endpoint: str) -> dict:
-    return {"key": S3_KEY, "secret": S3_SECRET,
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": S3_REGION}}
 
 
 @pytest.fixture
@@ -86,45 +79,6 @@ def child_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     return env
-
-
-def tiny_llama(rope_parameters: dict | None = None, seed: int = 0, **overrides):
-    """A 2-layer Llama with random weights (fp32) and the given rotary parameters."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, attn_implementation="sdpa",
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
-        **overrides,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_qwen3(seed: int = 0):
-    """A 2-layer Qwen3 (with q_norm/k_norm) with random weights (fp32)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, attn_implementation="sdpa",
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm weights, so a skipped k_norm would show
-        for layer in model.model.layers:
-            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    return model
-
-
-def random_kv(num_layers=2, tokens=5, heads=2, head_dim=16, dtype=torch.float32, seed=0):
-    """Random K, V ``[L, T, H, D]``."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (num_layers, tokens, heads, head_dim)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,19 @@ imports inside functions and under ``TYPE_CHECKING`` count too):
 - every ``inferscale`` import names a module that exists and a name it defines;
 - package ``__init__`` files import nothing (importing a stage runs nothing else), and no
   module is much over 400 lines.
+
+And the benchmarks and the tests around the library:
+
+- ``benchmarks/`` imports only the library's public API: the shared modules of
+  :data:`STAGES` ``[0]``, the modules a stage package's docstring lists, and
+  ``storage_schemas``; no name that starts with an underscore; never ``flows``, ``tasks``
+  or anything of ``tests/``. Every import of it resolves; its shared code
+  (``benchmarks/lib``, ``benchmarks/datasets``) imports no measurement module; its
+  packages are empty and its modules small too;
+- the library's tests import no benchmark module; a benchmark's test,
+  ``tests/benchmarks/<path>/test_<name>.py``, imports only ``benchmarks.<path>.<name>``
+  of the benchmarks; no test module imports another test module, or a ``conftest``
+  (shared fixtures live in conftest files, shared code in helper modules).
 """
 
 from __future__ import annotations
@@ -55,6 +68,8 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+BENCHMARKS = {module_name(p): p for p in sorted((REPO / "benchmarks").rglob("*.py"))}
+TESTS = sorted((REPO / "tests").rglob("*.py"))
 
 
 def stage_of(module: str) -> int:
@@ -201,8 +216,113 @@ def test_vllm_only_in_the_plugin_and_the_server(api, allowed):
 
 
 def test_package_inits_import_nothing_and_modules_stay_small():
-    for mod, path in MODULES.items():
+    for mod, path in {**MODULES, **BENCHMARKS}.items():  # the benchmarks' packages too
         if path.name == "__init__.py":
-            assert imports(path) == [], f"{path} imports: a stage's package must stay empty"
+            assert imports(path) == [], f"{path} imports: a package must stay empty"
         lines = len(path.read_text().splitlines())
         assert lines <= MAX_LINES, f"{path.relative_to(REPO)} has {lines} lines"
+
+
+# ------------------------------------------------------------- benchmarks and tests
+
+
+def public_modules() -> set[str]:
+    """The library's public modules: the shared ones (:data:`STAGES` ``[0]``) and those a
+    stage package's docstring lists."""
+    public = {m for m in STAGES[0] if m != "inferscale"}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        public.update(re.findall(r":mod:`~?(inferscale(?:\.\w+)+)`", doc))
+    return public
+
+
+def targets(module: str, names: list[str], known: dict[str, Path]) -> list[str]:
+    """The modules an import names: ``module`` itself, or its submodules named in ``from
+    module import name`` (those ``known``)."""
+    subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in known]
+    return subs or [module]
+
+
+def test_benchmarks_import_only_the_public_api():
+    public = public_modules()
+    helpers = {p.stem for p in TESTS}  # tests/ and its helper modules: never imported
+    problems = []
+    for mod, path in BENCHMARKS.items():
+        for line, target, names in imports(path):
+            top = target.split(".")[0]
+            where = f"{path.relative_to(REPO)}:{line}"
+            if top in ("flows", "tasks", "tests") or top in helpers:
+                problems.append(f"{where}: imports {target} (not the library)")
+            elif top == "inferscale":
+                problems += [f"{where}: {t} is not public (no package docstring lists it)"
+                             for t in targets(target, names, MODULES) if t not in public]
+            if top in ("inferscale", "storage_schemas"):
+                problems += [f"{where}: imports {target}.{n} (a private name)"
+                             for n in names if n.startswith("_")]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_benchmarks_import_resolves_and_shared_code_imports_no_measurement():
+    measurements = {m for m, p in BENCHMARKS.items() if p.parent == REPO / "benchmarks"}
+    problems = []
+    for mod, path in BENCHMARKS.items():
+        for line, target, names in imports(path):
+            if target.split(".")[0] != "benchmarks":
+                continue
+            where = f"{path.relative_to(REPO)}:{line}"
+            found = targets(target, names, BENCHMARKS)
+            problems += [f"{where}: no module {t}" for t in found if t not in BENCHMARKS]
+            if mod.startswith(("benchmarks.lib", "benchmarks.datasets")):
+                problems += [f"{where}: shared code imports the measurement {t}"
+                             for t in found if t in measurements - {"benchmarks"}]
+    assert not problems, "\n".join(problems)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, ``from a import b`` as ``a.b`` too."""
+    return [(line, m) for line, target, names in imports(path)
+            for m in [target, *(f"{target}.{n}" for n in names)]]
+
+
+def test_the_librarys_tests_import_no_benchmark_module():
+    problems = [f"{path.relative_to(REPO)}:{line}: imports {m}"
+                for path in TESTS if REPO / "tests" / "benchmarks" not in path.parents
+                for line, m in imported_modules(path) if m.split(".")[0] == "benchmarks"]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_benchmarks_test_imports_only_the_module_it_tests():
+    problems = []
+    for path in TESTS:
+        rel = path.relative_to(REPO / "tests")
+        if rel.parts[0] != "benchmarks" or not path.name.startswith("test_"):
+            continue
+        mirrored = ".".join([*rel.parts[:-1], path.stem.removeprefix("test_")])
+        for line, target, names in imports(path):
+            if target.split(".")[0] == "benchmarks":
+                problems += [f"{rel}:{line}: imports {t}, tests {mirrored}"
+                             for t in targets(target, names, BENCHMARKS) if t != mirrored]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_test_module_imports_another_or_a_conftest():
+    def is_test(module: str) -> bool:
+        last = module.split(".")[-1]
+        return last.startswith("test_") or last == "conftest"
+
+    problems = [f"{path.relative_to(REPO)}:{line}: imports {m}"
+                for path in TESTS for line, m in imported_modules(path) if is_test(m)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_rules_see_what_they_check(tmp_path):
+    """The public modules come from the docstrings; a private name, a test module and a
+    benchmark module are caught where they are imported."""
+    public = public_modules()
+    assert {"inferscale.facts.table", "inferscale.serve.engine", "inferscale.compose"} <= public
+    assert "inferscale.serve.leftovers" not in public
+    path = tmp_path / "test_x.py"
+    path.write_text("from tests.serve import test_app\nfrom conftest import s3\n")
+    assert [m for _, m in imported_modules(path)] == [
+        "tests.serve", "tests.serve.test_app", "conftest", "conftest.s3"]
+    assert targets("benchmarks.lib.load", ["plan"], BENCHMARKS) == ["benchmarks.lib.load.plan"]

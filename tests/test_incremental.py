@@ -17,7 +17,8 @@ from inferscale.artifacts.layout import KV_FILE, StoreConfig
 from inferscale.artifacts.read import data_path, manifest_at
 from inferscale.compose import Composer
 from inferscale.encode.identity import EncoderConfig
-from inferscale.facts.extractor import fact_id, facts_hash
+from inferscale.facts.extractor import facts_hash
+from inferscale.facts.table import fact_id
 from inferscale.hydrate.slab import hydrate
 from inferscale.ingest.logs import turns_hash
 from inferscale.pipeline import steps

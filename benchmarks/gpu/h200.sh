@@ -87,7 +87,7 @@ from inferscale.serve.retrieval import resolve_embedder_path
 from sentence_transformers import SentenceTransformer
 pay = Path(sys.argv[1])
 if os.environ.get("LEAN") == "1":  # the tokenizer only: enough for the -shape models
-    from benchmarks.shapes import TOKENIZER_FILES
+    from inferscale.models import TOKENIZER_FILES
     from inferscale.models import resolve_checkpoint
     from inferscale.settings import Settings
     ckpt = resolve_checkpoint("embedded", Settings().home)
@@ -156,7 +156,7 @@ EOF
 # and our prompt mode: users of 400 facts in 8 memory groups (KV files hard-linked: 8 on
 # disk), ~2.7 GB of KV per user; the 64 GiB gpu tier and 64 GiB host tier hold ~48
 # users, the rest are read from storage. vLLM's own KV cache: 24 GiB. The sequence
-# (`load`, detached): (1) the peer (load.py --peer): users built for the largest count,
+# (`load`, detached): (1) the peer (benchmarks.load --peer): users built for the largest count,
 # stock `vllm serve` on the same dummy checkpoint with vLLM's defaults, driven with the
 # prompt mode's prompts of the 24-user scenario, RATES rising until its first miss (its
 # goodput P) -> peer-h200-llama31-8b.json; (2) one InferScale server over users 24, 200
@@ -190,8 +190,8 @@ load_profile_args() {  # py-spy on the engine core and the server during u24's K
 }
 
 load_estimates() {  # what the sequence takes, printed before it starts
-  python benchmarks/load.py $(load_args) --peer --estimate-only | sed 's/^/peer: /'
-  python benchmarks/load.py $(load_args) --prompt-once --reuse-memory \
+  python -m benchmarks.load $(load_args) --peer --estimate-only | sed 's/^/peer: /'
+  python -m benchmarks.load $(load_args) --prompt-once --reuse-memory \
     --peer-goodput ${PEER_G:-6} --estimate-only | sed "s/^/main (if P = ${PEER_G:-6}): /"
 }
 
@@ -199,7 +199,7 @@ load_peer_run() {  # (1) stock vllm serve -> $PEER_NAME.json (users built in /tm
   cd "$repo"
   rm -rf /tmp/load-work
   echo "=== peer ($(date +%T))"
-  timeout $(( ${DEADLINE_PEER:-540} + 300 )) python benchmarks/load.py $(load_args) --peer \
+  timeout $(( ${DEADLINE_PEER:-540} + 300 )) python -m benchmarks.load $(load_args) --peer \
     --deadline-s ${DEADLINE_PEER:-540} --keep-scrapes "$LOAD_OUT/scrapes-peer" \
     --server-log "$LOAD_OUT/peer-server.log" --out "$LOAD_OUT/$PEER_NAME.json" \
     > "$LOAD_OUT/load-peer.log" 2>&1
@@ -217,7 +217,7 @@ load_main() {  # (2) InferScale's server over the user counts, KV at multiples o
   # users the peer left half-published cannot be published again beside them
   [ -f /tmp/load-work/memory.json ] || rm -rf /tmp/load-work
   echo "=== main, $left s left ($(date +%T))"
-  timeout $(( left + 300 )) python benchmarks/load.py $(load_args) --prompt-once \
+  timeout $(( left + 300 )) python -m benchmarks.load $(load_args) --prompt-once \
     --reuse-memory $peer --deadline-s "$left" $(load_profile_args) \
     --keep-scrapes "$LOAD_OUT/scrapes" --server-log "$LOAD_OUT/server.log" \
     --out "$LOAD_OUT/$LOAD_NAME-u{users}.json" > "$LOAD_OUT/load.log" 2>&1
@@ -243,7 +243,7 @@ print(json.load(open(sys.argv[1]))["summary"]["goodput_prompt_rps"] or "")' \
   [ -n "$g" ] || { echo "tail0: no prompt goodput (u24 file missing; set PROMPT_G)"; return 1; }
   echo "=== tail0 with the baseline's goodput G = $g ($(date +%T))"
   rm -rf /tmp/load-work
-  INFERSCALE_TEXT_TAIL=0 timeout $(( ${DEADLINE_TAIL0:-420} + 300 )) python benchmarks/load.py \
+  INFERSCALE_TEXT_TAIL=0 timeout $(( ${DEADLINE_TAIL0:-420} + 300 )) python -m benchmarks.load \
     $(load_args) --user-counts 48 --modes kv --prompt-goodput "$g" $peer \
     --keep-scrapes "$LOAD_OUT/scrapes-tail0" --deadline-s ${DEADLINE_TAIL0:-420} --server-log "$LOAD_OUT/server-tail0.log" \
     --out "$LOAD_OUT/$LOAD_NAME-u48-tail0.json" > "$LOAD_OUT/load-tail0.log" 2>&1
@@ -285,7 +285,7 @@ load_poll() {  # wait up to $1 s for the sequence to finish, printing each finis
     echo "=== progress ($(date +%T))"; cat "$LOAD_OUT/sequence.log" 2>/dev/null
     grep -h -E '^estimate|"setup_seconds"|"hydrate_seconds"|"peer_server"|"server_engine"' \
       "$LOAD_OUT"/load*.log 2>/dev/null | cut -c1-600
-    ls "$LOAD_OUT"/*.json > /dev/null 2>&1 && python -m benchmarks.load_stats "$LOAD_OUT"/*.json
+    ls "$LOAD_OUT"/*.json > /dev/null 2>&1 && python -m benchmarks.lib.load.goodput "$LOAD_OUT"/*.json
     grep -h -i -E "error|Traceback" "$LOAD_OUT"/load*.log 2>/dev/null | tail -n 5
     if [ -f "$LOAD_OUT/DONE" ]; then echo "FINISHED at $(cat "$LOAD_OUT/DONE")"
     elif kill -0 "$(cat "$LOAD_OUT/pid" 2>/dev/null)" 2>/dev/null; then echo "RUNNING: poll again"
@@ -307,39 +307,39 @@ case "${1:-}" in
   receive) mkdir -p /tmp/stage && cp "$repo/.gpu-stage/p$2"/* /tmp/stage/ && ls /tmp/stage ;;
   install) install ;;
   quality)  # issue 13's grid and issue 18's variant sweep in one run; the default picked
-    # by the pre-registered rule (benchmarks/locomo_select.py)
-    run locomo-h200 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+    # by the pre-registered rule (benchmarks.locomo_select)
+    run locomo-h200 560 python -m benchmarks.locomo --conversation $CONVS --compile \
       --windows 0 5 20 50 --variants-file benchmarks/locomo_variants.txt --section issue-18 \
       --select-default \
       --concurrency 128 --out "$OUT/locomo-h200-variants.json" \
       --grid-out "$OUT/locomo-h200-smollm2.json"
-    python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json"
-    python benchmarks/locomo_select.py "$OUT/locomo-h200-variants.json" --tail \
+    python -m benchmarks.locomo_select "$OUT/locomo-h200-variants.json"
+    python -m benchmarks.locomo_select "$OUT/locomo-h200-variants.json" --tail \
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
     ;;
   injection)  # issue 27: the [issue-27] variants (no window grid) on both conversations;
-    # the default picked by the pre-registered injection rule (benchmarks/locomo_select.py)
-    run locomo-h200-injection 570 python benchmarks/locomo.py --conversation $CONVS \
+    # the default picked by the pre-registered injection rule (benchmarks.locomo_select)
+    run locomo-h200-injection 570 python -m benchmarks.locomo --conversation $CONVS \
       --compile --windows --variants-file benchmarks/locomo_variants.txt --section issue-27 \
       --select-default --rule injection --concurrency 128 \
       --out "$OUT/locomo-h200-injection.json"
-    python benchmarks/locomo_select.py "$OUT/locomo-h200-injection.json" --rule injection
-    python benchmarks/locomo_select.py "$OUT/locomo-h200-injection.json" --rule injection \
+    python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection
+    python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection \
       --layout | tee /tmp/selected-layout.txt "$OUT/selected-layout.txt"
     ;;
   ttft-default)  # issue 27: TTFT of the layout the injection rule picked (or LAYOUT, as
-    # ttft.py flags), Llama-3.1-8B shape, k = 10 and 50
+    # benchmarks.ttft flags), Llama-3.1-8B shape, k = 10 and 50
     LAYOUT=${LAYOUT:-$(cat /tmp/selected-layout.txt 2>/dev/null)}
     [ -n "$LAYOUT" ] || { echo "no layout: run the injection phase first or set LAYOUT"; exit 1; }
     echo "layout: $LAYOUT"
-    run ttft-h200-llama31-8b-default 420 python benchmarks/ttft.py \
+    run ttft-h200-llama31-8b-default 420 python -m benchmarks.ttft \
       --model llama-3.1-8b-shape --conversation $D/conv-26.json --tokenizer "$SMOL" \
       --embedder $D/minilm --ks ${KS:-10 50} $LAYOUT \
       --out "$OUT/ttft-h200-llama31-8b-default.json"
     grep -h "speedup_vs_prompt" "$OUT/ttft-h200-llama31-8b-default.log" | tail -n 1
     ;;
   equivalence)
-    run equivalence-h200 540 python benchmarks/equivalence.py --device cuda \
+    run equivalence-h200 540 python -m benchmarks.equivalence --device cuda \
       --dtypes float32 bfloat16 --out "$OUT/equivalence-h200.json"
     ;;
   tests)  # the CUDA paths of the unit tests (those needing MiniLM run in `retrieval`)
@@ -350,26 +350,26 @@ case "${1:-}" in
       tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"  # ~4 min: 6 Triton compiles for the fp8 kernel cases
     ;;
   encode-hydrate)
-    run encode-h200 300 python benchmarks/encode.py --model llama-3.1-8b-shape --device cuda \
+    run encode-h200 300 python -m benchmarks.encode --model llama-3.1-8b-shape --device cuda \
       --conversation $D/conv-26.json --tokenizer "$SMOL" --out "$OUT/encode-h200.json"
-    run hydrate-h200 150 python benchmarks/hydrate.py --device cuda --size-gb 4 \
+    run hydrate-h200 150 python -m benchmarks.hydrate --device cuda --size-gb 4 \
       --root /tmp/hydrate-bench --out "$OUT/hydrate-h200.json"
     ;;
   retrieval)
-    run retrieval-h200 120 python benchmarks/retrieval.py --device cuda \
+    run retrieval-h200 120 python -m benchmarks.retrieval --device cuda \
       --embedder-path $D/minilm --out "$OUT/retrieval-h200.json"
     ;;
   ttft-llama)  # TTFT with the layout quality selected (or TAIL, or the encoder default)
     TAIL=${TAIL:-$(cat /tmp/selected-tail.txt 2>/dev/null)}
     name=ttft-h200-llama31-8b${TAIL:+-tail$TAIL}
     [ "${TAIL:-0}" = 0 ] && name=ttft-h200-llama31-8b
-    run $name 420 python benchmarks/ttft.py --model llama-3.1-8b-shape \
+    run $name 420 python -m benchmarks.ttft --model llama-3.1-8b-shape \
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       --ks ${KS:-5 10 20 50} ${TAIL:+--text-tail $TAIL} --out "$OUT/$name.json"
     grep -h "fused injection" "$OUT/$name.log" | tail -n 1
     ;;
   ttft-qwen)
-    run ttft-h200-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
+    run ttft-h200-qwen3-14b 540 python -m benchmarks.ttft --model qwen3-14b-shape \
       --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
@@ -379,7 +379,7 @@ case "${1:-}" in
     case "${2:-}" in
       quality)  # (a) LoCoMo, both development conversations, the default layout (window
         # 20, text tail 5), the same bf16 encoding stored bf16 and fp8, paired per question
-        run locomo-h200-fp8 560 python benchmarks/locomo.py --conversation $CONVS --compile \
+        run locomo-h200-fp8 560 python -m benchmarks.locomo --conversation $CONVS --compile \
           --windows --variant bf16:dtype=bfloat16 --variant fp8:dtype=float8_e4m3fn \
           --default-variant bf16 --compare fp8 bf16 --concurrency 128 \
           --out "$OUT/locomo-h200-fp8.json" || rc=1
@@ -387,13 +387,13 @@ case "${1:-}" in
 print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
           "$OUT/locomo-h200-fp8.json" ;;
       ttft)  # (b) Llama-3.1-8B shape, fp8 memory and (ref_*) bf16 memory in the same run
-        run ttft-h200-llama31-8b-fp8 540 python benchmarks/ttft.py --model llama-3.1-8b-shape \
+        run ttft-h200-llama31-8b-fp8 540 python -m benchmarks.ttft --model llama-3.1-8b-shape \
           --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
           --kv-dtype float8_e4m3fn --reference-dtype bfloat16 --ks ${KS:-5 10 20 50} \
           --out "$OUT/ttft-h200-llama31-8b-fp8.json" || rc=1
         grep -h "fused injection" "$OUT/ttft-h200-llama31-8b-fp8.log" | tail -n 1 ;;
       equivalence)  # (c) greedy outputs, bf16 engine: fp8 memory against bf16 memory
-        run equivalence-h200-fp8 420 python benchmarks/equivalence.py --device cuda \
+        run equivalence-h200-fp8 420 python -m benchmarks.equivalence --device cuda \
           --dtypes bfloat16 --memory-dtype float8_e4m3fn \
           --out "$OUT/equivalence-h200-fp8.json" || rc=1 ;;
       *) echo "fp8 quality | fp8 ttft | fp8 equivalence"; rc=2 ;;
@@ -410,7 +410,7 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     load_start load-tail0-run && load_poll "${2:-0}" ;;
   load-poll) load_poll "${2:-0}" ;;
   load-stop)  # end a running sequence: the sequence's shell, then each step under it
-    # (`timeout` passes SIGTERM to load.py, which stops its server), then a last poll
+    # (`timeout` passes SIGTERM to benchmarks.load, which stops its server), then a last poll
     p=$(cat "$LOAD_OUT/pid" 2>/dev/null); c=$(pgrep -P "${p:-0}")
     [ -n "$p" ] && kill -TERM "$p" 2>/dev/null
     for q in $c; do kill -TERM "$q" 2>/dev/null; done
@@ -430,12 +430,12 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "tp2 needs two GPUs"; exit 1; }
     rc=0
     case "${2:-all}" in equivalence|all)  # the fp32 limiting case, random-weight Llama (4 KV heads)
-      run equivalence-h200x2 300 python benchmarks/equivalence.py --device cuda \
+      run equivalence-h200x2 300 python -m benchmarks.equivalence --device cuda \
         --model random-llama --dtypes float32 --tensor-parallel-size 2 \
         --out "$OUT/equivalence-h200x2-random-llama.json" || rc=1 ;;
     esac
     case "${2:-all}" in ttft|all)
-      run ttft-h200x2-qwen3-14b 540 python benchmarks/ttft.py --model qwen3-14b-shape \
+      run ttft-h200x2-qwen3-14b 540 python -m benchmarks.ttft --model qwen3-14b-shape \
         --tensor-parallel-size 2 --conversation $D/conv-26.json --tokenizer "$SMOL" \
         --embedder $D/minilm ${TAIL:+--text-tail $TAIL} \
         --out "$OUT/ttft-h200x2-qwen3-14b.json" || rc=1

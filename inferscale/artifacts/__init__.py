@@ -7,7 +7,8 @@ a local directory or an object store.
   compare-and-swap, reads fused with checksums) on local disk and
   :class:`~inferscale.artifacts.blobs.Location`; the same on object stores in
   :mod:`~inferscale.artifacts.object_store`, over the interface in
-  :mod:`~inferscale.artifacts.blob_base`;
+  :mod:`~inferscale.artifacts.blob_base`; :mod:`inferscale.artifacts.direct_io`: local
+  reads around the page cache (``O_DIRECT``);
 - :mod:`inferscale.artifacts.kv_slab`: the encoder's output -> the kv.arrow slab;
 - :mod:`inferscale.artifacts.fact_table`: the LanceDB table of fact embeddings;
 - :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.latest`,

@@ -24,6 +24,9 @@ Fact embeddings also go into a LanceDB table per (user, model) beside the versio
 lancedb is imported only when used. :class:`Lineage` (a version's parent hashes) is not
 :mod:`inferscale.artifacts.lineage_view` (how a version is shown to people).
 
+:func:`publish_linked` publishes a version sharing another user's kv file (a hard link on a
+local store): many users of one memory store one slab.
+
 Reading is :mod:`inferscale.artifacts.read`, garbage collection
 :mod:`inferscale.artifacts.gc`.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -158,6 +162,52 @@ def publish(store: StoreConfig, user: str, encoded: EncodedMemoryLike, facts: pa
     latest = point_latest(loc, version, inputs_at)
     return PublishResult(version, created, manifest, _maybe_gc(store, user, model_fp, keep),
                          latest)
+
+
+def publish_linked(store: StoreConfig, user: str, source: Manifest, facts: pa.Table,
+                   lineage: Lineage, *, inputs_at: datetime | None = None) -> PublishResult:
+    """Publish ``user``'s version holding the KV of ``source``, a version another user
+    published on the same local store: its own facts table (the source's facts, rows of
+    ``user``) and manifest, its kv file a hard link to the source's, then ``LATEST``.
+    Many users of one memory thus store one slab (the load benchmark's memory groups).
+    The version id is :func:`publish`'s for the same inputs; the source's kv file is not
+    re-read (it verified when published), and hydration verifies it as any version's
+    (sizes, checksums, fingerprint). An existing version that verifies is kept."""
+    if not store.is_local:
+        raise InvalidArtifactInput("publish_linked needs a local artifact store (hard links)")
+    model_fp = source.model_fingerprint
+    src, loc = Location(store, source.user, model_fp), Location(store, user, model_fp)
+    facts = _check_facts(facts, user)
+    if facts.num_rows != source.counts["facts"]:
+        raise InvalidArtifactInput(f"{facts.num_rows} facts for {source.counts['facts']} of "
+                                   f"{src.describe(source.version)}")
+    version = version_id(user, lineage, model_fp, source.encoder_config)
+    existing, damage = _existing(loc, version)
+    if existing is not None:
+        return PublishResult(version, False, existing, (),
+                             point_latest(loc, version, inputs_time(inputs_at)))
+    nonce = uuid.uuid4().hex[:16]
+
+    def write_facts(w: Any) -> None:
+        with pa.ipc.new_file(w, facts.schema) as writer:
+            writer.write_table(facts)
+
+    out = loc.blobs.write_stream(loc.file(version, f"facts.{nonce}.arrow"), write_facts)
+    kv = source.files[KV_FILE]
+    os.link(src.file(source.version, kv.stored_name(KV_FILE)),
+            loc.file(version, kv.stored_name(KV_FILE)))
+    manifest = Manifest(
+        user=user, model_fingerprint=model_fp, version=version,
+        encoder_config=source.encoder_config,
+        parents={"log": lineage.log_hash, "facts": lineage.facts_hash},
+        files={FACTS_FILE: FileEntry(out.nbytes, out.xxh3_128, f"facts.{nonce}.arrow"),
+               KV_FILE: kv},
+        counts=dict(source.counts), kv=dict(source.kv),
+        created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        producer=f"{source.producer} (KV file linked from {source.user})")
+    manifest, created = _commit_manifest(loc, manifest, replace=damage is not None)
+    return PublishResult(version, created, manifest, (),
+                         point_latest(loc, version, inputs_time(inputs_at)))
 
 
 def _write_files(loc: Location, version: str, encoded: EncodedMemoryLike, facts: pa.Table,

@@ -7,6 +7,8 @@
 - :mod:`inferscale.encode.encoder`: the context-window encoder (each fact after its
   window of preceding turns, K captured before rotary embedding);
 - :mod:`inferscale.encode.batches`: its forward passes' batches and block masks;
+- :mod:`inferscale.encode.capture`: the K/V capture of those passes (any contexts
+  followed by any chunks: :func:`~inferscale.encode.capture.encode_segments`);
 - :mod:`inferscale.encode.content_keys`: what a fact's K/V is a function of, hashed (a
   later version reuses the K/V of every fact whose key it needs).
 

@@ -32,8 +32,10 @@ at ``len(window)``); such chunks get no content key and are never reused.
 The general form is :func:`inferscale.encode.capture.encode_segments`: any context token
 ids followed by chunks (:class:`~inferscale.encode.batches.Segment`; batching and the
 block mask are :mod:`inferscale.encode.batches`).
-The window form (:func:`encode_facts`) builds contexts from turns; tests build the
-"limiting case" (each fact's context = the whole memory before it) with it directly.
+The window form (:func:`encode_facts`) builds contexts from turns; :func:`encode_limiting`
+the "limiting case" (each fact's context = the whole memory before it), the reference
+injection must reproduce; :meth:`EncodedMemory.stored_as` stores one encoding in another
+dtype.
 The output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
 
 Edge cases (stated): ``w = 0`` encodes the fact after the serving prefix (``"memory"``,
@@ -97,6 +99,25 @@ class EncodedMemory:
     # the KV geometry of the model that computed the chunks (publishing checks them
     # against it); None where no model said (results cached before it was recorded)
     geometry: KVGeometry | None = None
+
+    def stored_as(self, dtype: str) -> "EncodedMemory":
+        """This encoding (float K/V) stored in ``dtype`` instead, as the encoder stores
+        that dtype: converted, or quantized per chunk for fp8 (captured in a float dtype,
+        then quantized), the encoder config's ``dtype`` saying so. One encoding, several
+        storage formats. Content keys are dropped: they name the stored dtype too."""
+        chunks = []
+        for c in self.chunks:
+            if c.scales is not None:
+                raise ValueError("stored_as converts float encodings only")
+            if is_quantized(dtype):
+                k, v, scales = quantize(c.keys, c.values)
+            else:
+                to = getattr(torch, dtype)
+                k, v, scales = c.keys.to(to), c.values.to(to), None
+            chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, scales=scales))
+        return EncodedMemory(chunks, self.model_fingerprint,
+                             {**self.encoder_config, "dtype": dtype}, self.stats,
+                             self.calibration, self.geometry)
 
 
 # ------------------------------------------------------------------ the window form
@@ -237,6 +258,27 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     return EncodedMemory(ordered, identity.model_fingerprint, identity.record(), stats,
                          calibration.record() if calibration is not None else {},
                          kv_shape(model))
+
+
+def encode_limiting(model: torch.nn.Module, prefix: Sequence[int],
+                    facts: Sequence[tuple[str, Sequence[int]]], model_fingerprint: str,
+                    dtype: torch.dtype = torch.float32) -> EncodedMemory:
+    """The limiting case: the prefix (chunk :data:`~inferscale.types.PREFIX_ID`), then
+    every fact ``(fact id, token ids)`` encoded with the prefix and all the facts before
+    it as its context, in the order given: exactly the K/V of one prefill of the whole
+    memory list. Injected in that order it must reproduce that prefill token for token
+    in float32: the reference the connector's tests and the equivalence benchmark check
+    injection against. ``dtype``: the K/V's (and the config's) dtype."""
+    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
+    before = list(prefix)
+    for fid, ids in facts:
+        segments.append(Segment(tuple(before), ((fid, tuple(ids)),)))
+        before += ids
+    chunks = {c.chunk_id: c for c in encode_segments(model, segments, out_dtype=dtype,
+                                                     batch_tokens=8192)}
+    return EncodedMemory([chunks[PREFIX_ID]] + [chunks[fid] for fid, _ in facts],
+                         model_fingerprint, {"limiting_case": True, "dtype": str(dtype)},
+                         geometry=kv_shape(model))
 
 
 def _calibrate(model: torch.nn.Module, composer: Composer, turns: Sequence[TurnText],

@@ -2,7 +2,9 @@
 token ids and embedding.
 
 - :mod:`inferscale.facts.extractor`: :class:`~inferscale.facts.extractor.FactExtractor`
-  (one Mem0 ``Memory`` reused for every user), the facts table and its content hash;
+  (one Mem0 ``Memory`` reused for every user) and the facts table's content hash;
+- :mod:`inferscale.facts.table`: the facts table (fact ids, texts, token ids,
+  embeddings) and the raw fact mode's facts, with or without Mem0;
 - :mod:`inferscale.facts.mem0_llm`: Mem0's LLM with guided JSON, bounded facts and the
   session's date;
 - :mod:`inferscale.facts.llm_server`: the local vLLM server used when no LLM endpoint

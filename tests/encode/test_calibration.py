@@ -112,7 +112,7 @@ def test_calibrate_needs_a_probe_and_a_granularity():
 
 
 def _tiny():
-    from tests.conftest import tiny_llama
+    from tiny_models import tiny_llama
     return tiny_llama()
 
 

@@ -6,7 +6,7 @@ import torch
 
 from inferscale.encode.content_keys import content_key, key_identity
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
-from tests.conftest import tiny_llama
+from tiny_models import tiny_llama
 
 
 def of(model, fp: str = "fp", **encoder) -> EncodingIdentity:

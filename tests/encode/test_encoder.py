@@ -8,12 +8,13 @@ import torch
 from inferscale.encode.batches import Segment, build_batch, plan_batches
 from inferscale.compose import ComposeError, Composer
 from inferscale.encode.capture import encode_segments
-from inferscale.encode.encoder import FactSpec, TurnText, encode_facts, window_segments
+from inferscale.encode.encoder import (
+    FactSpec, TurnText, encode_facts, encode_limiting, window_segments,
+)
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.types import PREFIX_ID
-from tests.conftest import tiny_llama, tiny_qwen3
-from tests.encode.test_rope import ROPE_TYPES
+from tiny_models import ROPE_TYPES, tiny_llama, tiny_qwen3
 
 
 def joint_prefill_kv(model, ids: list[int]):
@@ -75,20 +76,14 @@ def test_relocation_smollm2_real_weights(smollm2):
 
 
 def _limiting_case(model, prefix: list[int], facts: list[list[int]], tol: float):
-    """Each fact encoded with the whole memory before it == one joint prefill."""
-    segments = [Segment((), ((PREFIX_ID, tuple(prefix)),))]
-    before = list(prefix)
-    for i, f in enumerate(facts):
-        segments.append(Segment(tuple(before), ((f"f{i}", tuple(f)),)))
-        before += f
-    # several segments per batch: exercises padding and the block mask
-    chunks = {c.chunk_id: c for c in encode_segments(
-        model, segments, out_dtype=torch.float32, batch_tokens=4096)}
-    order = [PREFIX_ID] + [f"f{i}" for i in range(len(facts))]
-    k = torch.cat([chunks[c].keys for c in order], dim=1)
-    v = torch.cat([chunks[c].values for c in order], dim=1)
+    """Each fact encoded with the whole memory before it (``encode_limiting``, several
+    segments per batch: padding and the block mask) == one joint prefill."""
+    mem = encode_limiting(model, prefix, [(f"f{i}", f) for i, f in enumerate(facts)], "fp")
+    assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID] + [f"f{i}" for i in range(len(facts))]
+    k = torch.cat([c.keys for c in mem.chunks], dim=1)
+    v = torch.cat([c.values for c in mem.chunks], dim=1)
     composed_k = rotate_keys(k, torch.arange(k.shape[1]), RotaryTables.from_model(model))
-    ref_k, ref_v = joint_prefill_kv(model, before)
+    ref_k, ref_v = joint_prefill_kv(model, prefix + [t for f in facts for t in f])
     assert (composed_k - ref_k).abs().max().item() <= tol
     assert (v - ref_v).abs().max().item() <= tol
 
@@ -264,7 +259,7 @@ def test_encode_facts_fp8_quantizes_the_captured_kv_and_reuses_it_exactly(smollm
 
     facts = [FactSpec("f1", "A has a dog named Rex.", 2), FactSpec("f0", "A got a dog.", 0)]
     run = {}
-    for dtype in ("float32", "float8_e4m3fn"):
+    for dtype in ("float32", "bfloat16", "float8_e4m3fn"):
         identity = EncodingIdentity.of_model(EncoderConfig(window=2, dtype=dtype),
                                              smollm2.fingerprint, smollm2.model)
         run[dtype] = (identity, encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts,
@@ -277,6 +272,18 @@ def test_encode_facts_fp8_quantizes_the_captured_kv_and_reuses_it_exactly(smollm
         assert torch.equal(q.values.view(torch.uint8), v.view(torch.uint8))
         assert torch.equal(q.scales, sc) and q.content_key != f.content_key
     assert fp8.encoder_config["dtype"] == "float8_e4m3fn"
+    # the float32 encoding stored as bf16 or fp8 afterwards: the encoder's own bits
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        stored = f32.stored_as(dtype)
+        assert stored.encoder_config == {**f32.encoder_config, "dtype": dtype}
+        for a, b in zip(stored.chunks, run[dtype][1].chunks):
+            assert a.content_key is None and a.keys.dtype == b.keys.dtype
+            assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
+            assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+            assert (a.scales is None) == (b.scales is None)
+            assert a.scales is None or torch.equal(a.scales, b.scales)
+    with pytest.raises(ValueError, match="float encodings only"):
+        fp8.stored_as("bfloat16")
     reuse = {c.content_key: (c.keys, c.values, c.scales) for c in fp8.chunks[:2]}
     again = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, ident,
                          progress=False, reuse=reuse)

@@ -4,18 +4,7 @@ import pytest
 import torch
 
 from inferscale.encode.rope import RopeError, RotaryTables, apply_rotary, rotate_keys
-from tests.conftest import random_kv, tiny_llama
-
-ROPE_TYPES = {
-    "default": {"rope_type": "default", "rope_theta": 10000.0},
-    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-             "original_max_position_embeddings": 64},
-}
+from tiny_models import ROPE_TYPES, random_kv, tiny_llama
 
 
 @pytest.mark.parametrize("rope", sorted(ROPE_TYPES))

@@ -13,9 +13,10 @@ from inferscale.settings import Settings, offline_environment
 offline_environment()
 
 from inferscale.compose import Composer  # noqa: E402
-from inferscale.facts.extractor import FactExtractor, FactsConfig, fact_id, facts_hash  # noqa: E402
+from inferscale.facts.extractor import FactExtractor, FactsConfig, facts_hash  # noqa: E402
 from inferscale.facts.llm_server import LLMServerConfig, LLMServerError, LocalLLMServer  # noqa: E402
 from inferscale.ingest.logs import read_logs, sample_conversations  # noqa: E402
+from inferscale.facts.table import fact_id, raw_facts  # noqa: E402
 from inferscale.facts.mem0_llm import GuidedLLM, GuidedLLMConfig, facts_schema, parse_facts_reply  # noqa: E402
 from inferscale.models import resolve_checkpoint  # noqa: E402
 from storage_schemas import facts as facts_schema_mod  # noqa: E402
@@ -81,6 +82,11 @@ def test_raw_mode_one_fact_per_turn_and_idempotent(tmp_path, tokenizer, sample_t
         maya = results["maya"].table
         ref = st.encode(maya["text"].to_pylist()[:5])
         np.testing.assert_allclose(np.array(maya["embedding"].to_pylist()[:5]), ref, atol=1e-5)
+        # raw_facts, without Mem0, makes the same table (the embeddings the same model's)
+        alone = raw_facts(sample_turns["maya"], tokenizer, st.encode)
+        assert alone.drop_columns("embedding").equals(maya.drop_columns("embedding"))
+        np.testing.assert_allclose(np.array(alone["embedding"].to_pylist()),
+                                   np.array(maya["embedding"].to_pylist()), atol=1e-5)
         # a rerun yields the same facts and leaves no duplicate in the store
         rows_before = ex.store.col_info()["count"]
         again = ex.extract_user(sample_turns["maya"], tokenizer)

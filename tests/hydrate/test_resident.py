@@ -3,22 +3,10 @@
 import pytest
 import torch
 
+from builders import make_resident
 from inferscale.hydrate.arena import ALIGN
 from inferscale.hydrate.resident import ResidencyError, Resident
 from inferscale.hydrate.store import ResidentStore
-
-
-def make_resident(user: str, version: str = "v1", chunks=(("prefix", 3), ("a", 4), ("b", 2)),
-                  L=2, H=2, D=4, seed=0) -> Resident:
-    g = torch.Generator().manual_seed(seed)
-    total = sum(n for _, n in chunks)
-    slab = torch.randn((total, 2, L, H, D), generator=g)  # [T, 2, L, H, D]
-    index, tokens, off = {}, {}, 0
-    for cid, n in chunks:
-        index[cid] = (off, n)
-        tokens[cid] = tuple(range(100 + off, 100 + off + n))
-        off += n
-    return Resident(user, version, "fp", slab, index, tokens)
 
 
 def nbytes(r: Resident) -> int:
@@ -255,6 +243,18 @@ def fp8_resident(user: str = "q", seed: int = 3, L=2, H=2, D=4) -> Resident:
 
 def dequantized(r: Resident) -> torch.Tensor:
     return r.slab.float() * r.row_scales()[..., None]
+
+
+def test_the_kept_dtype_rule():
+    """fp8 stays fp8 on CUDA only; everything else becomes the store's dtype (the
+    engine's), float32 for fp8 on the CPU when the store has none."""
+    from inferscale.hydrate.store import kept_dtype
+
+    fp8, bf16, f32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
+    assert kept_dtype(fp8, bf16, cuda=True) == fp8
+    assert kept_dtype(fp8, bf16, cuda=False) == bf16 and kept_dtype(fp8, None, False) == f32
+    assert kept_dtype(bf16, f32, cuda=False) == f32 and kept_dtype(bf16, None, True) == bf16
+    assert ResidentStore("cpu", 1, 1, dtype=None).kept_dtype(fp8) == f32
 
 
 def test_fp8_slabs_are_dequantized_once_on_the_cpu():

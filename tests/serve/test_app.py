@@ -9,8 +9,7 @@ import pytest
 
 from inferscale.serve.access import GATEWAY_SECRET_HEADER, AccessPolicy
 from inferscale.serve.app import create_app
-from inferscale.serve.engine import Generation
-from inferscale.serve.server import Prepared
+from tests.serve.recording_server import RecordingServer
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
 ANN = {"Authorization": "Bearer key-ann"}
@@ -18,53 +17,6 @@ ASK = {"model": "m", "messages": [{"role": "user", "content": "What is my dog ca
 
 
 # ------------------------------------------------------------------ the HTTP layer alone
-
-
-class RecordingServer:
-    """Stands in for ``MemoryServer`` behind the HTTP layer (whose own behaviour these
-    tests check: auth order, validation, status codes) and records what reached it."""
-
-    mode, max_tokens, users = "kv", 16, {}
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict]] = []
-
-    async def answer(self, user, question, *, k=None, max_tokens=None, temperature=0.0,
-                     mode=None, ignore_eos=False, shed=True) -> dict:
-        self.calls.append(("answer", dict(user=user, question=question, k=k,
-                                          max_tokens=max_tokens, temperature=temperature,
-                                          mode=mode, ignore_eos=ignore_eos, shed=shed)))
-        return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
-                "info": {"user": user}}
-
-    async def request(self, user, question, k=None, mode=None, max_tokens=None,
-                      shed=True):
-        """The streaming path's first half (``MemoryServer.request``)."""
-        self.calls.append(("request", dict(user=user, question=question, k=k, mode=mode,
-                                           max_tokens=max_tokens, shed=shed)))
-        return Prepared([1], None, "salt", {"user": user})
-
-    async def answer_stream(self, prepared, started, *, max_tokens=None, temperature=0.0,
-                            ignore_eos=False):
-        """The streaming path's second half: one text piece, then the answer."""
-        self.calls.append(("answer_stream", dict(max_tokens=max_tokens,
-                                                 temperature=temperature,
-                                                 ignore_eos=ignore_eos)))
-        yield "ok"
-        yield {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
-               "info": dict(prepared.info)}
-
-    async def hydrate(self, user, tier="gpu", version="latest") -> dict:
-        self.calls.append(("hydrate", dict(user=user, tier=tier, version=version)))
-        return {"user": user, "tier": tier, "version": version}
-
-    async def evict(self, user) -> bool:
-        self.calls.append(("evict", dict(user=user)))
-        return True
-
-    async def status(self) -> dict:
-        self.calls.append(("status", {}))
-        return {"mode": self.mode, "users": []}
 
 
 def http(policy: AccessPolicy | None = None, limits=None):

@@ -238,7 +238,7 @@ def test_bandwidth_queue_and_steps_come_from_the_workers():
 def cold_user(engine_env, embedder):
     """A limiting-case user (float32, each fact encoded with the whole memory before it)
     that the workers never hold: evicted by an admin, so nothing reloads it."""
-    from tests.vllm_plugin.test_connector import FACTS, publish_user
+    from engine_helpers import FACTS, publish_user
 
     version, table = publish_user(engine_env, embedder, "cold-split", FACTS)
     engine_env.loop.run(engine_env.engine.evict("cold-split"))
@@ -259,9 +259,8 @@ def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env,
     """vLLM's own counters: the first ``n`` chunks come from external KV transfer (read
     from storage), every other prompt token is computed; the greedy answer is the full
     prefill's (fp32 limiting case); n = 0 is a plain prefill, not a fallback."""
-    from engine_helpers import memory_prompt
+    from engine_helpers import QUESTIONS, gen, memory_prompt
     from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
-    from tests.vllm_plugin.test_connector import QUESTIONS, gen
 
     env = engine_env
     version, table = cold_user
@@ -290,9 +289,8 @@ def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env,
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
-    from engine_helpers import memory_prompt
+    from engine_helpers import QUESTIONS, gen, memory_prompt
     from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef
-    from tests.vllm_plugin.test_connector import QUESTIONS, gen
 
     env = engine_env
     version, table = cold_user
@@ -311,9 +309,8 @@ def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_resident_user_ignores_the_split(engine_env, embedder):
-    from engine_helpers import memory_prompt
+    from engine_helpers import FACTS, QUESTIONS, gen, memory_prompt, publish_user
     from inferscale.vllm_plugin.metadata import MemoryRef
-    from tests.vllm_plugin.test_connector import FACTS, QUESTIONS, gen, publish_user
 
     env = engine_env
     version, table = publish_user(env, embedder, "cold-split-held", FACTS)
@@ -339,7 +336,7 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
     it; the answer reports the split; ``off`` reads every chunk without a prefetch; the
     estimator has vLLM's stats and the workers' storage statistics."""
     from inferscale.serve.server import MemoryServer
-    from tests.vllm_plugin.test_connector import QUESTIONS
+    from engine_helpers import QUESTIONS
 
     env = engine_env
     tok = env.model.tokenizer

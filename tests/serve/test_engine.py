@@ -55,9 +55,13 @@ def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
     """vLLM picks max_num_batched_tokens and max_num_seqs by usage context; on the CPU at
     tensor_parallel_size 2 ``vllm serve`` gets 4096 and 256 where the engine context gets
     2048 and 128 (on an H200: 8192 and 1024 against 2048 and 128)."""
-    from benchmarks.shapes import write_dummy_checkpoint
+    from inferscale.models import write_dummy_checkpoint
 
-    ckpt = str(write_dummy_checkpoint("tiny-llama-shape", smollm2.checkpoint, tmp_path / "m"))
+    tiny = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+            "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "max_position_embeddings": 8192, "torch_dtype": "float32"}  # TP=2 splits its heads
+    ckpt = str(write_dummy_checkpoint(tiny, smollm2.checkpoint, tmp_path / "m"))
     for tp in (1, 2):
         ours = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
                                max_model_len=2048, tensor_parallel_size=tp).vllm_config()

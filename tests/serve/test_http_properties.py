@@ -122,7 +122,7 @@ def test_the_app_never_answers_5xx(request):
     from fastapi.testclient import TestClient
 
     from inferscale.serve.app import create_app
-    from test_app import RecordingServer
+    from tests.serve.recording_server import RecordingServer
 
     policy, method, path, body, headers = request
     server = RecordingServer()

@@ -153,7 +153,7 @@ def test_the_gateways_admin_status_parses_identity_headers_as_the_app():
     from inferscale.serve.access import AccessPolicy
     from inferscale.serve.api_models import RequestLimits
     from inferscale.serve.replicas import Gateway
-    from test_app import RecordingServer
+    from tests.serve.recording_server import RecordingServer
 
     gateway = Gateway.__new__(Gateway)  # as __init__ leaves it, without a Serve replica
     gateway.policy = AccessPolicy({"key-ann": "ann"}, "admin", None, loopback=False)
@@ -355,7 +355,7 @@ def test_the_gateway_wants_keys_unless_serves_proxies_listen_on_loopback():
     import ray
     from ray import serve
 
-    from benchmarks.replica_cluster import free_port
+    from inferscale.serve.replica_cluster import free_port
     from inferscale.serve.replicas import MEMORY_DEPLOYMENT, Gateway
 
     class Light:
@@ -405,7 +405,7 @@ def test_the_cli_serves_replicas_until_sigterm(tmp_path):
     import httpx
     import psutil
 
-    from benchmarks.replica_cluster import free_port
+    from inferscale.serve.replica_cluster import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items()
@@ -465,7 +465,7 @@ QUESTIONS = ["What is my pet's name?", "Where do I live?", "What do I do for wor
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm2, embedder):
     """Two memory replicas (SmolLM2, 1 GiB KV cache each) serving four published users."""
-    from benchmarks.replica_cluster import ReplicaCluster
+    from inferscale.serve.replica_cluster import ReplicaCluster
     from engine_helpers import limiting_memory
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
@@ -537,7 +537,7 @@ def own_memory(c, user: str, info: dict) -> bool:
 def test_requests_land_on_their_users_home_replica_and_are_injected(cluster):
     import httpx
 
-    from benchmarks.replica_cluster import metric
+    from inferscale.serve.replica_cluster import metric
 
     c = cluster
     for user, slot in HOMES.items():  # hydrate reaches the home replica
@@ -591,7 +591,7 @@ def test_a_stream_whose_client_goes_is_aborted_on_its_replica(cluster):
     counts the abort (``inferscale_requests_aborted_total``, with the tokens it had)."""
     import socket
 
-    from benchmarks.replica_cluster import metric
+    from inferscale.serve.replica_cluster import metric
 
     c, user, max_tokens = cluster, "rp-cyd", 1500
     slot = HOMES[user]
@@ -640,7 +640,7 @@ def test_a_stream_whose_client_goes_is_aborted_on_its_replica(cluster):
 def test_a_killed_replica_loses_no_request_and_serves_no_other_users_memory(cluster):
     import psutil
 
-    from benchmarks.replica_cluster import metric
+    from inferscale.serve.replica_cluster import metric
 
     c = cluster
     retries_before = metric(c.scrape(), "inferscale_gateway_retries_total")

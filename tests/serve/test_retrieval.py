@@ -1,8 +1,7 @@
-"""Serving retrieval: the embedder, exact top-k, parity with LanceDB, import hygiene, benchmark."""
+"""Serving retrieval: the embedder, exact top-k, parity with LanceDB, import hygiene."""
 
 from __future__ import annotations
 
-import json
 import random
 import subprocess
 import sys
@@ -136,20 +135,6 @@ def test_retrieval_imports_neither_lancedb_nor_mem0():
             "bad = [m for m in ('lancedb', 'mem0', 'pydantic_settings') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-
-
-def test_benchmark_cli(tmp_path):
-    out = tmp_path / "bench.json"
-    help_text = subprocess.run([sys.executable, "benchmarks/retrieval.py", "--help"], cwd=ROOT,
-                               check=True, capture_output=True, text=True).stdout
-    assert "--device" in help_text and "--embedder-path" in help_text
-    subprocess.run([sys.executable, "benchmarks/retrieval.py", "--device", "cpu",
-                    "--num-facts", "300", "--iters", "20", "--warmup", "3", "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True)
-    result = json.loads(out.read_text())
-    assert set(result) == {"command", "device", "rows", "summary"}
-    assert result["summary"]["embed_p50_ms"] > 0 and result["summary"]["topk_p50_ms"] > 0
-    assert result["summary"]["num_facts"] == 300
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

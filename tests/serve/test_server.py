@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from benchmarks.memory_setup import facts_table, random_memory
+from engine_helpers import limiting_memory
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.serve.memory_cache import MemoryCacheConfig
 
@@ -28,12 +28,13 @@ def server(local_store, smollm2, embedder):
     server.memories.close()
 
 
-def publish_with(store, tok, embedder, user: str, instruction) -> str:
-    texts = [f"{user} keeps bees.", f"{user} lives by the sea."]
-    table = facts_table(user, texts, [tok.encode(t, add_special_tokens=False) for t in texts],
-                        embedder)
-    mem = random_memory(table, tok, (30, 3, 64), torch.bfloat16, FP,
-                        layout={"instruction": instruction})
+def publish_with(store, model, embedder, user: str, instruction) -> str:
+    """Two facts of ``user`` (bf16 K/V of ``model``, the server's SmolLM2) whose layout
+    names ``instruction``."""
+    mem, table = limiting_memory(model.model, model.tokenizer, user,
+                                 [f"{user} keeps bees.", f"{user} lives by the sea."], FP,
+                                 embedder, torch.bfloat16)
+    mem.encoder_config["instruction"] = instruction
     return publish(store, user, mem, table, Lineage(f"log-{user}", "f"),
                    embeddings=False).version
 
@@ -58,7 +59,7 @@ def test_an_instruction_that_can_never_be_served_is_refused_at_load(
     """A version whose instruction no request can fit in the model's context (40,000
     characters: every request of the user was a 400), or which is not text: refused once,
     at load, and counted; the user is answered without memory and the answer names why."""
-    version = publish_with(local_store, smollm2.tokenizer, embedder, "dora", instruction)
+    version = publish_with(local_store, smollm2, embedder, "dora", instruction)
     prepared = ask(server, "dora")
     assert [p.info["mode"] for p in prepared] == ["none"] * 2
     for p in prepared:
@@ -74,9 +75,9 @@ def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_stor
                                                               embedder):
     """A user of a refused version whose next version can be served: served from it
     (its own instruction's prefix), and its answers no longer name a refusal."""
-    publish_with(local_store, smollm2.tokenizer, embedder, "dora", 5)
+    publish_with(local_store, smollm2, embedder, "dora", 5)
     assert ask(server, "dora", 1)[0].info["fallback_reason"] == "refused"
-    good = publish_with(local_store, smollm2.tokenizer, embedder, "dora", "Be brief.\n")
+    good = publish_with(local_store, smollm2, embedder, "dora", "Be brief.\n")
     ask(server, "dora", 1)  # the refresh reads the new LATEST in the background
     (p,) = ask(server, "dora", 1)
     assert p.info["mode"] == "kv" and p.info["version"] == good and "fallback" not in p.info

@@ -15,37 +15,12 @@ import time
 import pytest
 import torch
 
-from engine_helpers import limiting_memory, memory_prompt
+from engine_helpers import FACTS, QUESTIONS, gen, limiting_memory, memory_prompt, publish_user
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.vllm_plugin.metadata import MemoryRef
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-
-FACTS = [
-    "Caroline adopted a golden retriever named Rex in March 2023.",
-    "Caroline works as a night-shift nurse at Boston General Hospital.",
-    "Caroline's sister Melanie lives in Lisbon and teaches piano.",
-    "Caroline ran the Boston marathon in 3 hours and 41 minutes.",
-    "Caroline is allergic to peanuts and shellfish.",
-    "Caroline's favourite book is The Left Hand of Darkness.",
-]
-QUESTIONS = [
-    "What is the name of Caroline's dog?", "Where does Caroline work?",
-    "Where does Melanie live?", "What does Melanie teach?",
-    "How long did Caroline's marathon take?", "What is Caroline allergic to?",
-    "What is Caroline's favourite book?", "What breed is Rex?",
-    "When did Caroline adopt her dog?", "Does Caroline work during the day?",
-    "Who is Melanie?", "Summarize what you know about Caroline.",
-]
-
-
-def publish_user(env, embedder, user, texts, *, lineage="log-1", dtype=torch.float32):
-    mem, table = limiting_memory(env.model.model, env.model.tokenizer, user, texts,
-                                 env.model.fingerprint, embedder, dtype)
-    res = publish(env.store, user, mem, table, Lineage(lineage, f"facts-{lineage}"),
-                  embeddings=False)
-    return res.version, table
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +28,6 @@ def caroline(engine_env, embedder):
     version, table = publish_user(engine_env, embedder, "caroline", FACTS)
     engine_env.loop.run(engine_env.engine.hydrate("caroline", version=version, tier="gpu"))
     return version, table
-
-
-def gen(env, ids, ref=None, max_tokens=24):
-    return env.loop.run(env.engine.generate(ids, ref, max_tokens=max_tokens))
 
 
 def test_equivalence_limiting_case_float32(engine_env, caroline):

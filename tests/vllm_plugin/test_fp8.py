@@ -12,13 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import limiting_memory, memory_prompt
-from benchmarks.memory_setup import as_stored
+from engine_helpers import FACTS, QUESTIONS, gen, limiting_memory, memory_prompt
 from inferscale.artifacts.publish import Lineage, publish
 from inferscale.artifacts.read import read_manifest
 from inferscale.compose import Composer
 from inferscale.vllm_plugin.metadata import MemoryRef
-from tests.vllm_plugin.test_connector import FACTS, QUESTIONS, gen
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -36,7 +34,7 @@ def fp8_users(engine_env, embedder):
                                  env.model.fingerprint, embedder, torch.float32)
     versions = {}
     for user, dtype in (("f32", "float32"), ("fp8", "float8_e4m3fn")):
-        stored = as_stored(mem, dtype)
+        stored = mem.stored_as(dtype)
         versions[user] = publish(env.store, user, stored, table.set_column(
             table.schema.get_field_index("user"), "user", [[user] * table.num_rows]),
             Lineage("log-fp8", f"facts-{dtype}"), embeddings=False).version

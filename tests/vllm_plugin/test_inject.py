@@ -1,7 +1,7 @@
 """Staging pieces of the injection path that run without an engine."""
 
 from inferscale.vllm_plugin.inject import row_index
-from tests.hydrate.test_resident import make_resident
+from builders import make_resident
 
 
 def test_row_index_follows_request_order():

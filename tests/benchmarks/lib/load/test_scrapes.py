@@ -1,0 +1,116 @@
+"""The load benchmark's reading of the server's ``/metrics``
+(``benchmarks.lib.load.scrapes``): histogram quantiles within buckets, and what changed
+between two real scrapes of the CPU server, with and without the connector's worker
+metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.lib.load.scrapes import (
+    parse, quantile, step_metrics, step_time, summarize_histogram,
+)
+
+
+def _worker_families(step_buckets: dict[str, list[float]], scheduler_s: float, worker_s: float,
+                     facts: dict[str, int], read_bytes: int) -> str:
+    """The worker metrics the connector adds, rendered by prometheus_client the way the
+    server's collector renders its worker families (one sample per rank)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    class Families:
+        def collect(self):
+            hist = HistogramMetricFamily("inferscale_engine_step_seconds", "busy steps",
+                                         labels=["rank"])
+            for rank, counts in step_buckets.items():
+                bounds = ["0.005", "0.01", "0.02", "0.05", "+Inf"]
+                running, buckets = 0.0, []
+                for bound, n in zip(bounds, counts):
+                    running += n
+                    buckets.append((bound, running))
+                hist.add_metric([rank], buckets, sum_value=running * 0.01)
+            yield hist
+            side = CounterMetricFamily("inferscale_connector_seconds", "hooks",
+                                       labels=["rank", "side"])
+            side.add_metric(["0", "scheduler"], scheduler_s)
+            side.add_metric(["0", "worker"], worker_s)
+            yield side
+            tier = CounterMetricFamily("inferscale_memory_facts", "facts", labels=["rank", "tier"])
+            for t, n in facts.items():
+                tier.add_metric(["0", t], n)
+            yield tier
+            read = CounterMetricFamily("inferscale_storage_read_bytes", "reads", labels=["rank"])
+            read.add_metric(["0"], read_bytes)
+            yield read
+
+    registry = CollectorRegistry()
+    registry.register(Families())
+    return generate_latest(registry).decode()
+
+
+def test_histogram_quantiles_interpolate_within_buckets():
+    buckets = [(0.01, 0.0), (0.02, 50.0), (0.05, 99.0), (0.1, 100.0), (math.inf, 100.0)]
+    assert quantile(0.5, buckets) == (pytest.approx(0.02), False)
+    assert quantile(0.99, buckets) == (pytest.approx(0.05), False)
+    assert quantile(0.25, buckets) == (pytest.approx(0.015), False)  # halfway in (0.01, 0.02]
+    assert quantile(0.5, [(0.1, 1.0), (math.inf, 100.0)]) == (0.1, True)  # past the last bound
+    assert quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]) == (None, False)
+    s = summarize_histogram({"count": 100.0, "sum": 2.5, "buckets": buckets})
+    assert s == {"count": 100, "mean_ms": 25.0, "p50_ms": 20.0, "p99_ms": 50.0,
+                 "p50_within_ms": [10.0, 20.0], "p99_within_ms": [20.0, 50.0]}
+    capped = summarize_histogram({"count": 100.0, "sum": 9.0,
+                                  "buckets": [(0.1, 1.0), (math.inf, 100.0)]})
+    assert capped["p99_ms"] == 100.0 and capped["p99_capped"] is True
+    assert capped["p99_within_ms"] == [100.0, None]
+    assert summarize_histogram(None) is None
+
+
+def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
+    """Two scrapes of the CPU server around a KV step of 4 requests (one for a user not
+    resident, who was reloaded), trimmed to the families the benchmark reads; then the
+    same with the connector's worker metrics added, as a server exporting them renders
+    them."""
+    data = Path(__file__).parents[2] / "data"
+    start = (data / "load-scrape-cpu-start.prom").read_text()
+    end = (data / "load-scrape-cpu-end.prom").read_text()
+    m = step_metrics(parse(start), parse(end))
+    h = m["histograms"]
+    assert [h[k]["count"] for k in ("vllm_ttft", "vllm_queue", "vllm_prefill")] == [4, 4, 4]
+    assert h["vllm_inter_token"]["count"] == 12  # 3 more tokens per request
+    assert h["vllm_prefill"]["mean_ms"] > h["vllm_queue"]["mean_ms"] > 0
+    assert h["vllm_ttft"]["p50_ms"] <= h["vllm_ttft"]["p99_ms"]
+    lo, hi = h["vllm_ttft"]["p99_within_ms"]
+    assert lo <= h["vllm_ttft"]["p99_ms"] <= hi
+    assert m["reloads"] == 1 and m["fallbacks"] == {"not_resident": 1.0}
+    assert h["reload"]["count"] == 1 and m["preemptions"] == 0
+    assert m["resident_users"] == {"gpu": 1.0, "host": 1.0}
+    # what this server does not export: None, never an error
+    assert h["engine_step"] is None and h["inject_kernel"] is None and h["storage_fetch"] is None
+    assert m["connector_seconds"] is None and m["connector_ms_per_busy_step"] is None
+    assert m["memory_facts"] is None and m["storage_read_bytes"] is None
+    assert step_time(m) == {"step_p50_ms": None, "step_p99_ms": None, "engine_steps": None,
+                            "step_p99_over_p50": None, "queue_mean_ms": h["vllm_queue"]["mean_ms"],
+                            "prefill_mean_ms": h["vllm_prefill"]["mean_ms"]}
+
+    before = start + _worker_families({"0": [10, 0, 0, 0, 0], "1": [5, 0, 0, 0, 0]}, 1.0, 2.0,
+                                      {"gpu": 10, "host": 0, "storage": 0}, 0)
+    after = end + _worker_families({"0": [70, 30, 10, 0, 0], "1": [45, 40, 9, 1, 0]}, 1.5, 3.0,
+                                   {"gpu": 100, "host": 30, "storage": 15}, 5 << 20)
+    m = step_metrics(parse(before), parse(after))
+    # both ranks' steps, this step's only: per bucket 100, 70, 19, 1 -> 190 steps
+    step = m["histograms"]["engine_step"]
+    assert step["count"] == 190 and step["mean_ms"] == pytest.approx(10.0)
+    assert step["p50_ms"] == pytest.approx(4.75)  # rank 95 of 100 in (0, 5 ms]
+    assert step["p99_ms"] == pytest.approx(10 + 10 * 18.1 / 19, abs=1e-3)  # in (10, 20 ms]
+    assert m["connector_seconds"] == {"scheduler": 0.5, "worker": 1.0}
+    assert m["connector_ms_per_busy_step"] == {"scheduler": pytest.approx(2.6316, abs=1e-4),
+                                               "worker": pytest.approx(5.2632, abs=1e-4)}
+    assert m["memory_facts"] == {"gpu": 90, "host": 30, "storage": 15}
+    assert m["storage_read_bytes"] == 5 << 20
+    t = step_time(m)
+    assert (t["step_p50_ms"], t["engine_steps"]) == (4.75, 190)
+    assert t["step_p99_over_p50"] == pytest.approx(t["step_p99_ms"] / 4.75, abs=1e-3)
