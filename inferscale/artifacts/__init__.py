@@ -8,7 +8,7 @@ a local directory or an object store.
   :class:`~inferscale.artifacts.blobs.Location`; the same on object stores in
   :mod:`~inferscale.artifacts.object_store`, over the interface in
   :mod:`~inferscale.artifacts.blob_base`;
-- :mod:`inferscale.artifacts.kv_slab`: the encoder's output -> the kv.arrow slab;
+- :mod:`inferscale.artifacts.kv_file`: the encoder's output -> the kv.arrow slab;
 - :mod:`inferscale.artifacts.fact_table`: the LanceDB table of fact embeddings;
 - :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.latest`,
   :mod:`~inferscale.artifacts.read`, :mod:`~inferscale.artifacts.gc`: publishing, moving

@@ -45,7 +45,7 @@ from inferscale import __version__
 from inferscale.artifacts import fact_table
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.gc import gc
-from inferscale.artifacts.kv_slab import EncodedMemoryLike, build_kv_batch
+from inferscale.artifacts.kv_file import EncodedMemoryLike, build_kv_batch
 from inferscale.artifacts.latest import inputs_time, point_latest, readable
 from inferscale.artifacts.layout import (
     FACTS_FILE, KV_FILE, MANIFEST_FILE, ArtifactError, ArtifactNotFound, ArtifactSchemaError,

@@ -14,7 +14,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
   in the schema metadata.
 
 The KV form is the artifacts' own kv layout (built by
-:func:`inferscale.artifacts.kv_slab.build_kv_batch`), which is why this module lives in
+:func:`inferscale.artifacts.kv_file.build_kv_batch`), which is why this module lives in
 the artifacts stage. Reading refuses anything but these layouts (``ValueError``).
 Used by the result serializers of ``tasks/results.py``.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from inferscale.artifacts.kv_slab import build_kv_batch
+from inferscale.artifacts.kv_file import build_kv_batch
 from inferscale.types import KVGeometry, torch_dtype
 from storage_schemas import kv as kv_schema
 

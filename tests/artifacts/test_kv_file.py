@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from builders import expected_slab, make_inputs
-from inferscale.artifacts.kv_slab import build_kv_batch
+from inferscale.artifacts.kv_file import build_kv_batch
 from inferscale.artifacts.layout import InvalidArtifactInput
 from inferscale.types import KV_DTYPES, torch_dtype
 from storage_schemas import kv as kv_schema
