@@ -8,7 +8,9 @@ a local directory or an object store.
   :class:`~inferscale.artifacts.blobs.Location`; the same on object stores in
   :mod:`~inferscale.artifacts.object_store`, over the interface in
   :mod:`~inferscale.artifacts.blob_base`;
-- :mod:`inferscale.artifacts.kv_file`: the encoder's output -> the kv.arrow slab;
+- :mod:`inferscale.artifacts.kv_file`: the kv.arrow file, laid out from the encoder's
+  output and parsed in place once verified; :mod:`~inferscale.artifacts.mapped_file`: a
+  local file memory-mapped, its checksum fused into the read;
 - :mod:`inferscale.artifacts.fact_table`: the LanceDB table of fact embeddings;
 - :mod:`inferscale.artifacts.publish`, :mod:`~inferscale.artifacts.latest`,
   :mod:`~inferscale.artifacts.read`, :mod:`~inferscale.artifacts.gc`: publishing, moving

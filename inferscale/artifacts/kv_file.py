@@ -1,22 +1,34 @@
-"""Encoder output -> the kv.arrow record batch (the fixed token-major slab layout).
+"""The kv.arrow file (:mod:`storage_schemas.kv`): laid out from the encoder's output, and
+parsed in place once its bytes are verified.
 
 :func:`build_kv_batch` checks the encoder's chunks (prefix first, unique ids, one dtype,
 ``[L, T, H, D]`` keys and values of one geometry, as many token ids as rows) and lays
 them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
 duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
+
+:func:`parse_kv_file` reads a whole file's bytes (checksum-verified by the caller)
+without copying the slab: the layout, the chunk index, token ids, content keys, fp8
+scales and where the slab lies, each checked against the file's own index and the
+version's manifest (:class:`KVFile`). Serving's hydration
+(:mod:`inferscale.hydrate.slab`) uses it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from inferscale.artifacts.layout import InvalidArtifactInput
-from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name
+from inferscale.artifacts.layout import (
+    ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, InvalidArtifactInput,
+)
+from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name, torch_dtype
 from storage_schemas import kv as kv_schema
+from storage_schemas.common import SchemaVersionError
+from storage_schemas.manifest import Manifest
 
 
 class EncodedChunkLike(Protocol):
@@ -140,3 +152,86 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         kv_arr,
     ], schema=schema)
     return layout, batch, slab_buffer
+
+
+@dataclass(frozen=True)
+class KVFile:
+    """A verified kv.arrow, parsed in place (:func:`parse_kv_file`)."""
+
+    layout: kv_schema.KVLayout
+    index: dict[str, tuple[int, int]]  # chunk id -> (first row, rows), in file order
+    token_ids: dict[str, tuple[int, ...]]
+    content_keys: dict[str, str]  # chunk id -> content key (chunks stored with one)
+    slab_offset: int  # byte offset of the slab (row 0) in the file
+    scales: torch.Tensor | None  # fp8: [C, 2, L, H] float32, one row per chunk in order
+
+    def slab(self, data: torch.Tensor) -> torch.Tensor:
+        """The slab ``[T, 2, L, H, D]`` in the stored dtype: a view of ``data``, the file's
+        bytes (uint8, on any device)."""
+        layout = self.layout
+        if not layout.slab_bytes:
+            return torch.empty(layout.shape, dtype=torch_dtype(layout.dtype),
+                               device=data.device)
+        return data[self.slab_offset:self.slab_offset + layout.slab_bytes].view(
+            torch_dtype(layout.dtype)).view(layout.shape)
+
+
+def parse_kv_file(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str) -> KVFile:
+    """A kv file's verified bytes ``buf`` (uint8) -> :class:`KVFile`, the slab left in
+    place. ``ArtifactSchemaError`` for a format this reader does not know,
+    ``FingerprintMismatch`` for KV of another model than ``expected_fp``,
+    ``CorruptArtifact`` for anything else that disagrees with the file's index or with
+    ``manifest`` (layout, token count, the slab's offset)."""
+    base = pa.py_buffer(buf)
+    try:
+        reader = pa.ipc.open_file(base)
+        layout = kv_schema.KVLayout.from_schema(reader.schema)
+        if reader.num_record_batches != 1:
+            raise kv_schema.KVFormatError(f"{reader.num_record_batches} record batches, expected 1")
+        batch = reader.get_batch(0)
+        ids = batch.column("chunk_id").to_pylist()
+        offsets = batch.column("offset").to_pylist()
+        lengths = batch.column("length").to_pylist()
+        tokens = batch.column("token_ids").to_pylist()
+        keys = (batch.column("content_key").to_pylist()
+                if "content_key" in batch.schema.names else [None] * len(ids))
+        kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
+        scales = None
+        if layout.quantized:
+            kv_schema.check_scales(batch.column("scales"))
+            flat = batch.column("scales").flatten().to_numpy(zero_copy_only=False)
+            scales = torch.from_numpy(flat.copy()).view(
+                len(ids), 2, layout.layers, layout.kv_heads)
+        kv = batch.column("kv")
+        want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
+        if not np.array_equal(kv.offsets.to_numpy(), want):
+            raise kv_schema.KVFormatError("kv list offsets disagree with the offsets table")
+    except (SchemaVersionError, kv_schema.UnknownKVFormat) as exc:
+        raise ArtifactSchemaError(f"{path}: {exc}") from exc
+    except kv_schema.KVFormatError as exc:
+        raise CorruptArtifact(f"{path}: {exc}") from exc
+    except (pa.ArrowException, KeyError) as exc:
+        raise CorruptArtifact(f"{path}: not a readable kv file: {exc}") from exc
+    if layout.model_fingerprint != expected_fp:
+        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
+                                  f"expected {expected_fp}")
+    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim",
+                                                  "scales")}
+    actual = {"dtype": layout.dtype, "layers": layout.layers, "kv_heads": layout.kv_heads,
+              "head_dim": layout.head_dim, "scales": kv_schema.SCALES.get(layout.dtype)}
+    if described != actual or manifest.counts.get("tokens") != layout.tokens:
+        raise CorruptArtifact(f"{path}: layout {actual}, {layout.tokens} tokens disagrees with "
+                              f"the manifest's {described}, {manifest.counts.get('tokens')}")
+    slab_offset = 0
+    if layout.slab_bytes:
+        values = kv.values
+        data = values.buffers()[1]
+        slab_offset = data.address - base.address + values.offset * kv_schema.ITEMSIZE[layout.dtype]
+        if (slab_offset != manifest.kv.get("slab_offset") or slab_offset % 8
+                or slab_offset + layout.slab_bytes > buf.nbytes):
+            raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
+                                  f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
+    index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
+    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
+    return KVFile(layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys,
+                  slab_offset, scales)

@@ -26,6 +26,7 @@ from inferscale.artifacts.layout import (
     StoreConfig, TruncatedArtifact, parse_latest,
 )
 from storage_schemas import facts as facts_schema
+from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError, check_schema
 from storage_schemas.manifest import Manifest, ManifestChecksumError, ManifestError
 
@@ -148,6 +149,16 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     except SchemaVersionError as exc:
         raise ArtifactSchemaError(f"{path}: {exc}") from exc
     return table
+
+
+def check_kv_format(manifest: Manifest) -> None:
+    """:class:`ArtifactSchemaError` when the version's KV dtype or scale rule is not one
+    this InferScale reads (a newer one wrote it)."""
+    try:
+        kv_schema.check_format(manifest.kv)
+    except kv_schema.UnknownKVFormat as exc:
+        raise ArtifactSchemaError(f"user {manifest.user} version {manifest.version}: "
+                                  f"{exc}") from exc
 
 
 def data_path(loc: Location, m: Manifest, name: str) -> str:

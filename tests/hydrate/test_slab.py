@@ -148,9 +148,9 @@ def test_direct_io_hydrates_a_byte_identical_slab_around_the_page_cache(local_st
 
 
 def test_local_mmap_without_populate(local_store, monkeypatch):
-    import inferscale.hydrate.slab as H
+    import inferscale.artifacts.mapped_file as mapped
 
-    monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
+    monkeypatch.setattr(mapped, "_populate", lambda: None)  # kernels before 5.14, other OSes
     memory, facts, lineage = make_inputs("e", 20)
     publish(local_store, "e", memory, facts, lineage, embeddings=False)
     check(hydrate(local_store, "e", FP, part_bytes=5000), memory)
