@@ -2,15 +2,18 @@
 parsed in place once its bytes are verified.
 
 :func:`build_kv_batch` checks the encoder's chunks (prefix first, unique ids, one dtype,
-``[L, T, H, D]`` keys and values of one geometry, as many token ids as rows) and lays
-them out as :mod:`storage_schemas.kv` describes. The encoder (``inferscale.encode.encoder``) is
-duck-typed through :class:`EncodedMemoryLike`; nothing here imports it.
+token-major rows ``[T, 2, L, H, D]`` of one geometry, as many token ids as rows) and lays
+them out as :mod:`storage_schemas.kv` describes: the chunks' rows back to back are the
+slab (:attr:`~inferscale.types.KVFormat.TOKEN_MAJOR`, what the encoder emits), so laying
+out is one concatenation. The encoder (``inferscale.encode.encoder``) is duck-typed
+through :class:`EncodedMemoryLike`; nothing here imports it.
 
 :func:`parse_kv_file` reads a whole file's bytes (checksum-verified by the caller)
 without copying the slab: the layout, the chunk index, token ids, content keys, fp8
 scales and where the slab lies, each checked against the file's own index and the
-version's manifest (:class:`KVFile`). Serving's hydration
-(:mod:`inferscale.hydrate.slab`) uses it.
+version's manifest (:class:`KVFile`). Whole-slab readers use it: serving's hydration
+(:mod:`inferscale.hydrate.slab`) and the reuse of a previous version's rows
+(:func:`inferscale.artifacts.read.read_kv_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from inferscale.artifacts.layout import (
     ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, InvalidArtifactInput,
 )
-from inferscale.types import KV_DTYPES, PREFIX_ID, dtype_name, torch_dtype
+from inferscale.types import KV_DTYPES, PREFIX_ID, ChunkKV, dtype_name, torch_dtype
 from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
@@ -34,8 +37,7 @@ from storage_schemas.manifest import Manifest
 class EncodedChunkLike(Protocol):
     chunk_id: str  # fact_id, or "prefix" (always first)
     token_ids: Sequence[int]
-    keys: torch.Tensor  # [L, T, H, D] pre-RoPE, CPU
-    values: torch.Tensor  # [L, T, H, D]
+    kv: torch.Tensor  # [T, 2, L, H, D] (KVFormat.TOKEN_MAJOR): pre-RoPE K, then V; CPU
     # optional: ``content_key`` (str | None), what the K/V is a function of (stored; a
     # chunk without one is never reused by a later version); ``scales`` ([2, L, H]
     # float32), required for quantized dtypes (``inferscale.kv_quant``)
@@ -56,35 +58,34 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     """Encoder chunks -> (layout, one record batch, the slab buffer inside it).
 
     The batch's ``kv`` child values buffer is the ``[T, 2, L, H, D]`` slab (one copy of
-    the encoder's K,V, laid out token-major); the buffer is returned so the writer can
-    find the slab's byte offset in the file. Raises :class:`InvalidArtifactInput`.
+    the encoder's rows, back to back); the buffer is returned so the writer can find the
+    slab's byte offset in the file. Raises :class:`InvalidArtifactInput`.
     """
     chunks = list(encoded.chunks)
     if not chunks or chunks[0].chunk_id != PREFIX_ID:
         raise InvalidArtifactInput(f"the first chunk must be {PREFIX_ID!r}")
-    k0 = chunks[0].keys
-    if not isinstance(k0, torch.Tensor) or k0.dim() != 4:
-        raise InvalidArtifactInput("chunk keys must be 4-D tensors [L, T, H, D]")
-    dtype = dtype_name(k0.dtype)
+    kv0 = chunks[0].kv
+    if not isinstance(kv0, torch.Tensor) or kv0.dim() != 5 or kv0.shape[1] != 2:
+        raise InvalidArtifactInput("chunk rows must be 5-D tensors [T, 2, L, H, D]")
+    dtype = dtype_name(kv0.dtype)
     if dtype is None:
-        raise InvalidArtifactInput(f"KV dtype {k0.dtype} not supported; one of {list(KV_DTYPES)}")
-    n_layers, _, n_heads, head_dim = k0.shape
+        raise InvalidArtifactInput(f"KV dtype {kv0.dtype} not supported; one of {list(KV_DTYPES)}")
+    _, _, n_layers, n_heads, head_dim = kv0.shape
     quantized = dtype in kv_schema.SCALES
     ids, lengths, content_keys, scales = [], [], [], []
     for c in chunks:
-        k, v = c.keys, c.values
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: keys/values must be tensors")
-        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (
-                n_layers, n_heads, head_dim):
+        kv = c.kv
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: its rows must be a tensor")
+        if kv.dim() != 5 or tuple(kv.shape[1:]) != (2, n_layers, n_heads, head_dim):
             raise InvalidArtifactInput(
-                f"chunk {c.chunk_id!r}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                f"match [L={n_layers}, T, H={n_heads}, D={head_dim}]")
-        if k.dtype != k0.dtype or v.dtype != k0.dtype:
+                f"chunk {c.chunk_id!r}: rows {tuple(kv.shape)} do not match "
+                f"[T, 2, L={n_layers}, H={n_heads}, D={head_dim}]")
+        if kv.dtype != kv0.dtype:
             raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: dtype differs from the prefix's")
-        if len(c.token_ids) != k.shape[1]:
+        if len(c.token_ids) != kv.shape[0]:
             raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: {len(c.token_ids)} token ids for "
-                                       f"{k.shape[1]} KV rows")
+                                       f"{kv.shape[0]} KV rows")
         if not isinstance(c.chunk_id, str) or not c.chunk_id:
             raise InvalidArtifactInput(f"chunk id must be a non-empty string, got {c.chunk_id!r}")
         key = getattr(c, "content_key", None)
@@ -105,7 +106,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
         elif sc is not None:
             raise InvalidArtifactInput(f"chunk {c.chunk_id!r}: scales given for {dtype} K/V")
         ids.append(c.chunk_id)
-        lengths.append(int(k.shape[1]))
+        lengths.append(int(kv.shape[0]))
         content_keys.append(key)
     if len(set(ids)) != len(ids):
         raise InvalidArtifactInput("duplicate chunk ids")
@@ -116,10 +117,7 @@ def build_kv_batch(encoded: EncodedMemoryLike, model_fp: str
     except kv_schema.KVFormatError as exc:
         raise InvalidArtifactInput(str(exc)) from exc
 
-    slab = torch.empty(layout.shape, dtype=k0.dtype)  # [T, 2, L, H, D]
-    for c, o, n in zip(chunks, offsets[:-1], lengths):
-        slab[o:o + n, 0].copy_(c.keys.permute(1, 0, 2, 3))  # [L, t, H, D] -> [t, L, H, D]
-        slab[o:o + n, 1].copy_(c.values.permute(1, 0, 2, 3))
+    slab = torch.cat([c.kv for c in chunks])  # [T, 2, L, H, D]
     flat = slab.reshape(-1)
     if layout.dtype == "float32":
         flat_np = flat.numpy()
@@ -174,6 +172,14 @@ class KVFile:
                                device=data.device)
         return data[self.slab_offset:self.slab_offset + layout.slab_bytes].view(
             torch_dtype(layout.dtype)).view(layout.shape)
+
+    def rows_by_content_key(self, slab: torch.Tensor) -> dict[str, ChunkKV]:
+        """``content key -> ChunkKV`` (a view of ``slab``'s rows, and its scales for fp8)
+        for every chunk stored with a key: what a later version reuses."""
+        pos = {cid: i for i, cid in enumerate(self.index)}
+        return {key: ChunkKV(slab[self.index[cid][0]:sum(self.index[cid])],
+                             self.scales[pos[cid]] if self.scales is not None else None)
+                for cid, key in self.content_keys.items()}
 
 
 def parse_kv_file(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str) -> KVFile:

@@ -5,8 +5,9 @@ while a helper thread populates the next few parts (``MADV_POPULATE_READ``, Linu
 5.14; plain page faults elsewhere), so the disk read and the checksum overlap and the
 hash pass is the read. The mapping is the page cache: nothing is copied, and writing into
 it copies pages, never the file. Artifacts are immutable and gc only unlinks, so a
-mapping stays valid. Used to read whole kv files (serving's hydration,
-:func:`inferscale.hydrate.slab.hydrate`).
+mapping stays valid. Used to read whole kv files: a version's slab for serving
+(:func:`inferscale.hydrate.slab.hydrate`) and for reuse by its next version
+(:func:`inferscale.artifacts.read.read_kv_rows`).
 """
 
 from __future__ import annotations

@@ -295,9 +295,9 @@ def _check_facts(facts: pa.Table, user: str) -> pa.Table:
 
 
 def _check_geometry(encoded: EncodedMemoryLike, geometry: KVGeometry | None) -> None:
-    """:class:`InvalidArtifactInput` unless every chunk's keys and values ``[L, T, H, D]``
-    have the model's geometry: ``geometry`` and the encoder's ``encoded.geometry``,
-    whichever are known (at least one must be)."""
+    """:class:`InvalidArtifactInput` unless every chunk's rows ``[T, 2, L, H, D]`` have
+    the model's geometry: ``geometry`` and the encoder's ``encoded.geometry``, whichever
+    are known (at least one must be)."""
     known = [KVGeometry(*g) for g in (geometry, getattr(encoded, "geometry", None))
              if g is not None]
     if not known:
@@ -307,12 +307,11 @@ def _check_geometry(encoded: EncodedMemoryLike, geometry: KVGeometry | None) -> 
             "output (which records it)")
     for want in known:
         for c in encoded.chunks:
-            for t in (c.keys, c.values):
-                got = tuple(getattr(t, "shape", ()))
-                if len(got) != 4 or (got[0], got[2], got[3]) != want:
-                    raise InvalidArtifactInput(
-                        f"chunk {c.chunk_id!r:.40}: K/V {list(got)} do not match [L, T, H, D] "
-                        f"of model {encoded.model_fingerprint}'s geometry {want.describe()}")
+            got = tuple(getattr(c.kv, "shape", ()))
+            if len(got) != 5 or got[1:] != (2, *want):
+                raise InvalidArtifactInput(
+                    f"chunk {c.chunk_id!r:.40}: rows {list(got)} do not match [T, 2, L, H, D] "
+                    f"of model {encoded.model_fingerprint}'s geometry {want.describe()}")
 
 
 def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:

@@ -127,20 +127,6 @@ class Resident:
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
 
-    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
-        encoder's chunk layout), and the chunk's scales ``[2, L, H]`` for fp8 slabs, for
-        every chunk stored with a key. Called by the pipeline to reuse a previous
-        version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
-        out = {}
-        for chunk_id, key in self.content_keys.items():
-            rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
-            kv = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
-            if self.scales is not None:
-                kv += (self.scales[self.scale_pos(chunk_id)],)
-            out[key] = kv
-        return out
-
     def gather(self, chunk_ids: list[str], start: int, end: int, out: torch.Tensor) -> None:
         """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``
         (``[end - start, 2, L, H, D]`` on the compute device, any dtype): one

@@ -23,14 +23,14 @@ import pyarrow as pa
 
 from inferscale.artifacts.layout import ArtifactError
 from inferscale.artifacts.publish import Lineage, PublishResult, publish, version_id
-from inferscale.artifacts.read import latest_version, read_manifest
+from inferscale.artifacts.read import latest_version, read_kv_rows, read_manifest
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncodingIdentity
 from inferscale.facts.extractor import FactExtractor, FactsConfig, FactsResult
 from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
 from inferscale.models import LoadedModel
 from inferscale.pipeline.config import PipelineConfig
-from inferscale.types import KVGeometry
+from inferscale.types import ChunkKV, KVGeometry
 
 log = logging.getLogger("inferscale.pipeline")
 
@@ -139,9 +139,9 @@ def encode_user_kv(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Ta
 
 
 def compact(encoded: EncodedMemory) -> EncodedMemory:
-    """``encoded`` with every chunk's K/V copied out of the batch tensors it views, so
+    """``encoded`` with every chunk's rows copied out of the batch tensors they view, so
     that a cached result holds the chunks, not the batches."""
-    chunks = [replace(c, keys=c.keys.clone(), values=c.values.clone()) for c in encoded.chunks]
+    chunks = [replace(c, kv=c.kv.clone()) for c in encoded.chunks]
     return replace(encoded, chunks=chunks)
 
 
@@ -188,24 +188,22 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> dict | None:
-    """``content key -> (K, V)`` of a published version (``"latest"``: ``LATEST``'s), read
-    and checksum-verified (a memory map of a local file; S3 is read into memory), or None
+def previous_kv(cfg: PipelineConfig, user: str, model_fp: str,
+                version: str) -> dict[str, ChunkKV] | None:
+    """``content key -> ChunkKV`` of a published version (``"latest"``: ``LATEST``'s),
+    read and checksum-verified (:func:`inferscale.artifacts.read.read_kv_rows`), or None
     when there is none or it cannot be read: then every fact is encoded (a warning says
     why when a version was there)."""
-    from inferscale.hydrate.slab import hydrate
-
     try:
         if version == "latest":
             version = latest_version(cfg.store(), user, model_fp)
             if version is None:
                 return None
-        hydrated = hydrate(cfg.store(), user, model_fp, version, tier="host", device="cpu")
+        return read_kv_rows(cfg.store(), user, model_fp, version)
     except ArtifactError as exc:
         log.warning("user %s: previous version %s unreadable, encoding every fact: %s",
                     user, version, exc)
         return None
-    return hydrated.kv_by_content_key()
 
 
 def _check_fingerprint(model: LoadedModel, model_fp: str) -> None:
