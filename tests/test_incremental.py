@@ -17,7 +17,7 @@ from inferscale.artifacts.layout import KV_FILE, StoreConfig
 from inferscale.artifacts.read import data_path, manifest_at
 from inferscale.compose import Composer
 from inferscale.encode.identity import EncoderConfig
-from inferscale.facts.extractor import fact_id, facts_hash
+from inferscale.facts.extractor import FactsConfig, fact_id, facts_hash
 from inferscale.hydrate.slab import hydrate
 from inferscale.ingest.logs import turns_hash
 from inferscale.pipeline import steps
@@ -91,7 +91,9 @@ def config(home, store: StoreConfig, **encoder) -> PipelineConfig:
 
 
 def publish(cfg, turns, facts, encoded):
-    return publish_user(cfg, USER, encoded, facts, turns_hash(turns), facts_hash(facts, "test"))
+    run = cfg.run_identity(FactsConfig(mode="raw"), encoded.model_fingerprint)
+    return publish_user(cfg, USER, encoded, facts, turns_hash(turns), facts_hash(facts, "test"),
+                        run)
 
 
 def encode_user_kv(cfg: PipelineConfig, turns, facts, previous: str | None = None):

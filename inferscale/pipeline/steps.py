@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import asdict, replace
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pyarrow as pa
 
@@ -25,7 +25,7 @@ from inferscale.artifacts.layout import ArtifactError
 from inferscale.artifacts.publish import Lineage, PublishResult, publish, version_id
 from inferscale.artifacts.read import latest_version, read_kv_rows, read_manifest
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
-from inferscale.encode.identity import EncodingIdentity
+from inferscale.encode.identity import EncodingIdentity, RunIdentity
 from inferscale.facts.extractor import FactExtractor, FactsConfig, FactsResult
 from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
 from inferscale.models import LoadedModel
@@ -112,11 +112,10 @@ def read_latest(cfg: PipelineConfig, user: str, model_fp: str) -> str | None:
     return latest_version(cfg.store(), user, model_fp)
 
 
-def expected_version(identity: EncodingIdentity, user: str, log_hash: str,
-                     facts_hash: str) -> str:
-    """The version id that publishing these inputs encoded with ``identity`` yields."""
-    return version_id(user, Lineage(log_hash, facts_hash), identity.model_fingerprint,
-                      identity.record())
+def expected_version(run: RunIdentity, user: str, log_hash: str, facts_hash: str) -> str:
+    """The version id that publishing these inputs in the run ``run`` yields."""
+    return version_id(user, Lineage(log_hash, facts_hash), run.model_fingerprint,
+                      run.record())
 
 
 def encode_user_kv(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Table,
@@ -145,18 +144,25 @@ def compact(encoded: EncodedMemory) -> EncodedMemory:
     return replace(encoded, chunks=chunks)
 
 
-def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
-                 facts_hash: str, inputs_at: datetime | None = None) -> PublishResult:
-    """Publish a version (a no-op returning the existing one when inputs are unchanged).
-    ``inputs_at``: when the logs were read: LATEST names the publish of the newest inputs
-    when runs race (:mod:`inferscale.artifacts.latest`). The KV must be the serving
-    model's: its fingerprint, and the geometry of its checkpoint (publish checks it)."""
+def publish_user(cfg: PipelineConfig, user: str, encoded: EncodedMemory, facts: pa.Table,
+                 log_hash: str, facts_hash: str, run: RunIdentity,
+                 inputs_at: datetime | None = None) -> PublishResult:
+    """Publish a version (a no-op returning the existing one when inputs are unchanged)
+    recorded under ``run``'s record (:meth:`RunIdentity.record`: the version id
+    :func:`expected_version` gives). ``inputs_at``: when the logs were read: LATEST names
+    the publish of the newest inputs when runs race (:mod:`inferscale.artifacts.latest`).
+    The KV must be the serving model's (its fingerprint, and the geometry of its
+    checkpoint: publish checks it) and encoded under ``run``'s encoding identity."""
     fp = model_fingerprint(cfg)
     if encoded.model_fingerprint != fp:
         raise RuntimeError(f"the KV was encoded for model {encoded.model_fingerprint}, not "
                            f"the serving model {fp}")
-    return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
-                   geometry=model_geometry(cfg), keep=cfg.keep_versions, inputs_at=inputs_at)
+    if dict(encoded.encoder_config) != run.encoding.record():
+        raise RuntimeError(f"the KV was encoded as {dict(encoded.encoder_config)}, not as "
+                           f"this run encodes ({run.encoding.record()})")
+    return publish(cfg.store(), user, replace(encoded, encoder_config=run.record()), facts,
+                   Lineage(log_hash, facts_hash), geometry=model_geometry(cfg),
+                   keep=cfg.keep_versions, inputs_at=inputs_at)
 
 
 def record_lineage(cfg: PipelineConfig, model_fp: str, versions: Mapping[str, str],

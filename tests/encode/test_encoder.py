@@ -298,15 +298,18 @@ def test_version_ids_cover_the_compute_dtype_and_device():
     the same inputs, so other version ids (never one id for two contents)."""
     from pathlib import Path
 
+    from inferscale.facts.extractor import FactsConfig
     from inferscale.pipeline.config import PipelineConfig
     from inferscale.pipeline.steps import expected_version
 
     cpu = PipelineConfig(home=Path("/h"), model="embedded", device="cpu", model_dtype="float32",
                          encoder=EncoderConfig(), artifact_root="/a", storage_options={})
     gpu = replace(cpu, device="cuda", model_dtype="bfloat16")
-    ids = {name: expected_version(c.identity("fp1"), "maya", "log-h", "facts-h") for name, c in {
-        "cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
-        "gpu-fp32": replace(gpu, model_dtype="float32")}.items()}
+    raw = FactsConfig(mode="raw")
+    configs = {"cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
+               "gpu-fp32": replace(gpu, model_dtype="float32")}
+    ids = {name: expected_version(c.run_identity(raw, "fp1"), "maya", "log-h", "facts-h")
+           for name, c in configs.items()}
     assert ids["cpu"] != ids["gpu"] and ids["gpu"] != ids["gpu-fp32"] != ids["cpu"]
     assert ids["gpu"] == ids["gpu1"]  # the device kind counts, not which one
     assert EncodingIdentity(EncoderConfig(), "fp1", torch.bfloat16, "cuda:0").record() == {

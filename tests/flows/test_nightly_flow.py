@@ -88,14 +88,16 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     from inferscale.pipeline.steps import encode_user_kv, publish_user
     from inferscale.settings import Settings
 
-    cfg, _ = configs_from_settings(Settings(), fact_mode="raw", artifact_root=str(scratch))
+    cfg, facts_cfg = configs_from_settings(Settings(), fact_mode="raw",
+                                           artifact_root=str(scratch))
     store = StoreConfig(str(root))
     facts = read_facts(store, "tomas", fp, version)
     m = read_manifest(store, "tomas", fp, version)
     turns = read_logs(str(logs)).turns["tomas"]
     full = encode_user_kv(cfg, "tomas", turns, facts, cfg.identity(fp))
     assert full.stats["reused"] == 0
-    ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"])
+    ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"],
+                       cfg.run_identity(facts_cfg, fp))
     assert ref.version == version
     assert {n: (f.bytes, f.xxh3_128) for n, f in ref.manifest.files.items()} == {
         n: (f.bytes, f.xxh3_128) for n, f in m.files.items()}  # stored names differ
