@@ -82,9 +82,3 @@ def dequantize_into(dst: torch.Tensor, rows: torch.Tensor, row_scales: torch.Ten
     for a in range(0, rows.shape[0], block):
         dst[a:a + block].copy_(dequantize(rows[a:a + block], row_scales[a:a + block]))
     return dst
-
-
-def saturate_fp8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) clamped to fp8's finite range and rounded to fp8, as vLLM's fp8
-    cache writer stores (saturating: nothing becomes NaN)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
