@@ -79,31 +79,35 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
 
 
 def test_a_facts_config_change_is_reencoded(flow_env, tmp_path, monkeypatch):
-    """Another facts config (here a fact-length limit the sample's turns stay under, so
-    the facts and their K/V are the same) is another run, as for ``inferscale encode``:
-    the nightly re-encodes every user (``facts-changed``) onto a version recording it,
-    with the same KV bytes; the run after that skips them again."""
+    """Another facts config (here another embedder: the packaged one under another name,
+    so the facts' text and K/V are the same) is another run, as for ``inferscale
+    encode``: the nightly re-encodes every user (``facts-changed``), computing no K/V,
+    onto a version recording it with the same KV bytes; the next run skips them."""
     from flows.encode import encode_users
     from flows.nightly import nightly_reencode
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.read import read_manifest
+    from inferscale.facts.extractor import embedded_embedder_path
 
     root = tmp_path / "artifacts"
     store = StoreConfig(str(root))
     first = encode_users(artifact_root=str(root), fact_mode="raw")
     fp = first["model_fingerprint"]
-    monkeypatch.setenv("INFERSCALE_MAX_FACT_TOKENS", "255")
+    renamed = tmp_path / "minilm-renamed"
+    renamed.symlink_to(embedded_embedder_path(), target_is_directory=True)
+    monkeypatch.setenv("INFERSCALE_EMBEDDER", str(renamed))
     state = nightly_reencode(artifact_root=str(root), fact_mode="raw", return_state=True)
     assert state.is_completed(), state.message
     users = state.result()["users"]
     assert {u: (o["status"], o["reason"]) for u, o in users.items()} == {
         u: ("published", "facts-changed") for u in first["users"]}
     for user, o in users.items():
+        assert o["encoded"] == 0  # the KV step's cache (or every fact reused)
         old = read_manifest(store, user, fp, first["users"][user]["version"])
         new = read_manifest(store, user, fp, o["version"])
-        assert new.encoder_config["facts"]["max_fact_tokens"] == 255
+        assert new.encoder_config["facts"]["embedder"] == "st:minilm-renamed:384"
         assert new.files["kv.arrow"].xxh3_128 == old.files["kv.arrow"].xxh3_128
-        assert new.parents == old.parents
+        assert new.parents["log"] == old.parents["log"]
     again = nightly_reencode(artifact_root=str(root), fact_mode="raw", return_state=True)
     assert {o["status"] for o in again.result()["users"].values()} == {"up-to-date"}
 
