@@ -57,8 +57,8 @@ OPTIONAL = ("lancedb", "s3fs", "moto", "pydantic", "prefect", "vllm")
 
 
 class Chunk:
-    def __init__(self, chunk_id, token_ids, keys, values):
-        self.chunk_id, self.token_ids, self.keys, self.values = chunk_id, token_ids, keys, values
+    def __init__(self, chunk_id, token_ids, kv):
+        self.chunk_id, self.token_ids, self.kv = chunk_id, token_ids, kv  # kv [T, 2, L, H, D]
 
 
 class Memory:
@@ -73,6 +73,8 @@ def synthetic(size_bytes: int, seed: int = 0) -> tuple[Memory, pa.Table, Lineage
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(LAYERS, tokens, HEADS, HEAD_DIM, generator=g, dtype=torch.bfloat16)
     values = torch.randn(LAYERS, tokens, HEADS, HEAD_DIM, generator=g, dtype=torch.bfloat16)
+    kv = torch.stack([keys, values]).permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D] (a view)
+    del keys, values
     lengths, total = [16], 16
     while total < tokens:
         n = min(int(torch.randint(8, 41, (1,), generator=g)), tokens - total)
@@ -83,7 +85,7 @@ def synthetic(size_bytes: int, seed: int = 0) -> tuple[Memory, pa.Table, Lineage
     for i, n in enumerate(lengths):
         cid = PREFIX_ID if i == 0 else f"fact-{i:06d}"
         ids = list(range(o, o + n))
-        chunks.append(Chunk(cid, ids, keys[:, o:o + n], values[:, o:o + n]))  # views
+        chunks.append(Chunk(cid, ids, kv[o:o + n]))  # views
         if i:
             fact_ids.append(cid)
             token_ids.append(ids)

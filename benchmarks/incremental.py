@@ -108,8 +108,7 @@ def batched_cost(cfg: PipelineConfig, turns: pa.Table, facts: pa.Table, n: int,
                 model.model, segs, out_dtype=cfg.encoder.torch_dtype, pad_id=pad_id,
                 batch_tokens=None if mode == "alone" else batch_tokens)}
             seconds[mode] += time.perf_counter() - start
-        differ += sum(not (torch.equal(a.keys, got["batched"][cid].keys)
-                           and torch.equal(a.values, got["batched"][cid].values))
+        differ += sum(not torch.equal(a.kv, got["batched"][cid].kv)
                       for cid, a in got["alone"].items())
     return {"facts": n, "forward_tokens": sum(s.length for s in segments),
             "batch_tokens": batch_tokens, "batches": len(batches),

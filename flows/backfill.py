@@ -8,11 +8,11 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
+from flows.common import fan_out, finish, prepare, record_skipped
 from flows.results import PERSISTED
-from inferscale.artifacts.lineage_view import artifact_key, fingerprint_slug
+from inferscale.artifacts.lineage_view import fingerprint_slug
 from inferscale.pipeline.chain import select_users
-from inferscale.pipeline.report import RunReport, UserOutcome
+from inferscale.pipeline.report import RunReport
 from tasks.store import plan
 
 
@@ -25,8 +25,8 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
     """Re-encode every user (or the given ones) for ``model``.
 
     Resumable: a user whose LATEST for this model's fingerprint already has the same
-    inputs (log hash, encoder config) is skipped, so a rerun after a crash or a partial
-    failure only does what is left. At most ``concurrency_limit`` users are encoded at
+    inputs (log hash, encoder and facts configs) is skipped, so a rerun after a crash or
+    a partial failure only does what is left. At most ``concurrency_limit`` users are encoded at
     once across all runs (the Prefect global concurrency limit "inferscale-compute");
     one user's failure never stops the others. Ends with a table of done and failed users
     (artifact key ``inferscale-backfill-<fingerprint prefix>``); the run is Failed when
@@ -51,17 +51,11 @@ def backfill_model(model: str, users: list[str] | None = None, logs: list[str] |
                    window=window)
     hashes = prep.ingest.turns_hashes()
     hashes = {u: hashes[u] for u in select_users(prep.ingest, users)}
-    plans = plan(prep.cfg, prep.model_fp, hashes)
-    todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
-    skipped = {u: p for u, p in plans.items() if p.reason == "up-to-date"}
-    record_skipped(prep, {u: p.latest for u, p in skipped.items()})
-    outcomes = fan_out(prep, todo, task_runner=task_runner, max_workers=max_workers,
+    run_plan = plan(prep.cfg, prep.facts_cfg, prep.model_fp, hashes)
+    record_skipped(prep, run_plan.up_to_date)
+    outcomes = fan_out(prep, run_plan.encode, task_runner=task_runner, max_workers=max_workers,
                        ray_address=ray_address, concurrency_limit=concurrency_limit)
-    outcomes += [UserOutcome(u, "up-to-date", p.latest, "already published",
-                             turns=prep.ingest.turns[u].num_rows,
-                             artifact_key=artifact_key(u, prep.model_fp))
-                 for u, p in sorted(skipped.items())]
-    outcomes += plan_failures(plans)
+    outcomes += run_plan.outcomes(prep.ingest.turns, prep.model_fp)
     table = RunReport("", prep.model_fp, outcomes).table()
     fp = prep.model_fp
     create_table_artifact(

@@ -170,13 +170,6 @@ def fan_out(prep: Prepared, users: dict[str, str], *, task_runner: RunnerKind = 
     return outcomes
 
 
-def plan_failures(plans: dict[str, Any]) -> list[UserOutcome]:
-    """A ``failed`` outcome, with the error, for each user whose planning failed
-    (:mod:`inferscale.artifacts.staleness`): reported, not encoded."""
-    return [UserOutcome.failed(u, "planning", p.detail)
-            for u, p in sorted(plans.items()) if p.reason == "failed"]
-
-
 def record_skipped(prep: Prepared, versions: dict[str, str]) -> None:
     """Make sure users skipped as up to date have their current version recorded."""
     if versions:

@@ -7,10 +7,8 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.common import fan_out, finish, plan_failures, prepare, record_skipped
+from flows.common import fan_out, finish, prepare, record_skipped
 from flows.results import PERSISTED
-from inferscale.artifacts.lineage_view import artifact_key
-from inferscale.pipeline.report import UserOutcome
 from tasks.store import plan
 
 
@@ -23,10 +21,10 @@ def nightly_reencode(logs: list[str] | None = None,
     """Re-encode the users whose log content changed since their LATEST artifact.
 
     For each user in the logs, the content hash of their turns is compared with the
-    parent log hash in their LATEST manifest (and the encoder config with the current
-    one); only users that differ — or have nothing published yet — are encoded. An
-    unchanged user costs reading LATEST and one manifest. Deployed as ``nightly``
-    (cron).
+    parent log hash in their LATEST manifest (and the encoder and facts configs with
+    the current ones: a ``fact_mode`` change re-encodes everyone); only users that
+    differ — or have nothing published yet — are encoded. An unchanged user costs
+    reading LATEST and one manifest. Deployed as ``nightly`` (cron).
 
     Args:
         logs: fsspec URIs or globs of conversation logs; none = INFERSCALE_LOG_URIS,
@@ -44,15 +42,9 @@ def nightly_reencode(logs: list[str] | None = None,
     started = time.perf_counter()
     prep = prepare(logs, model=model, fact_mode=fact_mode, artifact_root=artifact_root,
                    window=window)
-    plans = plan(prep.cfg, prep.model_fp, prep.ingest.turns_hashes())
-    todo = {u: p.reason for u, p in plans.items() if p.needs_encoding}
-    skipped = {u: p for u, p in plans.items() if p.reason == "up-to-date"}
-    record_skipped(prep, {u: p.latest for u, p in skipped.items()})
-    outcomes = fan_out(prep, todo, task_runner=task_runner, max_workers=max_workers,
+    run_plan = plan(prep.cfg, prep.facts_cfg, prep.model_fp, prep.ingest.turns_hashes())
+    record_skipped(prep, run_plan.up_to_date)
+    outcomes = fan_out(prep, run_plan.encode, task_runner=task_runner, max_workers=max_workers,
                        ray_address=ray_address, concurrency_limit=concurrency_limit)
-    outcomes += [UserOutcome(u, "up-to-date", p.latest, p.reason,
-                             turns=prep.ingest.turns[u].num_rows,
-                             artifact_key=artifact_key(u, prep.model_fp))
-                 for u, p in sorted(skipped.items())]
-    outcomes += plan_failures(plans)
+    outcomes += run_plan.outcomes(prep.ingest.turns, prep.model_fp)
     return finish("Nightly re-encode", "inferscale-nightly-summary", prep, outcomes, started)

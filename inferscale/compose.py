@@ -81,20 +81,6 @@ def memory_layout(ranked: Sequence[str], order: str = "relevance", text_tail: in
     return injected, tail
 
 
-def layout_settings(record: Mapping[str, Any]) -> tuple[str, int, int]:
-    """``(memory_order, text_tail, tail_max_k)`` of an artifact's encoder config (missing:
-    the neutral ``relevance, 0, 0`` of versions recorded before them); ComposeError for
-    anything :func:`memory_layout` cannot serve (an unknown order, a count that is not a
-    non-negative integer), so a damaged or forged record is refused once, at load."""
-    order = record.get("memory_order", "relevance")
-    counts = [record.get("text_tail", 0), record.get("tail_max_k", 0)]
-    if order not in MEMORY_ORDERS or not all(
-            type(n) is int and n >= 0 for n in counts):  # noqa: E721 - bool is not a count
-        raise ComposeError(f"not a memory layout: memory_order {order!r:.40}, text_tail "
-                           f"{counts[0]!r:.20}, tail_max_k {counts[1]!r:.20}")
-    return order, counts[0], counts[1]
-
-
 class ComposeError(ValueError):
     """Input that cannot be composed (empty fact, template without a system role...)."""
 

@@ -37,18 +37,17 @@ def is_quantized(dtype: str | torch.dtype) -> bool:
     return str(dtype).removeprefix("torch.") in QUANTIZED
 
 
-def quantize(keys: torch.Tensor, values: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's ``keys, values [L, T, H, D]`` (any float dtype) -> fp8 keys and values
-    ``[L, T, H, D]`` and their scales ``[2, L, H]`` float32 (K, then V). A scale is never
-    below the smallest normal float32 (readers refuse smaller ones): a head whose amax is
-    below ``448 * tiny`` keeps that floor, its values still within fp8's range."""
-    kv = torch.stack([keys, values]).float()  # [2, L, T, H, D]
-    amax = kv.abs().amax(dim=(2, 4))  # [2, L, H]
+def quantize(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's rows ``kv [T, 2, L, H, D]`` (any float dtype) -> fp8 rows
+    ``[T, 2, L, H, D]`` and their scales ``[2, L, H]`` float32 (K, then V). A scale is
+    never below the smallest normal float32 (readers refuse smaller ones): a head whose
+    amax is below ``448 * tiny`` keeps that floor, its values still within fp8's range."""
+    kv = kv.float()
+    amax = kv.abs().amax(dim=(0, 4))  # [2, L, H]
     scales = torch.where(amax > 0, (amax / FP8_MAX).clamp(min=FLOAT32_TINY),
                          torch.ones_like(amax))
-    q = (kv / scales[:, :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q[0], q[1], scales.contiguous()
+    q = (kv / scales[None, :, :, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales.contiguous()
 
 
 def check_scales_for(scales: torch.Tensor, dtype: torch.dtype) -> None:
@@ -83,9 +82,3 @@ def dequantize_into(dst: torch.Tensor, rows: torch.Tensor, row_scales: torch.Ten
     for a in range(0, rows.shape[0], block):
         dst[a:a + block].copy_(dequantize(rows[a:a + block], row_scales[a:a + block]))
     return dst
-
-
-def saturate_fp8(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) clamped to fp8's finite range and rounded to fp8, as vLLM's fp8
-    cache writer stores (saturating: nothing becomes NaN)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -34,6 +34,9 @@
   slab's ``[T, 2, L, H, D]`` must be to serve that model: the encoder records the
   model's, publishing refuses chunks of another, and the serving worker refuses a slab
   of another before it reaches its store, staging memory or a kernel.
+- :class:`KVFormat`: the memory layouts of KV, each named once (token-major, what the
+  encoder emits and ``kv.arrow`` stores; layer-major, a CPU engine's resident store);
+  :class:`ChunkKV`: one chunk's stored K/V (token-major rows, fp8 scales).
 
 Imports only the standard library and ``storage_schemas`` (torch when a dtype is
 translated), so every module, the settings and the CLI can use it.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple
 
 from storage_schemas import kv as kv_schema
@@ -166,3 +170,54 @@ class KVGeometry(NamedTuple):
 
     def describe(self) -> str:
         return f"[L={self.layers}, H={self.kv_heads}, D={self.head_dim}]"
+
+
+class KVFormat(Enum):
+    """The memory layouts of KV, each named once (as LMCache's ``MemoryFormat`` names
+    its). Every KV tensor is logically token-major ``[T, 2, L, H, D]`` (token, K then V,
+    layer, KV head, head dim), and is indexed so everywhere; a format is the order its
+    dimensions lie in memory, outermost first (the value).
+
+    - ``TOKEN_MAJOR``: ``[T, 2, L, H, D]`` in memory, one row per token: K of every layer,
+      then V. What the encoder emits for each chunk, what ``kv.arrow`` stores (its slab,
+      ``storage_schemas.kv.LAYOUT``), the task cache's form, the rows a later version
+      reuses, and a resident slab on CUDA (a run of rows is one contiguous copy).
+    - ``LAYER_MAJOR``: ``[2, L, T, H, D]`` in memory behind the ``[T, 2, L, H, D]`` view:
+      a CPU engine's resident store (the CPU kernel streams one layer's rows per
+      thread). A slab is converted to it once, when the store places it.
+
+    A chunk's fp8 scales are ``[2, L, H]`` (K/V, layer, KV head) in either."""
+
+    TOKEN_MAJOR = (0, 1, 2, 3, 4)
+    LAYER_MAJOR = (1, 2, 0, 3, 4)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The logical dimensions ``[T, 2, L, H, D]`` in memory order, outermost first."""
+        return self.value
+
+    def empty(self, tokens: int, geometry: tuple[int, int, int], dtype: "torch.dtype",
+              device: Any = None) -> "torch.Tensor":
+        """A new tensor ``[tokens, 2, L, H, D]`` (``geometry``: L, H, D) laid out in this
+        format."""
+        import torch
+
+        shape = (tokens, 2, *geometry)
+        dense = torch.empty([shape[i] for i in self.order], dtype=dtype, device=device)
+        return dense.permute([self.order.index(i) for i in range(5)])
+
+    def copy(self, kv: "torch.Tensor", dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """``kv`` ``[T, 2, L, H, D]`` copied (and converted to ``dtype``) in one pass into
+        a new tensor of this format on its device."""
+        out = self.empty(kv.shape[0], tuple(kv.shape[2:]), dtype or kv.dtype, kv.device)
+        out.copy_(kv)
+        return out
+
+
+class ChunkKV(NamedTuple):
+    """One chunk's stored K/V: ``kv`` ``[T, 2, L, H, D]`` (:attr:`KVFormat.TOKEN_MAJOR`)
+    in a KV dtype, and for fp8 its ``scales`` ``[2, L, H]`` float32 (else None). What a
+    version's reader hands the encoder to reuse (by content key)."""
+
+    kv: "torch.Tensor"
+    scales: "torch.Tensor | None" = None

@@ -38,7 +38,10 @@ file before version 3 is only read whole). Writers write version 4 for quantized
 and 3 otherwise (:func:`written_version`), so an unquantized file stays readable by
 older readers, and an older reader meeting an fp8 file refuses it as a newer version.
 
-Written by ``inferscale.artifacts.publish.publish``; read by ``inferscale.hydrate.slab``.
+Laid out and parsed by ``inferscale.artifacts.kv_file`` (written by
+``inferscale.artifacts.publish.publish``); read whole by ``inferscale.hydrate.slab``
+(serving) and ``inferscale.artifacts.read.read_kv_rows`` (reuse by the next version), by
+byte ranges by ``inferscale.hydrate.fetch``.
 """
 
 from __future__ import annotations

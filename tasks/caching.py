@@ -1,14 +1,16 @@
 """Cache keys of the compute tasks: content hashes, never run ids.
 
 Prefect's default cache policy includes the flow run id, so nothing would be reused by
-the next run. These keys hash what decides a step's output instead:
+the next run. These keys hash what decides a step's output instead, each with its part
+of the run's identity (:class:`inferscale.encode.identity.RunIdentity`, what version
+ids and staleness derive from too):
 
-- facts: the turns' content hash, the facts settings that change extraction
-  (:meth:`inferscale.facts.extractor.FactsConfig.identity`) and the model fingerprint
-  (the facts carry token ids of the model's tokenizer);
-- KV: the turns' and the facts' content hashes and the encoding's identity
+- facts: the turns' content hash, the facts part (the facts settings that change
+  extraction, :meth:`inferscale.facts.extractor.FactsConfig.identity`) and the model
+  fingerprint (the facts carry token ids of the model's tokenizer);
+- KV: the turns' and the facts' content hashes and the encoding part
   (:class:`inferscale.encode.identity.EncodingIdentity`: encoder config, model, compute
-  dtype and device kind), the same identity the version id derives from. Not the
+  dtype and device kind); the facts config enters through the facts' hash. Not the
   previous version whose K/V rows the encoding reuses: reuse yields the same bytes as
   encoding every fact.
 

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from inferscale.artifacts.staleness import UserPlan, plan_users
+from inferscale.facts.extractor import FactsConfig
 from inferscale.pipeline.config import PipelineConfig
+from inferscale.pipeline.plan import RunPlan, plan_run
 from inferscale.pipeline.steps import read_latest as latest_of
 from tasks.policy import IO_RETRIES
 
 
 @task(name="plan-users", persist_result=False, **IO_RETRIES)
-def plan(cfg: PipelineConfig, model_fp: str, log_hashes: dict[str, str]) -> dict[str, UserPlan]:
-    """``user -> UserPlan`` (:mod:`inferscale.artifacts.staleness`) for the users of
-    ``log_hashes`` (user -> current turns hash), for this run's encoding identity."""
-    plans = plan_users(cfg.store(), cfg.identity(model_fp), log_hashes)
-    todo = sorted(u for u, p in plans.items() if p.needs_encoding)
+def plan(cfg: PipelineConfig, facts_cfg: FactsConfig, model_fp: str,
+         log_hashes: dict[str, str]) -> RunPlan:
+    """:func:`inferscale.pipeline.plan.plan_run`: which users of ``log_hashes`` (user ->
+    current turns hash) this run encodes, skips as up to date, or reports as failed."""
+    run_plan = plan_run(cfg, facts_cfg, model_fp, log_hashes)
+    todo = list(run_plan.encode)
     get_run_logger().info("%d of %d users need encoding for model %s: %s", len(todo),
-                          len(plans), model_fp[:12], todo[:20])
-    return plans
+                          len(log_hashes), model_fp[:12], todo[:20])
+    return run_plan
 
 
 @task(name="read-latest", task_run_name="read-latest-{user}", persist_result=False,

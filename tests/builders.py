@@ -23,8 +23,7 @@ EMB_DIM = 4
 class Chunk:
     chunk_id: str
     token_ids: list[int]
-    keys: torch.Tensor  # [L, T, H, D]
-    values: torch.Tensor  # [L, T, H, D]
+    kv: torch.Tensor  # [T, 2, L, H, D]: K then V (KVFormat.TOKEN_MAJOR)
     content_key: str | None = None
     scales: torch.Tensor | None = None  # [2, L, H] float32 (fp8 K/V)
 
@@ -57,17 +56,15 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
     chunks = []
     for cid in ["prefix", *fact_ids]:
         t = prefix_tokens if cid == "prefix" else int(torch.randint(1, max_tokens + 1, (1,), generator=g))
-        keys = torch.randn(layers, t, heads, head_dim, generator=g).to(work)
-        values = torch.randn(layers, t, heads, head_dim, generator=g).to(work)
+        kv = torch.randn(t, 2, layers, heads, head_dim, generator=g).to(work)
         if noise is not None:
-            keys = keys + (0.01 * torch.randn(keys.shape, generator=noise)).to(work)
-            values = values + (0.01 * torch.randn(values.shape, generator=noise)).to(work)
+            kv = kv + (0.01 * torch.randn(kv.shape, generator=noise)).to(work)
         tokens = torch.randint(0, 50000, (t,), generator=g).tolist()
         scales = None
         if fp8:
-            keys[..., :2] *= 20  # outlier channels
-            keys, values, scales = quantize(keys, values)
-        chunks.append(Chunk(cid, tokens, keys, values, scales=scales))
+            kv[:, 0, ..., :2] *= 20  # outlier channels of the keys
+            kv, scales = quantize(kv)
+        chunks.append(Chunk(cid, tokens, kv, scales=scales))
     memory = Memory(chunks, fp, {"window": window, "dtype": str(dtype).removeprefix("torch."),
                                  "instruction": "remember"}, KVGeometry(layers, heads, head_dim))
     facts = facts_table(user, fact_ids, [c.token_ids for c in chunks[1:]], seed)
@@ -75,12 +72,13 @@ def make_inputs(user: str = "alice", n_facts: int = 5, *, layers: int = 2, heads
 
 
 def regrouped(memory, claim: bool = False):
-    """``memory`` with every chunk's K/V ``[L, T, H, D]`` regrouped as ``[L, T, 2H, D/2]``:
-    the same bytes per token in another geometry (the audit's forged artifact).
-    ``claim``: its ``geometry`` says so too, as a forger who lies to ``publish`` would."""
+    """``memory`` with every chunk's rows ``[T, 2, L, H, D]`` regrouped as
+    ``[T, 2, L, 2H, D/2]``: the same bytes per token in another geometry (the audit's
+    forged artifact). ``claim``: its ``geometry`` says so too, as a forger who lies to
+    ``publish`` would."""
     for c in memory.chunks:
-        L, T, H, D = c.keys.shape
-        c.keys, c.values = (t.reshape(L, T, 2 * H, D // 2) for t in (c.keys, c.values))
+        T, _, L, H, D = c.kv.shape
+        c.kv = c.kv.reshape(T, 2, L, 2 * H, D // 2)
         if c.scales is not None:  # [2, L, H]: each head's scale for both of its halves
             c.scales = c.scales.repeat_interleave(2, dim=2)
     if claim and getattr(memory, "geometry", None) is not None:
@@ -105,18 +103,17 @@ def facts_table(user: str, fact_ids: list[str], token_ids: list[list[int]], seed
 
 def expected_slab(memory: Memory) -> torch.Tensor:
     """The [T, 2, L, H, D] slab the store must hand back for ``memory`` (as stored)."""
-    rows = [torch.stack([c.keys, c.values]).permute(2, 0, 1, 3, 4) for c in memory.chunks]
-    return torch.cat(rows)
+    return torch.cat([c.kv for c in memory.chunks])
 
 
 def expected_float(memory: Memory) -> torch.Tensor:
     """:func:`expected_slab` as float32, fp8 rows dequantized with their chunk's scales."""
     rows = []
     for c in memory.chunks:
-        kv = torch.stack([c.keys, c.values]).float()  # [2, L, t, H, D]
+        kv = c.kv.float()  # [t, 2, L, H, D]
         if c.scales is not None:
-            kv = kv * c.scales[:, :, None, :, None]
-        rows.append(kv.permute(2, 0, 1, 3, 4))
+            kv = kv * c.scales[None, :, :, :, None]
+        rows.append(kv)
     return torch.cat(rows)
 
 

@@ -3,13 +3,8 @@
 import pickle
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from inferscale.compose import (
-    ComposeError, Composer, layout_settings, memory_layout, memory_text,
-)
-from inferscale.types import MEMORY_ORDERS
+from inferscale.compose import ComposeError, Composer, memory_layout, memory_text
 
 
 def test_memory_text():
@@ -41,27 +36,6 @@ def test_memory_layout(order, tail, injected, tail_out):
 ])
 def test_memory_layout_tail_only_where_memory_is_short(tail_max_k, injected, tail_out):
     assert memory_layout(RANKED, "relevance", 2, SOURCE, tail_max_k) == (injected, tail_out)
-
-
-ANY = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
-                st.lists(st.integers(), max_size=2), st.sampled_from(MEMORY_ORDERS))
-
-
-@given(st.dictionaries(st.sampled_from(["memory_order", "text_tail", "tail_max_k"]), ANY))
-def test_layout_settings_of_any_record(record):
-    """An artifact's encoder config, whatever its layout fields hold: either a layout
-    memory_layout serves (missing fields neutral) or ComposeError, nothing else."""
-    try:
-        order, tail, tail_max_k = layout_settings(record)
-    except ComposeError:
-        ok = record.get("memory_order", "relevance") in MEMORY_ORDERS and all(
-            type(record.get(k, 0)) is int and record.get(k, 0) >= 0
-            for k in ("text_tail", "tail_max_k"))
-        assert not ok, record
-        return
-    assert (order, tail, tail_max_k) == (record.get("memory_order", "relevance"),
-                                         record.get("text_tail", 0), record.get("tail_max_k", 0))
-    memory_layout(["a", "b", "c"], order, tail, {"a": 0, "b": 1, "c": 2}, tail_max_k)
 
 
 def test_memory_layout_errors():

@@ -17,7 +17,7 @@ from inferscale.artifacts.layout import KV_FILE, StoreConfig
 from inferscale.artifacts.read import data_path, manifest_at
 from inferscale.compose import Composer
 from inferscale.encode.identity import EncoderConfig
-from inferscale.facts.extractor import facts_hash
+from inferscale.facts.extractor import FactsConfig, facts_hash
 from inferscale.facts.table import fact_id
 from inferscale.hydrate.slab import hydrate
 from inferscale.ingest.logs import turns_hash
@@ -92,7 +92,9 @@ def config(home, store: StoreConfig, **encoder) -> PipelineConfig:
 
 
 def publish(cfg, turns, facts, encoded):
-    return publish_user(cfg, USER, encoded, facts, turns_hash(turns), facts_hash(facts, "test"))
+    run = cfg.run_identity(FactsConfig(mode="raw"), encoded.model_fingerprint)
+    return publish_user(cfg, USER, encoded, facts, turns_hash(turns), facts_hash(facts, "test"),
+                        run)
 
 
 def encode_user_kv(cfg: PipelineConfig, turns, facts, previous: str | None = None):
@@ -212,4 +214,4 @@ def test_serving_prefix_context_and_key_temperature(local_store, inferscale_home
     assert inc.stats["reused"] == 3 and full.stats["reused"] == 0
     assert [c.content_key for c in inc.chunks] == [c.content_key for c in full.chunks]
     for a, b in zip(inc.chunks, full.chunks):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), a.chunk_id
+        assert torch.equal(a.kv, b.kv), a.chunk_id

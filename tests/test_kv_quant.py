@@ -16,24 +16,24 @@ from inferscale.kv_quant import FP8_MAX, check_scales_for, dequantize, is_quanti
        exponent=st.integers(-30, 30), seed=st.integers(0, 2 ** 16), zero_head=st.booleans())
 def test_quantize_round_trip_within_one_fp8_rounding(L, T, H, D, exponent, seed, zero_head):
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(L, T, H, D, generator=g) * 2.0 ** exponent
-    v = torch.randn(L, T, H, D, generator=g).pow(3) * 2.0 ** -exponent  # heavy tails
+    kv = torch.stack([torch.randn(T, L, H, D, generator=g) * 2.0 ** exponent,
+                      torch.randn(T, L, H, D, generator=g).pow(3) * 2.0 ** -exponent],
+                     dim=1)  # [T, 2, L, H, D]; values heavy-tailed
     if zero_head:
-        k[:, :, 0] = 0
-    qk, qv, sc = quantize(k, v)
-    assert qk.dtype == qv.dtype == torch.float8_e4m3fn and sc.shape == (2, L, H)
-    assert torch.isfinite(sc).all() and (sc > 0).all()
-    rows = torch.stack([qk, qv]).permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D]
+        kv[:, 0, :, 0] = 0
+    rows, sc = quantize(kv)
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == kv.shape
+    assert sc.shape == (2, L, H) and torch.isfinite(sc).all() and (sc > 0).all()
     back = dequantize(rows, sc.expand(T, -1, -1, -1))
-    for i, x in enumerate((k, v)):
-        got = back[:, i].permute(1, 0, 2, 3)
-        scale = sc[i][:, None, :, None]  # [L, 1, H, 1]
+    for i in range(2):
+        x, got = kv[:, i], back[:, i]  # [T, L, H, D]
+        scale = sc[i][None, :, :, None]  # [1, L, H, 1]
         # e4m3: 3 mantissa bits (half a step: 2^-4 relative); subnormals below 2^-6
         bound = torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)
         assert ((got - x).abs() <= bound).all()
         assert (got.abs() <= scale * FP8_MAX * (1 + 1e-6)).all()  # saturated at the amax
     if zero_head:
-        assert (qk[:, :, 0].float() == 0).all() and (sc[0, :, 0] == 1).all()
+        assert (rows[:, 0, :, 0].float() == 0).all() and (sc[0, :, 0] == 1).all()
 
 
 def test_is_quantized_names():
@@ -46,10 +46,10 @@ def test_a_tiny_head_keeps_a_normal_scale():
     normal scale (readers refuse a subnormal one), and still reads back within fp8."""
     from storage_schemas.kv import FLOAT32_TINY
 
-    k = torch.full((1, 2, 1, 4), 1e-40)
-    qk, qv, sc = quantize(k, torch.ones(1, 2, 1, 4))
+    kv = torch.stack([torch.full((2, 1, 1, 4), 1e-40), torch.ones(2, 1, 1, 4)], dim=1)
+    rows, sc = quantize(kv)  # [T=2, 2, L=1, H=1, D=4]
     assert float(sc[0, 0, 0]) == FLOAT32_TINY and float(sc[1, 0, 0]) == float(torch.tensor(1 / FP8_MAX))
-    assert torch.isfinite(qk.float()).all()
+    assert torch.isfinite(rows[:, 0].float()).all()
 
 
 @pytest.mark.parametrize("dtype, ok, bad", [

@@ -94,3 +94,20 @@ def test_a_checkpoint_s_geometry_is_the_loaded_model_s(smollm2):
     from inferscale.models import checkpoint_geometry
 
     assert checkpoint_geometry(smollm2.checkpoint) == kv_shape(smollm2.model) == (30, 3, 64)
+
+
+def test_kv_formats_name_memory_orders_of_one_logical_layout():
+    """Every KV tensor is indexed [T, 2, L, H, D]; a format is only where the bytes lie:
+    token-major is dense as indexed, layer-major is [2, L, T, H, D] in memory."""
+    import torch
+
+    from inferscale.types import KVFormat
+
+    kv = torch.randn(5, 2, 3, 2, 4)  # [T, 2, L, H, D]
+    token = KVFormat.TOKEN_MAJOR.copy(kv)
+    layer = KVFormat.LAYER_MAJOR.copy(kv, torch.float64)
+    assert token.is_contiguous() and torch.equal(token, kv)
+    assert layer.dtype == torch.float64 and torch.equal(layer, kv.double())
+    assert layer.permute(KVFormat.LAYER_MAJOR.order).is_contiguous()  # [2, L, T, H, D]
+    assert not layer.is_contiguous()
+    assert layer.shape == KVFormat.LAYER_MAJOR.empty(5, (3, 2, 4), torch.float32).shape

@@ -141,8 +141,8 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
     if encoded is not None:
         by_id = {c.chunk_id: c for c in encoded.chunks}
         chunks = [by_id[PREFIX_ID]] + [
-            EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].keys,
-                         by_id[f"p{i}"].values) for fid, i in zip(fact_ids, group.turns)]
+            EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].kv)
+            for fid, i in zip(fact_ids, group.turns)]
         return EncodedMemory(chunks, fingerprint, dict(encoded.encoder_config),
                              geometry=encoded.geometry)
     L, H, D = shape
@@ -152,10 +152,10 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(seed + group.index)
     kv = torch.randn((2, L, total, H, D), generator=g, device=device, dtype=dtype).cpu()
+    kv = kv.permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D] (a view)
     chunks, at = [], 0
     for cid, t in ids:
-        chunks.append(EncodedChunk(cid, list(t), kv[0, :, at:at + len(t)],
-                                   kv[1, :, at:at + len(t)]))
+        chunks.append(EncodedChunk(cid, list(t), kv[at:at + len(t)]))
         at += len(t)
     cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch."),
                         text_tail=text_tail).to_dict()

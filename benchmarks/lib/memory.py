@@ -49,7 +49,7 @@ def turn_facts(turns: pa.Table, user: str, tokenizer, embedder, max_tokens: int 
 
 def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype: torch.dtype,
                   fingerprint: str, seed: int = 0, layout: dict | None = None) -> EncodedMemory:
-    """Random K/V ``[L, T, H, D]`` per chunk (for dummy-weight models, whose real KV would
+    """Random K/V rows ``[T, 2, L, H, D]`` per chunk (for dummy-weight models, whose real KV would
     be as meaningless): right sizes, right token ids, no forward pass. ``layout``: the
     composer settings (``memory_order``, ``text_tail``) the artifact carries. An fp8
     ``dtype`` quantizes each chunk (``inferscale.kv_quant``)."""
@@ -60,13 +60,12 @@ def random_memory(facts: pa.Table, tokenizer, shape: tuple[int, int, int], dtype
     chunks += list(zip(facts.column("fact_id").to_pylist(), facts.column("token_ids").to_pylist()))
     out = []
     for cid, ids in chunks:
-        kv = torch.randn((2, L, len(ids), H, D), generator=g)
+        kv = torch.randn((2, L, len(ids), H, D), generator=g).permute(2, 0, 1, 3, 4)
         if fp8:
-            k, v, sc = quantize(kv[0], kv[1])
-            out.append(EncodedChunk(cid, list(ids), k, v, scales=sc))
+            kv, sc = quantize(kv)
+            out.append(EncodedChunk(cid, list(ids), kv, scales=sc))
         else:
-            kv = kv.to(dtype)
-            out.append(EncodedChunk(cid, list(ids), kv[0], kv[1]))
+            out.append(EncodedChunk(cid, list(ids), kv.to(dtype)))
     return EncodedMemory(out, fingerprint, {"random_kv": True, "dtype": str(dtype),
                                             **(layout or {})}, geometry=KVGeometry(L, H, D))
 
@@ -85,12 +84,11 @@ def kv_errors(memory: EncodedMemory) -> dict:
         e[1] += float(x.pow(2).sum())
 
     for c in memory.chunks:
-        for kind, x in (("k", c.keys.float()), ("v", c.values.float())):  # [L, T, H, D]
+        for kind, x in (("k", c.kv[:, 0].float()), ("v", c.kv[:, 1].float())):  # [T, L, H, D]
             add(f"bf16_{kind}", x, x.to(torch.bfloat16).float())
-            k, v, sc = quantize(x, x)  # per chunk, layer, head
-            rows = torch.stack([k, v]).permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D]
+            rows, sc = quantize(torch.stack([x, x], dim=1))  # per chunk, layer, head
             add(f"fp8_chunk_{kind}", x, dequantize(rows, sc.expand(rows.shape[0], -1, -1, -1))
-                [:, 0].permute(1, 0, 2, 3))
+                [:, 0])
             amax = x.abs().amax(dim=-1, keepdim=True)  # per token, layer, head
             s_tok = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
             add(f"fp8_token_{kind}", x, (x / s_tok).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -14,8 +14,9 @@ of the version's lineage, and URIs that name the published files.
   URL for local stores); :func:`asset_key` makes any URI a valid asset key (URI syntax,
   none of the characters asset keys refuse).
 
-Used by the Prefect task that records a published version (``tasks/publish.py``) and
-the run reports; nothing here imports Prefect.
+Used by the Prefect task that records a published version's lineage
+(``tasks/lineage.py``), the flows' summaries and the run reports
+(:mod:`inferscale.pipeline.plan`); nothing here imports Prefect.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from inferscale import __version__
 from inferscale.artifacts import fact_table
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.gc import gc
-from inferscale.artifacts.kv_slab import EncodedMemoryLike, build_kv_batch
+from inferscale.artifacts.kv_file import EncodedMemoryLike, build_kv_batch
 from inferscale.artifacts.latest import inputs_time, point_latest, readable
 from inferscale.artifacts.layout import (
     FACTS_FILE, KV_FILE, MANIFEST_FILE, ArtifactError, ArtifactNotFound, ArtifactSchemaError,
@@ -345,9 +345,9 @@ def _check_facts(facts: pa.Table, user: str) -> pa.Table:
 
 
 def _check_geometry(encoded: EncodedMemoryLike, geometry: KVGeometry | None) -> None:
-    """:class:`InvalidArtifactInput` unless every chunk's keys and values ``[L, T, H, D]``
-    have the model's geometry: ``geometry`` and the encoder's ``encoded.geometry``,
-    whichever are known (at least one must be)."""
+    """:class:`InvalidArtifactInput` unless every chunk's rows ``[T, 2, L, H, D]`` have
+    the model's geometry: ``geometry`` and the encoder's ``encoded.geometry``, whichever
+    are known (at least one must be)."""
     known = [KVGeometry(*g) for g in (geometry, getattr(encoded, "geometry", None))
              if g is not None]
     if not known:
@@ -357,12 +357,11 @@ def _check_geometry(encoded: EncodedMemoryLike, geometry: KVGeometry | None) -> 
             "output (which records it)")
     for want in known:
         for c in encoded.chunks:
-            for t in (c.keys, c.values):
-                got = tuple(getattr(t, "shape", ()))
-                if len(got) != 4 or (got[0], got[2], got[3]) != want:
-                    raise InvalidArtifactInput(
-                        f"chunk {c.chunk_id!r:.40}: K/V {list(got)} do not match [L, T, H, D] "
-                        f"of model {encoded.model_fingerprint}'s geometry {want.describe()}")
+            got = tuple(getattr(c.kv, "shape", ()))
+            if len(got) != 5 or got[1:] != (2, *want):
+                raise InvalidArtifactInput(
+                    f"chunk {c.chunk_id!r:.40}: rows {list(got)} do not match [T, 2, L, H, D] "
+                    f"of model {encoded.model_fingerprint}'s geometry {want.describe()}")
 
 
 def _check_chunks_match_facts(chunk_ids: list[str], facts: pa.Table) -> None:

@@ -1,4 +1,5 @@
-"""Reading published versions: LATEST, manifests, version lists, verification, the facts.
+"""Reading published versions: LATEST, manifests, version lists, verification, the facts,
+and a version's KV rows by content key (what its next version reuses).
 
 Every reader checks what it reads against the version's manifest (schema, its own
 checksum, owner, model fingerprint, file sizes; full xxh3-128 checksums where a whole
@@ -16,16 +17,20 @@ import logging
 import re
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from inferscale.artifacts import fact_table
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import (
-    DATA_FILES, FACTS_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError, ArtifactNotFound,
-    ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch, MissingManifest,
-    StoreConfig, TruncatedArtifact, parse_latest,
+    DATA_FILES, FACTS_FILE, KV_FILE, MANIFEST_FILE, VERSION_RE, ArtifactError,
+    ArtifactNotFound, ArtifactSchemaError, ChecksumError, CorruptArtifact, FingerprintMismatch,
+    MissingManifest, StoreConfig, TruncatedArtifact, parse_latest,
 )
+from inferscale.artifacts.mapped_file import map_and_hash
+from inferscale.types import ChunkKV
 from storage_schemas import facts as facts_schema
+from storage_schemas import kv as kv_schema
 from storage_schemas.common import SchemaVersionError, check_schema
 from storage_schemas.manifest import Manifest, ManifestChecksumError, ManifestError
 
@@ -148,6 +153,47 @@ def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "lat
     except SchemaVersionError as exc:
         raise ArtifactSchemaError(f"{path}: {exc}") from exc
     return table
+
+
+def check_kv_format(manifest: Manifest) -> None:
+    """:class:`ArtifactSchemaError` when the version's KV dtype or scale rule is not one
+    this InferScale reads (a newer one wrote it)."""
+    try:
+        kv_schema.check_format(manifest.kv)
+    except kv_schema.UnknownKVFormat as exc:
+        raise ArtifactSchemaError(f"user {manifest.user} version {manifest.version}: "
+                                  f"{exc}") from exc
+
+
+def read_kv_rows(store: StoreConfig, user: str, model_fp: str,
+                 version: str = "latest") -> dict[str, ChunkKV]:
+    """``content key -> ChunkKV`` (rows ``[t, 2, L, H, D]`` as stored, fp8 scales) of
+    every chunk of a version stored with a key: what encoding the user's next version
+    reuses (:func:`inferscale.encode.encoder.encode_facts`). The kv file is read whole
+    and checksum-verified before it is parsed: memory-mapped on a local store (unless it
+    reads with direct I/O), read into memory from an object store; the rows are views of
+    it. Raises :class:`ArtifactError` subclasses as every reader here does."""
+    import torch
+
+    from inferscale.artifacts.kv_file import parse_kv_file  # torch: only for KV
+
+    loc = Location(store, user, model_fp)
+    m = manifest_at(loc, resolve_version(store, user, model_fp, version))
+    check_kv_format(m)
+    check_size(loc, m, KV_FILE)
+    path, size = data_path(loc, m, KV_FILE), m.files[KV_FILE].bytes
+    try:
+        if store.is_local and not store.direct_io:
+            buf, digest = map_and_hash(path, size)
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+            digest = loc.blobs.read_into(path, size, buf, workers=4 if store.is_local else 8)
+    except FileNotFoundError as exc:  # removed between the size check and the read (gc?)
+        raise TruncatedArtifact(f"{path} disappeared while being read "
+                                f"({loc.describe(m.version)})") from exc
+    check_digest(loc, m, KV_FILE, digest)
+    kv_file = parse_kv_file(buf, path, m, model_fp)
+    return kv_file.rows_by_content_key(kv_file.slab(torch.from_numpy(buf)))
 
 
 def data_path(loc: Location, m: Manifest, name: str) -> str:

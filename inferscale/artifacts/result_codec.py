@@ -14,7 +14,7 @@ results into Arrow IPC streams (data and JSON metadata only) and back:
   in the schema metadata.
 
 The KV form is the artifacts' own kv layout (built by
-:func:`inferscale.artifacts.kv_slab.build_kv_batch`), which is why this module lives in
+:func:`inferscale.artifacts.kv_file.build_kv_batch`), which is why this module lives in
 the artifacts stage. Reading refuses anything but these layouts (``ValueError``).
 Used by the result serializers of ``tasks/results.py``.
 """
@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from inferscale.artifacts.kv_slab import build_kv_batch
+from inferscale.artifacts.kv_file import build_kv_batch
 from inferscale.types import KVGeometry, torch_dtype
 from storage_schemas import kv as kv_schema
 
@@ -69,7 +69,8 @@ def encoded_to_ipc(encoded: Any) -> bytes:
 
 
 def encoded_from_ipc(data: bytes) -> Any:
-    """Inverse of :func:`encoded_to_ipc`: an ``EncodedMemory`` whose chunks own their K/V."""
+    """Inverse of :func:`encoded_to_ipc`: an ``EncodedMemory`` whose chunks' rows are views
+    of one slab it owns (the encoder's layout is the slab's: nothing is laid out again)."""
     from inferscale.encode.capture import EncodedChunk
     from inferscale.encode.encoder import EncodedMemory
 
@@ -93,10 +94,7 @@ def encoded_from_ipc(data: bytes) -> Any:
     scales = ([torch.tensor(s, dtype=torch.float32).view(2, layout.layers, layout.kv_heads)
                for s in table.column("scales").to_pylist()]  # [2, L, H] per chunk
               if layout.quantized else [None] * len(ids))
-    chunks = [EncodedChunk(cid, tok,
-                           slab[o:o + n, 0].permute(1, 0, 2, 3).contiguous(),  # [L, t, H, D]
-                           slab[o:o + n, 1].permute(1, 0, 2, 3).contiguous(), content_key=key,
-                           scales=sc)
+    chunks = [EncodedChunk(cid, tok, slab[o:o + n], content_key=key, scales=sc)
               for cid, tok, o, n, key, sc in zip(ids, tokens, offsets, lengths, keys, scales)]
     geometry = fields.get("geometry")
     if geometry is not None:

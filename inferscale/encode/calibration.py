@@ -96,12 +96,13 @@ class KeyCalibration:
         return all(t == 1.0 for row in self.temperatures for t in row)
 
     def apply(self, keys: torch.Tensor) -> torch.Tensor:
-        """Stored keys ``[L, T, H, D]`` divided by their layer's and head's temperature
-        (in float32, back to the keys' dtype); unchanged when every temperature is 1."""
+        """Stored keys ``[T, L, H, D]`` (the K half of a chunk's rows) divided by their
+        layer's and head's temperature (in float32, back to the keys' dtype); unchanged
+        when every temperature is 1."""
         if self.exact:
             return keys
         t = torch.tensor(self.temperatures, dtype=torch.float32, device=keys.device)
-        return (keys.float() / t[:, None, :, None]).to(keys.dtype)
+        return (keys.float() / t[None, :, :, None]).to(keys.dtype)
 
     def digest(self) -> str:
         """What stored keys depend on besides the encoding: the temperatures (hashed)."""
@@ -162,7 +163,8 @@ def calibrate(model: torch.nn.Module, composer: Composer, probes: Sequence[Probe
               stored_keys: Mapping[str, torch.Tensor], granularity: str,
               prefill_qk: PrefillQK) -> KeyCalibration:
     """Fit the temperatures on ``probes``: ``stored_keys`` are the injected facts' unscaled
-    pre-RoPE keys ``[L, T, H, D]``, ``prefill_qk`` runs the model's plain prefill."""
+    pre-RoPE keys ``[T, L, H, D]`` (the K half of their rows), ``prefill_qk`` runs the
+    model's plain prefill."""
     if granularity not in ("layer", "head"):
         raise EncodeError(f"key calibration granularity must be 'layer' or 'head', "
                           f"got {granularity!r}")
@@ -178,7 +180,8 @@ def calibrate(model: torch.nn.Module, composer: Composer, probes: Sequence[Probe
         q, k = prefill_qk(ids, m)  # [L, R, Hq, D], [L, S, H, D]
         tokens += len(ids)
         pos = torch.arange(len(ids))
-        inj = torch.cat([stored_keys[f] for f in p.injected], dim=1).to(k.device)
+        inj = torch.cat([stored_keys[f].transpose(0, 1) for f in p.injected],
+                        dim=1).to(k.device)  # [L, b-a, H, D]
         items.append((rotate_keys(q.float(), pos[m:], tables),
                       rotate_keys(k.float(), pos, tables),
                       rotate_keys(inj.float(), pos[len(prefix):m], tables),

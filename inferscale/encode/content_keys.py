@@ -24,6 +24,7 @@ import torch
 
 from inferscale.encode.identity import EncodingIdentity
 from inferscale.kv_quant import is_quantized
+from inferscale.types import ChunkKV
 
 KEY_FORMAT = "inferscale.content-key.v1"
 log = logging.getLogger(__name__)
@@ -79,23 +80,24 @@ def content_key(identity: str, context: Sequence[int], token_ids: Sequence[int])
     return h.hexdigest()
 
 
-def matching_rows(chunk_id: str, hit: tuple[torch.Tensor, ...] | None,
-                  shape: tuple[int, ...], dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, ...] | None:
-    """``hit`` (a previous version's K and V under a chunk's key, and their scales
-    ``[2, L, H]`` for a quantized dtype) if K and V have the chunk's ``shape``
-    ``[L, T, H, D]`` and the stored ``dtype`` (and the scales theirs); a key match implies
-    that, so a mismatch means a damaged or foreign previous version: the chunk is
+def matching_rows(chunk_id: str, hit: ChunkKV | None, shape: tuple[int, ...],
+                  dtype: torch.dtype) -> ChunkKV | None:
+    """``hit`` (a previous version's rows under a chunk's key, and their scales
+    ``[2, L, H]`` for a quantized dtype) if its rows have the chunk's ``shape``
+    ``[T, 2, L, H, D]`` and the stored ``dtype`` (and the scales theirs); a key match
+    implies that, so a mismatch means a damaged or foreign previous version: the chunk is
     encoded instead (``None``) and a warning says so."""
     if hit is None:
         return None
-    L, _, H, _ = shape
-    scaled = is_quantized(dtype)
-    if len(hit) == 2 + scaled and all(
-            tuple(t.shape) == tuple(shape) and t.dtype == dtype for t in hit[:2]) and (
-            not scaled or (tuple(hit[2].shape) == (2, L, H) and hit[2].dtype == torch.float32)):
+    _, _, L, H, _ = shape
+    kv, scales = hit
+    if not is_quantized(dtype):
+        scaled_right = scales is None
+    else:
+        scaled_right = (scales is not None and tuple(scales.shape) == (2, L, H)
+                        and scales.dtype == torch.float32)
+    if tuple(kv.shape) == tuple(shape) and kv.dtype == dtype and scaled_right:
         return hit
     log.warning("chunk %s: the previous version's rows under its content key are %s %s, not "
-                "%s %s; encoding it", chunk_id, tuple(hit[0].shape), hit[0].dtype,
-                tuple(shape), dtype)
+                "%s %s; encoding it", chunk_id, tuple(kv.shape), kv.dtype, tuple(shape), dtype)
     return None

@@ -36,7 +36,8 @@ The window form (:func:`encode_facts`) builds contexts from turns; :func:`encode
 the "limiting case" (each fact's context = the whole memory before it), the reference
 injection must reproduce; :meth:`EncodedMemory.stored_as` stores one encoding in another
 dtype.
-The output (:class:`EncodedMemory`) goes to :func:`inferscale.artifacts.publish.publish`.
+The output (:class:`EncodedMemory`: each chunk's token-major rows ``[T, 2, L, H, D]``,
+the layout ``kv.arrow`` stores) goes to :func:`inferscale.artifacts.publish.publish`.
 
 Edge cases (stated): ``w = 0`` encodes the fact after the serving prefix (``"memory"``,
 ``"prefix"``) or alone at positions ``0..len-1`` (``"transcript"``); windows stop at the
@@ -63,7 +64,7 @@ from inferscale.encode.capture import EncodedChunk, encode_segments, kv_shape, p
 from inferscale.encode.content_keys import content_key, key_identity, matching_rows
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.kv_quant import is_quantized, quantize
-from inferscale.types import PREFIX_ID, KVGeometry
+from inferscale.types import PREFIX_ID, ChunkKV, KVGeometry
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,10 @@ class EncodedMemory:
             if c.scales is not None:
                 raise ValueError("stored_as converts float encodings only")
             if is_quantized(dtype):
-                k, v, scales = quantize(c.keys, c.values)
+                kv, scales = quantize(c.kv)  # [T, 2, L, H, D] fp8, [2, L, H]
             else:
-                to = getattr(torch, dtype)
-                k, v, scales = c.keys.to(to), c.values.to(to), None
-            chunks.append(EncodedChunk(c.chunk_id, c.token_ids, k, v, scales=scales))
+                kv, scales = c.kv.to(getattr(torch, dtype)), None
+            chunks.append(EncodedChunk(c.chunk_id, c.token_ids, kv, scales=scales))
         return EncodedMemory(chunks, self.model_fingerprint,
                              {**self.encoder_config, "dtype": dtype}, self.stats,
                              self.calibration, self.geometry)
@@ -177,14 +177,14 @@ def window_segments(turns: Sequence[TurnText], facts: Sequence[FactSpec], compos
 
 def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnText],
                  facts: Sequence[FactSpec], identity: EncodingIdentity, progress: bool = True,
-                 reuse: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-                 ) -> EncodedMemory:
+                 reuse: Mapping[str, ChunkKV] | None = None) -> EncodedMemory:
     """Encode the instruction prefix and every fact with its window of preceding turns,
     as ``identity`` says (:class:`EncodeError` when ``model`` does not compute in its
     dtype and device kind); the output records ``identity``.
 
-    ``reuse``: K/V of a previous version by content key (``Resident.kv_by_content_key``);
-    a chunk whose key is there is taken from it (no forward pass), the others encoded;
+    ``reuse``: the stored rows of a previous version by content key
+    (:func:`inferscale.artifacts.read.read_kv_rows`); a chunk whose key is there is
+    taken from it (no forward pass), the others encoded;
     ignored unless ``batch_invariant``. Returns chunks in order: the prefix first,
     then facts in the order given; ``stats`` count facts ``reused`` and ``encoded`` and
     the ``forward_tokens`` actually run.
@@ -212,18 +212,18 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     todo = segments
     if cfg.batch_invariant:
         key_ident = key_identity(identity, model, calibration and calibration.digest())
-        L, H, D = kv_shape(model)
+        geometry = kv_shape(model)
         todo = []
         for seg in segments:
             ((chunk_id, ids),) = seg.chunks
             keys[chunk_id] = key = content_key(key_ident, seg.context, ids)
             hit = matching_rows(chunk_id, (reuse or {}).get(key),
-                                (L, len(ids), H, D), cfg.torch_dtype)
+                                (len(ids), 2, *geometry), cfg.torch_dtype)
             if chunk_id in probed:
                 fresh.append(probed[chunk_id])
             elif hit is not None:
-                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), hit[0], hit[1],
-                                                content_key=key, scales=(hit + (None,))[2])
+                chunks[chunk_id] = EncodedChunk(chunk_id, list(ids), hit.kv, content_key=key,
+                                                scales=hit.scales)
             else:
                 todo.append(seg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -232,12 +232,13 @@ def encode_facts(model: torch.nn.Module, tokenizer: Any, turns: Sequence[TurnTex
     for c in itertools.chain(fresh, encode_segments(
             model, todo, out_dtype=out_dtype, pad_id=pad_id, progress=bar,
             batch_tokens=None if cfg.batch_invariant else cfg.batch_tokens)):
+        keys_of = c.kv[:, 0]  # [T, L, H, D]: divided in place (the chunk's own rows)
         if cfg.key_temperature != 1.0 and c.chunk_id != PREFIX_ID:  # reused rows are scaled
-            c.keys = (c.keys.float() / cfg.key_temperature).to(c.keys.dtype)
+            keys_of.copy_((keys_of.float() / cfg.key_temperature).to(keys_of.dtype))
         elif calibration is not None and c.chunk_id != PREFIX_ID:
-            c.keys = calibration.apply(c.keys)
+            keys_of.copy_(calibration.apply(keys_of))
         if quantized:
-            c.keys, c.values, c.scales = quantize(c.keys, c.values)
+            c.kv, c.scales = quantize(c.kv)
         c.content_key = keys.get(c.chunk_id)
         chunks[c.chunk_id] = c
     bar.close()
@@ -300,6 +301,6 @@ def _calibrate(model: torch.nn.Module, composer: Composer, turns: Sequence[TurnT
     probed = {c.chunk_id: c for c in encode_segments(model, segs, out_dtype=out_dtype,
                                                      batch_tokens=None)}
     return calibrate(model, composer, probes, ids, {f.fact_id: f.text for f in facts},
-                     {f: c.keys for f, c in probed.items()}, cfg.key_calibration,
+                     {f: c.kv[:, 0] for f, c in probed.items()}, cfg.key_calibration,
                      lambda x, rows_from: prefill_qk(model, x, rows_from)), probed
 

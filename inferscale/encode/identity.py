@@ -1,20 +1,31 @@
-"""What an encoding is: the encoder config, and the one identity every decision derives from.
+"""What a run is: the encoder config, and the one identity every decision derives from.
 
 :class:`EncoderConfig` is how facts are encoded (window, context, stored dtype...).
 :class:`EncodingIdentity` is everything besides a user's turns and facts that decides
 the bytes of their encoded KV: that config, the model fingerprint, and the dtype and
 device kind the model computes in (bf16 on CUDA rounds differently from float32 on
-CPU). From it alone come
+CPU). :class:`RunIdentity` adds what decides the facts themselves (the facts config's
+:meth:`~inferscale.facts.extractor.FactsConfig.identity`: fact mode, embedder, limits,
+the extraction LLM): everything besides a user's turns that decides a published version.
+From it alone come
 
-- the encoder's record (:meth:`EncodingIdentity.record`): stored in every manifest as
-  ``encoder_config`` and hashed into the version id
+- the run's record (:meth:`RunIdentity.record`): stored in every manifest as
+  ``encoder_config`` (the encoder's record, :meth:`EncodingIdentity.record`, and the
+  facts config under ``facts``) and hashed into the version id
   (:func:`inferscale.artifacts.publish.version_id`), so the version a run expects and
   the version it publishes are one computation;
-- the task cache key of the KV step (:meth:`EncodingIdentity.to_dict`);
-- the staleness decision (:meth:`EncodingIdentity.changed_settings`: the encoder
-  settings only; KV computed on another device is as current);
+- the staleness decision (:meth:`RunIdentity.changed_settings`: the encoder settings
+  and the facts config; KV computed on another device is as current), so the nightly
+  and backfill flows re-encode a user after a ``fact_mode`` change as ``inferscale
+  encode`` does;
+- the task cache keys: of the facts step its facts part, of the KV step its encoding
+  part (:meth:`EncodingIdentity.to_dict`; the facts enter that key through their
+  content hash);
 - the content keys of reusable facts (:func:`inferscale.encode.content_keys.key_identity`,
   which adds the exact numerics of the model that runs).
+
+Serving reads a version's layout settings from its record with :func:`served_layout`,
+with the same values for fields an older record lacks as staleness uses.
 
 The encoder checks that the model it is given computes in the identity's dtype and
 device kind (:meth:`EncodingIdentity.check_model`), so a version can never be recorded
@@ -23,20 +34,30 @@ under another identity than the one its bytes come from.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from inferscale.compose import DEFAULT_INSTRUCTION
+from inferscale.compose import DEFAULT_INSTRUCTION, ComposeError
 from inferscale.types import (
     DEFAULT_CONTEXT, DEFAULT_KEY_CALIBRATION, DEFAULT_MEMORY_ORDER, DEFAULT_TAIL_MAX_K,
     DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS, KEY_CALIBRATIONS, KV_DTYPES,
     MEMORY_ORDERS, torch_dtype)
 
-# Fields added after versions were published, and the value every older version implicitly
-# has: left out of the record (manifest, version id, content keys) at that value, so a
-# version published before them keeps its id and stays current; any other value is
-# recorded and compared like every field.
-_NEUTRAL = {"key_calibration": "none", "tail_max_k": 0}
+if TYPE_CHECKING:
+    from inferscale.facts.extractor import FactsConfig
+
+# Fields added after versions were published, and the value a record without one
+# implicitly has (how such versions were encoded and are served): staleness compares a
+# record's missing field with it, and serving reads it (served_layout).
+_IMPLICIT = {"memory_order": "relevance", "text_tail": 0, "key_calibration": "none",
+             "tail_max_k": 0}
+# Of those, the ones left out of the record (manifest, version id, content keys) at
+# their implicit value, so a version published before them keeps its id and stays
+# current; any other value is recorded and compared like every field.
+_OMITTED_AT_IMPLICIT = ("key_calibration", "tail_max_k")
+# The key of the facts config in a run's record.
+FACTS_RECORD = "facts"
 
 
 class EncodeError(ValueError):
@@ -107,9 +128,10 @@ class EncoderConfig:
         return torch_dtype(self.dtype)
 
     def to_dict(self) -> dict:
-        """Every field, except the later ones at their neutral value (:data:`_NEUTRAL`)."""
+        """Every field, except the later ones at their implicit value
+        (:data:`_OMITTED_AT_IMPLICIT`)."""
         return {k: v for k, v in asdict(self).items()
-                if not (k in _NEUTRAL and v == _NEUTRAL[k])}
+                if not (k in _OMITTED_AT_IMPLICIT and v == _IMPLICIT[k])}
 
 
 @dataclass(frozen=True)
@@ -150,10 +172,10 @@ class EncodingIdentity:
     def changed_settings(self, recorded: Mapping[str, Any]) -> list[str]:
         """The encoder settings in which a version's recorded ``encoder_config`` differs
         from this identity's (the compute dtype and device are not compared). A field a
-        record lacks has its neutral value (:data:`_NEUTRAL`), so a calibrated or per-k
+        record lacks has its implicit value (:data:`_IMPLICIT`), so a calibrated or per-k
         config is a change against every version recorded without one, and back."""
         mine = asdict(self.encoder)
-        return sorted(k for k in mine if recorded.get(k, _NEUTRAL.get(k)) != mine[k])
+        return sorted(k for k in mine if recorded.get(k, _IMPLICIT.get(k)) != mine[k])
 
     def check_model(self, model: Any, fingerprint: str | None = None) -> None:
         """:class:`EncodeError` unless ``model`` computes in this identity's dtype and
@@ -165,3 +187,71 @@ class EncodingIdentity:
                 f"the model computes in {actual.compute_dtype} on {actual.compute_device} "
                 f"(fingerprint {actual.model_fingerprint}), not in {self.compute_dtype} on "
                 f"{self.compute_device} (fingerprint {self.model_fingerprint}) as planned")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Everything besides a user's turns that decides a published version: ``facts``,
+    the facts config's identity (:meth:`~inferscale.facts.extractor.FactsConfig.identity`,
+    as JSON), and the ``encoding`` identity."""
+
+    facts: dict[str, Any]
+    encoding: EncodingIdentity
+
+    def __post_init__(self) -> None:
+        try:  # as a manifest stores it, so a record read back compares equal
+            canonical = json.loads(json.dumps(dict(self.facts), sort_keys=True,
+                                              allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(f"the facts config's identity is not JSON: {exc}") from exc
+        object.__setattr__(self, "facts", canonical)
+
+    @classmethod
+    def of(cls, facts: "FactsConfig", encoding: EncodingIdentity) -> "RunIdentity":
+        return cls(facts.identity(), encoding)
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.encoding.model_fingerprint
+
+    def record(self) -> dict:
+        """The encoder's record and the facts config (under ``facts``): what the manifest
+        records as ``encoder_config`` and the version id hashes."""
+        return {**self.encoding.record(), FACTS_RECORD: self.facts}
+
+    def changed_settings(self, recorded: Mapping[str, Any]) -> list[str]:
+        """What differs between a version's recorded ``encoder_config`` and this run:
+        the encoder settings (:meth:`EncodingIdentity.changed_settings`), then
+        ``facts.<setting>`` for each facts setting that differs, or ``facts`` for a record
+        without the facts config (versions published before it was recorded: their
+        facts config is unknown, so they are re-encoded once)."""
+        changed = self.encoding.changed_settings(recorded)
+        theirs = recorded.get(FACTS_RECORD)
+        if not isinstance(theirs, Mapping):
+            return changed + [FACTS_RECORD]
+        return changed + [f"{FACTS_RECORD}.{k}" for k in sorted(set(theirs) | set(self.facts))
+                          if theirs.get(k) != self.facts.get(k)]
+
+
+class MemoryLayout(NamedTuple):
+    """How the server lays out a request's memory (:func:`inferscale.compose.memory_layout`),
+    as a version records it."""
+
+    memory_order: str
+    text_tail: int
+    tail_max_k: int
+
+
+def served_layout(record: Mapping[str, Any]) -> MemoryLayout:
+    """The memory layout a version's recorded ``encoder_config`` asks for (a field it
+    lacks: its implicit value, :data:`_IMPLICIT`, as staleness reads it too);
+    ComposeError for anything :func:`~inferscale.compose.memory_layout` cannot serve (an
+    unknown order, a count that is not a non-negative integer), so a damaged or forged
+    record is refused once, at load."""
+    order, tail, tail_max_k = (record.get(k, _IMPLICIT[k]) for k in MemoryLayout._fields)
+    counts = [tail, tail_max_k]
+    if order not in MEMORY_ORDERS or not all(
+            type(n) is int and n >= 0 for n in counts):  # noqa: E721 - bool is not a count
+        raise ComposeError(f"not a memory layout: memory_order {order!r:.40}, text_tail "
+                           f"{counts[0]!r:.20}, tail_max_k {counts[1]!r:.20}")
+    return MemoryLayout(order, tail, tail_max_k)

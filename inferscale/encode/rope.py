@@ -130,10 +130,11 @@ def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, tables: RotaryTable
                 token_dim: int = 1) -> torch.Tensor:
     """Rotate pre-RoPE keys to ``positions``.
 
-    ``keys``: ``[L, T, H, D]`` (``token_dim=1``, the stored layout) or ``[T, L, H, D]``
-    (``token_dim=0``, the connector's gathered layout); ``positions``: ``[T]`` integers,
-    any values (virtual positions need not be contiguous). Works on CPU and CUDA, fp32
-    or bf16 input; the result has the input dtype and device.
+    ``keys``: ``[L, T, H, D]`` (``token_dim=1``) or ``[T, L, H, D]`` (``token_dim=0``:
+    the K half of stored token-major rows, as the connector gathers them);
+    ``positions``: ``[T]`` integers, any values (virtual positions need not be
+    contiguous). Works on CPU and CUDA, fp32 or bf16 input; the result has the input
+    dtype and device.
     """
     if keys.dim() != 4:
         raise RopeError(f"keys must be 4-D [L, T, H, D] or [T, L, H, D], got {tuple(keys.shape)}")

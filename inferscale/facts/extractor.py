@@ -127,17 +127,20 @@ class FactsConfig:
         return self.mode == "mem0" and self.llm_base_url is None and not self.openai_api_key
 
     def identity(self) -> dict:
-        """The settings that decide what extraction yields (a cache key's part): the mode,
-        the embedder and the limits; in mem0 mode also the LLM and its prompting. Where
-        Mem0 keeps its scratch and the API key do not change the facts."""
+        """The settings that decide what extraction yields (a cache key's part, and the
+        facts part of a run's identity, recorded in every manifest): the mode, the
+        embedder and the limits; in mem0 mode also the LLM and its prompting. Where Mem0
+        keeps its scratch, the API key and credentials in the LLM's URL do not change
+        the facts (and are never recorded)."""
         ident = {"mode": self.mode, "embedder": self.embedder_id(),
                  "max_facts_per_turn": self.max_facts_per_turn,
                  "max_fact_tokens": self.max_fact_tokens}
         if self.mode == "mem0":
             ident.update({k: getattr(self, k) for k in (
-                "llm_base_url", "llm_model", "llm_checkpoint", "prompt_style", "guided",
+                "llm_model", "llm_checkpoint", "prompt_style", "guided",
                 "llm_max_tokens", "llm_temperature", "repetition_penalty", "max_fact_chars",
                 "context_messages", "server_dtype")})
+            ident["llm_base_url"] = _without_credentials(self.llm_base_url)
         return ident
 
     def embedder_id(self) -> str:
@@ -147,6 +150,18 @@ class FactsConfig:
         if self.embedder == EMBEDDED:
             return f"st:all-MiniLM-L6-v2:{self.embedding_dims}"
         return f"st:{Path(self.embedder).name}:{self.embedding_dims}"
+
+
+def _without_credentials(url: str | None) -> str | None:
+    """``url`` without a ``user:password@`` part."""
+    if url is None:
+        return None
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 @dataclass

@@ -4,7 +4,8 @@ chunk index and token ids), and what the resident store needs to place it
 :class:`inferscale.hydrate.store.ResidentStore`.
 
 A slab is always the logical ``[T, 2, L, H, D]`` (token, K/V, layer, KV head, dim); its
-memory layout depends on where it lives (see the store)."""
+memory layout (:class:`~inferscale.types.KVFormat`) depends on where it lives (see the
+store)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,17 @@ import torch
 
 from inferscale.hydrate.arena import NO_FENCE, Fence, Region
 from inferscale.kv_quant import check_scales_for, dequantize, is_quantized
-from inferscale.types import KVGeometry, dtype_name
+from inferscale.types import KVFormat, KVGeometry, dtype_name
 
 if TYPE_CHECKING:
     from storage_schemas.manifest import Manifest
 
 
 def layer_major(slab: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``slab [T, 2, L, H, D]`` copied (and converted to ``dtype``) in one pass into
-    layer-major CPU memory, viewed as ``[T, 2, L, H, D]``."""
-    src = slab.permute(1, 2, 0, 3, 4)  # [2, L, T, H, D] view
-    out = torch.empty(src.shape, dtype=dtype or slab.dtype)
-    out.copy_(src)
-    return out.permute(2, 0, 1, 3, 4)
+    """``slab [T, 2, L, H, D]`` (in CPU memory) copied, and converted to ``dtype``, in
+    one pass into :attr:`~inferscale.types.KVFormat.LAYER_MAJOR` memory (what a CPU
+    engine's store holds), viewed as ``[T, 2, L, H, D]``."""
+    return KVFormat.LAYER_MAJOR.copy(slab, dtype)
 
 
 class ResidencyError(RuntimeError):
@@ -127,20 +126,6 @@ class Resident:
         """Rows of one chunk: a view ``[t, 2, L, H, D]``."""
         offset, length = self.index[chunk_id]
         return self.slab[offset:offset + length]
-
-    def kv_by_content_key(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        """``content key -> (keys, values)``, each a view ``[L, t, H, D]`` of the slab (the
-        encoder's chunk layout), and the chunk's scales ``[2, L, H]`` for fp8 slabs, for
-        every chunk stored with a key. Called by the pipeline to reuse a previous
-        version's K/V (``encode.encoder.encode_facts(reuse=...)``)."""
-        out = {}
-        for chunk_id, key in self.content_keys.items():
-            rows = self.chunk(chunk_id)  # [t, 2, L, H, D]
-            kv = (rows[:, 0].permute(1, 0, 2, 3), rows[:, 1].permute(1, 0, 2, 3))
-            if self.scales is not None:
-                kv += (self.scales[self.scale_pos(chunk_id)],)
-            out[key] = kv
-        return out
 
     def gather(self, chunk_ids: list[str], start: int, end: int, out: torch.Tensor) -> None:
         """Copy memory tokens ``[start, end)`` of the chunks' concatenation into ``out``

@@ -19,56 +19,38 @@ Where the bytes go:
   device on a side stream as soon as it is hashed; the pinned buffer is released after.
 - no CUDA (either tier: "gpu" means CPU memory there): plain memory. On local disk
   (unless the store reads with direct I/O, ``StoreConfig.direct_io``: then the file is
-  read into plain memory around the page cache, as above) the file is memory-mapped (private, copy-on-write) and the slab is a zero-copy view of the
-  page cache; the hash pass is the read (a helper thread populates pages a few parts
-  ahead of the hash, so disk and checksum overlap). Artifacts are immutable and gc only unlinks,
-  so the mapping stays valid; writing into the tensor copies pages, never the file.
+  read into plain memory around the page cache, as above) the file is memory-mapped
+  (private, copy-on-write: :mod:`inferscale.artifacts.mapped_file`) and the slab is a
+  zero-copy view of the page cache; the hash pass is the read.
 
-Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU machine has those;
-lancedb, s3fs are optional).
+The kv file is parsed by :func:`inferscale.artifacts.kv_file.parse_kv_file`, as every
+whole-slab reader does. Imports only torch, numpy, pyarrow, fsspec and xxhash (the GPU
+machine has those; lancedb, s3fs are optional).
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-import sys
-import threading
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-import pyarrow as pa
 import torch
-import xxhash
 
 from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.kv_file import parse_kv_file
 from inferscale.artifacts.layout import (
-    KV_FILE, ArtifactSchemaError, CorruptArtifact, FingerprintMismatch, GeometryMismatch,
-    StoreConfig, TruncatedArtifact,
+    KV_FILE, FingerprintMismatch, GeometryMismatch, StoreConfig, TruncatedArtifact,
 )
+from inferscale.artifacts.mapped_file import map_and_hash
 from inferscale.artifacts.read import (
-    check_digest, check_size, data_path, manifest_at, resolve_version,
+    check_digest, check_kv_format, check_size, data_path, manifest_at, resolve_version,
 )
 from inferscale.hydrate.arena import Region
 from inferscale.hydrate.resident import Resident
-from inferscale.types import KVGeometry, Tier, check_tier, torch_dtype
+from inferscale.types import KVGeometry, Tier, check_tier
 from storage_schemas import kv as kv_schema
-from storage_schemas.common import SchemaVersionError
 from storage_schemas.manifest import Manifest
 
 if TYPE_CHECKING:
     from inferscale.hydrate.store import ResidentStore
-
-
-def check_kv_format(manifest: Manifest) -> None:
-    """:class:`ArtifactSchemaError` when the version's KV dtype or scale rule is not one
-    this InferScale reads (a newer one wrote it)."""
-    try:
-        kv_schema.check_format(manifest.kv)
-    except kv_schema.UnknownKVFormat as exc:
-        raise ArtifactSchemaError(f"user {manifest.user} version {manifest.version}: "
-                                  f"{exc}") from exc
 
 
 def check_geometry(manifest: Manifest, geometry: KVGeometry | None) -> None:
@@ -180,20 +162,15 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
             raise TruncatedArtifact(f"{path} disappeared while being read "
                                     f"({loc.describe(version)})") from exc
         check_digest(loc, manifest, KV_FILE, digest)
-        layout, index, token_ids, keys, slab_offset, scales = _parse(host.numpy(), path,
-                                                                     manifest, expected)
+        kv_file = parse_kv_file(host.numpy(), path, manifest, expected)
     except BaseException:
         if region is not None:
             staging.release(region)
         raise
-    source = dev_buf if dev_buf is not None else host
-    dtype = torch_dtype(layout.dtype)
-    if layout.slab_bytes:
-        slab = source[slab_offset:slab_offset + layout.slab_bytes].view(dtype).view(layout.shape)
-    else:
-        slab = torch.empty(layout.shape, dtype=dtype, device=source.device)
-    return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab, index,
-                    token_ids, tier, manifest, keys, region=region, scales=scales)
+    slab = kv_file.slab(dev_buf if dev_buf is not None else host)  # [T, 2, L, H, D]
+    return Resident(manifest.user, manifest.version, manifest.model_fingerprint, slab,
+                    kv_file.index, kv_file.token_ids, tier, manifest, kv_file.content_keys,
+                    region=region, scales=kv_file.scales)
 
 
 def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use_mmap: bool,
@@ -205,8 +182,8 @@ def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use
     READS["kv_files"] += 1
     READS["kv_bytes"] += size
     if use_mmap:
-        host, digest = _map_and_hash(path, size, part_bytes, read_part)
-        return host, None, digest
+        mapped, digest = map_and_hash(path, size, part_bytes, read_part)
+        return torch.from_numpy(mapped), None, digest
     cuda = dev.type == "cuda"
     host = region.data[:size] if region is not None else \
         torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
@@ -231,144 +208,3 @@ def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use
         if stream is not None:
             stream.synchronize()
     return host, dev_buf, digest
-
-
-def _map_and_hash(path: str, size: int, part_bytes: int,
-                  read_part: Callable[[int], None] | None = None) -> tuple[torch.Tensor, str]:
-    """Map ``path`` privately and hash it in order. A helper thread populates the next
-    few parts (``MADV_POPULATE_READ``, Linux >= 5.14; plain page faults elsewhere) while
-    this thread hashes, so the disk read and the checksum overlap."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise TruncatedArtifact(f"{path} is {actual} bytes; the manifest says {size}")
-        if size == 0:
-            return torch.empty(0, dtype=torch.uint8), xxhash.xxh3_128_hexdigest(b"")
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    _advise(mm, "MADV_SEQUENTIAL")
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    part = max(mmap.PAGESIZE, part_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
-    offsets = range(0, size, part)
-    ready = [threading.Event() for _ in offsets]
-    room = threading.Semaphore(_PREFETCH_PARTS)
-    stop = threading.Event()
-    populate = _populate()
-
-    def prefetch() -> None:
-        ok, base = populate is not None, arr.ctypes.data
-        for i, offset in enumerate(offsets):
-            room.acquire()
-            if stop.is_set():
-                break
-            if ok:
-                ok = populate(base + offset, min(part, size - offset))
-            ready[i].set()
-        for event in ready:
-            event.set()
-
-    helper = threading.Thread(target=prefetch, name="inferscale-prefetch", daemon=True)
-    helper.start()
-    h = xxhash.xxh3_128()
-    view = memoryview(mm)
-    try:
-        for i, offset in enumerate(offsets):
-            ready[i].wait()
-            h.update(view[offset:offset + part])
-            room.release()
-            if read_part is not None:
-                read_part(min(part, size - offset))
-    finally:
-        stop.set()
-        room.release()
-        helper.join()
-        view.release()
-    _advise(mm, "MADV_NORMAL")
-    return torch.from_numpy(arr), h.hexdigest()
-
-
-_PREFETCH_PARTS = 4
-_MADV_POPULATE_READ = 22  # linux/mman.h, Linux >= 5.14
-
-
-def _populate():
-    """``populate(address, length) -> ok`` through libc's madvise (ctypes releases the
-    GIL, so the hashing thread runs meanwhile), or None where that is unavailable."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return lambda address, length: madvise(address, length, _MADV_POPULATE_READ) == 0
-
-
-def _advise(mm: mmap.mmap, name: str) -> None:
-    flag = getattr(mmap, name, None)
-    if flag is not None:
-        try:
-            mm.madvise(flag)
-        except OSError:
-            pass
-
-
-def _parse(buf: np.ndarray, path: str, manifest: Manifest, expected_fp: str):
-    """Verified kv.arrow bytes -> (layout, index, token ids, content keys, slab byte offset
-    in ``buf``, fp8 scales ``[C, 2, L, H]`` float32 or None)."""
-    base = pa.py_buffer(buf)
-    try:
-        reader = pa.ipc.open_file(base)
-        layout = kv_schema.KVLayout.from_schema(reader.schema)
-        if reader.num_record_batches != 1:
-            raise kv_schema.KVFormatError(f"{reader.num_record_batches} record batches, expected 1")
-        batch = reader.get_batch(0)
-        ids = batch.column("chunk_id").to_pylist()
-        offsets = batch.column("offset").to_pylist()
-        lengths = batch.column("length").to_pylist()
-        tokens = batch.column("token_ids").to_pylist()
-        keys = (batch.column("content_key").to_pylist()
-                if "content_key" in batch.schema.names else [None] * len(ids))
-        kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
-        scales = None
-        if layout.quantized:
-            kv_schema.check_scales(batch.column("scales"))
-            flat = batch.column("scales").flatten().to_numpy(zero_copy_only=False)
-            scales = torch.from_numpy(flat.copy()).view(
-                len(ids), 2, layout.layers, layout.kv_heads)
-        kv = batch.column("kv")
-        want = (np.asarray(offsets + [layout.tokens], dtype=np.int64) * layout.row_elems)
-        if not np.array_equal(kv.offsets.to_numpy(), want):
-            raise kv_schema.KVFormatError("kv list offsets disagree with the offsets table")
-    except (SchemaVersionError, kv_schema.UnknownKVFormat) as exc:
-        raise ArtifactSchemaError(f"{path}: {exc}") from exc
-    except kv_schema.KVFormatError as exc:
-        raise CorruptArtifact(f"{path}: {exc}") from exc
-    except (pa.ArrowException, KeyError) as exc:
-        raise CorruptArtifact(f"{path}: not a readable kv file: {exc}") from exc
-    if layout.model_fingerprint != expected_fp:
-        raise FingerprintMismatch(f"{path} holds KV of model {layout.model_fingerprint}, "
-                                  f"expected {expected_fp}")
-    described = {k: manifest.kv.get(k) for k in ("dtype", "layers", "kv_heads", "head_dim",
-                                                  "scales")}
-    actual = {"dtype": layout.dtype, "layers": layout.layers, "kv_heads": layout.kv_heads,
-              "head_dim": layout.head_dim, "scales": kv_schema.SCALES.get(layout.dtype)}
-    if described != actual or manifest.counts.get("tokens") != layout.tokens:
-        raise CorruptArtifact(f"{path}: layout {actual}, {layout.tokens} tokens disagrees with "
-                              f"the manifest's {described}, {manifest.counts.get('tokens')}")
-    slab_offset = 0
-    if layout.slab_bytes:
-        values = kv.values
-        data = values.buffers()[1]
-        slab_offset = data.address - base.address + values.offset * kv_schema.ITEMSIZE[layout.dtype]
-        if (slab_offset != manifest.kv.get("slab_offset") or slab_offset % 8
-                or slab_offset + layout.slab_bytes > buf.nbytes):
-            raise CorruptArtifact(f"{path}: slab at byte {slab_offset} (manifest: "
-                                  f"{manifest.kv.get('slab_offset')}), {layout.slab_bytes} bytes")
-    index = {cid: (off, n) for cid, off, n in zip(ids, offsets, lengths)}
-    content_keys = {cid: k for cid, k in zip(ids, keys) if k is not None}
-    return layout, index, {cid: tuple(t) for cid, t in zip(ids, tokens)}, content_keys, \
-        slab_offset, scales

@@ -12,9 +12,10 @@ each arena also holds a *staging* reserve: reads from storage land in the host o
 read from storage wait in the device one until the step that injects them. Placing, demoting and dropping users
 never allocates or frees pinned or device memory, and copies run outside the store's
 lock on side streams, so the engine's step never waits for them. A CPU engine keeps both
-tiers in CPU memory, layer-major (``[2, L, T, H, D]`` behind a ``[T, 2, L, H, D]`` view) so
-the CPU kernel streams one layer's rows per thread; CUDA slabs stay token-major so a run
-of host rows is one contiguous copy.
+tiers in CPU memory, layer-major (:attr:`~inferscale.types.KVFormat.LAYER_MAJOR`:
+``[2, L, T, H, D]`` behind a ``[T, 2, L, H, D]`` view) so the CPU kernel streams one
+layer's rows per thread; CUDA slabs stay token-major (as stored) so a run of host rows is
+one contiguous copy.
 
 Every slab is converted once, when placed, to the store's ``dtype`` (the engine's) and cut
 to its :class:`~inferscale.hydrate.resident.HeadShard` under tensor parallelism; budgets
@@ -47,12 +48,11 @@ from inferscale.hydrate.resident import (
     HeadShard, ResidencyError, Resident, StoreEvent, check_servable, layer_major,
 )
 from inferscale.kv_quant import dequantize, dequantize_into, is_quantized
-from inferscale.types import TIERS, KVGeometry
+from inferscale.types import TIERS, KVFormat, KVGeometry
 
 log = logging.getLogger("vllm.inferscale.store")
 
 _SLACK = 64 << 20  # arena bytes beyond the budget: alignment and fragmentation
-LAYER_MAJOR = (1, 2, 0, 3, 4)  # [T, 2, L, H, D] stored as [2, L, T, H, D] (CPU engines)
 
 
 def kept_dtype(stored: torch.dtype, dtype: torch.dtype | None, cuda: bool) -> torch.dtype:
@@ -197,7 +197,7 @@ class ResidentStore:
             slab = self.heads.take(slab)
             row_scales = self.heads.take(row_scales[..., None])[..., 0] \
                 if row_scales is not None else None
-        order = LAYER_MAJOR if not self.cuda else None
+        order = (KVFormat.TOKEN_MAJOR if self.cuda else KVFormat.LAYER_MAJOR).order
         if is_quantized(slab.dtype) and dtype != slab.dtype:  # the CPU: dequantized, once
             if row_scales is None:
                 raise ResidencyError("an fp8 slab needs its scales to be converted")

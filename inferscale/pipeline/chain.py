@@ -8,7 +8,8 @@ slot around the compute steps). When ``LATEST`` already names the version these 
 make, nothing is encoded or written; otherwise the K/V of every fact unchanged since
 ``LATEST``'s version is reused and only the rest is encoded. The version id the chain
 expects and the one publishing yields derive from one
-:class:`~inferscale.encode.identity.EncodingIdentity`, so they cannot differ.
+:class:`~inferscale.encode.identity.RunIdentity` (the facts config and the encoding), so
+they cannot differ.
 
 :func:`encode_users` runs users one after another and turns a user's failure into a
 ``failed`` outcome: the others still get their versions (the flows fan out with Prefect
@@ -67,15 +68,15 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
     result ``stats["cached"]`` (it came from a cache: no fact was reused or encoded)."""
     t0 = time.perf_counter()
     logger = steps.logger()
-    identity = cfg.identity(model_fp)
+    run = cfg.run_identity(facts_cfg, model_fp)
     log_hash = turns_hash(turns)
     encoded = None
     with steps.compute():
         facts = steps.facts(cfg, facts_cfg, user, turns, model_fp)
-        version = plain.expected_version(identity, user, log_hash, facts.facts_hash)
+        version = plain.expected_version(run, user, log_hash, facts.facts_hash)
         current = steps.latest(cfg, user, model_fp)
         if current != version:
-            encoded = steps.encode(cfg, user, turns, facts.table, identity, current)
+            encoded = steps.encode(cfg, user, turns, facts.table, run.encoding, current)
     status, kv_bytes, reused, n_encoded = "unchanged", None, None, None
     if encoded is None:
         logger.info("user %s: LATEST already names version %s", user, version)
@@ -84,7 +85,7 @@ def encode_user(cfg: PipelineConfig, facts_cfg: FactsConfig, user: str, turns: p
         logger.info("user %s: %s", user, "KV from the task cache" if encoded.stats.get("cached")
                     else f"{reused} facts reused from version {current}, {n_encoded} encoded")
         published = steps.publish(cfg, user, encoded, facts.table, log_hash, facts.facts_hash,
-                                  inputs_at)
+                                  run, inputs_at)
         logger.info("user %s: version %s %s", user, published.version,
                     "published" if published.created else "already published")
         if published.latest != published.version:

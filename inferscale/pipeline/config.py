@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from inferscale.artifacts.layout import StoreConfig
-from inferscale.encode.identity import EncoderConfig, EncodingIdentity
+from inferscale.encode.identity import EncoderConfig, EncodingIdentity, RunIdentity
 from inferscale.facts.extractor import FactsConfig
 
 
@@ -53,6 +53,11 @@ class PipelineConfig:
         """The identity of encoding with this config for the model ``model_fp``: the
         model is loaded in ``model_dtype`` on ``device``, so this is what it computes in."""
         return EncodingIdentity(self.encoder, model_fp, self.model_dtype, self.device)
+
+    def run_identity(self, facts_cfg: FactsConfig, model_fp: str) -> RunIdentity:
+        """The identity of a run with this config and ``facts_cfg`` for the model
+        ``model_fp``: what its versions' ids, staleness and cache keys derive from."""
+        return RunIdentity.of(facts_cfg, self.identity(model_fp))
 
     def storage_options_for(self, uris: list[str]) -> dict:
         """fsspec options for reading or writing ``uris``: the store's (S3) options when

@@ -17,20 +17,20 @@ import logging
 import threading
 from dataclasses import asdict, replace
 from datetime import datetime
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pyarrow as pa
 
 from inferscale.artifacts.layout import ArtifactError
 from inferscale.artifacts.publish import Lineage, PublishResult, publish, version_id
-from inferscale.artifacts.read import latest_version, read_manifest
+from inferscale.artifacts.read import latest_version, read_kv_rows, read_manifest
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
-from inferscale.encode.identity import EncodingIdentity
+from inferscale.encode.identity import EncodingIdentity, RunIdentity
 from inferscale.facts.extractor import FactExtractor, FactsConfig, FactsResult
 from inferscale.ingest.logs import IngestResult, read_logs, write_quarantine
 from inferscale.models import LoadedModel
 from inferscale.pipeline.config import PipelineConfig
-from inferscale.types import KVGeometry
+from inferscale.types import ChunkKV, KVGeometry
 
 log = logging.getLogger("inferscale.pipeline")
 
@@ -112,11 +112,10 @@ def read_latest(cfg: PipelineConfig, user: str, model_fp: str) -> str | None:
     return latest_version(cfg.store(), user, model_fp)
 
 
-def expected_version(identity: EncodingIdentity, user: str, log_hash: str,
-                     facts_hash: str) -> str:
-    """The version id that publishing these inputs encoded with ``identity`` yields."""
-    return version_id(user, Lineage(log_hash, facts_hash), identity.model_fingerprint,
-                      identity.record())
+def expected_version(run: RunIdentity, user: str, log_hash: str, facts_hash: str) -> str:
+    """The version id that publishing these inputs in the run ``run`` yields."""
+    return version_id(user, Lineage(log_hash, facts_hash), run.model_fingerprint,
+                      run.record())
 
 
 def encode_user_kv(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Table,
@@ -139,24 +138,31 @@ def encode_user_kv(cfg: PipelineConfig, user: str, turns: pa.Table, facts: pa.Ta
 
 
 def compact(encoded: EncodedMemory) -> EncodedMemory:
-    """``encoded`` with every chunk's K/V copied out of the batch tensors it views, so
+    """``encoded`` with every chunk's rows copied out of the batch tensors they view, so
     that a cached result holds the chunks, not the batches."""
-    chunks = [replace(c, keys=c.keys.clone(), values=c.values.clone()) for c in encoded.chunks]
+    chunks = [replace(c, kv=c.kv.clone()) for c in encoded.chunks]
     return replace(encoded, chunks=chunks)
 
 
-def publish_user(cfg: PipelineConfig, user: str, encoded: Any, facts: pa.Table, log_hash: str,
-                 facts_hash: str, inputs_at: datetime | None = None) -> PublishResult:
-    """Publish a version (a no-op returning the existing one when inputs are unchanged).
-    ``inputs_at``: when the logs were read: LATEST names the publish of the newest inputs
-    when runs race (:mod:`inferscale.artifacts.latest`). The KV must be the serving
-    model's: its fingerprint, and the geometry of its checkpoint (publish checks it)."""
+def publish_user(cfg: PipelineConfig, user: str, encoded: EncodedMemory, facts: pa.Table,
+                 log_hash: str, facts_hash: str, run: RunIdentity,
+                 inputs_at: datetime | None = None) -> PublishResult:
+    """Publish a version (a no-op returning the existing one when inputs are unchanged)
+    recorded under ``run``'s record (:meth:`RunIdentity.record`: the version id
+    :func:`expected_version` gives). ``inputs_at``: when the logs were read: LATEST names
+    the publish of the newest inputs when runs race (:mod:`inferscale.artifacts.latest`).
+    The KV must be the serving model's (its fingerprint, and the geometry of its
+    checkpoint: publish checks it) and encoded under ``run``'s encoding identity."""
     fp = model_fingerprint(cfg)
     if encoded.model_fingerprint != fp:
         raise RuntimeError(f"the KV was encoded for model {encoded.model_fingerprint}, not "
                            f"the serving model {fp}")
-    return publish(cfg.store(), user, encoded, facts, Lineage(log_hash, facts_hash),
-                   geometry=model_geometry(cfg), keep=cfg.keep_versions, inputs_at=inputs_at)
+    if dict(encoded.encoder_config) != run.encoding.record():
+        raise RuntimeError(f"the KV was encoded as {dict(encoded.encoder_config)}, not as "
+                           f"this run encodes ({run.encoding.record()})")
+    return publish(cfg.store(), user, replace(encoded, encoder_config=run.record()), facts,
+                   Lineage(log_hash, facts_hash), geometry=model_geometry(cfg),
+                   keep=cfg.keep_versions, inputs_at=inputs_at)
 
 
 def record_lineage(cfg: PipelineConfig, model_fp: str, versions: Mapping[str, str],
@@ -188,24 +194,22 @@ def turns_and_facts(turns: pa.Table, facts: pa.Table) -> tuple[list[TurnText], l
     return turn_texts, specs
 
 
-def previous_kv(cfg: PipelineConfig, user: str, model_fp: str, version: str) -> dict | None:
-    """``content key -> (K, V)`` of a published version (``"latest"``: ``LATEST``'s), read
-    and checksum-verified (a memory map of a local file; S3 is read into memory), or None
+def previous_kv(cfg: PipelineConfig, user: str, model_fp: str,
+                version: str) -> dict[str, ChunkKV] | None:
+    """``content key -> ChunkKV`` of a published version (``"latest"``: ``LATEST``'s),
+    read and checksum-verified (:func:`inferscale.artifacts.read.read_kv_rows`), or None
     when there is none or it cannot be read: then every fact is encoded (a warning says
     why when a version was there)."""
-    from inferscale.hydrate.slab import hydrate
-
     try:
         if version == "latest":
             version = latest_version(cfg.store(), user, model_fp)
             if version is None:
                 return None
-        hydrated = hydrate(cfg.store(), user, model_fp, version, tier="host", device="cpu")
+        return read_kv_rows(cfg.store(), user, model_fp, version)
     except ArtifactError as exc:
         log.warning("user %s: previous version %s unreadable, encoding every fact: %s",
                     user, version, exc)
         return None
-    return hydrated.kv_by_content_key()
 
 
 def _check_fingerprint(model: LoadedModel, model_fp: str) -> None:

@@ -31,7 +31,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal
 
-from inferscale.compose import ComposeError, Composer, layout_settings, memory_layout
+from inferscale.compose import ComposeError, Composer, memory_layout
+from inferscale.encode.identity import served_layout
 from inferscale.serve.cold_requests import ColdRequests
 from inferscale.serve.cold_split import ColdSplitConfig, Split
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, Progress
@@ -116,7 +117,7 @@ class MemoryServer:
 
         manifest = read_manifest(self.store, user, self.fp, version)
         try:
-            layout = layout_settings(manifest.encoder_config)
+            layout = served_layout(manifest.encoder_config)
         except ComposeError as exc:  # every request of the user would fail to compose
             raise MemoryRefused(manifest.version, "layout", str(exc)) from exc
         prefix = self._servable_prefix(manifest.version, manifest.encoder_config)

@@ -143,17 +143,16 @@ def test_inconsistent_inputs_are_refused(local_store):
         return m, f
 
     def bad_shape(m, f):
-        m.chunks[1].values = m.chunks[1].values[:, :, :1]
+        m.chunks[1].kv = m.chunks[1].kv[..., :1, :]
         return m, f
 
     def bad_dtype(m, f):
-        m.chunks[1].keys = m.chunks[1].keys.float()
-        m.chunks[1].values = m.chunks[1].values.float()
+        m.chunks[1].kv = m.chunks[1].kv.float()
         return m, f
 
     def int_kv(m, f):
         for c in m.chunks:
-            c.keys, c.values = c.keys.to(torch.int8), c.values.to(torch.int8)
+            c.kv = c.kv.to(torch.int8)
         return m, f
 
     def bad_tokens(m, f):

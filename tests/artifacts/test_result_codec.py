@@ -20,12 +20,12 @@ def _memory(dtype: str) -> EncodedMemory:
     g = torch.Generator().manual_seed(0)
     chunks = []
     for cid, n in ((PREFIX_ID, 3), ("f1", 2), ("f2", 4)):
-        k, v = (torch.randn(L, n, H, D, generator=g) for _ in range(2))  # [L, T, H, D]
+        kv = torch.randn(n, 2, L, H, D, generator=g)  # [T, 2, L, H, D]
         if dtype == "float8_e4m3fn":
-            k, v, sc = quantize(k, v)
+            kv, sc = quantize(kv)
         else:
-            k, v, sc = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype)), None
-        chunks.append(EncodedChunk(cid, list(range(n)), k, v, f"key-{cid}", sc))
+            kv, sc = kv.to(getattr(torch, dtype)), None
+        chunks.append(EncodedChunk(cid, list(range(n)), kv, f"key-{cid}", sc))
     return EncodedMemory(chunks, "f" * 32, {"dtype": dtype, "window": 3}, {"facts": 2},
                          {"mode": "head", "temperatures": [[1.5, 1.0], [1.0, 2.0]]},
                          KVGeometry(L, H, D))
@@ -42,9 +42,8 @@ def test_encoded_round_trip(dtype):
     assert [c.chunk_id for c in back.chunks] == [c.chunk_id for c in mem.chunks]
     for a, b in zip(mem.chunks, back.chunks):
         assert (a.token_ids, a.content_key) == (b.token_ids, b.content_key)
-        assert b.keys.dtype == a.keys.dtype and b.keys.shape == a.keys.shape
-        assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
-        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+        assert b.kv.dtype == a.kv.dtype and b.kv.shape == a.kv.shape
+        assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
         if a.scales is None:
             assert b.scales is None
         else:

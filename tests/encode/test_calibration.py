@@ -14,6 +14,7 @@ from inferscale.encode.capture import prefill_qk
 from inferscale.encode.encoder import FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
+from inferscale.types import ChunkKV
 
 
 def _items(scale: torch.Tensor, seed: int = 0, probes: int = 3):
@@ -53,10 +54,10 @@ def test_fit_stops_at_the_range():
 
 def test_key_calibration_apply_record_digest():
     cal = KeyCalibration("head", [[1.0, 2.0], [0.5, 1.0]], {"probes": 3})
-    keys = torch.ones(2, 3, 2, 4, dtype=torch.bfloat16)
+    keys = torch.ones(3, 2, 2, 4, dtype=torch.bfloat16)  # [T, L, H, D]: rows' K half
     out = cal.apply(keys)
     assert out.dtype == torch.bfloat16
-    assert out[0, :, 1].eq(0.5).all() and out[1, :, 0].eq(2.0).all() and out[0, :, 0].eq(1).all()
+    assert out[:, 0, 1].eq(0.5).all() and out[:, 1, 0].eq(2.0).all() and out[:, 0, 0].eq(1).all()
     assert cal.record() == {"granularity": "head", "temperatures": [[1.0, 2.0], [0.5, 1.0]],
                             "probes": 3}
     exact = KeyCalibration("layer", [[1.0, 1.0]])
@@ -132,7 +133,7 @@ def test_calibrate_real_model_finds_one_for_prefill_keys_and_a_known_scale(smoll
     start = len(composer.prefix_ids())
     stored, pos = {}, start
     for f in "abc":
-        stored[f] = k[:, pos:pos + len(ids[f])]
+        stored[f] = k[:, pos:pos + len(ids[f])].transpose(0, 1)  # [T, L, H, D], as stored
         pos += len(ids[f])
 
     def run(keys, granularity):
@@ -144,7 +145,7 @@ def test_calibrate_real_model_finds_one_for_prefill_keys_and_a_known_scale(smoll
     assert same.stats["kl_injected"] < 1e-6
     doubled = {f: v.clone() for f, v in stored.items()}
     for v in doubled.values():
-        v[:, :, 1] *= 2
+        v[:, :, 1] *= 2  # KV head 1
     hot = run(doubled, "head")
     assert all(row[1] == pytest.approx(2.0, abs=2e-3) and row[0] == row[2] == 1.0
                for row in hot.temperatures)
@@ -152,8 +153,8 @@ def test_calibrate_real_model_finds_one_for_prefill_keys_and_a_known_scale(smoll
     assert all(len(set(row)) == 1 and 1.0 < row[0] < 2.0 for row in pooled.temperatures)
     # and stored pre-RoPE keys rotated by the model's tables are what the fit compares
     tables = RotaryTables.from_model(model)
-    assert rotate_keys(stored["a"], torch.arange(start, start + len(ids["a"])), tables).shape \
-        == stored["a"].shape
+    assert rotate_keys(stored["a"], torch.arange(start, start + len(ids["a"])), tables,
+                       token_dim=0).shape == stored["a"].shape
 
 
 TURNS = [TurnText("Caroline" if i % 2 else "Melanie", text) for i, text in enumerate([
@@ -188,19 +189,19 @@ def test_encoder_stores_records_and_reuses_calibrated_keys(smollm2, monkeypatch)
     assert "key_calibration" not in base.encoder_config  # the neutral value is not recorded
     assert cal.stats["calibration_facts"] > 0 and "calibration_kl_calibrated" in cal.stats
     assert cal.stats["calibration_kl_calibrated"] <= cal.stats["calibration_kl_injected"]
-    torch.testing.assert_close(cal.chunks[0].keys, base.chunks[0].keys, rtol=0, atol=0)
+    torch.testing.assert_close(cal.chunks[0].kv, base.chunks[0].kv, rtol=0, atol=0)
     applied = KeyCalibration("head", rec["temperatures"])
     for b, c in zip(base.chunks[1:], cal.chunks[1:]):  # facts: the model's keys / T
-        torch.testing.assert_close(c.keys, applied.apply(b.keys), rtol=0, atol=0)
-        torch.testing.assert_close(c.values, b.values, rtol=0, atol=0)
+        torch.testing.assert_close(c.kv[:, 0], applied.apply(b.kv[:, 0]), rtol=0, atol=0)
+        torch.testing.assert_close(c.kv[:, 1], b.kv[:, 1], rtol=0, atol=0)
         assert c.content_key != b.content_key
     # a second version reuses every fact the probes did not encode, byte for byte
-    rows = {c.content_key: (c.keys, c.values) for c in cal.chunks}
+    rows = {c.content_key: ChunkKV(c.kv) for c in cal.chunks}
     again = encode(reuse=rows, key_calibration="head")
     assert again.calibration == rec
     assert again.stats["reused"] == len(facts) - again.stats["calibration_facts"] > 0
     for a, c in zip(again.chunks, cal.chunks):
-        assert torch.equal(a.keys, c.keys) and a.content_key == c.content_key
+        assert torch.equal(a.kv, c.kv) and a.content_key == c.content_key
     # other temperatures (per layer): no row is reused
     layer = encode(reuse=rows, key_calibration="layer")
     assert layer.stats["reused"] == 0 and layer.calibration["temperatures"] != rec["temperatures"]

@@ -13,18 +13,24 @@ from inferscale.encode.encoder import (
 )
 from inferscale.encode.identity import EncodeError, EncoderConfig, EncodingIdentity
 from inferscale.encode.rope import RotaryTables, rotate_keys
-from inferscale.types import PREFIX_ID
+from inferscale.types import PREFIX_ID, ChunkKV
 from tiny_models import ROPE_TYPES, tiny_llama, tiny_qwen3
 
 
 def joint_prefill_kv(model, ids: list[int]):
-    """Post-RoPE K and V ``[L, T, H, D]`` of one plain prefill of ``ids``."""
+    """Post-RoPE K and V of one plain prefill of ``ids`` as rows ``[T, 2, L, H, D]``."""
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
-    cache = out.past_key_values
-    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
-    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
-    return keys, values
+    cache = out.past_key_values  # per layer [1, H, T, D]
+    return torch.stack([torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers],
+                                    dim=1),
+                        torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers],
+                                    dim=1)], dim=1)
+
+
+def rotated(rows: torch.Tensor, positions: torch.Tensor, model) -> torch.Tensor:
+    """The stored pre-RoPE keys of ``rows [T, 2, L, H, D]`` rotated to ``positions``."""
+    return rotate_keys(rows[:, 0], positions, RotaryTables.from_model(model), token_dim=0)
 
 
 def encode_one(model, context: list[int], chunk: list[int]):
@@ -44,14 +50,15 @@ def _models():
 def _check_relocation(model, context: list[int], chunk: list[int]):
     """Encode ``chunk`` after ``context``: its stored keys rotated to ``p..p+c-1`` and its
     values equal the joint prefill's (1e-5). Returns the encoding and the prefill's keys
-    of the chunk (``[L, c, H, D]``)."""
-    keys, values = joint_prefill_kv(model, context + chunk)
+    of the chunk (``[c, L, H, D]``)."""
+    ref = joint_prefill_kv(model, context + chunk)
     enc = encode_one(model, context, chunk)
     p = len(context)
-    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
-    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
-    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
-    return enc, keys[:, p:]
+    assert enc.kv.shape == ref[p:].shape  # [c, 2, L, H, D]: what kv.arrow stores
+    assert (rotated(enc.kv, torch.arange(p, p + len(chunk)), model)
+            - ref[p:, 0]).abs().max().item() <= 1e-5
+    assert (enc.kv[:, 1] - ref[p:, 1]).abs().max().item() <= 1e-5
+    return enc, ref[p:, 0]
 
 
 @pytest.mark.parametrize("name", sorted(_models()))
@@ -63,7 +70,7 @@ def test_relocation_tiny_models(name):
     chunk = torch.randint(0, 256, (9,), generator=g).tolist()
     enc, keys = _check_relocation(model, context, chunk)
     # and the stored keys really are pre-RoPE: unrotated they differ from the cache
-    assert (enc.keys - keys).abs().max().item() > 1e-2
+    assert (enc.kv[:, 0] - keys).abs().max().item() > 1e-2
 
 
 @pytest.mark.slow
@@ -80,12 +87,11 @@ def _limiting_case(model, prefix: list[int], facts: list[list[int]], tol: float)
     segments per batch: padding and the block mask) == one joint prefill."""
     mem = encode_limiting(model, prefix, [(f"f{i}", f) for i, f in enumerate(facts)], "fp")
     assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID] + [f"f{i}" for i in range(len(facts))]
-    k = torch.cat([c.keys for c in mem.chunks], dim=1)
-    v = torch.cat([c.values for c in mem.chunks], dim=1)
-    composed_k = rotate_keys(k, torch.arange(k.shape[1]), RotaryTables.from_model(model))
-    ref_k, ref_v = joint_prefill_kv(model, prefix + [t for f in facts for t in f])
-    assert (composed_k - ref_k).abs().max().item() <= tol
-    assert (v - ref_v).abs().max().item() <= tol
+    rows = torch.cat([c.kv for c in mem.chunks])  # [T, 2, L, H, D]: the slab these chunks make
+    ref = joint_prefill_kv(model, prefix + [t for f in facts for t in f])
+    assert (rotated(rows, torch.arange(rows.shape[0]), model) - ref[:, 0]).abs().max().item() \
+        <= tol
+    assert (rows[:, 1] - ref[:, 1]).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("name", sorted(_models()))
@@ -114,8 +120,7 @@ def test_block_mask_isolates_facts_of_one_turn():
     got = {c.chunk_id: c for c in encode_segments(model, [shared], out_dtype=torch.float32,
                                                   batch_tokens=4096)}
     alone_b = encode_one(model, window, f2)
-    torch.testing.assert_close(got["b"].keys, alone_b.keys, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["b"].values, alone_b.values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["b"].kv, alone_b.kv, rtol=0, atol=1e-5)
 
 
 def test_build_batch_positions_and_mask():
@@ -160,8 +165,7 @@ def test_segments_alone_do_not_depend_on_their_neighbours():
     assert list(together) == [s.chunks[0][0] for s in segs]  # input order
     for seg in segs:
         (alone,) = encode_segments(model, [seg], out_dtype=torch.float32, batch_tokens=None)
-        assert torch.equal(alone.keys, together[alone.chunk_id].keys)
-        assert torch.equal(alone.values, together[alone.chunk_id].values)
+        assert torch.equal(alone.kv, together[alone.chunk_id].kv)
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +236,8 @@ def test_encode_facts_end_to_end(smollm2):
     mem = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, identity, progress=False)
     assert [c.chunk_id for c in mem.chunks] == [PREFIX_ID, "f1", "f0"]
     for c in mem.chunks:
-        assert c.keys.shape == (30, len(c.token_ids), 3, 64)
-        assert c.keys.dtype == torch.bfloat16 and c.values.shape == c.keys.shape
+        assert c.kv.shape == (len(c.token_ids), 2, 30, 3, 64)  # [T, 2, L, H, D]
+        assert c.kv.dtype == torch.bfloat16
     assert mem.encoder_config["window"] == 2 and mem.model_fingerprint == smollm2.fingerprint
     assert mem.encoder_config == identity.record() == {  # what version ids hash
         **cfg.to_dict(), "compute_dtype": "float32", "compute_device": "cpu"}
@@ -266,10 +270,9 @@ def test_encode_facts_fp8_quantizes_the_captured_kv_and_reuses_it_exactly(smollm
                                              identity, progress=False))
     (ident, fp8), (_, f32) = run["float8_e4m3fn"], run["float32"]
     for q, f in zip(fp8.chunks, f32.chunks):
-        k, v, sc = quantize(f.keys, f.values)
-        assert q.keys.dtype == torch.float8_e4m3fn and q.scales.shape == (2, 30, 3)
-        assert torch.equal(q.keys.view(torch.uint8), k.view(torch.uint8))
-        assert torch.equal(q.values.view(torch.uint8), v.view(torch.uint8))
+        rows, sc = quantize(f.kv)
+        assert q.kv.dtype == torch.float8_e4m3fn and q.scales.shape == (2, 30, 3)
+        assert torch.equal(q.kv.view(torch.uint8), rows.view(torch.uint8))
         assert torch.equal(q.scales, sc) and q.content_key != f.content_key
     assert fp8.encoder_config["dtype"] == "float8_e4m3fn"
     # the float32 encoding stored as bf16 or fp8 afterwards: the encoder's own bits
@@ -277,22 +280,21 @@ def test_encode_facts_fp8_quantizes_the_captured_kv_and_reuses_it_exactly(smollm
         stored = f32.stored_as(dtype)
         assert stored.encoder_config == {**f32.encoder_config, "dtype": dtype}
         for a, b in zip(stored.chunks, run[dtype][1].chunks):
-            assert a.content_key is None and a.keys.dtype == b.keys.dtype
-            assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
-            assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+            assert a.content_key is None and a.kv.dtype == b.kv.dtype
+            assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
             assert (a.scales is None) == (b.scales is None)
             assert a.scales is None or torch.equal(a.scales, b.scales)
     with pytest.raises(ValueError, match="float encodings only"):
         fp8.stored_as("bfloat16")
-    reuse = {c.content_key: (c.keys, c.values, c.scales) for c in fp8.chunks[:2]}
+    reuse = {c.content_key: ChunkKV(c.kv, c.scales) for c in fp8.chunks[:2]}
     again = encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, ident,
                          progress=False, reuse=reuse)
     assert (again.stats["reused"], again.stats["encoded"]) == (1, 1) and again.stats["prefix_reused"]
     for a, b in zip(again.chunks, fp8.chunks):
-        assert torch.equal(a.keys.view(torch.uint8), b.keys.view(torch.uint8))
+        assert torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
         assert torch.equal(a.scales, b.scales)
     # K/V without scales under an fp8 key (a damaged previous version): encoded instead
-    bad = {k: v[:2] for k, v in reuse.items()}
+    bad = {k: ChunkKV(v.kv) for k, v in reuse.items()}
     assert encode_facts(smollm2.model, smollm2.tokenizer, TURNS, facts, ident, progress=False,
                         reuse=bad).stats["encoded"] == 2
 
@@ -302,15 +304,18 @@ def test_version_ids_cover_the_compute_dtype_and_device():
     the same inputs, so other version ids (never one id for two contents)."""
     from pathlib import Path
 
+    from inferscale.facts.extractor import FactsConfig
     from inferscale.pipeline.config import PipelineConfig
     from inferscale.pipeline.steps import expected_version
 
     cpu = PipelineConfig(home=Path("/h"), model="embedded", device="cpu", model_dtype="float32",
                          encoder=EncoderConfig(), artifact_root="/a", storage_options={})
     gpu = replace(cpu, device="cuda", model_dtype="bfloat16")
-    ids = {name: expected_version(c.identity("fp1"), "maya", "log-h", "facts-h") for name, c in {
-        "cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
-        "gpu-fp32": replace(gpu, model_dtype="float32")}.items()}
+    raw = FactsConfig(mode="raw")
+    configs = {"cpu": cpu, "gpu": gpu, "gpu1": replace(gpu, device="cuda:1"),
+               "gpu-fp32": replace(gpu, model_dtype="float32")}
+    ids = {name: expected_version(c.run_identity(raw, "fp1"), "maya", "log-h", "facts-h")
+           for name, c in configs.items()}
     assert ids["cpu"] != ids["gpu"] and ids["gpu"] != ids["gpu-fp32"] != ids["cpu"]
     assert ids["gpu"] == ids["gpu1"]  # the device kind counts, not which one
     assert EncodingIdentity(EncoderConfig(), "fp1", torch.bfloat16, "cuda:0").record() == {
@@ -347,11 +352,11 @@ def test_capture_ignores_other_models_in_other_threads():
     finally:
         handle.remove()
     assert torch.equal(seen["logits"], expected_other)
-    keys, values = joint_prefill_kv(model, context + chunk)
+    ref = joint_prefill_kv(model, context + chunk)
     p = len(context)
-    rotated = rotate_keys(enc.keys, torch.arange(p, p + len(chunk)), RotaryTables.from_model(model))
-    assert (rotated - keys[:, p:]).abs().max().item() <= 1e-5
-    assert (enc.values - values[:, p:]).abs().max().item() <= 1e-5
+    assert (rotated(enc.kv, torch.arange(p, p + len(chunk)), model)
+            - ref[p:, 0]).abs().max().item() <= 1e-5
+    assert (enc.kv[:, 1] - ref[p:, 1]).abs().max().item() <= 1e-5
 
 
 def test_layout_config_validation():
@@ -430,15 +435,14 @@ def test_memory_context_with_a_full_window_is_the_joint_prefill(smollm2):
         EncoderConfig(window=10, context="memory", dtype="float32"), smollm2.fingerprint, model),
         progress=False)
     ids = composer.prefix_ids() + [t for x in texts for t in composer.fact_ids(x)]
-    keys, values = joint_prefill_kv(model, ids)
-    tables = RotaryTables.from_model(model)
+    ref = joint_prefill_kv(model, ids)
     pos = 0
     for chunk in mem.chunks:
         n = len(chunk.token_ids)
         assert list(chunk.token_ids) == ids[pos:pos + n]
-        rotated = rotate_keys(chunk.keys, torch.arange(pos, pos + n), tables)
-        assert (rotated - keys[:, pos:pos + n]).abs().max().item() <= 1e-4
-        assert (chunk.values - values[:, pos:pos + n]).abs().max().item() <= 1e-4
+        assert (rotated(chunk.kv, torch.arange(pos, pos + n), model)
+                - ref[pos:pos + n, 0]).abs().max().item() <= 1e-4
+        assert (chunk.kv[:, 1] - ref[pos:pos + n, 1]).abs().max().item() <= 1e-4
         pos += n
     assert pos == len(ids)
 
@@ -453,7 +457,7 @@ def test_key_temperature_scales_fact_keys_only(smollm2):
 
     base = encode_facts(model, tok, TURNS, facts, identity(), progress=False)
     hot = encode_facts(model, tok, TURNS, facts, identity(key_temperature=0.5), progress=False)
-    torch.testing.assert_close(hot.chunks[0].keys, base.chunks[0].keys)  # the prefix: never
-    torch.testing.assert_close(hot.chunks[1].keys, base.chunks[1].keys * 2)
-    torch.testing.assert_close(hot.chunks[1].values, base.chunks[1].values)
+    torch.testing.assert_close(hot.chunks[0].kv, base.chunks[0].kv)  # the prefix: never
+    torch.testing.assert_close(hot.chunks[1].kv[:, 0], base.chunks[1].kv[:, 0] * 2)
+    torch.testing.assert_close(hot.chunks[1].kv[:, 1], base.chunks[1].kv[:, 1])
     assert hot.encoder_config["key_temperature"] == 0.5

@@ -278,3 +278,17 @@ def test_mem0_extraction_with_local_vllm_server(tmp_path, home, tokenizer, sampl
     # the model saw the session's date, not today's, for the "last week" turn
     assert last_request[1]["content"].startswith("Observation Date: 2024-03-29 (Friday)")
     assert "last week" in last_request[1]["content"]
+
+
+def test_identity_keeps_no_credentials():
+    """The facts config's identity is recorded in every manifest and hashed into cache
+    keys: a password in the LLM's URL is neither (and does not change them)."""
+    plain = FactsConfig(mode="mem0", llm_base_url="https://llm.example:8443/v1?x=1",
+                        llm_model="m")
+    secret = FactsConfig(mode="mem0", llm_base_url="https://me:s3cret@llm.example:8443/v1?x=1",
+                         llm_model="m", openai_api_key="sk-key")
+    assert secret.identity() == plain.identity()
+    assert plain.identity()["llm_base_url"] == "https://llm.example:8443/v1?x=1"
+    assert "s3cret" not in json.dumps(secret.identity()) and "sk-key" not in json.dumps(
+        secret.identity())
+    assert FactsConfig(mode="raw").identity() != FactsConfig(mode="mem0").identity()

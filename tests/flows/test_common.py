@@ -54,16 +54,3 @@ def test_ray_workers_get_every_offline_switch(monkeypatch):
     env = _ray_init_kwargs(None)["runtime_env"]["env_vars"]
     assert set(OFFLINE_ENV) <= set(env)
     assert env["HF_HUB_OFFLINE"] == "1"
-
-
-def test_a_failed_plan_is_reported_not_encoded():
-    """A plan that failed is not encoded (its flow reports it failed, with the error)."""
-    from flows.common import plan_failures
-    from inferscale.artifacts.staleness import UserPlan
-
-    plans = {"ann": UserPlan("ann", "h", "failed", detail="OSError: boom"),
-             "bob": UserPlan("bob", "h", "new")}
-    assert not plans["ann"].needs_encoding and plans["bob"].needs_encoding
-    (out,) = plan_failures(plans)
-    assert (out.user, out.status, out.reason, out.error) == ("ann", "failed", "planning",
-                                                             "OSError: boom")

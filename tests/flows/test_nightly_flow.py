@@ -78,6 +78,40 @@ def test_only_changed_users_are_reencoded(flow_env, tmp_path):
     assert not any(n.startswith(("encode-user", "extract-facts", "encode-kv")) for n in names)
 
 
+def test_a_facts_config_change_is_reencoded(flow_env, tmp_path, monkeypatch):
+    """Another facts config (here another embedder: the packaged one under another name,
+    so the facts' text and K/V are the same) is another run, as for ``inferscale
+    encode``: the nightly re-encodes every user (``facts-changed``), computing no K/V,
+    onto a version recording it with the same KV bytes; the next run skips them."""
+    from flows.encode import encode_users
+    from flows.nightly import nightly_reencode
+    from inferscale.artifacts.layout import StoreConfig
+    from inferscale.artifacts.read import read_manifest
+    from inferscale.facts.extractor import embedded_embedder_path
+
+    root = tmp_path / "artifacts"
+    store = StoreConfig(str(root))
+    first = encode_users(artifact_root=str(root), fact_mode="raw")
+    fp = first["model_fingerprint"]
+    renamed = tmp_path / "minilm-renamed"
+    renamed.symlink_to(embedded_embedder_path(), target_is_directory=True)
+    monkeypatch.setenv("INFERSCALE_EMBEDDER", str(renamed))
+    state = nightly_reencode(artifact_root=str(root), fact_mode="raw", return_state=True)
+    assert state.is_completed(), state.message
+    users = state.result()["users"]
+    assert {u: (o["status"], o["reason"]) for u, o in users.items()} == {
+        u: ("published", "facts-changed") for u in first["users"]}
+    for user, o in users.items():
+        assert o["encoded"] == 0  # the KV step's cache (or every fact reused)
+        old = read_manifest(store, user, fp, first["users"][user]["version"])
+        new = read_manifest(store, user, fp, o["version"])
+        assert new.encoder_config["facts"]["embedder"] == "st:minilm-renamed:384"
+        assert new.files["kv.arrow"].xxh3_128 == old.files["kv.arrow"].xxh3_128
+        assert new.parents["log"] == old.parents["log"]
+    again = nightly_reencode(artifact_root=str(root), fact_mode="raw", return_state=True)
+    assert {o["status"] for o in again.result()["users"].values()} == {"up-to-date"}
+
+
 def assert_same_as_full_encode(root, scratch, logs, version, fp):
     """The flow's incremental version of tomas == encoding all his facts from scratch."""
     from inferscale.artifacts.blobs import Location
@@ -88,14 +122,16 @@ def assert_same_as_full_encode(root, scratch, logs, version, fp):
     from inferscale.pipeline.steps import encode_user_kv, publish_user
     from inferscale.settings import Settings
 
-    cfg, _ = configs_from_settings(Settings(), fact_mode="raw", artifact_root=str(scratch))
+    cfg, facts_cfg = configs_from_settings(Settings(), fact_mode="raw",
+                                           artifact_root=str(scratch))
     store = StoreConfig(str(root))
     facts = read_facts(store, "tomas", fp, version)
     m = read_manifest(store, "tomas", fp, version)
     turns = read_logs(str(logs)).turns["tomas"]
     full = encode_user_kv(cfg, "tomas", turns, facts, cfg.identity(fp))
     assert full.stats["reused"] == 0
-    ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"])
+    ref = publish_user(cfg, "tomas", full, facts, m.parents["log"], m.parents["facts"],
+                       cfg.run_identity(facts_cfg, fp))
     assert ref.version == version
     assert {n: (f.bytes, f.xxh3_128) for n, f in ref.manifest.files.items()} == {
         n: (f.bytes, f.xxh3_128) for n, f in m.files.items()}  # stored names differ

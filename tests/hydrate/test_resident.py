@@ -233,9 +233,8 @@ def fp8_resident(user: str = "q", seed: int = 3, L=2, H=2, D=4) -> Resident:
     r = make_resident(user, seed=seed, L=L, H=H, D=D)
     rows, scales = [], []
     for c, (o, n) in r.index.items():
-        k, v, sc = quantize(r.slab[o:o + n, 0].permute(1, 0, 2, 3),
-                            r.slab[o:o + n, 1].permute(1, 0, 2, 3))
-        rows.append(torch.stack([k, v]).permute(2, 0, 1, 3, 4))
+        q, sc = quantize(r.slab[o:o + n])
+        rows.append(q)
         scales.append(sc)
     r.slab, r.scales = torch.cat(rows), torch.stack(scales)
     return r

@@ -34,8 +34,7 @@ def check(h, memory):
     for c in memory.chunks:
         assert h.index[c.chunk_id] == (offset, len(c.token_ids))
         assert h.token_ids[c.chunk_id] == tuple(c.token_ids)
-        assert torch.equal(h.chunk(c.chunk_id)[:, 0], c.keys.permute(1, 0, 2, 3))
-        assert torch.equal(h.chunk(c.chunk_id)[:, 1], c.values.permute(1, 0, 2, 3))
+        assert torch.equal(h.chunk(c.chunk_id), c.kv)  # the encoder's rows, as emitted
         offset += len(c.token_ids)
     assert list(h.index) == [c.chunk_id for c in memory.chunks]
 
@@ -83,11 +82,6 @@ def test_fp8_round_trip_with_scales(store):
     assert h.nbytes == slab_nbytes(r.manifest) == kv["slab_bytes"] + chunks * 2 * 3 * 2 * 4
     assert slab_nbytes(r.manifest, torch.float32) == 4 * kv["slab_bytes"]
     assert torch.equal(h.rows_float(torch.arange(h.slab.shape[0])), expected_float(memory))
-    reuse = h.kv_by_content_key()  # builders set no keys; a keyed one gives triples
-    assert reuse == {}
-    h.content_keys = {memory.chunks[2].chunk_id: "k"}
-    k, v, sc = h.kv_by_content_key()["k"]
-    assert torch.equal(sc, memory.chunks[2].scales) and k.dtype == torch.float8_e4m3fn
 
 
 def test_an_unknown_kv_format_is_refused_with_a_clear_error(store):
@@ -148,9 +142,9 @@ def test_direct_io_hydrates_a_byte_identical_slab_around_the_page_cache(local_st
 
 
 def test_local_mmap_without_populate(local_store, monkeypatch):
-    import inferscale.hydrate.slab as H
+    import inferscale.artifacts.mapped_file as mapped
 
-    monkeypatch.setattr(H, "_populate", lambda: None)  # kernels before 5.14, other OSes
+    monkeypatch.setattr(mapped, "_populate", lambda: None)  # kernels before 5.14, other OSes
     memory, facts, lineage = make_inputs("e", 20)
     publish(local_store, "e", memory, facts, lineage, embeddings=False)
     check(hydrate(local_store, "e", FP, part_bytes=5000), memory)
@@ -337,22 +331,16 @@ def test_kv_schema_version_1_still_hydrates(published):
     rewrite_kv(store, loc, r, v1, {**table.schema.metadata, b"inferscale.schema_version": b"1"})
     h = hydrate(store, "dana", FP)
     check(h, memory)
-    assert h.content_keys == {} and h.kv_by_content_key() == {}
+    assert h.content_keys == {}
 
 
-def test_content_keys_hydrate_as_views_of_the_slab(local_store):
+def test_content_keys_hydrate(local_store):
     memory, facts, lineage = make_inputs("erin", 4, dtype=torch.float32)
     for i, c in enumerate(memory.chunks[1:]):
         c.content_key = f"key-{i}"
     publish(local_store, "erin", memory, facts, lineage, embeddings=False)
     h = hydrate(local_store, "erin", FP)
     assert h.content_keys == {c.chunk_id: f"key-{i}" for i, c in enumerate(memory.chunks[1:])}
-    rows = h.kv_by_content_key()
-    assert set(rows) == {f"key-{i}" for i in range(4)}
-    for i, c in enumerate(memory.chunks[1:]):
-        k, v = rows[f"key-{i}"]
-        assert torch.equal(k, c.keys) and torch.equal(v, c.values)  # [L, T, H, D]
-        assert k.data_ptr() == h.chunk(c.chunk_id)[:, 0].data_ptr()  # no copy
 
 
 def test_manifest_layout_disagrees_with_kv(published):

@@ -33,8 +33,7 @@ def test_encoded_kv_round_trip(dtype):
     assert [c.content_key for c in back.chunks] == [c.content_key for c in memory.chunks]
     for a, b in zip(back.chunks, memory.chunks):
         assert a.token_ids == b.token_ids
-        assert a.keys.dtype == dtype and torch.equal(a.keys, b.keys)
-        assert torch.equal(a.values, b.values) and a.keys.is_contiguous()
+        assert a.kv.dtype == dtype and torch.equal(a.kv, b.kv) and a.kv.is_contiguous()
 
 
 def test_facts_round_trip_and_foreign_blobs():
@@ -61,4 +60,4 @@ def test_result_records_name_the_serializer():
     body = json.loads(data)
     assert body["metadata"]["serializer"] == {"type": "inferscale-encoded-kv-arrow"}
     back = ResultRecord.deserialize(data).result
-    assert torch.equal(back.chunks[1].keys, memory.chunks[1].keys)
+    assert torch.equal(back.chunks[1].kv, memory.chunks[1].kv)

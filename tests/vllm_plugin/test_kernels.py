@@ -197,9 +197,8 @@ TRITON_SCRIPT = textwrap.dedent("""
     if src_kind == "fp8":  # chunks of 8 rows, each with its scales [2, L, H]
         q, sc = [], []
         for c in range(0, T, 8):
-            k, v, s = quantize(slab[c:c + 8, 0].permute(1, 0, 2, 3),
-                               slab[c:c + 8, 1].permute(1, 0, 2, 3))
-            q.append(torch.stack([k, v]).permute(2, 0, 1, 3, 4))
+            rows_q, s = quantize(slab[c:c + 8])
+            q.append(rows_q)
             sc.append(s)
         src = torch.cat(q)
         chunk_scales = torch.stack(sc)  # [C, 2, L, H]

@@ -241,7 +241,7 @@ def ref_of(env, user, chunks):
 @pytest.mark.engine
 def test_each_rank_hydrates_and_reports_its_own_heads(tp2):
     version, _, mem = tp2.users["dana"]
-    full = sum(c.keys.numel() + c.values.numel() for c in mem.chunks) * 4  # float32 bytes
+    full = sum(c.kv.numel() for c in mem.chunks) * 4  # float32 bytes
     loaded = tp2.hydrated["dana"]
     assert loaded["version"] == version and loaded["bytes"] == full
     assert [(r["tp_rank"], r["kv_heads"], r["bytes"]) for r in loaded["ranks"]] == [

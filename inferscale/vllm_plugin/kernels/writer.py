@@ -283,8 +283,8 @@ class FusedWriter:
         want, got = _scratch_like(kv, blocks), _scratch_like(kv, blocks)
         scales = None
         if fp8:  # the whole probe one chunk: [1, 2, L, H] scales
-            qk, qv, sc = quantize(slab[:, 0].permute(1, 0, 2, 3), slab[:, 1].permute(1, 0, 2, 3))
-            slab, scales = torch.stack([qk, qv]).permute(2, 0, 1, 3, 4).to(device), sc[None]
+            slab, sc = quantize(slab)
+            slab, scales = slab.to(device), sc[None]
             pre = dequantize(slab[torch.from_numpy(rows).to(device)],
                              scales.expand(n, -1, -1, -1), self.dtype)[:, :, idx]
         else:

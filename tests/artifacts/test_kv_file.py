@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from builders import expected_slab, make_inputs
-from inferscale.artifacts.kv_slab import build_kv_batch
+from inferscale.artifacts.kv_file import build_kv_batch
 from inferscale.artifacts.layout import InvalidArtifactInput
 from inferscale.types import KV_DTYPES, torch_dtype
 from storage_schemas import kv as kv_schema
@@ -53,16 +53,18 @@ def _mutated(change):
 
 @pytest.mark.parametrize("change, match", [
     (lambda cs: cs.reverse(), "first chunk"),
-    (lambda cs: cs.__setitem__(0, dataclasses.replace(cs[0], keys=cs[0].keys[0])), "4-D"),
-    (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], keys=cs[1].keys[:, :, :1])),
+    (lambda cs: cs.__setitem__(0, dataclasses.replace(cs[0], kv=cs[0].kv[:, 0])), "5-D"),
+    (lambda cs: cs.__setitem__(0, dataclasses.replace(cs[0], kv=cs[0].kv.transpose(0, 1))),
+     "5-D"),  # [2, T, L, H, D]: not token-major rows
+    (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], kv=cs[1].kv[..., :1, :])),
      "do not match"),
-    (lambda cs: cs.__setitem__(1, dataclasses.replace(
-        cs[1], keys=cs[1].keys.float(), values=cs[1].values.float())), "dtype differs"),
+    (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], kv=cs[1].kv.float())),
+     "dtype differs"),
     (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], token_ids=cs[1].token_ids[1:])),
      "token ids"),
     (lambda cs: cs.append(cs[1]), "duplicate"),
     (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], chunk_id="")), "non-empty"),
-    (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], values=[[0.0]])), "tensors"),
+    (lambda cs: cs.__setitem__(1, dataclasses.replace(cs[1], kv=[[0.0]])), "tensor"),
 ])
 def test_bad_chunks_are_refused(change, match):
     with pytest.raises(InvalidArtifactInput, match=match):

@@ -1,0 +1,54 @@
+"""The one skip decision of the nightly and backfill flows: each user's plan against
+their LATEST becomes encode, up to date (skipped, its version recorded) or failed
+(reported, not encoded)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from inferscale.artifacts.staleness import UserPlan
+from inferscale.pipeline.plan import RunPlan
+
+
+def test_each_plan_is_encoded_skipped_or_reported():
+    plans = {"ann": UserPlan("ann", "h", "failed", detail="OSError: boom"),
+             "bob": UserPlan("bob", "h", "new"),
+             "cyd": UserPlan("cyd", "h", "up-to-date", "v" * 32),
+             "dee": UserPlan("dee", "h", "facts-changed", "w" * 32, "facts.mode"),
+             "eve": UserPlan("eve", "h", "unreadable", detail="CorruptArtifact: x")}
+    decision = RunPlan.of(plans)
+    assert decision.encode == {"bob": "new", "dee": "facts-changed", "eve": "unreadable"}
+    assert decision.up_to_date == {"cyd": "v" * 32}
+    assert decision.failed == {"ann": "OSError: boom"}
+    turns = {u: pa.table({"x": [1, 2]}) for u in plans}
+    skipped, failed = decision.outcomes(turns, "fp-model")
+    assert (skipped.user, skipped.status, skipped.version, skipped.turns) == (
+        "cyd", "up-to-date", "v" * 32, 2)
+    assert skipped.artifact_key == "mem-cyd-fpmodel"
+    assert (failed.user, failed.status, failed.reason, failed.error) == (
+        "ann", "failed", "planning", "OSError: boom")
+
+
+def test_a_fact_mode_change_is_encoded(local_store, tmp_path):
+    """What the nightly and backfill flows decide (both plan with :func:`plan_run`): a
+    user published in raw mode is up to date for a raw run and encoded by a mem0 run."""
+    from pathlib import Path
+
+    from builders import make_inputs
+    from inferscale.artifacts.publish import publish
+    from inferscale.encode.identity import EncoderConfig
+    from inferscale.facts.extractor import FactsConfig
+    from inferscale.pipeline.config import PipelineConfig
+    from inferscale.pipeline.plan import plan_run
+
+    cfg = PipelineConfig(home=Path(tmp_path), model="embedded", device="cpu",
+                         model_dtype="float32", encoder=EncoderConfig(),
+                         artifact_root=local_store.root, storage_options={})
+    raw = FactsConfig(mode="raw")
+    mem0 = FactsConfig(mode="mem0", llm_base_url="http://llm/v1", llm_model="m")
+    mem, facts, lineage = make_inputs("maya", 2, seed=1, fp="fp")
+    mem.encoder_config = cfg.run_identity(raw, "fp").record()
+    v = publish(local_store, "maya", mem, facts, lineage, embeddings=False).version
+    hashes = {"maya": lineage.log_hash}
+    assert plan_run(cfg, raw, "fp", hashes) == RunPlan({}, {"maya": v}, {})
+    assert plan_run(cfg, mem0, "fp", hashes).encode == {"maya": "facts-changed"}
