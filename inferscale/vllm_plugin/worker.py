@@ -2,19 +2,19 @@
 
 :class:`ConnectorWorker` owns the worker's resident store
 (:class:`~inferscale.hydrate.store.ResidentStore`), its loader and its reads of
-non-resident users' facts (:class:`~inferscale.vllm_plugin.fetches.Fetches`). Each step,
-:meth:`~ConnectorWorker.start_load_kv` starts the reloads and reads the scheduler ordered,
-checks every load against the worker's own store (never trusting the scheduler's view),
-and writes the rotated K and V of the step's loads and of the reads that completed into
-every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`), holding the store's
-read lock only while the writes are enqueued. A load that cannot be served is reported
-through :meth:`~ConnectorWorker.get_block_ids_with_load_errors` and vLLM recomputes those
-blocks (``kv_load_failure_policy="recompute"``): never wrong KV, and nothing escapes into
-vLLM's step; a completed read is reported through :meth:`~ConnectorWorker.get_finished`.
-Failures are logged once, counted and reported to the scheduler (the answer then says
-``fallback: memory load failed``). The worker also keeps the histograms of busy engine
-steps (timed by the scheduler half) and of its injections that the server's /metrics
-reads.
+non-resident users' facts (:class:`~inferscale.vllm_plugin.storage_reads.StorageReads`).
+Each step, :meth:`~ConnectorWorker.start_load_kv` starts the reloads and reads the
+scheduler ordered, checks every load against the worker's own store (never trusting the
+scheduler's view), and writes the rotated K and V of the step's loads and of the reads
+that completed into every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`),
+holding the store's read lock only while the writes are enqueued. A load that cannot be
+served is reported through :meth:`~ConnectorWorker.get_block_ids_with_load_errors` and
+vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never wrong KV, and
+nothing escapes into vLLM's step; a completed read is reported through
+:meth:`~ConnectorWorker.get_finished`. Failures are logged once, counted and reported to
+the scheduler (the answer then says ``fallback: memory load failed``). The worker also
+keeps the histograms of busy engine steps (timed by the scheduler half) and of its
+injections that the server's /metrics reads.
 
 Under tensor parallelism there is one :class:`ConnectorWorker` per rank: its store keeps
 only the rank's KV heads of every slab (:class:`~inferscale.hydrate.resident.HeadShard`),
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from inferscale.artifacts.direct_io import read_counts
-from inferscale.hydrate.fetch import FactReader
+from inferscale.hydrate.fact_reader import FactReader
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import HeadShard, Resident
 from inferscale.hydrate.slab import READS
@@ -44,7 +44,7 @@ from inferscale.vllm_plugin.compat import (
 )
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
-from inferscale.vllm_plugin.fetches import Fetched, Fetches
+from inferscale.vllm_plugin.storage_reads import Fetched, StorageReads
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 from inferscale.vllm_plugin.metadata import (
@@ -94,7 +94,7 @@ class ConnectorWorker:
                                      config.reload_bytes_per_s, direct_io=config.direct_io)
         reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers,
                             geometry=self.geometry) if config.artifact_root else None
-        self.fetches = Fetches(self.store, reader, config.model_fingerprint,
+        self.fetches = StorageReads(self.store, reader, config.model_fingerprint,
                                config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
         # where the time goes, for /metrics: busy engine steps (timed by the scheduler
