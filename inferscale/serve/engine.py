@@ -253,7 +253,7 @@ class MemoryEngine:
         tensor parallelism: rank 0's result with ``bytes`` summed over the ranks (the
         user's whole KV) and every rank's result under ``ranks``."""
         results = await self.llm.collective_rpc("inferscale_hydrate", args=(user, version, tier))
-        await self.sync()
+        await self.deliver_worker_reports()
         if len({r["version"] for r in results}) != 1:  # "latest" moved between the ranks
             raise RuntimeError(f"ranks hydrated different versions of {user}: "
                                f"{[r['version'] for r in results]}; hydrate it again")
@@ -263,7 +263,7 @@ class MemoryEngine:
     async def evict(self, user: str) -> bool:
         """Drop ``user`` on every rank; True if any rank held it."""
         removed = await self.llm.collective_rpc("inferscale_evict", args=(user,))
-        await self.sync()
+        await self.deliver_worker_reports()
         return any(removed)
 
     async def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
@@ -271,7 +271,7 @@ class MemoryEngine:
         needed)."""
         results = await self.llm.collective_rpc("inferscale_set_budgets",
                                                 args=(gpu_bytes, host_bytes))
-        await self.sync()
+        await self.deliver_worker_reports()
         return results[0]
 
     async def verify_next(self) -> None:
@@ -298,8 +298,10 @@ class MemoryEngine:
         InferScaleWorkerExtension.inferscale_metrics`), one dict per worker rank."""
         return list(await self.llm.collective_rpc("inferscale_metrics"))
 
-    async def sync(self) -> None:
-        """Run one engine step so workers' residency reports reach the scheduler."""
+    async def deliver_worker_reports(self) -> None:
+        """Step the engine once (a one-token request), so that what the workers did since
+        their last report (hydrations, evictions, budget changes) reaches the scheduler
+        half's residency view: the next request is admitted by what they hold now."""
         await self.generate([0, 0], max_tokens=1)
 
     # ------------------------------------------------------------------ generation

@@ -311,7 +311,7 @@ def test_a_user_one_rank_lost_is_prefilled_then_reloaded_on_that_rank(tp2):
     rpc = tp2.engine.llm.collective_rpc
     before = [r["reloads"] for r in tp2.loop.run(tp2.engine.status())["ranks"]]
     assert tp2.loop.run(rpc("inferscale_fault_drop_on_rank", args=("ann", 1))) == [False, True]
-    tp2.loop.run(tp2.engine.sync())  # the scheduler sees rank 1's removal
+    tp2.loop.run(tp2.engine.deliver_worker_reports())  # the scheduler sees rank 1's drop
     tp2.loop.run(tp2.engine.llm.reset_prefix_cache())
     out = gen(tp2, ids, ref_of(tp2, "ann", chunks))
     assert out.injected_tokens == 0
@@ -324,9 +324,9 @@ def test_a_user_one_rank_lost_is_prefilled_then_reloaded_on_that_rank(tp2):
         if all(any(r["user"] == "ann" for r in st["residents"]) for st in ranks):
             break
         assert time.monotonic() < deadline, "rank 1 never reloaded the user"
-        tp2.loop.run(tp2.engine.sync())
+        tp2.loop.run(tp2.engine.deliver_worker_reports())
     assert [st["reloads"] - b for st, b in zip(ranks, before)] == [0, 1]
-    tp2.loop.run(tp2.engine.sync())
+    tp2.loop.run(tp2.engine.deliver_worker_reports())
     tp2.loop.run(tp2.engine.llm.reset_prefix_cache())
     again = gen(tp2, ids, ref_of(tp2, "ann", chunks))
     assert again.injected_tokens > 0 and again.fallback is None
