@@ -279,7 +279,8 @@ async def serve(cfg: dict) -> None:
     from transformers import AutoTokenizer
 
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.serve.app import AccessPolicy, serve_app
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.app import serve_app
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.serve.retrieval import Embedder
     from inferscale.serve.server import MemoryServer

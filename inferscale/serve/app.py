@@ -40,9 +40,7 @@ from typing import Any, AsyncIterator, Awaitable
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.serve.access import (  # noqa: F401
-    AccessPolicy, DuplicateHeader, ServeError, is_loopback, policy_from,
-)
+from inferscale.serve.access import AccessPolicy, DuplicateHeader, policy_from
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )

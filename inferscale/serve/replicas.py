@@ -246,7 +246,7 @@ class Gateway:
     def __init__(self, replicas: Any, overrides: dict, mode: str = "kv",
                  routing: str = "memory"):
         from inferscale.serve.api_models import RequestLimits
-        from inferscale.serve.app import policy_from
+        from inferscale.serve.access import policy_from
 
         settings = Settings(**overrides)
         self.policy = policy_from(settings, proxy_bind_host())  # refuses an unsafe setup
@@ -328,7 +328,7 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
     engines with them, and what they left in shared memory: :func:`stop_replicas`)."""
     import ray
 
-    from inferscale.serve.app import policy_from
+    from inferscale.serve.access import policy_from
 
     policy_from(settings, host)  # ServeError: refused before Ray starts
     stop = threading.Event()

@@ -29,8 +29,6 @@ from inferscale.hydrate.resident import Resident
 from inferscale.vllm_plugin.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 from inferscale.vllm_plugin.config import PARAMS_KEY
 
-TIER_SOURCES = ("gpu", "host", "storage")  # where an injected fact was read from
-
 
 def request_salt(user: str | None, version: str | None, kind: str) -> str:
     """The ``cache_salt`` of a request of ``user`` (None: anonymous) answered from memory

@@ -17,7 +17,7 @@ def served(engine_env, embedder):
     loopback, as the server allows)."""
     from engine_helpers import served_app
 
-    from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.access import AccessPolicy
     from inferscale.serve.server import MemoryServer
 
     server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,

@@ -54,7 +54,7 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
 
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.access import AccessPolicy
     from inferscale.serve.cold_split import ColdSplitConfig
     from inferscale.serve.server import MemoryServer
 
