@@ -48,6 +48,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
     # largest step vLLM replays as a CUDA graph (None: vLLM's default); see Settings
     cudagraph_max_tokens: int | None = 1024
+    # the worker's collective-RPC endpoints, by dotted path (tests add fault injection)
+    worker_extension: str = WORKER_EXTENSION
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -81,7 +83,7 @@ class EngineConfig:
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             load_format=self.load_format, tensor_parallel_size=self.tensor_parallel_size,
             kv_transfer_config=KVTransferConfig(**kv_transfer_config(self.connector)),
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=self.worker_extension,
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size

@@ -25,6 +25,21 @@ def test_the_names_vllm_loads_exist():
         "inferscale_set_budgets", "inferscale_verify_next", "inferscale_verify_last_load"))
 
 
+def test_fault_injection_lives_in_the_tests_only():
+    """The production worker extension has no fault endpoint; the tests' engines load a
+    subclass that adds them, by the dotted path vLLM resolves in the worker."""
+    from fault_injection import FAULT_EXTENSION
+
+    from inferscale.vllm_plugin.worker_ext import InferScaleWorkerExtension
+
+    assert not [m for m in dir(InferScaleWorkerExtension) if "fault" in m]
+    module, _, name = FAULT_EXTENSION.rpartition(".")
+    faults = getattr(importlib.import_module(module), name)
+    assert issubclass(faults, InferScaleWorkerExtension)
+    assert callable(faults.inferscale_fault_drop_slab) and \
+        callable(faults.inferscale_fault_drop_on_rank)
+
+
 def test_settings_round_trip_through_the_extra_config():
     cfg = ConnectorConfig("fp", "s3://b/p", {"key": "k"}, 1, 2, "gpu", False)
     transfer = kv_transfer_config(cfg)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from engine_helpers import LoopThread, limiting_memory, memory_prompt, start_engine
+from fault_injection import FAULT_EXTENSION
 from inferscale.vllm_plugin.compat import kv_head_shard
 
 # ------------------------------------------------------------------ the sharding rule
@@ -206,7 +207,7 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
     engine = MemoryEngine(EngineConfig.of(  # its start binds each rank to its own core
         model=str(ckpt), model_fingerprint=model.fingerprint, dtype="float32",
         kv_cache_memory_bytes=256 << 20, max_model_len=2048, tensor_parallel_size=2,
-        artifact_root=store.root))
+        artifact_root=store.root, worker_extension=FAULT_EXTENSION))
     start_engine(loop, engine, root / "engine.log")
     hydrated = {u: loop.run(engine.hydrate(u, version=v, tier="gpu"))
                 for u, (v, _, _) in users.items()}
