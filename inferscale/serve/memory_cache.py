@@ -53,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from inferscale.serve.token_bucket import TokenBucket
+
 log = logging.getLogger("inferscale.serve")
 
 
@@ -152,31 +154,6 @@ class _Entry:
     reason: str | None = None
 
 
-class _Bucket:
-    """A token bucket (``burst`` tokens, ``rate`` a second) with bookings (event-loop
-    thread only): :meth:`reserve` takes a token, or books the next one to come, in
-    arrival order, if it comes within ``max_wait`` seconds."""
-
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def reserve(self, max_wait: float) -> float | None:
-        """Seconds to wait for the token now taken (0: at once); None: none within
-        ``max_wait`` (nothing taken)."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        wait = (1 - self.tokens) / self.rate if self.rate > 0 else float("inf")
-        if wait > max_wait:
-            return None
-        self.tokens -= 1  # booked: below zero until the refill pays it back
-        return wait
-
-
 class MemoryCache:
     """Per-user memories for the server (see the module docstring).
 
@@ -196,7 +173,7 @@ class MemoryCache:
         self._loading: dict[str, asyncio.Future] = {}
         self._refreshing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._misses = _Bucket(self.config.misses_per_s, self.config.miss_burst)
+        self._misses = TokenBucket(self.config.misses_per_s, self.config.miss_burst)
         self._stats = {"storage_lookups": 0, "lookups_limited": 0, "lookups_delayed": 0,
                        "load_failures": 0, "negative_evictions": 0}
         self._refused: dict[str, int] = {}  # reason -> versions refused
