@@ -157,7 +157,7 @@ async def measure(args) -> dict:
         return {"ttft_ms": gen.ttft_s * 1e3, "q2ft_ms": (prep + gen.ttft_s) * 1e3,
                 "memory_tokens": info.get("memory_tokens", 0), "prompt_tokens": len(ids),
                 "tail_tokens": info.get("text_tail_tokens", 0),
-                "injected": gen.injected_tokens, "cached": gen.cached_tokens,
+                "injected": gen.reply.injected_tokens, "cached": gen.cached_tokens,
                 "embed_ms": info["timings_ms"].get("embed", 0.0),
                 "retrieve_ms": info["timings_ms"].get("retrieve", 0.0)}
 
@@ -181,7 +181,7 @@ async def measure(args) -> dict:
         await llm.reset_prefix_cache()
         ids, ref, _ = prepare(kv, user, qs[0], max(args.ks))
         out = await engine.generate(ids, ref, max_tokens=1)
-        verify[tier] = {**await engine.verify_last_load(), "injected": out.injected_tokens}
+        verify[tier] = {**await engine.verify_last_load(), "injected": out.reply.injected_tokens}
     print(json.dumps({"verify": verify}), flush=True)
     # warm-up: kernels, allocator, both paths
     for _ in range(2):

@@ -87,14 +87,14 @@ class ColdRequests:
                  info: dict[str, Any]) -> None:
         """Feed the estimator and the residency guess; report a cold request's split in
         its answer's ``info``."""
-        cold = gen.cold
+        cold, tiers = gen.reply.cold, gen.reply.facts_by_tier
         self.estimator.request_read(gen.request_id, bool(cold and cold.read))
         if ref is None:
             return
         if cold is not None:
             self._seen(ref.user, False)
             info["cold"] = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
-                            "bytes_read": gen.storage_bytes,
+                            "bytes_read": gen.reply.storage_bytes,
                             "split": s.info() if s else None}
-        elif gen.facts_by_tier.get("gpu") or gen.facts_by_tier.get("host"):
+        elif tiers.get("gpu") or tiers.get("host"):
             self._seen(ref.user, True)

@@ -25,8 +25,7 @@ from typing import Any, AsyncIterator
 
 from inferscale.types import Tier
 from inferscale.vllm_plugin.config import WORKER_EXTENSION, ConnectorConfig, kv_transfer_config
-from inferscale.vllm_plugin.failures import fallback_reason
-from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef, MemoryReply
+from inferscale.vllm_plugin.metadata import MemoryRef, MemoryReply
 
 
 @dataclass(frozen=True)
@@ -119,26 +118,18 @@ def _combined(results: list[dict], overrides: dict | None = None,
 
 @dataclass
 class Generation:
-    """One finished request: tokens, text, timings and vLLM's counters."""
+    """One finished request: tokens, text, TTFT, vLLM's counters and what the connector
+    did with its memory (``reply``: injected tokens, facts by tier, bytes read from
+    storage, the fallback, a cold request's split)."""
 
     token_ids: list[int]
     text: str
     ttft_s: float
-    total_s: float
     prompt_tokens: int
     cached_tokens: int  # vLLM's num_cached_tokens: local prefix hits + external loads
-    injected_tokens: int  # what the connector loaded for this request
     finish_reason: str | None
-    fallback: str | None = None  # why named memory was prefilled instead of injected
-    facts_by_tier: dict = field(default_factory=dict)  # where injected facts were read from
-    storage_bytes: int = 0  # read from storage for this request
-    cold: ColdSplit | None = None  # a user in neither tier: facts loaded vs computed
+    reply: MemoryReply = field(default_factory=MemoryReply)
     request_id: str = ""  # the engine's request id (its stats name it)
-
-    @property
-    def fallback_reason(self) -> str | None:
-        """The class of :attr:`fallback` (``not_resident``, ``stale_version``, ...)."""
-        return fallback_reason(self.fallback)
 
 
 @dataclass
@@ -365,9 +356,7 @@ class MemoryEngine:
                     reply = MemoryReply.from_params(out.kv_transfer_params)
                 if comp.token_ids:
                     yield comp.text
-        yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
-                         len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
-                         reply.facts_by_tier, reply.storage_bytes, reply.cold, rid)
+        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                        max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,

@@ -73,9 +73,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from inferscale.serve.memory_cache import MEMORY_FALLBACKS
+from inferscale.serve.memory_cache import MemoryFallbackReason
 from inferscale.types import TIERS
-from inferscale.vllm_plugin.failures import FALLBACK_REASONS
+from inferscale.vllm_plugin.failures import FallbackReason
 
 if TYPE_CHECKING:
     from inferscale.serve.cold_split import LoadEstimator
@@ -292,10 +292,10 @@ class ServingMetrics:
                 metric.labels(mode)
             for reason in ABORT_REASONS:
                 self.aborted.labels(mode, reason)
-        for reason in FALLBACK_REASONS:
-            self.fallbacks.labels(reason)
-        for reason in MEMORY_FALLBACKS:
-            self.memory_fallbacks.labels(reason)
+        for reason in FallbackReason:
+            self.fallbacks.labels(reason.value)
+        for memory_reason in MemoryFallbackReason:
+            self.memory_fallbacks.labels(memory_reason.value)
         self.workers = WorkerCollector()
         r.register(self.workers)
         if cache is not None:
@@ -308,23 +308,25 @@ class ServingMetrics:
         memory and tail tokens, timings in ms) and the engine's :class:`Generation`."""
         mode = info.get("mode") or "none"
         timings = info.get("timings_ms", {})
+        reply = gen.reply
         self.requests.labels(mode).inc()
         self.memory_tokens.labels(mode).inc(info.get("memory_tokens", 0))
         self.completion.labels(mode).inc(len(gen.token_ids))
-        self.injected.inc(gen.injected_tokens)
+        self.injected.inc(reply.injected_tokens)
         self.text_tail.inc(info.get("text_tail_tokens", 0))
-        if mode == "kv" and gen.fallback:
-            self.fallbacks.labels(gen.fallback_reason).inc()
-        elif info.get("fallback_reason") in MEMORY_FALLBACKS:
+        if mode == "kv" and reply.fallback is not None:
+            self.fallbacks.labels(reply.fallback.reason.value).inc()
+        elif info.get("fallback_reason") in tuple(MemoryFallbackReason):
             self.memory_fallbacks.labels(info["fallback_reason"]).inc()
-        if gen.cold is not None:
+        cold = reply.cold
+        if cold is not None:
             self.cold.inc()
-            self.cold_facts.labels("storage").inc(gen.cold.loaded)
-            self.cold_facts.labels("prefill").inc(gen.cold.computed)
-            self.cold_bytes.inc(gen.storage_bytes)
-            facts = gen.cold.loaded + gen.cold.computed
+            self.cold_facts.labels("storage").inc(cold.loaded)
+            self.cold_facts.labels("prefill").inc(cold.computed)
+            self.cold_bytes.inc(reply.storage_bytes)
+            facts = cold.loaded + cold.computed
             if facts:
-                self.cold_fraction.observe(gen.cold.loaded / facts)
+                self.cold_fraction.observe(cold.loaded / facts)
         if mode != "none":
             self.retrieval.observe((timings.get("embed", 0.0) + timings.get("retrieve", 0.0))
                                    / 1e3)

@@ -323,5 +323,5 @@ async def _result(response: Any) -> Any:
 def _error_item(p: RemotePrepared, message: str, sent: int) -> dict:
     """The last item of a stream the gateway ends: finish_reason ``error``, and why."""
     info = {**p.prepared.info, "error": message}
-    gen = Generation([], "", 0.0, 0.0, len(p.prepared.ids), 0, 0, "error")
+    gen = Generation([], "", 0.0, len(p.prepared.ids), 0, "error")
     return {"generation": gen, "info": info}

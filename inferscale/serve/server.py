@@ -211,7 +211,8 @@ class MemoryServer:
         p = await asyncio.get_running_loop().run_in_executor(
             self._retrieval, self.compose, found.memory, user, question, k, mode)
         if found.fallback:
-            p.info.update(fallback=found.fallback, fallback_reason=found.reason)
+            p.info.update(fallback=found.fallback.detail,
+                          fallback_reason=found.fallback.reason.value)
         mem = found.memory
         if p.ref is not None and p.ref.lengths and mem.kv_row_bytes and self.cold.on:
             p.split = self.cold.split(self.engine, p.ref.lengths, mem.kv_row_bytes)
@@ -259,12 +260,14 @@ class MemoryServer:
         info = p.info
         info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
                                   query_to_first_token=((first or started) - started) * 1e3)
-        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
+        reply = gen.reply
+        info.update(injected_tokens=reply.injected_tokens, cached_tokens=gen.cached_tokens,
                     completion_tokens=len(gen.token_ids))
-        if gen.facts_by_tier:
-            info.update(facts_by_tier=gen.facts_by_tier, storage_bytes=gen.storage_bytes)
-        if gen.fallback:
-            info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
+        if reply.facts_by_tier:
+            info.update(facts_by_tier=reply.facts_by_tier, storage_bytes=reply.storage_bytes)
+        if reply.fallback is not None:
+            info.update(fallback=reply.fallback.detail,
+                        fallback_reason=reply.fallback.reason.value)
         self.cold.finished(p.ref, p.split, gen, info)
         self.metrics.observe(info, gen)
         yield {"generation": gen, "info": info}

@@ -48,7 +48,8 @@ from inferscale.vllm_plugin.storage_reads import Fetched, StorageReads
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 from inferscale.vllm_plugin.metadata import (
-    InferScaleMetadata, LoadSpec, ResidencyReport, ResidentInfo,
+    FailedLoad, FailedReload, InferScaleMetadata, LoadSources, LoadSpec, ResidencyReport,
+    ResidentAdded, ResidentInfo, ResidentRemoved,
 )
 
 if TYPE_CHECKING:
@@ -105,10 +106,10 @@ class ConnectorWorker:
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
         self.facts_by_tier = dict.fromkeys(("gpu", "host", "storage"), 0)
-        self._sources: list[tuple[str, dict, int]] = []
+        self._sources: list[LoadSources] = []
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
-        self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
+        self._failed_loads: list[FailedLoad] = []
         self.failures = Failures()
         self.scheduler_errors = 0  # the scheduler half's count, as its last metadata said
         self.loaded_tokens = 0
@@ -192,8 +193,7 @@ class ConnectorWorker:
         return {**self.fetches.stats(), "step_s": self.step_s, "tp_rank": self.tp_rank}
 
     def status(self) -> dict:
-        store = self.store
-        heads = self.heads
+        store, heads = self.store, self.heads
         return {"tp_rank": self.tp_rank,
                 "kv_heads": [heads.start, heads.count] if heads is not None else None,
                 "residents": store.residents(), "loaded_tokens": self.loaded_tokens,
@@ -292,15 +292,15 @@ class ConnectorWorker:
             fence = self.store.fence()
         for got in fetched:  # read by the kernels just enqueued: reusable after the fence
             self.store.release(got.resident.region, fence)
-        done = {s.req_id for s in specs} - {r for r, _ in self._failed_loads}
+        done = {s.req_id for s in specs} - {f.req_id for f in self._failed_loads}
         if self.tp_rank == 0:
             nbytes = {g.spec.req_id: g.nbytes for g in fetched}
             for job, spec in zip(jobs, specs):
                 if spec.req_id in done:
-                    tier = job.resident.tier
-                    facts = sum(c != PREFIX_ID for c in spec.chunks)
+                    tier, facts = job.resident.tier, sum(c != PREFIX_ID for c in spec.chunks)
                     self.facts_by_tier[tier] += facts
-                    self._sources.append((spec.req_id, {tier: facts}, nbytes.get(spec.req_id, 0)))
+                    self._sources.append(LoadSources(spec.req_id, {tier: facts},
+                                                     nbytes.get(spec.req_id, 0)))
         return step
 
     def _run_all(self, jobs: list[Job], specs: list[LoadSpec],
@@ -366,7 +366,7 @@ class ConnectorWorker:
             self.failures.count += 1
             log.warning("%s refused (%s); recomputing its blocks", what, why)
         self._invalid_blocks.update(spec.block_ids)
-        self._failed_loads.append((spec.req_id, why))
+        self._failed_loads.append(FailedLoad(spec.req_id, why))
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
         """Why ``spec`` cannot be loaded from ``resident`` (None: it can): once per load,
@@ -413,7 +413,7 @@ class ConnectorWorker:
         if not events and not failed and not loads and not sources:
             return None
         rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
-        changes = [(rank, "add", ResidentInfo.of(e.resident, with_tokens=rank == 0))
-                   if e.op == "add" else (rank, "remove", (e.user, e.version))
+        changes = [ResidentAdded(rank, ResidentInfo.of(e.resident, with_tokens=rank == 0))
+                   if e.op == "add" else ResidentRemoved(rank, e.user, e.version)
                    for e in events]
-        return ResidencyReport(changes, failed, loads, sources)
+        return ResidencyReport(changes, [FailedReload(*f) for f in failed], loads, sources)

@@ -34,7 +34,7 @@ class RecordingServer:
         self.calls.append(("answer", dict(user=user, question=question, k=k,
                                           max_tokens=max_tokens, temperature=temperature,
                                           mode=mode, ignore_eos=ignore_eos, shed=shed)))
-        return {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
+        return {"generation": Generation([7], "ok", 0.0, 3, 0, "stop"),
                 "info": {"user": user}}
 
     async def request(self, user, question, k=None, mode=None, max_tokens=None,
@@ -51,7 +51,7 @@ class RecordingServer:
                                                  temperature=temperature,
                                                  ignore_eos=ignore_eos)))
         yield "ok"
-        yield {"generation": Generation([7], "ok", 0.0, 0.0, 3, 0, 0, "stop"),
+        yield {"generation": Generation([7], "ok", 0.0, 3, 0, "stop"),
                "info": dict(prepared.info)}
 
     async def hydrate(self, user, tier="gpu", version="latest") -> dict:
@@ -428,7 +428,7 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info["facts"]],
                                     q)[0]
     out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
-    assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
+    assert out["info"]["injected_tokens"] > 0 and out["generation"].reply.fallback is None
 
 
 def _request_bytes(body: str) -> bytes:

@@ -10,6 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason
 
 lengths_st = st.lists(st.integers(1, 400), min_size=1, max_size=60)
 row_st = st.sampled_from([1, 64, 11_520, 65_536, 131_072])  # SmolLM2 fp8 .. 8B bf16
@@ -277,14 +278,14 @@ def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env,
         after = env.engine.prompt_token_counters()
         delta = {k: after[k] - before[k] for k in after}
         loaded = sum(lengths[:n])
-        assert out.fallback is None and out.injected_tokens == loaded
+        assert out.reply.fallback is None and out.reply.injected_tokens == loaded
         assert delta == {"total": len(ids), "external_kv_transfer": loaded,
                          "local_cache_hit": 0, "computed": len(ids) - loaded}
         assert out.token_ids == plain.token_ids
         facts = len(chunks) - 1
-        assert out.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
-        assert out.facts_by_tier == ({"storage": n - 1} if n else {})
-        assert out.storage_bytes == loaded * row_bytes
+        assert out.reply.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
+        assert out.reply.facts_by_tier == ({"storage": n - 1} if n else {})
+        assert out.reply.storage_bytes == loaded * row_bytes
 
 
 @pytest.mark.slow
@@ -302,10 +303,11 @@ def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
     out = gen(env, ids, MemoryRef("cold-split", version, chunks,
                                   lengths_of(env.model.tokenizer, table), cold_chunks=4,
                                   read_deadline_s=0.0))
-    assert out.injected_tokens == 0 and out.token_ids == plain.token_ids
-    assert out.fallback == "memory load failed (reading its facts from storage failed " \
-                           "(no time left for a read)); recomputed"
-    assert out.cold == ColdSplit(0, len(chunks) - 1, read=True)
+    assert out.reply.injected_tokens == 0 and out.token_ids == plain.token_ids
+    assert out.reply.fallback == Fallback(
+        FallbackReason.LOAD_ERROR, "memory load failed (reading its facts from storage failed "
+        "(no time left for a read)); recomputed")
+    assert out.reply.cold == ColdSplit(0, len(chunks) - 1, read=True)
 
 
 @pytest.mark.slow
@@ -323,9 +325,9 @@ def test_a_resident_user_ignores_the_split(engine_env, embedder):
         env.loop.run(env.engine.llm.reset_prefix_cache())
         out = gen(env, ids, MemoryRef("cold-split-held", version, chunks,
                                       lengths_of(env.model.tokenizer, table), cold_chunks=1))
-        assert out.cold is None and out.fallback is None
-        assert out.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
-        assert out.facts_by_tier == {"host": len(FACTS)} and out.storage_bytes == 0
+        assert out.reply.cold is None and out.reply.fallback is None
+        assert out.reply.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
+        assert out.reply.facts_by_tier == {"host": len(FACTS)} and out.reply.storage_bytes == 0
     finally:
         env.loop.run(env.engine.evict("cold-split-held"))
 
@@ -363,7 +365,7 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
         info, gen = out["info"], out["generation"]
         cold = info["cold"]
         assert (cold["facts_loaded"], cold["facts_computed"]) == (2, 4)
-        assert cold["bytes_read"] == gen.storage_bytes > 0 and cold["split"]["chunks"] == 3
+        assert cold["bytes_read"] == gen.reply.storage_bytes > 0 and cold["split"]["chunks"] == 3
         assert info["injected_tokens"] == cold["split"]["tokens"] > 0  # 3 chunks, served order
         whole = ask("off", q)  # every chunk read once the engine schedules it
         assert prefetches()["started"] == after["started"]

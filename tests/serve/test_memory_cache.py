@@ -15,7 +15,9 @@ from builders import make_inputs
 from inferscale.artifacts import gc as G
 from inferscale.artifacts import publish as P
 from inferscale.artifacts import read as R
-from inferscale.serve.memory_cache import Lookup, MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.memory_cache import (
+    Lookup, MemoryCache, MemoryCacheConfig, MemoryFallbackReason, UserMemory,
+)
 from inferscale.serve.retrieval import FactIndex
 
 FP = "fp-test"
@@ -242,8 +244,8 @@ def test_a_failed_load_is_named_not_silent(local_store):
 
     failed, within, nobody = asyncio.run(main())
     for found in (failed, within):
-        assert found.memory is None and found.reason == "load_failed"
-        assert "OSError: storage timed out" in found.fallback
+        assert found.memory is None and found.fallback.reason is MemoryFallbackReason.LOAD_FAILED
+        assert "OSError: storage timed out" in found.fallback.detail
     assert nobody == Lookup(None)
 
 
@@ -264,8 +266,8 @@ def test_an_api_key_users_first_lookup_is_never_shed(local_store):
 
     first, shed, keyed, memories = asyncio.run(main())
     assert first.memory is not None and first.fallback is None
-    assert shed.memory is None and shed.reason == "shed"
-    assert "INFERSCALE_SERVE_STORAGE_MISSES_PER_S" in shed.fallback
+    assert shed.memory is None and shed.fallback.reason is MemoryFallbackReason.SHED
+    assert "INFERSCALE_SERVE_STORAGE_MISSES_PER_S" in shed.fallback.detail
     assert [k.memory.user for k in keyed] == users[1:] and all(k.fallback is None for k in keyed)
     stats = memories.stats()
     assert stats["lookups_limited"] == 1 and stats["storage_lookups"] == 6
@@ -287,7 +289,8 @@ def test_shed_lookups_wait_their_turn_then_are_shed(local_store):
 
     found, memories, reader = asyncio.run(main())
     assert [f.memory.user for f in found[:5]] == users[:5]
-    assert all(f.memory is None and f.reason == "shed" for f in found[5:])
+    assert all(f.memory is None and f.fallback.reason is MemoryFallbackReason.SHED
+               for f in found[5:])
     stats = memories.stats()
     assert stats["lookups_delayed"] == 3 and stats["lookups_limited"] == 5
     assert sorted(u for u, _ in reader.reads) == users[:5]
