@@ -78,7 +78,7 @@ async def measure(args) -> dict:
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.serve.retrieval import Embedder
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     cuda = torch.cuda.is_available()
     home = Settings().home
@@ -135,8 +135,8 @@ async def measure(args) -> dict:
         enforce_eager=args.eager, block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size, **engine_cfg)).start()
     store = StoreConfig(str(work / "artifacts"))
-    kv = MemoryServer(engine, tok, embedder, store, mode="kv")
-    prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
+    kv = build_server(engine, tok, embedder, store, ServerConfig(mode="kv"))
+    prompt = build_server(engine, tok, embedder, store, ServerConfig(mode="prompt"))
     for tier, user in users.items():
         await kv.hydrate(user, version=versions[tier], tier=tier.removeprefix("ref_"))
         load_user(prompt, user, versions[tier])

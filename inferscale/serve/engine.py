@@ -61,6 +61,20 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
 
     @classmethod
+    def from_settings(cls, settings: Any, model: str,
+                      connector: ConnectorConfig) -> "EngineConfig":
+        """``inferscale serve``'s engine for checkpoint ``model`` from ``Settings``: vLLM's
+        own dtype and CUDA graphs on a GPU, float32 and eager on the CPU (unless set)."""
+        cuda = settings.resolved_device().startswith("cuda")
+        eager = settings.enforce_eager if settings.enforce_eager is not None else not cuda
+        return cls(model, connector, dtype="auto" if cuda else "float32",
+                   gpu_memory_utilization=settings.gpu_memory_utilization,
+                   kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                   max_model_len=settings.max_model_len, enforce_eager=eager,
+                   tensor_parallel_size=settings.tensor_parallel_size,
+                   cudagraph_max_tokens=settings.cudagraph_max_tokens)
+
+    @classmethod
     def of(cls, **settings: Any) -> "EngineConfig":
         """From one flat mapping of engine and connector fields (scripts, benchmarks)."""
         mine = {f for f in cls.__dataclass_fields__ if f != "connector"}

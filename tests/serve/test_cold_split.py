@@ -340,13 +340,14 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
     RPC, sent before the request (vLLM keeps their order), and the request's read adopts
     it; the answer reports the split; ``off`` reads every chunk without a prefetch; the
     estimator has vLLM's stats and the workers' storage statistics."""
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.backend import AnswerRequest
+    from inferscale.serve.server import ServerConfig, build_server
     from tests.vllm_plugin.test_connector import QUESTIONS
 
     env = engine_env
     tok = env.model.tokenizer
-    servers = {mode: MemoryServer(env.engine, tok, embedder, env.store, top_k=6,
-                                  cold=ColdSplitConfig(mode=mode, pinned_chunks=3))
+    servers = {mode: build_server(env.engine, tok, embedder, env.store, ServerConfig(
+                   top_k=6, cold=ColdSplitConfig(mode=mode, pinned_chunks=3)))
                for mode in ("pinned", "off")}
 
     def prefetches():
@@ -354,7 +355,7 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
 
     def ask(mode, q):
         env.loop.run(env.engine.llm.reset_prefix_cache())
-        return env.loop.run(servers[mode].answer("cold-split", q, max_tokens=12))
+        return env.loop.run(servers[mode].answer(AnswerRequest("cold-split", q, max_tokens=12)))
 
     for q in QUESTIONS[:2]:
         before = prefetches()
@@ -362,17 +363,17 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
         after = prefetches()
         assert after["started"] - before["started"] == 1
         assert after["adopted"] - before["adopted"] == 1 and after["dropped"] == before["dropped"]
-        info, gen = out["info"], out["generation"]
-        cold = info["cold"]
+        info, gen = out.info, out.generation
+        cold = info.cold
         assert (cold["facts_loaded"], cold["facts_computed"]) == (2, 4)
         assert cold["bytes_read"] == gen.reply.storage_bytes > 0 and cold["split"]["chunks"] == 3
-        assert info["injected_tokens"] == cold["split"]["tokens"] > 0  # 3 chunks, served order
+        assert info.injected_tokens == cold["split"]["tokens"] > 0  # 3 chunks, served order
         whole = ask("off", q)  # every chunk read once the engine schedules it
         assert prefetches()["started"] == after["started"]
-        assert whole["info"]["cold"]["facts_loaded"] == 6
+        assert whole.info.cold["facts_loaded"] == 6
         # the same prompt (the served order is by relevance, not the limiting case's
         # encoding order, so only the engine-level test above compares answers)
-        assert whole["generation"].prompt_tokens == gen.prompt_tokens
+        assert whole.generation.prompt_tokens == gen.prompt_tokens
     est = servers["pinned"].estimator
     assert est.storage_at is not None and len(est._samples) > 0
     assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured

@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.memory_setup import facts_table, random_memory
 from inferscale.artifacts.publish import Lineage, publish
+from inferscale.serve.backend import AnswerRequest
 from inferscale.serve.memory_cache import MemoryCacheConfig
 
 FP = "fp-server"
@@ -18,12 +19,12 @@ FP = "fp-server"
 @pytest.fixture
 def server(local_store, smollm2, embedder):
     from inferscale.serve.engine import EngineConfig, MemoryEngine
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP,
                                           max_model_len=2048))
-    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
-                          cache=MemoryCacheConfig(refresh_s=0.0))
+    server = build_server(engine, smollm2.tokenizer, embedder, local_store,
+                          ServerConfig(cache=MemoryCacheConfig(refresh_s=0.0)))
     yield server
     server.memories.close()
 
@@ -42,7 +43,8 @@ def ask(server, user: str, n: int = 2):
     async def main():
         out = []
         for _ in range(n):
-            out.append(await server.request(user, "Where do I live?", mode="kv", max_tokens=8))
+            out.append(await server.prepare(AnswerRequest(user, "Where do I live?", mode="kv",
+                                                          max_tokens=8)))
             await server.memories.settle()
         return out
 
@@ -60,11 +62,12 @@ def test_an_instruction_that_can_never_be_served_is_refused_at_load(
     at load, and counted; the user is answered without memory and the answer names why."""
     version = publish_with(local_store, smollm2.tokenizer, embedder, "dora", instruction)
     prepared = ask(server, "dora")
-    assert [p.info["mode"] for p in prepared] == ["none"] * 2
+    assert [p.info.to_json()["mode"] for p in prepared] == ["none"] * 2
     for p in prepared:
-        assert p.ref is None and p.info["fallback_reason"] == "refused"
-        assert p.info["fallback"].startswith(f"version {version[:12]} refused (instruction): ")
-        assert why in p.info["fallback"]
+        info = p.info.to_json()  # as the API answers
+        assert p.ref is None and info["fallback_reason"] == "refused"
+        assert info["fallback"].startswith(f"version {version[:12]} refused (instruction): ")
+        assert why in info["fallback"]
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "instruction"}) == 1
     assert server.memories.held()["dora"] is None and version
@@ -75,11 +78,12 @@ def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_stor
     """A user of a refused version whose next version can be served: served from it
     (its own instruction's prefix), and its answers no longer name a refusal."""
     publish_with(local_store, smollm2.tokenizer, embedder, "dora", 5)
-    assert ask(server, "dora", 1)[0].info["fallback_reason"] == "refused"
+    assert ask(server, "dora", 1)[0].info.to_json()["fallback_reason"] == "refused"
     good = publish_with(local_store, smollm2.tokenizer, embedder, "dora", "Be brief.\n")
     ask(server, "dora", 1)  # the refresh reads the new LATEST in the background
     (p,) = ask(server, "dora", 1)
-    assert p.info["mode"] == "kv" and p.info["version"] == good and "fallback" not in p.info
+    info = p.info.to_json()
+    assert info["mode"] == "kv" and info["version"] == good and "fallback" not in info
     from inferscale.compose import Composer
 
     assert p.ids[:len(Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids())] == \
