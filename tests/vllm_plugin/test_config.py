@@ -92,3 +92,18 @@ def test_direct_io_travels_from_the_settings_to_every_store_the_worker_reads(
     assert worker.fetches.reader.store == store
     with pytest.raises(ValueError, match="direct_io"):
         ConnectorConfig.from_extra_config({**extra, "direct_io": "yes"})
+
+
+def test_the_serving_docs_list_every_connector_setting():
+    """docs/serving.md's ``kv_connector_extra_config`` names each ConnectorConfig field,
+    no other, and says how many there are (it once listed 9 of 16)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    block = doc.split('"kv_connector_extra_config": {', 1)[1].split("\n}", 1)[0]
+    keys = re.findall(r'"(\w+)":', re.sub(r"#.*", "", block))
+    names = [f.name for f in fields(ConnectorConfig)]
+    assert sorted(keys) == sorted(names) and len(keys) == len(set(keys))
+    assert f"ConnectorConfig's {len(names)} fields" in block
