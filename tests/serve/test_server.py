@@ -29,6 +29,27 @@ def server(local_store, smollm2, embedder):
     server.memories.close()
 
 
+def test_a_server_is_built_for_one_known_model(local_store, smollm2, embedder):
+    """build_server: without an engine the model's fingerprint is needed, with one it
+    may not differ from the engine's; a tokenizer is loaded from its checkpoint."""
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.server import ServerConfig, build_server
+
+    with pytest.raises(ValueError, match="needs the model's fingerprint"):
+        build_server(None, smollm2.tokenizer, embedder, local_store)
+    engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
+    with pytest.raises(ValueError, match="differs from the engine's"):
+        build_server(engine, smollm2.tokenizer, embedder, local_store, fingerprint="other")
+    with pytest.raises(ValueError, match="mode must be"):
+        ServerConfig(mode="text")
+    server = build_server(None, smollm2.checkpoint, embedder, local_store,
+                          ServerConfig(mode="prompt"), fingerprint=FP)
+    assert (server.fp, server.mode, server.max_model_len) == (FP, "prompt", None)
+    assert server.tokenizer.encode("Where do I live?") == \
+        smollm2.tokenizer.encode("Where do I live?")
+    server.close()
+
+
 def publish_with(store, tok, embedder, user: str, instruction) -> str:
     texts = [f"{user} keeps bees.", f"{user} lives by the sea."]
     table = facts_table(user, texts, [tok.encode(t, add_special_tokens=False) for t in texts],
