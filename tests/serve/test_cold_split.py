@@ -374,6 +374,6 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
         # the same prompt (the served order is by relevance, not the limiting case's
         # encoding order, so only the engine-level test above compares answers)
         assert whole.generation.prompt_tokens == gen.prompt_tokens
-    est = servers["pinned"].estimator
+    est = servers["pinned"].cold.estimator
     assert est.storage_at is not None and len(est._samples) > 0
     assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured
