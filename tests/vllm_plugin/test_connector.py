@@ -200,9 +200,9 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
         assert out.reply.injected_tokens == 0 and out.token_ids == reference
         return out.reply.fallback
 
+    not_resident = Fallback(FallbackReason.NOT_RESIDENT, "user not resident")
     # unknown user
-    assert ask(MemoryRef("nobody", v1, chunks)) == Fallback(FallbackReason.NOT_RESIDENT,
-                                                             "user not resident")
+    assert ask(MemoryRef("nobody", v1, chunks)) == not_resident
     # stale version: caroline now holds a newer version
     v2, _ = publish_user(engine_env, embedder, "caroline", FACTS, lineage="log-2")
     engine_env.loop.run(engine_env.engine.hydrate("caroline", version=v2, tier="gpu"))
@@ -224,10 +224,10 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
     with pytest.raises(Exception, match="nothing published for user .dora., model "):
         engine_env.loop.run(engine_env.engine.hydrate("dora", version="latest", tier="gpu"))
-    assert ask(MemoryRef("dora", v1, chunks)) == "user not resident"
+    assert ask(MemoryRef("dora", v1, chunks)) == not_resident
     # evicted
     assert engine_env.loop.run(engine_env.engine.evict("caroline"))
-    assert ask(MemoryRef("caroline", v2, chunks)) == "user not resident"
+    assert ask(MemoryRef("caroline", v2, chunks)) == not_resident
     text = engine_env.log.read_text(errors="replace")
     for reason in ("user not resident", "stale version", "prompt does not begin with the memory"):
         assert f"prefilling memory, {reason}" in text
