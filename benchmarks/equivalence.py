@@ -253,8 +253,8 @@ async def run_dtype(args, dtype_name: str, device: str) -> dict:
                     inj = await engine.generate(ids, MemoryRef(name, version, wchunks),
                                                 max_tokens=args.max_tokens)
                     row[enc] = inj.text.strip()
-                    row[f"{enc}_injected_tokens"] = inj.injected_tokens
-                    row[f"{enc}_fallback"] = inj.fallback
+                    row[f"{enc}_injected_tokens"] = inj.reply.injected_tokens
+                    row[f"{enc}_fallback"] = inj.reply.fallback and inj.reply.fallback.detail
                     if enc != base:
                         row[f"{enc}_vs_memory"] = compare(inj.text, row[base], inj.token_ids,
                                                           row[f"_{base}_ids"], keys)

@@ -176,8 +176,9 @@ async def answer_all(args, engine, composer, token_ids: dict, conv: Conversation
                                "tail_tokens": sum(len(token_ids[f]) for f in tail),
                                "fact_tokens": sum(len(token_ids[f]) for f in ranked),
                                "injected_fact_tokens": sum(len(token_ids[f]) for f in injected),
-                               "injected": gen.injected_tokens, "cached": gen.cached_tokens,
-                               "fallback": gen.fallback}
+                               "injected": gen.reply.injected_tokens,
+                               "cached": gen.cached_tokens,
+                               "fallback": gen.reply.fallback and gen.reply.fallback.detail}
 
     await asyncio.gather(*(chain(i) for i in range(len(conv.questions))))
     return out

@@ -70,7 +70,7 @@ async def measure(args) -> dict:
     from inferscale.models import dummy_fingerprint, load_model, resolve_checkpoint
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.serve.retrieval import Embedder
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     cuda = torch.cuda.is_available()
     home = Settings().home
@@ -126,8 +126,8 @@ async def measure(args) -> dict:
         enforce_eager=args.eager, block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size, **engine_cfg)).start()
     store = StoreConfig(str(work / "artifacts"))
-    kv = MemoryServer(engine, tok, embedder, store, mode="kv")
-    prompt = MemoryServer(engine, tok, embedder, store, mode="prompt")
+    kv = build_server(engine, tok, embedder, store, ServerConfig(mode="kv"))
+    prompt = build_server(engine, tok, embedder, store, ServerConfig(mode="prompt"))
     for tier, user in users.items():
         await kv.hydrate(user, version=versions[tier], tier=tier.removeprefix("ref_"))
         load_user(prompt, user, versions[tier])
@@ -148,7 +148,7 @@ async def measure(args) -> dict:
         return {"ttft_ms": gen.ttft_s * 1e3, "q2ft_ms": (prep + gen.ttft_s) * 1e3,
                 "memory_tokens": info.get("memory_tokens", 0), "prompt_tokens": len(ids),
                 "tail_tokens": info.get("text_tail_tokens", 0),
-                "injected": gen.injected_tokens, "cached": gen.cached_tokens,
+                "injected": gen.reply.injected_tokens, "cached": gen.cached_tokens,
                 "embed_ms": info["timings_ms"].get("embed", 0.0),
                 "retrieve_ms": info["timings_ms"].get("retrieve", 0.0)}
 
@@ -172,7 +172,7 @@ async def measure(args) -> dict:
         await llm.reset_prefix_cache()
         ids, ref, _ = prepare(kv, user, qs[0], max(args.ks))
         out = await engine.generate(ids, ref, max_tokens=1)
-        verify[tier] = {**await engine.verify_last_load(), "injected": out.injected_tokens}
+        verify[tier] = {**await engine.verify_last_load(), "injected": out.reply.injected_tokens}
     print(json.dumps({"verify": verify}), flush=True)
     # warm-up: kernels, allocator, both paths
     for _ in range(2):

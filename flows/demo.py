@@ -140,7 +140,8 @@ async def _serve_and_ask(settings: Settings, n_questions: int, max_tokens: int) 
     import uvicorn
     from openai import AsyncOpenAI
 
-    from inferscale.serve.app import AccessPolicy, create_app
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.app import create_app
     from inferscale.serve.server import start_server
 
     print("[2/3] starting the engine (vLLM + InferScale connector) and the OpenAI-compatible "

@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                      if getattr(args, k) is not None}
         run_replicas(settings, args.mode, args.host, args.port, args.replicas, overrides)
         return 0
-    from inferscale.serve.app import serve_forever
+    from inferscale.serve.server import serve_forever
 
     asyncio.run(serve_forever(settings, args.mode, args.host, args.port))
     return 0

@@ -182,11 +182,6 @@ class Composer:
         m = len(ids)
         return ids + [t for chunk in tail for t in chunk] + self.query_ids(question), m
 
-    def fact_text_prompt(self, facts: Sequence[str], question: str) -> list[int]:
-        """The Mem0-style baseline prompt: same layout, facts as text, same tokens."""
-        memory = [self.prefix_ids()] + [self.fact_ids(f) for f in facts]
-        return self.compose(memory, question)[0]
-
 
 def _added_tokens(tokenizer: Any) -> dict[str, int]:
     """Text -> id of every token the tokenizer parses out of text (its added tokens,

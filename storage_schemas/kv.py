@@ -41,7 +41,7 @@ older readers, and an older reader meeting an fp8 file refuses it as a newer ver
 Laid out and parsed by ``inferscale.artifacts.kv_file`` (written by
 ``inferscale.artifacts.publish.publish``); read whole by ``inferscale.hydrate.slab``
 (serving) and ``inferscale.artifacts.read.read_kv_rows`` (reuse by the next version), by
-byte ranges by ``inferscale.hydrate.fetch``.
+byte ranges by ``inferscale.hydrate.fact_reader``.
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ def engine_env(smollm2, tmp_path_factory):
     from types import SimpleNamespace
 
     from engine_helpers import LoopThread, start_engine
+    from fault_injection import FAULT_EXTENSION
 
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.serve.engine import EngineConfig, MemoryEngine
@@ -139,7 +140,7 @@ def engine_env(smollm2, tmp_path_factory):
     engine = MemoryEngine(EngineConfig.of(
         model=str(smollm2.checkpoint), model_fingerprint=smollm2.fingerprint,
         dtype="float32", kv_cache_memory_bytes=4 << 30, max_model_len=2048,
-        artifact_root=str(root)))
+        artifact_root=str(root), worker_extension=FAULT_EXTENSION))
     log = root.parent / "engine.log"
     start_engine(loop, engine, log)
     yield SimpleNamespace(loop=loop, engine=engine, store=StoreConfig(str(root)), model=smollm2,

@@ -346,7 +346,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     run gpu-tests 420 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
       tests/hydrate/test_resident.py tests/hydrate/test_slab.py tests/vllm_plugin/test_kernels.py \
-      tests/vllm_plugin/test_fetches.py \
+      tests/vllm_plugin/test_storage_reads.py \
       tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"  # ~4 min: 6 Triton compiles for the fp8 kernel cases
     ;;
   encode-hydrate)

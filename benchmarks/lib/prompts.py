@@ -18,7 +18,10 @@ def load_user(server, user: str, version: str = "latest"):
 def prepare(server, user: str | None, question: str, k: int | None = None,
             mode: str | None = None) -> tuple[list[int], object, dict]:
     """``server.compose`` with the memory it holds now (read in this thread when it does
-    not): (prompt ids, memory reference, info), without the request path's awaits."""
+    not): (prompt ids, memory reference, info as the API's JSON), without the request
+    path's awaits."""
+    from inferscale.serve.backend import AnswerRequest
+
     mem = None
     if user is not None:
         mem = server.memories.peek(user)
@@ -27,5 +30,5 @@ def prepare(server, user: str | None, question: str, k: int | None = None,
                 mem = load_user(server, user)
             except Exception as exc:  # noqa: BLE001 - no memory: the question alone
                 print(f"user {user} has no usable memory ({exc})", file=sys.stderr)
-    p = server.compose(mem, user, question, k, mode)
-    return p.ids, p.ref, p.info
+    p = server.compose(mem, AnswerRequest(user, question, k, mode))
+    return p.ids, p.ref, p.info.to_json()

@@ -2,7 +2,7 @@
 
 - :mod:`inferscale.hydrate.slab`: :func:`~inferscale.hydrate.slab.hydrate`, one version's
   kv.arrow read in one pass with its checksum fused in;
-- :mod:`inferscale.hydrate.fetch`: single facts' rows read by byte range and verified
+- :mod:`inferscale.hydrate.fact_reader`: single facts' rows read by byte range and verified
   (a request whose user is in neither tier);
 - :mod:`inferscale.hydrate.resident`: :class:`~inferscale.hydrate.resident.Resident`, one
   user's verified slab, chunk index and token ids;

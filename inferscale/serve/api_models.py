@@ -17,6 +17,7 @@ from typing import Annotated, Any, AsyncIterator, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from inferscale.serve.backend import AnswerRequest
 from inferscale.types import VERSION_RE, user_id_problem
 
 
@@ -151,12 +152,17 @@ def chat_model(limits: RequestLimits) -> type[BaseModel]:
                                         f"most {limits.max_question_chars}")
             return text
 
-        def options(self) -> tuple[int | None, str | None, int | None, float]:
-            """(top_k, mode, max_tokens, temperature) with the fallbacks applied."""
+        def answer_request(self, user: str | None, shed: bool) -> AnswerRequest:
+            """What the backend answers: the question (:meth:`question`), for ``user``
+            (whose memory the caller may use), the options with their fallbacks applied
+            (``inferscale.top_k``, else ``top_k``; ``max_tokens``, else
+            ``max_completion_tokens``); ``shed``: the user's first memory lookup may be
+            shed under load."""
             opts = self.inferscale
             k = (opts.top_k if opts and opts.top_k else None) or self.top_k
-            return (k, opts.mode if opts else None,
-                    self.max_tokens or self.max_completion_tokens, self.temperature or 0.0)
+            return AnswerRequest(user, self.question(), k, opts.mode if opts else None,
+                                 self.max_tokens or self.max_completion_tokens,
+                                 self.temperature or 0.0, bool(self.ignore_eos), shed)
 
     return ChatRequest
 

@@ -4,9 +4,11 @@ Per request: authenticate (headers only: :mod:`inferscale.serve.access` decides 
 use whose memory) -> read and validate the body (:mod:`inferscale.serve.api_models`:
 ``INFERSCALE_MAX_REQUEST_BYTES``, ``..._MAX_QUESTION_CHARS``, ``..._MAX_OUTPUT_TOKENS``,
 ``..._MAX_TOP_K``; a malformed or out-of-bounds field is a 400 naming it, an oversized
-body a 413, never a 500) -> the user whose memory it may use -> the memory server
-(:class:`~inferscale.serve.server.MemoryServer`: retrieve, compose, generate with the
-memory KV injected, ``--mode kv``, or the Mem0-style prompt baseline, ``--mode prompt``).
+body a 413, never a 500) -> the user whose memory it may use -> the backend (a
+:class:`~inferscale.serve.backend.MemoryBackend`, the app's only view of what answers:
+the single-engine :class:`~inferscale.serve.server.MemoryServer` or the Ray gateway's
+replica set; retrieve, compose, generate with the memory KV injected, ``--mode kv``, or
+the Mem0-style prompt baseline, ``--mode prompt``).
 Admin endpoints (``/admin/hydrate``, ``/admin/evict``, ``/admin/status``) check the admin
 key first, then validate their bodies the same way.
 
@@ -40,20 +42,18 @@ from typing import Any, AsyncIterator, Awaitable
 # Request here, every ``req: Request`` parameter is taken for a required query parameter.
 from fastapi import Request  # noqa: F401
 
-from inferscale.serve.access import (  # noqa: F401
-    AccessPolicy, DuplicateHeader, ServeError, is_loopback, policy_from,
-)
+from inferscale.serve.access import AccessPolicy, DuplicateHeader
 from inferscale.serve.api_models import (
     EvictRequest, HydrateRequest, RequestError, RequestLimits, chat_model, read_body, validate,
 )
-from inferscale.serve.server import MemoryServer, Mode, PromptTooLong, start_server
+from inferscale.serve.backend import Answer, MemoryBackend, PromptTooLong
 from inferscale.serve.streaming import ClosingStream
 
 
 # ---------------------------------------------------------------------------- HTTP
 
 
-def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
+def create_app(server: MemoryBackend, policy: AccessPolicy, model_name: str,
                limits: RequestLimits | None = None):
     """The FastAPI app: OpenAI chat completions (streaming too) and admin endpoints.
 
@@ -107,28 +107,22 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(await server.metrics.render(server.engine),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(await server.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
         identity = checked(policy.identify, headers_of(req))
         body = await body_of(req, ChatRequest)
         user = checked(identity.resolve, body.user)
-        question = body.question()
-        k, mode, max_tokens, temperature = body.options()
-        max_tokens = max_tokens or server.max_tokens
+        # an API key's user is never shed under load
+        request = body.answer_request(user, shed=not identity.authenticated)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        ignore_eos = bool(body.ignore_eos)
-        shed = not identity.authenticated  # an API key's user is never shed under load
         try:
             if body.stream:
                 started = time.perf_counter()
-                prepared = await server.request(user, question, k, mode, max_tokens,
-                                                shed=shed)
-                answer = server.answer_stream(prepared, started, max_tokens=max_tokens,
-                                              temperature=temperature, ignore_eos=ignore_eos)
+                prepared = await server.prepare(request)
+                answer = server.answer_stream(prepared, started)
                 usage = bool(body.stream_options and body.stream_options.include_usage)
 
                 def gone() -> None:
@@ -136,14 +130,12 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
 
                 return ClosingStream(_sse(answer, rid, created, model_name, usage),
                                      media_type="text/event-stream", on_disconnect=gone)
-            out = await _unless_disconnected(req, server.answer(
-                user, question, k=k, max_tokens=max_tokens, temperature=temperature, mode=mode,
-                ignore_eos=ignore_eos, shed=shed))
+            out = await _unless_disconnected(req, server.answer(request))
         except PromptTooLong as exc:
             raise RequestError(400, str(exc)) from exc
         if out is None:  # the client went away: its request was aborted in the engine
             return Response(status_code=499)
-        gen, info = out["generation"], out["info"]
+        gen = out.generation
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
@@ -152,7 +144,7 @@ def create_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
                       "completion_tokens": len(gen.token_ids),
                       "total_tokens": gen.prompt_tokens + len(gen.token_ids),
                       "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
-            "inferscale": info,
+            "inferscale": out.info.to_json(),
         })
 
     @app.post("/admin/hydrate")
@@ -205,7 +197,7 @@ async def _unless_disconnected(req: Any, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_name: str,
+async def _sse(answer: AsyncIterator[str | Answer], rid: str, created: int, model_name: str,
                include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events of one answer: the first chunk (role and text) when the first
     token is out, one per new text, the last with the finish reason and the
@@ -221,11 +213,11 @@ async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_
     started = False
     async with aclosing(answer) as items:  # closing the events closes the answer
         async for item in items:
-            if isinstance(item, dict):
-                gen, info = item["generation"], item["info"]
+            if isinstance(item, Answer):
+                gen = item.generation
                 if not started:  # no token at all (max_tokens reached at once)
                     yield chunk({"role": "assistant", "content": ""})
-                yield chunk({}, gen.finish_reason or "stop", info)
+                yield chunk({}, gen.finish_reason or "stop", item.info.to_json())
                 if include_usage:
                     completion = len(gen.token_ids)
                     yield "data: " + json.dumps({
@@ -249,11 +241,11 @@ async def _sse(answer: AsyncIterator[str | dict], rid: str, created: int, model_
 # ---------------------------------------------------------------------------- start-up
 
 
-async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str, host: str,
+async def serve_app(server: MemoryBackend, policy: AccessPolicy, model_name: str, host: str,
                     port: int, limits: RequestLimits | None = None,
                     log_level: str = "info") -> None:
-    """Serve :func:`create_app` on ``host:port`` until stopped, then shut the engine down
-    (``inferscale serve``; the load benchmark's server process).
+    """Serve :func:`create_app` on ``host:port`` until stopped, then close the backend (it
+    shuts its engine down) (``inferscale serve``; the load benchmark's server process).
 
     uvicorn re-raises SIGTERM once it has stopped serving; the default action would end
     the process before the engine shuts down, leaving vLLM's engine-core process and its
@@ -272,12 +264,4 @@ async def serve_app(server: MemoryServer, policy: AccessPolicy, model_name: str,
         await uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                             log_level=log_level)).serve()
     finally:
-        server.memories.close()
-        server.engine.shutdown()
-
-
-async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
-    """``inferscale serve``: check the access policy first (before loading anything)."""
-    policy = policy_from(settings, host)
-    server, name = await start_server(settings, mode)
-    await serve_app(server, policy, name, host, port, RequestLimits.from_settings(settings))
+        server.close()

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
 
+from inferscale.serve.backend import AnswerInfo
 from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
 from inferscale.serve.engine import Generation, MemoryEngine
 from inferscale.vllm_plugin.metadata import MemoryRef
@@ -84,17 +84,17 @@ class ColdRequests:
             self._resident.popitem(last=False)
 
     def finished(self, ref: MemoryRef | None, s: Split | None, gen: Generation,
-                 info: dict[str, Any]) -> None:
+                 info: AnswerInfo) -> None:
         """Feed the estimator and the residency guess; report a cold request's split in
         its answer's ``info``."""
-        cold = gen.cold
+        cold, tiers = gen.reply.cold, gen.reply.facts_by_tier
         self.estimator.request_read(gen.request_id, bool(cold and cold.read))
         if ref is None:
             return
         if cold is not None:
             self._seen(ref.user, False)
-            info["cold"] = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
-                            "bytes_read": gen.storage_bytes,
-                            "split": s.info() if s else None}
-        elif gen.facts_by_tier.get("gpu") or gen.facts_by_tier.get("host"):
+            info.cold = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
+                         "bytes_read": gen.reply.storage_bytes,
+                         "split": s.info() if s else None}
+        elif tiers.get("gpu") or tiers.get("host"):
             self._seen(ref.user, True)

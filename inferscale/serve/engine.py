@@ -25,8 +25,7 @@ from typing import Any, AsyncIterator
 
 from inferscale.types import Tier
 from inferscale.vllm_plugin.config import WORKER_EXTENSION, ConnectorConfig, kv_transfer_config
-from inferscale.vllm_plugin.failures import fallback_reason
-from inferscale.vllm_plugin.metadata import ColdSplit, MemoryRef, MemoryReply
+from inferscale.vllm_plugin.metadata import MemoryRef, MemoryReply
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
     # largest step vLLM replays as a CUDA graph (None: vLLM's default); see Settings
     cudagraph_max_tokens: int | None = 1024
+    # the worker's collective-RPC endpoints, by dotted path (tests add fault injection)
+    worker_extension: str = WORKER_EXTENSION
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -58,6 +59,20 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 16")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: Any, model: str,
+                      connector: ConnectorConfig) -> "EngineConfig":
+        """``inferscale serve``'s engine for checkpoint ``model`` from ``Settings``: vLLM's
+        own dtype and CUDA graphs on a GPU, float32 and eager on the CPU (unless set)."""
+        cuda = settings.resolved_device().startswith("cuda")
+        eager = settings.enforce_eager if settings.enforce_eager is not None else not cuda
+        return cls(model, connector, dtype="auto" if cuda else "float32",
+                   gpu_memory_utilization=settings.gpu_memory_utilization,
+                   kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                   max_model_len=settings.max_model_len, enforce_eager=eager,
+                   tensor_parallel_size=settings.tensor_parallel_size,
+                   cudagraph_max_tokens=settings.cudagraph_max_tokens)
 
     @classmethod
     def of(cls, **settings: Any) -> "EngineConfig":
@@ -81,7 +96,7 @@ class EngineConfig:
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             load_format=self.load_format, tensor_parallel_size=self.tensor_parallel_size,
             kv_transfer_config=KVTransferConfig(**kv_transfer_config(self.connector)),
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=self.worker_extension,
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size
@@ -117,26 +132,18 @@ def _combined(results: list[dict], overrides: dict | None = None,
 
 @dataclass
 class Generation:
-    """One finished request: tokens, text, timings and vLLM's counters."""
+    """One finished request: tokens, text, TTFT, vLLM's counters and what the connector
+    did with its memory (``reply``: injected tokens, facts by tier, bytes read from
+    storage, the fallback, a cold request's split)."""
 
     token_ids: list[int]
     text: str
     ttft_s: float
-    total_s: float
     prompt_tokens: int
     cached_tokens: int  # vLLM's num_cached_tokens: local prefix hits + external loads
-    injected_tokens: int  # what the connector loaded for this request
     finish_reason: str | None
-    fallback: str | None = None  # why named memory was prefilled instead of injected
-    facts_by_tier: dict = field(default_factory=dict)  # where injected facts were read from
-    storage_bytes: int = 0  # read from storage for this request
-    cold: ColdSplit | None = None  # a user in neither tier: facts loaded vs computed
+    reply: MemoryReply = field(default_factory=MemoryReply)
     request_id: str = ""  # the engine's request id (its stats name it)
-
-    @property
-    def fallback_reason(self) -> str | None:
-        """The class of :attr:`fallback` (``not_resident``, ``stale_version``, ...)."""
-        return fallback_reason(self.fallback)
 
 
 @dataclass
@@ -253,7 +260,7 @@ class MemoryEngine:
         tensor parallelism: rank 0's result with ``bytes`` summed over the ranks (the
         user's whole KV) and every rank's result under ``ranks``."""
         results = await self.llm.collective_rpc("inferscale_hydrate", args=(user, version, tier))
-        await self.sync()
+        await self.deliver_worker_reports()
         if len({r["version"] for r in results}) != 1:  # "latest" moved between the ranks
             raise RuntimeError(f"ranks hydrated different versions of {user}: "
                                f"{[r['version'] for r in results]}; hydrate it again")
@@ -263,7 +270,7 @@ class MemoryEngine:
     async def evict(self, user: str) -> bool:
         """Drop ``user`` on every rank; True if any rank held it."""
         removed = await self.llm.collective_rpc("inferscale_evict", args=(user,))
-        await self.sync()
+        await self.deliver_worker_reports()
         return any(removed)
 
     async def set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
@@ -271,7 +278,7 @@ class MemoryEngine:
         needed)."""
         results = await self.llm.collective_rpc("inferscale_set_budgets",
                                                 args=(gpu_bytes, host_bytes))
-        await self.sync()
+        await self.deliver_worker_reports()
         return results[0]
 
     async def verify_next(self) -> None:
@@ -298,8 +305,10 @@ class MemoryEngine:
         InferScaleWorkerExtension.inferscale_metrics`), one dict per worker rank."""
         return list(await self.llm.collective_rpc("inferscale_metrics"))
 
-    async def sync(self) -> None:
-        """Run one engine step so workers' residency reports reach the scheduler."""
+    async def deliver_worker_reports(self) -> None:
+        """Step the engine once (a one-token request), so that what the workers did since
+        their last report (hydrations, evictions, budget changes) reaches the scheduler
+        half's residency view: the next request is admitted by what they hold now."""
         await self.generate([0, 0], max_tokens=1)
 
     # ------------------------------------------------------------------ generation
@@ -361,9 +370,7 @@ class MemoryEngine:
                     reply = MemoryReply.from_params(out.kv_transfer_params)
                 if comp.token_ids:
                     yield comp.text
-        yield Generation(tokens, text, ttft or 0.0, time.perf_counter() - start,
-                         len(prompt_ids), cached, reply.injected_tokens, finish, reply.fallback,
-                         reply.facts_by_tier, reply.storage_bytes, reply.cold, rid)
+        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                        max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,

@@ -15,16 +15,15 @@ on every request:
   it. A user with nothing published is remembered as such and checked again the same way.
 - **Refused versions**: a version this server cannot serve (:class:`MemoryRefused`: fact
   embeddings of another dimension than the serving embedder's, a memory layout in its
-  encoder config that cannot be composed) is logged, counted and
-  remembered; the user is answered without memory (or from the version held before)
-  until LATEST names another version.
+  encoder config that cannot be composed) is logged, counted and remembered; the user is
+  answered without memory (or from the version held before) until LATEST names another.
 - **Failures are not "no memory"**: a load that fails (storage unreachable, a version
   removed between reading LATEST and reading it) answers that request without memory
   and is tried again, LATEST first, by the first request after a back-off (``retry_s``,
   doubling per failure up to ``refresh_s``).
 - **Never without memory silently**: :meth:`MemoryCache.lookup` says why a user who has
-  (or may have) memory goes without it (:class:`Lookup`: ``shed``, ``load_failed``,
-  ``refused``); the server puts it in the answer's ``fallback`` and counts it.
+  (or may have) memory goes without it (:class:`Lookup`, :class:`MemoryFallbackReason`:
+  ``shed``, ``load_failed``, ``refused``); the server names it in the answer and counts it.
 - **Bounded**: the entries' bytes (embeddings on the index's device, token ids, texts)
   stay under ``budget_bytes``, least recently used users dropped first (a later request
   loads them again); entries without memory (nothing published, refused, failed) are at
@@ -51,7 +50,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Awaitable, Callable
+
+from inferscale.serve.token_bucket import TokenBucket
+from inferscale.vllm_plugin.failures import Fallback
 
 log = logging.getLogger("inferscale.serve")
 
@@ -80,18 +83,22 @@ class UserMemory:
                        + sum(len(t.encode()) for t in self.texts))
 
 
+class MemoryFallbackReason(StrEnum):
+    """Why a user who has (or may have) memory is answered without it; its value is the
+    label of ``inferscale_memory_fallbacks_total`` and the answer's ``fallback_reason``."""
+
+    SHED = "shed"  # the first lookup was shed under the rate limit
+    LOAD_FAILED = "load_failed"  # reading the memory failed (tried again after a back-off)
+    REFUSED = "refused"  # the version cannot be served (MemoryRefused)
+
+
 @dataclass(frozen=True)
 class Lookup:
     """What :meth:`MemoryCache.lookup` found: the user's ``memory`` (None: none usable)
-    and, when the user has or may have memory this request goes without, ``fallback``
-    (why, in words) and ``reason`` (its class: one of :data:`MEMORY_FALLBACKS`)."""
+    and, when the user has or may have memory this request goes without, why."""
 
     memory: UserMemory | None
-    fallback: str | None = None
-    reason: str | None = None
-
-
-MEMORY_FALLBACKS = ("shed", "load_failed", "refused")
+    fallback: Fallback[MemoryFallbackReason] | None = None
 
 
 class MemoryRefused(Exception):
@@ -148,33 +155,7 @@ class _Entry:
     refused: str | None = None  # the version LATEST named that was refused
     failures: int = 0  # consecutive failed loads (memory is None)
     retry_at: float = 0.0  # failed: monotonic time from which a request loads again
-    fallback: str | None = None  # refused or failed: what the answers say (Lookup)
-    reason: str | None = None
-
-
-class _Bucket:
-    """A token bucket (``burst`` tokens, ``rate`` a second) with bookings (event-loop
-    thread only): :meth:`reserve` takes a token, or books the next one to come, in
-    arrival order, if it comes within ``max_wait`` seconds."""
-
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def reserve(self, max_wait: float) -> float | None:
-        """Seconds to wait for the token now taken (0: at once); None: none within
-        ``max_wait`` (nothing taken)."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        wait = (1 - self.tokens) / self.rate if self.rate > 0 else float("inf")
-        if wait > max_wait:
-            return None
-        self.tokens -= 1  # booked: below zero until the refill pays it back
-        return wait
+    fallback: Fallback[MemoryFallbackReason] | None = None  # refused or failed (Lookup)
 
 
 class MemoryCache:
@@ -196,7 +177,7 @@ class MemoryCache:
         self._loading: dict[str, asyncio.Future] = {}
         self._refreshing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._misses = _Bucket(self.config.misses_per_s, self.config.miss_burst)
+        self._misses = TokenBucket(self.config.misses_per_s, self.config.miss_burst)
         self._stats = {"storage_lookups": 0, "lookups_limited": 0, "lookups_delayed": 0,
                        "load_failures": 0, "negative_evictions": 0}
         self._refused: dict[str, int] = {}  # reason -> versions refused
@@ -224,7 +205,7 @@ class MemoryCache:
                     wait = self._misses.reserve(self.config.miss_wait_s)
                     if wait is None:
                         self._stats["lookups_limited"] += 1
-                        return Lookup(None, self._shed_text(), "shed")
+                        return Lookup(None, self._shed())
                     if wait:  # booked: loaded once its turn comes (or by then loaded)
                         self._stats["lookups_delayed"] += 1
                         await asyncio.sleep(wait)
@@ -234,20 +215,21 @@ class MemoryCache:
             if entry.failures:  # a failed load: again once its back-off is over
                 if time.monotonic() >= entry.retry_at:
                     return await self._first_load(user)
-                return Lookup(None, entry.fallback, entry.reason)
+                return Lookup(None, entry.fallback)
         if user not in self._pins and user not in self._refreshing and \
                 time.monotonic() - entry.checked >= self.config.refresh_s:
             self._refreshing.add(user)
             self._spawn(self._refresh(user, entry))
-        if entry.memory is None and entry.reason:
-            return Lookup(None, entry.fallback, entry.reason)
+        if entry.memory is None and entry.fallback:
+            return Lookup(None, entry.fallback)
         return Lookup(entry.memory)
 
-    def _shed_text(self) -> str:
+    def _shed(self) -> Fallback[MemoryFallbackReason]:
         c = self.config
-        return (f"memory lookup shed: first lookups of unauthenticated users are limited to "
-                f"{c.misses_per_s:g}/s (INFERSCALE_SERVE_STORAGE_MISSES_PER_S) and none was "
-                f"free within {c.miss_wait_s:g} s; answered without memory")
+        return Fallback(MemoryFallbackReason.SHED, (
+            f"memory lookup shed: first lookups of unauthenticated users are limited to "
+            f"{c.misses_per_s:g}/s (INFERSCALE_SERVE_STORAGE_MISSES_PER_S) and none was "
+            f"free within {c.miss_wait_s:g} s; answered without memory"))
 
     def peek(self, user: str) -> UserMemory | None:
         """The memory held now, without loading or refreshing (benchmarks, status)."""
@@ -274,11 +256,9 @@ class MemoryCache:
                     return Lookup(None)
             memory = await self._run(self.read, user, version)
         except MemoryRefused as exc:
-            self._refuse(user, exc)
-            why = f"version {exc.version[:12]} refused ({exc.reason}): {exc}"
-            self._put(user, _Entry(None, checked, refused=exc.version, fallback=why,
-                                   reason="refused"))
-            return Lookup(None, why, "refused")
+            why = self._refuse(user, exc)
+            self._put(user, _Entry(None, checked, refused=exc.version, fallback=why))
+            return Lookup(None, why)
         except Exception as exc:  # noqa: BLE001 - answered without memory, tried again soon
             old = self._negative.get(user)
             failures = (old.failures if old else 0) + 1
@@ -287,12 +267,12 @@ class MemoryCache:
             self._stats["load_failures"] += 1
             log.warning("user %s: loading memory failed (%s: %s); answering without it, "
                         "trying again in %.1f s", user, type(exc).__name__, exc, delay)
-            why = (f"memory load failed ({type(exc).__name__}: {str(exc)[:200]}); answered "
-                   f"without memory, tried again from {delay:.1f} s after the failure")
+            why = Fallback(MemoryFallbackReason.LOAD_FAILED, (
+                f"memory load failed ({type(exc).__name__}: {str(exc)[:200]}); answered "
+                f"without memory, tried again from {delay:.1f} s after the failure"))
             self._put(user, _Entry(None, checked, failures=failures,
-                                   retry_at=time.monotonic() + delay, fallback=why,
-                                   reason="load_failed"))
-            return Lookup(None, why, "load_failed")
+                                   retry_at=time.monotonic() + delay, fallback=why))
+            return Lookup(None, why)
         self._put(user, _Entry(memory, checked))
         return Lookup(memory)
 
@@ -306,11 +286,10 @@ class MemoryCache:
                 return
             memory = await self._run(self.read, user, latest)
         except MemoryRefused as exc:
-            self._refuse(user, exc)
+            why = self._refuse(user, exc)
             entry.refused, entry.checked = exc.version, checked
             if entry.memory is None:  # nothing held: answered without memory, saying why
-                entry.fallback = f"version {exc.version[:12]} refused ({exc.reason}): {exc}"
-                entry.reason = "refused"
+                entry.fallback = why
             return
         except Exception as exc:  # noqa: BLE001 - keep what is held; check again soon
             log.warning("user %s: refreshing memory failed (%s: %s); keeping version %s",
@@ -326,10 +305,13 @@ class MemoryCache:
                  held[:12] if held else None)
         self._put(user, _Entry(memory, checked))
 
-    def _refuse(self, user: str, exc: MemoryRefused) -> None:
+    def _refuse(self, user: str, exc: MemoryRefused) -> Fallback[MemoryFallbackReason]:
+        """Count and log a refused version; what the answers without it say."""
         self._refused[exc.reason] = self._refused.get(exc.reason, 0) + 1
         log.warning("user %s: version %s refused (%s): %s; answering without it until "
                     "LATEST names another version", user, exc.version[:12], exc.reason, exc)
+        return Fallback(MemoryFallbackReason.REFUSED,
+                        f"version {exc.version[:12]} refused ({exc.reason}): {exc}")
 
     # ------------------------------------------------------------------ admin
 

@@ -73,11 +73,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from inferscale.serve.memory_cache import MEMORY_FALLBACKS
+from inferscale.serve.memory_cache import MemoryFallbackReason
 from inferscale.types import TIERS
-from inferscale.vllm_plugin.failures import FALLBACK_REASONS
+from inferscale.vllm_plugin.failures import FallbackReason
 
 if TYPE_CHECKING:
+    from inferscale.serve.backend import AnswerInfo
     from inferscale.serve.cold_split import LoadEstimator
     from inferscale.serve.engine import Generation, MemoryEngine
     from inferscale.serve.memory_cache import MemoryCache
@@ -292,10 +293,10 @@ class ServingMetrics:
                 metric.labels(mode)
             for reason in ABORT_REASONS:
                 self.aborted.labels(mode, reason)
-        for reason in FALLBACK_REASONS:
-            self.fallbacks.labels(reason)
-        for reason in MEMORY_FALLBACKS:
-            self.memory_fallbacks.labels(reason)
+        for reason in FallbackReason:
+            self.fallbacks.labels(reason.value)
+        for memory_reason in MemoryFallbackReason:
+            self.memory_fallbacks.labels(memory_reason.value)
         self.workers = WorkerCollector()
         r.register(self.workers)
         if cache is not None:
@@ -303,34 +304,35 @@ class ServingMetrics:
         if estimator is not None:
             r.register(EstimateCollector(estimator))
 
-    def observe(self, info: dict, gen: "Generation") -> None:
-        """Count one finished request: ``info`` from the server's ``prepare`` (mode,
-        memory and tail tokens, timings in ms) and the engine's :class:`Generation`."""
-        mode = info.get("mode") or "none"
-        timings = info.get("timings_ms", {})
+    def observe(self, info: "AnswerInfo", gen: "Generation") -> None:
+        """Count one finished request: ``info`` as the server composed and answered it
+        (mode, memory and tail tokens, the fallback, timings in ms) and the engine's
+        :class:`Generation` (with the connector's reply)."""
+        mode, timings, reply = info.mode or "none", info.timings_ms, gen.reply
         self.requests.labels(mode).inc()
-        self.memory_tokens.labels(mode).inc(info.get("memory_tokens", 0))
+        self.memory_tokens.labels(mode).inc(info.memory_tokens or 0)
         self.completion.labels(mode).inc(len(gen.token_ids))
-        self.injected.inc(gen.injected_tokens)
-        self.text_tail.inc(info.get("text_tail_tokens", 0))
-        if mode == "kv" and gen.fallback:
-            self.fallbacks.labels(gen.fallback_reason).inc()
-        elif info.get("fallback_reason") in MEMORY_FALLBACKS:
-            self.memory_fallbacks.labels(info["fallback_reason"]).inc()
-        if gen.cold is not None:
+        self.injected.inc(reply.injected_tokens)
+        self.text_tail.inc(info.text_tail_tokens or 0)
+        if mode == "kv" and reply.fallback is not None:
+            self.fallbacks.labels(reply.fallback.reason.value).inc()
+        elif info.fallback is not None and isinstance(info.fallback.reason,
+                                                      MemoryFallbackReason):
+            self.memory_fallbacks.labels(info.fallback.reason.value).inc()
+        cold = reply.cold
+        if cold is not None:
             self.cold.inc()
-            self.cold_facts.labels("storage").inc(gen.cold.loaded)
-            self.cold_facts.labels("prefill").inc(gen.cold.computed)
-            self.cold_bytes.inc(gen.storage_bytes)
-            facts = gen.cold.loaded + gen.cold.computed
+            self.cold_facts.labels("storage").inc(cold.loaded)
+            self.cold_facts.labels("prefill").inc(cold.computed)
+            self.cold_bytes.inc(reply.storage_bytes)
+            facts = cold.loaded + cold.computed
             if facts:
-                self.cold_fraction.observe(gen.cold.loaded / facts)
+                self.cold_fraction.observe(cold.loaded / facts)
         if mode != "none":
-            self.retrieval.observe((timings.get("embed", 0.0) + timings.get("retrieve", 0.0))
-                                   / 1e3)
-            self.composition.observe(timings.get("compose", 0.0) / 1e3)
-        if "query_to_first_token" in timings:
-            self.q2ft.labels(mode).observe(timings["query_to_first_token"] / 1e3)
+            self.retrieval.observe(((timings.embed or 0.0) + (timings.retrieve or 0.0)) / 1e3)
+            self.composition.observe((timings.compose or 0.0) / 1e3)
+        if timings.query_to_first_token is not None:
+            self.q2ft.labels(mode).observe(timings.query_to_first_token / 1e3)
 
     def count_abort(self, mode: str, reason: str, tokens: int) -> None:
         """Count one request aborted before it finished, with the tokens it had made."""

@@ -1,6 +1,7 @@
-"""The gateway's side of the memory replicas: what the HTTP app
-(:func:`inferscale.serve.app.create_app`) calls in place of a single
-:class:`~inferscale.serve.server.MemoryServer` when several replicas serve.
+"""The gateway's side of the memory replicas: the
+:class:`~inferscale.serve.backend.MemoryBackend` the HTTP app
+(:func:`inferscale.serve.app.create_app`) calls when several replicas serve, in place of a
+single :class:`~inferscale.serve.server.MemoryServer`.
 
 :class:`ReplicaSet` sends each call through a Ray Serve deployment handle tagged with a
 routing key (:mod:`inferscale.serve.placement`), so the memory router
@@ -25,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal
 
 from inferscale.serve.api_models import RequestError
+from inferscale.serve.backend import Answer, AnswerRequest
 from inferscale.serve.engine import Generation
 from inferscale.serve.placement import home_key, slot_key, user_key
 from inferscale.serve.server import Prepared
@@ -102,7 +104,7 @@ class GatewayMetrics:
         for reason in ("died_mid_stream", "no_replica", "timeout"):
             self.failures.labels(reason)
 
-    async def render(self, _engine: Any = None) -> bytes:
+    async def render(self) -> bytes:
         from prometheus_client import generate_latest
 
         texts = {s["replica"]: s["text"] for s in await self.replicas.each_slot("metrics")
@@ -145,20 +147,17 @@ class RemotePrepared:
 
     prepared: Prepared
     key: str
-    user: str | None
     abort_reason: str | None = None
 
 
 class ReplicaSet:
-    """Stands where the app expects a ``MemoryServer``: the same methods, each a call to
-    the replica that owns the user (see the module's docstring)."""
+    """The :class:`~inferscale.serve.backend.MemoryBackend` of the replicas: each call
+    goes to the replica that owns the user (see the module's docstring)."""
 
-    def __init__(self, handle: Any, config: ReplicaConfig, mode: str, max_tokens: int,
-                 app_name: str, deployment: str):
-        self.handle, self.config = handle, config
-        self.mode, self.max_tokens = mode, max_tokens
+    def __init__(self, handle: Any, config: ReplicaConfig, mode: str, app_name: str,
+                 deployment: str):
+        self.handle, self.config, self.mode = handle, config, mode
         self.app_name, self.deployment = app_name, deployment
-        self.engine = None  # the app's /metrics passes it on; the replicas own the engines
         self.metrics = GatewayMetrics(self)
 
     # ------------------------------------------------------------------ calls
@@ -227,25 +226,19 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ the app's API
 
-    async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: str | None = None, max_tokens: int | None = None,
-                      shed: bool = True) -> RemotePrepared:
-        key = user_key(user)
-        prepared = await self._call(key, "prepare", user, question, k, mode, max_tokens,
-                                    shed)
-        return RemotePrepared(prepared, key, user)
+    async def prepare(self, request: AnswerRequest) -> RemotePrepared:
+        key = user_key(request.user)
+        return RemotePrepared(await self._call(key, "prepare", request), key)
 
-    async def answer_stream(self, p: RemotePrepared, started: float, *,
-                            max_tokens: int | None = None, temperature: float = 0.0,
-                            ignore_eos: bool = False) -> AsyncIterator[str | dict]:
+    async def answer_stream(self, prepared: RemotePrepared,
+                            started: float) -> AsyncIterator[str | Answer]:
         """The replica's stream; retried while nothing was sent, an error item after.
         Closed or cancelled once the replica has answered, it cancels the replica's call
         (before that, cancelling the wait cancels the call)."""
         sent = 0
         for attempt in range(self.config.retries + 1):
-            stream = self._handle(p.key, stream=True).generate.remote(
-                p.prepared, time.perf_counter() - started, max_tokens=max_tokens,
-                temperature=temperature, ignore_eos=ignore_eos)
+            stream = self._handle(prepared.key, stream=True).generate.remote(
+                prepared.prepared, time.perf_counter() - started)
             answered = False
             try:
                 while True:
@@ -266,17 +259,17 @@ class ReplicaSet:
             except asyncio.TimeoutError:
                 stream.cancel()
                 self.metrics.failures.labels("timeout").inc()
-                yield _error_item(p, f"no output from the replica for "
+                yield _error_item(prepared, f"no output from the replica for "
                                      f"{self.config.timeout_s:g} s", sent)
                 return
             except Exception as exc:  # noqa: BLE001 - sorted below
                 first = str(_own_error(exc)).splitlines()[0][:300]
                 if not replica_gone(exc):  # the stream has begun: end it, saying why
-                    yield _error_item(p, f"the replica failed: {first}", sent)
+                    yield _error_item(prepared, f"the replica failed: {first}", sent)
                     return
                 if sent:
                     self.metrics.failures.labels("died_mid_stream").inc()
-                    yield _error_item(p, f"the replica serving this answer died after "
+                    yield _error_item(prepared, f"the replica serving this answer died after "
                                          f"{sent} outputs ({first}); the answer is incomplete",
                                       sent)
                     return
@@ -285,16 +278,11 @@ class ReplicaSet:
                 if attempt < self.config.retries:
                     self.metrics.retries.inc()
         self.metrics.failures.labels("no_replica").inc()
-        yield _error_item(p, f"the replicas serving this answer died "
+        yield _error_item(prepared, f"the replicas serving this answer died "
                              f"{self.config.retries + 1} times", 0)
 
-    async def answer(self, user: str | None, question: str, *, k: int | None = None,
-                     max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: str | None = None, ignore_eos: bool = False,
-                     shed: bool = True) -> dict:
-        return await self._call(user_key(user), "answer", user, question, k=k,
-                                max_tokens=max_tokens, temperature=temperature, mode=mode,
-                                ignore_eos=ignore_eos, shed=shed)
+    async def answer(self, request: AnswerRequest) -> Answer:
+        return await self._call(user_key(request.user), "answer", request)
 
     async def hydrate(self, user: str, *, version: str = "latest", tier: str = "gpu") -> dict:
         """On the user's home replica (``hydrate maya`` lands where maya's requests go)."""
@@ -315,13 +303,19 @@ class ReplicaSet:
         return {"mode": self.mode, "routing": self.config.routing, "users": users,
                 "replicas": replicas}
 
+    async def render_metrics(self) -> bytes:
+        """Every running replica's scrape labelled with its slot, then the gateway's."""
+        return await self.metrics.render()
+
+    def close(self) -> None:
+        """Nothing to release: Ray Serve owns the replicas (and their engines)."""
+
 
 async def _result(response: Any) -> Any:
     return await response
 
 
-def _error_item(p: RemotePrepared, message: str, sent: int) -> dict:
+def _error_item(p: RemotePrepared, message: str, sent: int) -> Answer:
     """The last item of a stream the gateway ends: finish_reason ``error``, and why."""
-    info = {**p.prepared.info, "error": message}
-    gen = Generation([], "", 0.0, 0.0, len(p.prepared.ids), 0, 0, "error")
-    return {"generation": gen, "info": info}
+    gen = Generation([], "", 0.0, len(p.prepared.ids), 0, "error")
+    return Answer(gen, replace(p.prepared.info, error=message))

@@ -36,15 +36,19 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from inferscale.serve import leftovers
+from inferscale.serve.backend import Answer, AnswerInfo, AnswerRequest
 from inferscale.serve.placement import home
 from inferscale.serve.replica_set import ReplicaConfig, ReplicaSet
 from inferscale.settings import Settings
+
+if TYPE_CHECKING:
+    from inferscale.serve.server import Prepared
 
 log = logging.getLogger("inferscale.serve.replicas")
 APP_NAME = "inferscale"
@@ -145,46 +149,39 @@ class MemoryReplica:
     def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
-            server.memories.close()
-            server.engine.shutdown()  # unlinks the engine's shared memory
+            server.close()  # shuts the engine down, which unlinks its shared memory
 
     # ------------------------------------------------------------ chat
 
-    def _placed(self, info: dict) -> dict:
+    def _placed(self, info: AnswerInfo) -> None:
         """Count the request by placement and say where it was served."""
-        user = info.get("user")
-        if user is None:
+        if info.user is None:
             self.placement.labels("none").inc()
-            return info
-        h = home(user, range(self.world))
+            return
+        h = home(info.user, range(self.world))
         self.placement.labels("home" if h == self.slot else "away").inc()
-        info["replica"] = {"slot": self.slot, "home": h}
-        return info
+        info.replica = {"slot": self.slot, "home": h}
 
-    async def prepare(self, user: str | None, question: str, k: int | None, mode: str | None,
-                      max_tokens: int | None, shed: bool = True):
-        return await self.server.request(user, question, k, mode, max_tokens, shed)
+    async def prepare(self, request: AnswerRequest) -> Prepared:
+        return await self.server.prepare(request)
 
-    async def generate(self, prepared, elapsed_s: float, *, max_tokens: int | None = None,
-                       temperature: float = 0.0, ignore_eos: bool = False):
+    async def generate(self, prepared: Prepared, elapsed_s: float) -> AsyncIterator[str | Answer]:
         """Stream ``prepared`` (composed by ``prepare``, here or on a replica that died
-        since): text items, then ``{"generation", "info"}``. Cancelled or closed (the
-        gateway cancels the call when its client goes), it closes the answer at once:
-        vLLM aborts the request."""
+        since): text items, then the :class:`~inferscale.serve.backend.Answer`. Cancelled
+        or closed (the gateway cancels the call when its client goes), it closes the
+        answer at once: vLLM aborts the request."""
         import time
         from contextlib import aclosing
 
         self._placed(prepared.info)
         started = time.perf_counter() - elapsed_s
-        async with aclosing(self.server.answer_stream(
-                prepared, started, max_tokens=max_tokens, temperature=temperature,
-                ignore_eos=ignore_eos)) as items:
+        async with aclosing(self.server.answer_stream(prepared, started)) as items:
             async for item in items:
                 yield item
 
-    async def answer(self, user: str | None, question: str, **kwargs: Any) -> dict:
-        out = await self.server.answer(user, question, **kwargs)
-        self._placed(out["info"])
+    async def answer(self, request: AnswerRequest) -> Answer:
+        out = await self.server.answer(request)
+        self._placed(out.info)
         return out
 
     # ------------------------------------------------------------ admin
@@ -215,7 +212,7 @@ class MemoryReplica:
 
         if (gone := self._not_me(slot)) is not None:
             return gone
-        text = await self.server.metrics.render(self.server.engine)
+        text = await self.server.render_metrics()
         return {"replica": slot, "state": "running",
                 "text": (text + generate_latest(self.registry)).decode()}
 
@@ -246,20 +243,20 @@ class Gateway:
     def __init__(self, replicas: Any, overrides: dict, mode: str = "kv",
                  routing: str = "memory"):
         from inferscale.serve.api_models import RequestLimits
-        from inferscale.serve.app import policy_from
+        from inferscale.serve.access import policy_from
 
         settings = Settings(**overrides)
         self.policy = policy_from(settings, proxy_bind_host())  # refuses an unsafe setup
         self.limits = RequestLimits.from_settings(settings)
         self.model_name = settings.model
-        self.replicas = ReplicaSet(replicas, ReplicaConfig.from_settings(settings, routing),  # type: ignore
-                                   mode, 128, serve.get_replica_context().app_name,
+        self.replicas = ReplicaSet(replicas, ReplicaConfig.from_settings(settings, routing),
+                                   mode, serve.get_replica_context().app_name,
                                    MEMORY_DEPLOYMENT)
 
     def __serve_build_asgi_app__(self):
         from inferscale.serve.app import create_app
 
-        return create_app(self.replicas, self.policy, self.model_name, self.limits)  # type: ignore
+        return create_app(self.replicas, self.policy, self.model_name, self.limits)
 
 
 def build_app(args: dict | None = None):
@@ -328,7 +325,7 @@ def run_replicas(settings: Settings, mode: str, host: str, port: int, replicas: 
     engines with them, and what they left in shared memory: :func:`stop_replicas`)."""
     import ray
 
-    from inferscale.serve.app import policy_from
+    from inferscale.serve.access import policy_from
 
     policy_from(settings, host)  # ServeError: refused before Ray starts
     stop = threading.Event()

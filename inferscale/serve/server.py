@@ -19,6 +19,10 @@ request carries a ``cache_salt`` derived from its user, its memory's version and
 blocks. Every finished request is counted in the server's metrics
 (:mod:`inferscale.serve.metrics`), and so is every request aborted before it finished
 (its client went, or its caller cancelled it), with the tokens it had generated.
+
+:class:`MemoryServer` is the single-engine :class:`~inferscale.serve.backend.MemoryBackend`
+of the HTTP app. Every server is made by :func:`build_server` (``inferscale serve``'s
+:func:`start_server` from the settings, the replicas, the benchmarks, the tests).
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Literal
+from dataclasses import dataclass, field, replace
+from os import PathLike
+from typing import Any, AsyncIterator
 
 from inferscale.compose import ComposeError, Composer, memory_layout
 from inferscale.encode.identity import served_layout
+from inferscale.serve.backend import (
+    Answer, AnswerInfo, AnswerRequest, Mode, PromptTooLong, Timings,
+)
 from inferscale.serve.cold_requests import ColdRequests
 from inferscale.serve.cold_split import ColdSplitConfig, Split
 from inferscale.serve.engine import EngineConfig, Generation, MemoryEngine, Progress
@@ -45,47 +53,71 @@ from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
 
 log = logging.getLogger("inferscale.serve")
-Mode = Literal["kv", "prompt"]
 
 
-class PromptTooLong(ValueError):
-    """A composed prompt plus ``max_tokens`` beyond the engine's ``max_model_len``."""
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the memory server answers: the default ``mode``, ``top_k`` (INFERSCALE_TOP_K)
+    and ``max_tokens`` of a request that names none, its memory cache and its
+    compute-or-load split."""
+
+    mode: Mode = "kv"
+    top_k: int = 10
+    max_tokens: int = 128
+    cache: MemoryCacheConfig = field(default_factory=MemoryCacheConfig)
+    cold: ColdSplitConfig = field(default_factory=ColdSplitConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("kv", "prompt"):
+            raise ValueError(f"mode must be 'kv' or 'prompt', not {self.mode!r}")
+        if self.top_k < 1 or self.max_tokens < 1:
+            raise ValueError("top_k and max_tokens must be >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: Any, mode: Mode = "kv") -> "ServerConfig":
+        return cls(mode, settings.top_k, cache=MemoryCacheConfig.from_settings(settings),
+                   cold=ColdSplitConfig.from_settings(settings))
 
 
 @dataclass
 class Prepared:
-    """One request ready for the engine: prompt ids, memory to inject, salt, info.
-    ``abort_reason``: set by whoever stops reading its answer and knows why
-    (``client_disconnected``: the HTTP layer), for the abort count."""
+    """One request ready for the engine: prompt ids, memory to inject, salt, info, and
+    the request's parameters. ``abort_reason``: set by whoever stops reading its answer
+    and knows why (``client_disconnected``: the HTTP layer), for the abort count."""
 
     ids: list[int]
     ref: MemoryRef | None
     salt: str
-    info: dict
+    info: AnswerInfo
+    request: AnswerRequest
     split: Split | None = None  # the facts to read should the user be in neither tier
     abort_reason: str | None = None
 
 
 class MemoryServer:
-    """Retrieval + composition + the engine; the HTTP layer calls :meth:`answer`.
+    """Retrieval + composition + the engine: the single-engine
+    :class:`~inferscale.serve.backend.MemoryBackend` (made by :func:`build_server`).
 
     ``engine`` None (with ``fingerprint``, the model's): retrieval and composition only,
     nothing generated (the load benchmark composes stock vLLM's prompts with it)."""
 
     def __init__(self, engine: MemoryEngine | None, tokenizer: Any, embedder: Any, store: Any,
-                 mode: Mode = "kv", top_k: int = 10, max_tokens: int = 128,
-                 cache: MemoryCacheConfig | None = None, cold: ColdSplitConfig | None = None,
-                 fingerprint: str | None = None):
+                 config: ServerConfig, fingerprint: str | None = None):
         self.engine, self.tokenizer, self.embedder, self.store = engine, tokenizer, embedder, store
-        self.mode, self.top_k, self.max_tokens = mode, top_k, max_tokens
+        self.config = config
+        self.top_k, self.max_tokens = config.top_k, config.max_tokens
         self.fp = fingerprint or engine.config.model_fingerprint
-        self.memories = MemoryCache(self.read_user, self.latest_version, cache)
+        self.memories = MemoryCache(self.read_user, self.latest_version, config.cache)
         self._composers: dict[str, Composer] = {}
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
-        self.cold = ColdRequests(cold)  # the compute-or-load split of users in no tier
+        self.cold = ColdRequests(config.cold)  # the compute-or-load split of users in no tier
         self.metrics = ServingMetrics(self.memories, self.cold.estimator)  # the app's /metrics
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
 
     @property
     def max_model_len(self) -> int | None:
@@ -160,23 +192,22 @@ class MemoryServer:
 
         return latest_version(self.store, user, self.fp)
 
-    def compose(self, mem: UserMemory | None, user: str | None, question: str,
-                k: int | None = None, mode: Mode | None = None) -> Prepared:
-        """Embed, retrieve and compose for ``user`` whose memory is ``mem``.
+    def compose(self, mem: UserMemory | None, request: AnswerRequest) -> Prepared:
+        """Embed, retrieve and compose ``request`` of a user whose memory is ``mem``.
 
-        ``mode`` overrides the server's mode for this request (A/B on one engine)."""
-        mode = mode or self.mode
+        The request's ``mode`` overrides the server's (A/B on one engine)."""
+        user, question = request.user, request.question
+        mode = request.mode or self.mode
         t0 = time.perf_counter()
         composer = self._composer(None)
-        info: dict[str, Any] = {"user": user, "mode": mode, "facts": [], "version": None}
         if mem is None:  # no memory to use: the question alone
-            info["mode"] = "none"
             ids = composer.compose([composer.prefix_ids()], question)[0]
-            info["timings_ms"] = {"retrieve": 0.0, "compose": (time.perf_counter() - t0) * 1e3}
-            return Prepared(ids, None, request_salt(user, None, mode), info)
+            info = AnswerInfo(user, "none", timings_ms=Timings(
+                retrieve=0.0, compose=(time.perf_counter() - t0) * 1e3))
+            return Prepared(ids, None, request_salt(user, None, mode), info, request)
         q = self.embedder.embed([question])
         t1 = time.perf_counter()
-        facts = mem.index.topk(q[0], min(k or self.top_k, len(mem.fact_ids)))
+        facts = mem.index.topk(q[0], min(request.top_k or self.top_k, len(mem.fact_ids)))
         t2 = time.perf_counter()
         if mode == "kv":  # the artifact's layout: injected facts, then a text tail
             injected, tail = memory_layout(facts, mem.memory_order, mem.text_tail,
@@ -192,60 +223,58 @@ class MemoryServer:
                         supersedes=True) if mode == "kv" else None
         salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
-        info.update(facts=list(facts), version=mem.version, memory_tokens=m,
-                    text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail), timings_ms={
-                        "embed": (t1 - t0) * 1e3, "retrieve": (t2 - t1) * 1e3,
-                        "compose": (t3 - t2) * 1e3})
-        return Prepared(ids, ref, salt, info)
+        info = AnswerInfo(user, mode, list(facts), mem.version, memory_tokens=m,
+                          text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail),
+                          timings_ms=Timings((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        return Prepared(ids, ref, salt, info, request)
 
-    async def request(self, user: str | None, question: str, k: int | None = None,
-                      mode: Mode | None = None, max_tokens: int | None = None,
-                      shed: bool = True) -> Prepared:
+    async def prepare(self, request: AnswerRequest) -> Prepared:
         """The user's memory (off the event loop), then :meth:`compose`; PromptTooLong
-        when the prompt and ``max_tokens`` exceed the engine's context. ``shed``: the
-        user's first lookup may be shed under load (False: an API-key user); memory that
-        goes unused is named in ``info["fallback"]`` / ``["fallback_reason"]``."""
+        when the prompt and ``max_tokens`` exceed the engine's context. The request's
+        ``shed``: the user's first lookup may be shed under load (False: an API-key
+        user); memory that goes unused is named in the info's ``fallback``."""
         t0 = time.perf_counter()
-        found = await self.memories.lookup(user, shed) if user is not None else Lookup(None)
+        user = request.user
+        found = await self.memories.lookup(user, request.shed) if user is not None \
+            else Lookup(None)
         # off the event loop, which streams every other request's tokens: embedding the
         # question and reading the top-k back from the GPU wait for the device
         p = await asyncio.get_running_loop().run_in_executor(
-            self._retrieval, self.compose, found.memory, user, question, k, mode)
+            self._retrieval, self.compose, found.memory, request)
         if found.fallback:
-            p.info.update(fallback=found.fallback, fallback_reason=found.reason)
+            p.info.fallback = found.fallback
         mem = found.memory
         if p.ref is not None and p.ref.lengths and mem.kv_row_bytes and self.cold.on:
             p.split = self.cold.split(self.engine, p.ref.lengths, mem.kv_row_bytes)
             p.ref = replace(p.ref, cold_chunks=p.split.chunks,
                             read_deadline_s=p.split.deadline_s)
-        p.info["timings_ms"]["memory"] = (time.perf_counter() - t0) * 1e3
-        limit = self.max_model_len
-        if limit is not None and len(p.ids) + (max_tokens or self.max_tokens) > limit:
+        p.info.timings_ms.memory = (time.perf_counter() - t0) * 1e3
+        limit, max_tokens = self.max_model_len, request.max_tokens or self.max_tokens
+        if limit is not None and len(p.ids) + max_tokens > limit:
             raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "
-                                f"{max_tokens or self.max_tokens} it exceeds the model's "
-                                f"{limit}")
+                                f"{max_tokens} it exceeds the model's {limit}")
         return p
 
-    async def answer_stream(self, p: Prepared, started: float, *, max_tokens: int | None = None,
-                            temperature: float = 0.0, ignore_eos: bool = False
-                            ) -> AsyncIterator[str | dict]:
-        """Generate the prepared request (:meth:`request`, begun at ``started``,
+    async def answer_stream(self, prepared: Prepared,
+                            started: float) -> AsyncIterator[str | Answer]:
+        """Generate the prepared request (:meth:`prepare`, begun at ``started``,
         ``time.perf_counter()``) as tokens arrive: yield the text of each new output
-        (``""`` for tokens without text of their own yet), then ``{"generation",
-        "info"}`` as :meth:`answer` returns it. The finished request is counted in
-        :attr:`metrics`. The app's streaming responses call this.
+        (``""`` for tokens without text of their own yet), then the :class:`Answer` as
+        :meth:`answer` returns it. The finished request is counted in :attr:`metrics`.
+        The app's streaming responses call this.
 
         Closed early or cancelled, it closes the engine's generation at once (vLLM aborts
-        the request) and counts the abort: ``p.abort_reason``, else the reason a
+        the request) and counts the abort: ``prepared.abort_reason``, else the reason a
         cancellation carries (``client_disconnected``), else ``cancelled``."""
         first = gen = None
         progress = Progress()
+        p, request = prepared, prepared.request
         try:
             await self.cold.prefetch(self.engine, p.ref, p.split)
             async with aclosing(self.engine.generate_stream(
-                    p.ids, p.ref, max_tokens=max_tokens or self.max_tokens,
-                    temperature=temperature, ignore_eos=ignore_eos, cache_salt=p.salt,
-                    progress=progress)) as items:
+                    p.ids, p.ref, max_tokens=request.max_tokens or self.max_tokens,
+                    temperature=request.temperature, ignore_eos=request.ignore_eos,
+                    cache_salt=p.salt, progress=progress)) as items:
                 async for item in items:
                     if isinstance(item, Generation):
                         gen = item
@@ -257,44 +286,34 @@ class MemoryServer:
             self._aborted(p, exc, progress.tokens)
             raise
         assert gen is not None
-        info = p.info
-        info["timings_ms"].update(engine_ttft=gen.ttft_s * 1e3,
-                                  query_to_first_token=((first or started) - started) * 1e3)
-        info.update(injected_tokens=gen.injected_tokens, cached_tokens=gen.cached_tokens,
-                    completion_tokens=len(gen.token_ids))
-        if gen.facts_by_tier:
-            info.update(facts_by_tier=gen.facts_by_tier, storage_bytes=gen.storage_bytes)
-        if gen.fallback:
-            info.update(fallback=gen.fallback, fallback_reason=gen.fallback_reason)
+        info, reply = p.info, gen.reply
+        info.timings_ms.engine_ttft = gen.ttft_s * 1e3
+        info.timings_ms.query_to_first_token = ((first or started) - started) * 1e3
+        info.injected_tokens, info.cached_tokens = reply.injected_tokens, gen.cached_tokens
+        info.completion_tokens = len(gen.token_ids)
+        if reply.facts_by_tier:
+            info.facts_by_tier, info.storage_bytes = reply.facts_by_tier, reply.storage_bytes
+        if reply.fallback is not None:
+            info.fallback = reply.fallback
         self.cold.finished(p.ref, p.split, gen, info)
         self.metrics.observe(info, gen)
-        yield {"generation": gen, "info": info}
+        yield Answer(gen, info)
 
     def _aborted(self, p: Prepared, exc: BaseException, tokens: int) -> None:
         said = exc.args[0] if isinstance(exc, asyncio.CancelledError) and exc.args else None
         reason = p.abort_reason or (said if said in ABORT_REASONS else "cancelled")
-        mode = p.info.get("mode") or "none"
+        mode = p.info.mode or "none"
         self.metrics.count_abort(mode, reason, tokens)
         log.info("a %s request of user %s was aborted (%s) after %d generated tokens", mode,
-                 p.info.get("user"), reason, tokens)
+                 p.info.user, reason, tokens)
 
-    async def answer(self, user: str | None, question: str, *, k: int | None = None,
-                     max_tokens: int | None = None, temperature: float = 0.0,
-                     mode: Mode | None = None, ignore_eos: bool = False,
-                     shed: bool = True) -> dict:
-        """Memory, retrieve, compose, generate: ``{"generation": Generation, "info":
-        dict}`` (``info``: mode, facts, version, ``memory_tokens`` = the memory's tokens
-        in the prompt however vLLM got them (injected, prefix-cache hits, or prefilled),
-        ``injected_tokens`` = those the connector injected, ``cached_tokens``,
-        ``text_tail_tokens``, the fallback if any, and timings in ms: memory, embed,
-        retrieve, compose, engine_ttft, query_to_first_token). ``shed``: as for
-        :meth:`request`."""
+    async def answer(self, request: AnswerRequest) -> Answer:
+        """Memory, retrieve, compose, generate: the :class:`Answer` (the generation, and
+        its :class:`~inferscale.serve.backend.AnswerInfo`)."""
         started = time.perf_counter()
-        max_tokens = max_tokens or self.max_tokens
-        p = await self.request(user, question, k, mode, max_tokens, shed)
-        async for item in self.answer_stream(p, started, max_tokens=max_tokens,
-                                             temperature=temperature, ignore_eos=ignore_eos):
-            if isinstance(item, dict):
+        p = await self.prepare(request)
+        async for item in self.answer_stream(p, started):
+            if isinstance(item, Answer):
                 return item
         raise RuntimeError("the answer finished without a result")
 
@@ -315,40 +334,72 @@ class MemoryServer:
         self.memories.drop(user)
         return await self.engine.evict(user)
 
+    async def render_metrics(self) -> bytes:
+        return await self.metrics.render(self.engine)
+
+    def close(self) -> None:
+        """Stop the memory cache's loads and shut the engine down (it unlinks its shared
+        memory)."""
+        self.memories.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def build_server(engine: MemoryEngine | None, tokenizer: Any, embedder: Any, store: Any,
+                 config: ServerConfig | None = None, *,
+                 fingerprint: str | None = None) -> MemoryServer:
+    """A memory server: the one way one is made (:func:`start_server`, the replicas, the
+    benchmarks, the tests).
+
+    ``engine``: a running engine (several servers may share one), or None: retrieval and
+    composition only, nothing generated, ``fingerprint`` naming the model (the load
+    benchmark composes stock vLLM's prompts so). ``tokenizer``: the model's, or the
+    checkpoint directory to load it from. ``store``: the artifact store's config."""
+    if engine is None and not fingerprint:
+        raise ValueError("a server without an engine needs the model's fingerprint")
+    if engine is not None and fingerprint not in (None, engine.config.model_fingerprint):
+        raise ValueError("fingerprint differs from the engine's model fingerprint")
+    if isinstance(tokenizer, (str, PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return MemoryServer(engine, tokenizer, embedder, store, config or ServerConfig(),
+                        fingerprint)
+
 
 async def start_server(settings: Any, mode: Mode = "kv") -> tuple[MemoryServer, str]:
-    """Engine (with the connector), tokenizer, embedder and store from ``settings``."""
+    """``inferscale serve``'s server: engine (with the connector), tokenizer, embedder
+    and store from ``settings``; with the name it serves the model under."""
     import torch
-    from transformers import AutoTokenizer
 
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.models import checkpoint_fingerprint, resolve_checkpoint
     from inferscale.serve.retrieval import Embedder
 
-    cuda = settings.resolved_device().startswith("cuda")
     ckpt = resolve_checkpoint(settings.model, settings.home)
     store = StoreConfig.from_settings(settings)
-    engine = await MemoryEngine(EngineConfig(
-        model=str(ckpt), connector=ConnectorConfig.from_store(
-            store, model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
-            gpu_budget_bytes=settings.gpu_budget_bytes,
-            host_budget_bytes=settings.host_budget_bytes),
-        dtype="auto" if cuda else "float32",
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        max_model_len=settings.max_model_len,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not cuda,
-        cudagraph_max_tokens=settings.cudagraph_max_tokens,
-    )).start()
+    connector = ConnectorConfig.from_store(
+        store, model_fingerprint=checkpoint_fingerprint(ckpt, settings.home),
+        gpu_budget_bytes=settings.gpu_budget_bytes, host_budget_bytes=settings.host_budget_bytes)
+    engine = await MemoryEngine(EngineConfig.from_settings(settings, str(ckpt), connector)).start()
+    cuda = settings.resolved_device().startswith("cuda")
     embedder = Embedder(settings.embedder, device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
     embedder.prewarm()
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    server = MemoryServer(engine, tokenizer, embedder, store, mode=mode, top_k=settings.top_k,
-                          cache=MemoryCacheConfig.from_settings(settings),
-                          cold=ColdSplitConfig.from_settings(settings))
-    return server, settings.model
+    return build_server(engine, ckpt, embedder, store,
+                        ServerConfig.from_settings(settings, mode)), settings.model
+
+
+async def serve_forever(settings: Any, mode: Mode, host: str, port: int) -> None:
+    """``inferscale serve``: check the access policy first (before loading anything),
+    then serve :func:`start_server`'s server until stopped."""
+    from inferscale.serve.access import policy_from
+    from inferscale.serve.api_models import RequestLimits
+    from inferscale.serve.app import serve_app
+
+    policy = policy_from(settings, host)
+    server, name = await start_server(settings, mode)
+    await serve_app(server, policy, name, host, port, RequestLimits.from_settings(settings))
 
 
 def _row_bytes(kv: dict) -> int:

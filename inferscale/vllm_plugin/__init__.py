@@ -7,7 +7,10 @@ vLLM loads it by name (:mod:`inferscale.vllm_plugin.config`: ``kv_connector_modu
   :mod:`~inferscale.vllm_plugin.scheduler` (which requests get memory KV) and
   :mod:`~inferscale.vllm_plugin.worker` (the resident slabs, the loads), which talk
   through :mod:`~inferscale.vllm_plugin.metadata` and count what fails inside them in
-  :mod:`~inferscale.vllm_plugin.failures` (nothing escapes into vLLM's step);
+  :mod:`~inferscale.vllm_plugin.failures` (nothing escapes into vLLM's step; a request's
+  memory that goes unused says why: a typed fallback);
+- :mod:`~inferscale.vllm_plugin.storage_reads`: the worker's reads of non-resident users'
+  facts from storage, for waiting requests;
 - :mod:`~inferscale.vllm_plugin.inject`: one step's gather, rotate and write;
   :mod:`~inferscale.vllm_plugin.kernels`: the fused kernels behind it;
 - :mod:`~inferscale.vllm_plugin.worker_ext`: the collective-RPC endpoints of the worker;

@@ -6,14 +6,19 @@ tokens" (the request prefills), a failed load is recomputed by vLLM. Each half k
 worker's status) and logs each with its cause, the traceback only the first time a
 cause is seen.
 
-A request whose memory was prefilled instead of injected says why in its
-``kv_transfer_params`` (``fallback``, a sentence written by the scheduler half);
-:func:`fallback_reason` names its class (:data:`FALLBACK_REASONS`) for metrics.
+A request whose memory was prefilled instead of injected says why (in its
+``kv_transfer_params``, :class:`~inferscale.vllm_plugin.metadata.MemoryReply`): a
+:class:`Fallback`, whose :class:`FallbackReason` is decided where the scheduler half
+refuses the request and travels as its value; nothing reads a reason back from words.
+The server types its own fallbacks (memory it did not use at all) the same way.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Any, Generic, TypeVar
 
 # Under vLLM's logger namespace, so its handlers print these in every engine process.
 log = logging.getLogger("vllm.inferscale.connector")
@@ -39,29 +44,36 @@ class Failures:
         return cause
 
 
-# Why a request's memory was prefilled, as a metric label, and the beginnings of the
-# scheduler half's ``fallback`` sentences (scheduler.py) that fall in each class.
-FALLBACK_REASONS = ("not_resident", "stale_version", "fingerprint_mismatch", "token_mismatch",
-                    "load_error", "connector_error", "other")
-_FALLBACK_PREFIXES = (
-    ("user not resident", "not_resident"),
-    ("stale version", "stale_version"),
-    ("artifact model fingerprint differs", "fingerprint_mismatch"),
-    ("prompt does not begin with the memory", "token_mismatch"),
-    ("unknown chunk", "token_mismatch"),
-    ("no chunks named", "token_mismatch"),
-    ("memory load failed", "load_error"),  # the worker refused or failed the load
-    ("connector error in", "connector_error"),  # a scheduler hook raised
-    ("connector disabled", "connector_error"),
-)
+class FallbackReason(StrEnum):
+    """Why a request's named memory was prefilled instead of injected: what the scheduler
+    half decided on, and (its value) the label of ``inferscale_fallbacks_total`` and the
+    answer's ``fallback_reason``."""
+
+    NOT_RESIDENT = "not_resident"  # no rank holds the user (or not every rank does)
+    STALE_VERSION = "stale_version"  # the workers hold another version of the user
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # the artifact's model is not the engine's
+    TOKEN_MISMATCH = "token_mismatch"  # no or unknown chunks; the prompt is not the memory's
+    LOAD_ERROR = "load_error"  # the worker refused or failed the load (recomputed)
+    CONNECTOR_ERROR = "connector_error"  # a scheduler hook raised, or the connector stopped
+    OTHER = "other"  # a reason this side does not know (a reply from another release)
+
+    @classmethod
+    def of(cls, value: Any) -> "FallbackReason":
+        """The reason whose value is ``value``; :attr:`OTHER` for any other value."""
+        try:
+            return cls(value)
+        except (ValueError, TypeError):
+            return cls.OTHER
 
 
-def fallback_reason(fallback: str | None) -> str | None:
-    """The class (one of :data:`FALLBACK_REASONS`) of a request's ``fallback`` sentence;
-    None when the request had no fallback."""
-    if not fallback:
-        return None
-    for prefix, reason in _FALLBACK_PREFIXES:
-        if fallback.startswith(prefix):
-            return reason
-    return "other"
+R = TypeVar("R", bound=Enum)
+
+
+@dataclass(frozen=True)
+class Fallback(Generic[R]):
+    """Why memory went unused for a request: ``reason``, its class (an enum: what
+    behaviour and metric labels depend on), and ``detail``, the same in words (logs and
+    the answer's ``fallback``), never parsed."""
+
+    reason: R
+    detail: str

@@ -2,7 +2,8 @@
 
 Server <-> scheduler, through a request's ``kv_transfer_params`` under :data:`PARAMS_KEY`:
 :class:`MemoryRef` (which memory the request uses) in, :class:`MemoryReply` (what was
-injected, from which tier, or why not) back with the finished request. Each has one
+injected, from which tier, or why not: a :class:`~inferscale.vllm_plugin.failures.Fallback`
+whose reason travels as its value) back with the finished request. Each has one
 ``to_params``/``from_params`` pair, used on both sides.
 
 Scheduler -> worker, once per step: :class:`InferScaleMetadata` — the step's loads of
@@ -10,9 +11,11 @@ resident memory (:class:`LoadSpec`), reads of non-resident users' facts from sto
 (:class:`FetchSpec`), background reloads (:class:`ReloadOrder`) and the durations of
 the last busy steps.
 
-Worker -> scheduler: :class:`ResidencyReport` — which (user, version) became resident or
-went away on which tensor-parallel rank (:class:`ResidentInfo`), failed reloads and loads,
-and where each load's facts came from. Under tensor parallelism every rank reports; vLLM
+Worker -> scheduler: :class:`ResidencyReport` — which (user, version) became resident
+(:class:`ResidentAdded`, with its :class:`ResidentInfo`) or went away
+(:class:`ResidentRemoved`) on which tensor-parallel rank, the reloads and loads that failed
+(:class:`FailedReload`, :class:`FailedLoad`) and where each load's facts came from
+(:class:`LoadSources`). Under tensor parallelism every rank reports; vLLM
 merges the ranks' reports with :meth:`ResidencyReport.aggregate`.
 """
 
@@ -28,8 +31,7 @@ import numpy as np
 from inferscale.hydrate.resident import Resident
 from inferscale.vllm_plugin.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 from inferscale.vllm_plugin.config import PARAMS_KEY
-
-TIER_SOURCES = ("gpu", "host", "storage")  # where an injected fact was read from
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason
 
 
 def request_salt(user: str | None, version: str | None, kind: str) -> str:
@@ -148,7 +150,7 @@ class MemoryReply:
     for a user in neither tier how its facts were split (:class:`ColdSplit`)."""
 
     injected_tokens: int = 0
-    fallback: str | None = None
+    fallback: Fallback[FallbackReason] | None = None
     facts_by_tier: dict = field(default_factory=dict)  # "gpu" | "host" | "storage" -> n
     storage_bytes: int = 0
     cold: ColdSplit | None = None
@@ -157,8 +159,9 @@ class MemoryReply:
         body: dict[str, Any] = {"injected_tokens": self.injected_tokens,
                                 "facts_by_tier": dict(self.facts_by_tier),
                                 "storage_bytes": self.storage_bytes}
-        if self.fallback:
-            body["fallback"] = self.fallback
+        if self.fallback is not None:
+            body["fallback"] = self.fallback.detail
+            body["fallback_reason"] = self.fallback.reason.value
         if self.cold is not None:
             body["cold"] = self.cold.to_params()
         return {PARAMS_KEY: body}
@@ -166,7 +169,11 @@ class MemoryReply:
     @classmethod
     def from_params(cls, params: dict | None) -> "MemoryReply":
         body = (params or {}).get(PARAMS_KEY) or {}
-        return cls(int(body.get("injected_tokens") or 0), body.get("fallback"),
+        fallback = None
+        if body.get("fallback"):
+            fallback = Fallback(FallbackReason.of(body.get("fallback_reason")),
+                                str(body["fallback"]))
+        return cls(int(body.get("injected_tokens") or 0), fallback,
                    dict(body.get("facts_by_tier") or {}), int(body.get("storage_bytes") or 0),
                    ColdSplit.from_params(body.get("cold")))
 
@@ -237,20 +244,60 @@ class ResidentInfo:
         return cls(r.user, r.version, r.fingerprint, r.token_ids if with_tokens else {})
 
 
+@dataclass(frozen=True)
+class ResidentAdded:
+    """Tensor-parallel rank ``rank`` holds ``info``'s (user, version) now."""
+
+    rank: int
+    info: ResidentInfo
+
+
+@dataclass(frozen=True)
+class ResidentRemoved:
+    """Tensor-parallel rank ``rank`` no longer holds ``user``'s ``version``."""
+
+    rank: int
+    user: str
+    version: str
+
+
+@dataclass(frozen=True)
+class FailedReload:
+    """A background reload of ``user``'s ``version`` that failed, and why."""
+
+    user: str
+    version: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailedLoad:
+    """Request ``req_id``'s load that the worker refused or failed, and why (recomputed)."""
+
+    req_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadSources:
+    """Where request ``req_id``'s injected facts came from: facts by tier, and the bytes
+    read from storage for it."""
+
+    req_id: str
+    facts_by_tier: dict[str, int]
+    storage_bytes: int = 0
+
+
 @dataclass
 class ResidencyReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: residency changes since the last report, oldest first, the
-    reloads and loads that failed, and per load where its facts came from.
+    """Worker -> scheduler: residency changes since the last report, oldest first, each
+    naming the reporting worker's tensor-parallel rank; the reloads and loads that failed;
+    and per load where its facts came from (rank 0's only)."""
 
-    ``changes`` holds ``(rank, "add", ResidentInfo)`` and ``(rank, "remove", (user,
-    version))``, ``rank`` being the reporting worker's tensor-parallel rank.
-    """
-
-    changes: list[tuple[int, str, Any]] = field(default_factory=list)
-    failed_reloads: list[tuple[str, str, str]] = field(default_factory=list)  # + reason
-    failed_loads: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
-    # (request id, {tier: facts}, bytes read from storage); rank 0's only
-    sources: list[tuple[str, dict, int]] = field(default_factory=list)
+    changes: list[ResidentAdded | ResidentRemoved] = field(default_factory=list)
+    failed_reloads: list[FailedReload] = field(default_factory=list)
+    failed_loads: list[FailedLoad] = field(default_factory=list)
+    sources: list[LoadSources] = field(default_factory=list)
 
     def aggregate(self, other: "ResidencyReport") -> "ResidencyReport":
         """vLLM's merge of the ranks' reports of one step (``KVOutputAggregator``, in

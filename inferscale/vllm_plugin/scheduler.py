@@ -47,11 +47,11 @@ import numpy as np
 
 from inferscale.vllm_plugin.compat import block_ids_of
 from inferscale.vllm_plugin.config import ConnectorConfig
-from inferscale.vllm_plugin.failures import Failures
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason, Failures
 from inferscale.types import PREFIX_ID
 from inferscale.vllm_plugin.metadata import (
     ColdSplit, FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply, ReloadOrder,
-    ResidencyReport, ResidentInfo,
+    ResidencyReport, ResidentAdded, ResidentInfo,
 )
 
 if TYPE_CHECKING:
@@ -94,11 +94,11 @@ class ConnectorScheduler:
         self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
         self.injected_tokens: dict[str, int] = {}
         self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
-        self._fallbacks: dict[str, str] = {}  # request id -> why memory was prefilled
+        self._fallbacks: dict[str, Fallback] = {}  # request id -> why memory was prefilled
         self._cold: dict[str, ColdSplit] = {}  # request id -> its split (user in no tier)
         self._recompute: set[str] = set()  # its read failed: vLLM asks again, it prefills
         self._unloadable: set[str] = set()  # admitted, but no load could be planned
-        self._disabled: str | None = None  # set: no memory is admitted any more
+        self._disabled: Fallback | None = None  # set: no memory is admitted any more
         self.failures = Failures()
         # step timing: the last step's start and requests, requests finished since
         self._step_at: float | None = None
@@ -137,12 +137,12 @@ class ConnectorScheduler:
         if refused is not None:
             if ref.cold_chunks is not None:
                 n = min(n, ref.cold_chunks)
-            why = self._unfetchable(ref, request, refused, n)
+            why = self._unfetchable(ref, request, *refused, n)
             fetch = why is None  # from storage, then
         if why is not None:
             if self._fallbacks.get(req_id) != why:
                 log.warning("request %s (user %s, version %s): prefilling memory, %s",
-                            req_id, ref.user, ref.version[:12], why)
+                            req_id, ref.user, ref.version[:12], why.detail)
             self._fallbacks[req_id] = why
             return 0, False
         self._fallbacks.pop(req_id, None)
@@ -158,16 +158,14 @@ class ConnectorScheduler:
         self._plans[req_id] = _Plan(ref, num_computed_tokens, end, bool(fetch), n)
         return end - num_computed_tokens, bool(fetch)
 
-    def _unfetchable(self, ref: MemoryRef, request: "Request", why: str,
-                     n: int) -> str | None:
+    def _unfetchable(self, ref: MemoryRef, request: "Request", why: Fallback,
+                     fetchable: bool, n: int) -> Fallback | None:
         """None when a refused request's first ``n`` chunks can be read from storage for
-        it instead (nobody holds the user, or an older version it supersedes; the ref
-        says how long its chunks are; the tokens in flight stay within
+        it instead (``fetchable``: nobody holds the user, or an older version it
+        supersedes; the ref says how long its chunks are; the tokens in flight stay within
         ``fetch_tokens``), else why not."""
-        if not (ref.lengths and self.config.fetch_tokens and self.config.artifact_root):
-            return why
-        if not (why == "user not resident" or why.startswith("stale version") and
-                ref.supersedes) or self._disabled:
+        if not (fetchable and ref.lengths and self.config.fetch_tokens and
+                self.config.artifact_root) or self._disabled:
             return why
         need = sum(ref.lengths[:n])
         if len(request.prompt_token_ids) <= sum(ref.lengths):
@@ -176,24 +174,27 @@ class ConnectorScheduler:
             return None
         in_flight = sum(self._fetching.values())
         if in_flight + need > self.config.fetch_tokens:
-            return f"{why}, storage reads busy ({in_flight} tokens in flight)"
+            return Fallback(why.reason, f"{why.detail}, storage reads busy ({in_flight} "
+                                        "tokens in flight)")
         return None
 
     def _failed(self, hook: str, req_id: str, exc: BaseException) -> None:
         """A hook raised for ``req_id``: count, log, and prefill its memory."""
         self._plans.pop(req_id, None)
-        fallback = f"connector error in {hook}: {type(exc).__name__}: {exc}"
+        fallback = Fallback(FallbackReason.CONNECTOR_ERROR,
+                            f"connector error in {hook}: {type(exc).__name__}: {exc}")
         if self._fallbacks.get(req_id) != fallback:  # once per request, not per retry
             self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
             self._fallbacks[req_id] = fallback
 
-    def _refusal(self, ref: MemoryRef, request: "Request") -> str | None:
-        """Why this request's memory cannot be injected from resident memory, or None
-        when it can. A miss orders a background reload when the workers (some ranks,
-        under tensor parallelism) hold nothing of the user, or hold another version and
-        the request's version ``supersedes`` it."""
+    def _refusal(self, ref: MemoryRef, request: "Request") -> tuple[Fallback, bool] | None:
+        """Why this request's memory cannot be injected from resident memory, with whether
+        its chunks may be read from storage instead (no rank holds the user, or the ranks
+        hold an older version the request ``supersedes``); None when it can be injected.
+        A miss orders a background reload when the workers (some ranks, under tensor
+        parallelism) hold nothing of the user, or hold another version it supersedes."""
         if self._disabled:
-            return self._disabled
+            return self._disabled, False
         user, version = ref.user, ref.version
         info = self._resident(user, version)
         if info is None:
@@ -201,27 +202,30 @@ class ConnectorScheduler:
             others = [v for v in held if v != version]
             if not held:
                 self._order_reload(user, version, self.config.reload_tier)
-                return "user not resident"
+                return Fallback(FallbackReason.NOT_RESIDENT, "user not resident"), True
             if others:  # (some ranks may hold this version already: mid-reload)
                 if ref.supersedes:
                     self._order_reload(user, version, None)  # into the old version's tier
-                return f"stale version (workers hold {others[0][:12]})"
+                return Fallback(FallbackReason.STALE_VERSION, "stale version (workers hold "
+                                f"{others[0][:12]})"), ref.supersedes
             # some ranks hold this version, the others nothing (their own budgets dropped it)
             self._order_reload(user, version, self.config.reload_tier)  # holders skip it
-            return (f"user not resident on every rank ({len(held)} of {self.tp_size} "
-                    "hold it)")
+            why = f"user not resident on every rank ({len(held)} of {self.tp_size} hold it)"
+            return Fallback(FallbackReason.NOT_RESIDENT, why), False
         if info.fingerprint != self.config.model_fingerprint:
-            return "artifact model fingerprint differs from the engine's"
+            return Fallback(FallbackReason.FINGERPRINT_MISMATCH,
+                            "artifact model fingerprint differs from the engine's"), False
         if not ref.chunks:
-            return "no chunks named"
+            return Fallback(FallbackReason.TOKEN_MISMATCH, "no chunks named"), False
         ids: list[int] = []
         for c in ref.chunks:
             if c not in info.token_ids:
-                return f"unknown chunk {c!r}"
+                return Fallback(FallbackReason.TOKEN_MISMATCH, f"unknown chunk {c!r}"), False
             ids.extend(info.token_ids[c])
         prompt = request.prompt_token_ids or []
         if len(prompt) <= len(ids) or list(prompt[:len(ids)]) != ids:
-            return "prompt does not begin with the memory's token ids"
+            return Fallback(FallbackReason.TOKEN_MISMATCH,
+                            "prompt does not begin with the memory's token ids"), False
         return None
 
     def _resident(self, user: str, version: str) -> ResidentInfo | None:
@@ -296,7 +300,8 @@ class ConnectorScheduler:
             # loaded nor reported, so no request is admitted from now on
             cause = self.failures.record("build_connector_meta", exc,
                                          "no memory is injected from now on")
-            self._disabled = f"connector disabled after an error ({cause})"
+            self._disabled = Fallback(FallbackReason.CONNECTOR_ERROR,
+                                      f"connector disabled after an error ({cause})")
         meta.scheduler_errors = self.failures.count
         meta.step_seconds, self._steps = self._steps, []
         self._hook_s += time.perf_counter() - t0
@@ -359,22 +364,22 @@ class ConnectorScheduler:
                                  "the residency view may lag (loads are checked by workers)")
 
     def _apply(self, report: ResidencyReport) -> None:
-        for rank, op, payload in report.changes:
-            held = self._ranks[rank]
-            if op == "remove":
-                user, version = payload
+        for change in report.changes:
+            held = self._ranks[change.rank]
+            if not isinstance(change, ResidentAdded):  # removed
+                user, version = change.user, change.version
                 if user in held and held[user].version == version:
                     del held[user]
                 self._reload_pending.discard((user, version))
                 continue
-            info: ResidentInfo = payload
+            info = change.info
             held[info.user] = info  # a rank holds one version per user
             if self._resident(info.user, info.version) is not None:  # every rank holds it
                 self._reload_pending.discard((info.user, info.version))
                 self._reload_failed.pop((info.user, info.version), None)
         failed: dict[tuple[str, str], str] = {}  # one failure however many ranks report it
-        for user, version, reason in report.failed_reloads:
-            failed.setdefault((user, version), reason)
+        for f in report.failed_reloads:
+            failed.setdefault((f.user, f.version), f.reason)
         for key, reason in failed.items():
             user, version = key
             failures = self._reload_failed.get(key, (0, 0.0))[0] + 1
@@ -384,16 +389,18 @@ class ConnectorScheduler:
             log.warning("reload of user %s version %s failed (%d in a row; next try in "
                         "%.0f s at the earliest): %s", user, version[:12], failures, wait,
                         reason)
-        for req_id, reason in report.failed_loads:  # the worker logged and counted it
+        for load in report.failed_loads:  # the worker logged and counted it
+            req_id = load.req_id
             if self.injected_tokens.pop(req_id, None) is not None:
-                self._fallbacks[req_id] = f"memory load failed ({reason}); recomputed"
+                self._fallbacks[req_id] = Fallback(
+                    FallbackReason.LOAD_ERROR, f"memory load failed ({load.reason}); recomputed")
             # vLLM asks again for a request whose asynchronous load left nothing valid
             self._recompute.add(req_id)
             cold = self._cold.get(req_id)
             if cold is not None:  # every fact was computed after all
                 self._cold[req_id] = ColdSplit(0, cold.loaded + cold.computed, cold.read)
-        for req_id, tiers, nbytes in report.sources:
-            self._sources[req_id] = (tiers, nbytes)
+        for s in report.sources:
+            self._sources[s.req_id] = (s.facts_by_tier, s.storage_bytes)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict | None]:

@@ -2,19 +2,19 @@
 
 :class:`ConnectorWorker` owns the worker's resident store
 (:class:`~inferscale.hydrate.store.ResidentStore`), its loader and its reads of
-non-resident users' facts (:class:`~inferscale.vllm_plugin.fetches.Fetches`). Each step,
-:meth:`~ConnectorWorker.start_load_kv` starts the reloads and reads the scheduler ordered,
-checks every load against the worker's own store (never trusting the scheduler's view),
-and writes the rotated K and V of the step's loads and of the reads that completed into
-every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`), holding the store's
-read lock only while the writes are enqueued. A load that cannot be served is reported
-through :meth:`~ConnectorWorker.get_block_ids_with_load_errors` and vLLM recomputes those
-blocks (``kv_load_failure_policy="recompute"``): never wrong KV, and nothing escapes into
-vLLM's step; a completed read is reported through :meth:`~ConnectorWorker.get_finished`.
-Failures are logged once, counted and reported to the scheduler (the answer then says
-``fallback: memory load failed``). The worker also keeps the histograms of busy engine
-steps (timed by the scheduler half) and of its injections that the server's /metrics
-reads.
+non-resident users' facts (:class:`~inferscale.vllm_plugin.storage_reads.StorageReads`).
+Each step, :meth:`~ConnectorWorker.start_load_kv` starts the reloads and reads the
+scheduler ordered, checks every load against the worker's own store (never trusting the
+scheduler's view), and writes the rotated K and V of the step's loads and of the reads
+that completed into every layer's paged blocks (:mod:`inferscale.vllm_plugin.inject`),
+holding the store's read lock only while the writes are enqueued. A load that cannot be
+served is reported through :meth:`~ConnectorWorker.get_block_ids_with_load_errors` and
+vLLM recomputes those blocks (``kv_load_failure_policy="recompute"``): never wrong KV, and
+nothing escapes into vLLM's step; a completed read is reported through
+:meth:`~ConnectorWorker.get_finished`. Failures are logged once, counted and reported to
+the scheduler (the answer then says ``fallback: memory load failed``). The worker also
+keeps the histograms of busy engine steps (timed by the scheduler half) and of its
+injections that the server's /metrics reads.
 
 Under tensor parallelism there is one :class:`ConnectorWorker` per rank: its store keeps
 only the rank's KV heads of every slab (:class:`~inferscale.hydrate.resident.HeadShard`),
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from inferscale.artifacts.direct_io import read_counts
-from inferscale.hydrate.fetch import FactReader
+from inferscale.hydrate.fact_reader import FactReader
 from inferscale.hydrate.loader import ResidentLoader
 from inferscale.hydrate.resident import HeadShard, Resident
 from inferscale.hydrate.slab import READS
@@ -44,11 +44,12 @@ from inferscale.vllm_plugin.compat import (
 )
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Failures
-from inferscale.vllm_plugin.fetches import Fetched, Fetches
+from inferscale.vllm_plugin.storage_reads import Fetched, StorageReads
 from inferscale.vllm_plugin.inject import Job, Staging, StepLoad, verify_step
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 from inferscale.vllm_plugin.metadata import (
-    InferScaleMetadata, LoadSpec, ResidencyReport, ResidentInfo,
+    FailedLoad, FailedReload, InferScaleMetadata, LoadSources, LoadSpec, ResidencyReport,
+    ResidentAdded, ResidentInfo, ResidentRemoved,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class ConnectorWorker:
                                      config.reload_bytes_per_s, direct_io=config.direct_io)
         reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers,
                             geometry=self.geometry) if config.artifact_root else None
-        self.fetches = Fetches(self.store, reader, config.model_fingerprint,
+        self.fetches = StorageReads(self.store, reader, config.model_fingerprint,
                                config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
         # where the time goes, for /metrics: busy engine steps (timed by the scheduler
@@ -105,10 +106,10 @@ class ConnectorWorker:
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
         self.facts_by_tier = dict.fromkeys(("gpu", "host", "storage"), 0)
-        self._sources: list[tuple[str, dict, int]] = []
+        self._sources: list[LoadSources] = []
         self.rotary: torch.nn.Module | None = None
         self._invalid_blocks: set[int] = set()
-        self._failed_loads: list[tuple[str, str]] = []  # (request id, reason)
+        self._failed_loads: list[FailedLoad] = []
         self.failures = Failures()
         self.scheduler_errors = 0  # the scheduler half's count, as its last metadata said
         self.loaded_tokens = 0
@@ -192,8 +193,7 @@ class ConnectorWorker:
         return {**self.fetches.stats(), "step_s": self.step_s, "tp_rank": self.tp_rank}
 
     def status(self) -> dict:
-        store = self.store
-        heads = self.heads
+        store, heads = self.store, self.heads
         return {"tp_rank": self.tp_rank,
                 "kv_heads": [heads.start, heads.count] if heads is not None else None,
                 "residents": store.residents(), "loaded_tokens": self.loaded_tokens,
@@ -292,15 +292,15 @@ class ConnectorWorker:
             fence = self.store.fence()
         for got in fetched:  # read by the kernels just enqueued: reusable after the fence
             self.store.release(got.resident.region, fence)
-        done = {s.req_id for s in specs} - {r for r, _ in self._failed_loads}
+        done = {s.req_id for s in specs} - {f.req_id for f in self._failed_loads}
         if self.tp_rank == 0:
             nbytes = {g.spec.req_id: g.nbytes for g in fetched}
             for job, spec in zip(jobs, specs):
                 if spec.req_id in done:
-                    tier = job.resident.tier
-                    facts = sum(c != PREFIX_ID for c in spec.chunks)
+                    tier, facts = job.resident.tier, sum(c != PREFIX_ID for c in spec.chunks)
                     self.facts_by_tier[tier] += facts
-                    self._sources.append((spec.req_id, {tier: facts}, nbytes.get(spec.req_id, 0)))
+                    self._sources.append(LoadSources(spec.req_id, {tier: facts},
+                                                     nbytes.get(spec.req_id, 0)))
         return step
 
     def _run_all(self, jobs: list[Job], specs: list[LoadSpec],
@@ -366,7 +366,7 @@ class ConnectorWorker:
             self.failures.count += 1
             log.warning("%s refused (%s); recomputing its blocks", what, why)
         self._invalid_blocks.update(spec.block_ids)
-        self._failed_loads.append((spec.req_id, why))
+        self._failed_loads.append(FailedLoad(spec.req_id, why))
 
     def _check(self, spec: LoadSpec, resident: Resident | None) -> str | None:
         """Why ``spec`` cannot be loaded from ``resident`` (None: it can): once per load,
@@ -413,7 +413,7 @@ class ConnectorWorker:
         if not events and not failed and not loads and not sources:
             return None
         rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
-        changes = [(rank, "add", ResidentInfo.of(e.resident, with_tokens=rank == 0))
-                   if e.op == "add" else (rank, "remove", (e.user, e.version))
+        changes = [ResidentAdded(rank, ResidentInfo.of(e.resident, with_tokens=rank == 0))
+                   if e.op == "add" else ResidentRemoved(rank, e.user, e.version)
                    for e in events]
-        return ResidencyReport(changes, failed, loads, sources)
+        return ResidencyReport(changes, [FailedReload(*f) for f in failed], loads, sources)

@@ -13,7 +13,9 @@ own KV heads (the results name the rank, ``tp_rank``, and its heads, ``kv_heads`
 Reached only by name, through vLLM's ``collective_rpc``, from
 :class:`inferscale.serve.engine.MemoryEngine` (attach at start-up, admin commands, load
 verification, the counters ``/metrics`` reads at scrape time, and per cold request the
-prefetch of its facts and the storage statistics of the compute-or-load split).
+prefetch of its facts and the storage statistics of the compute-or-load split). The
+tests' engines load a subclass with fault injection (``tests/fault_injection.py``):
+nothing here exists only for tests.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from inferscale.vllm_plugin.connector import InferScaleConnector
 from inferscale.vllm_plugin.worker import ConnectorWorker
 
 
-def _worker() -> ConnectorWorker:
+def connector_worker() -> ConnectorWorker:
+    """This worker process's connector half (RuntimeError: the engine has none)."""
     conn = kv_transfer_group()
     if not isinstance(conn, InferScaleConnector) or conn.connector_worker is None:
         raise RuntimeError("the engine was started without the InferScale connector")
@@ -37,7 +40,7 @@ class InferScaleWorkerExtension:
 
     def inferscale_attach(self) -> dict:
         """Hand the model's own rotary module to the connector; called once at start-up."""
-        worker = _worker()
+        worker = connector_worker()
         runner = self.model_runner  # type: ignore[attr-defined]
         worker.attach_model(runner.model,
                             runner.vllm_config.compilation_config.static_forward_context)
@@ -46,7 +49,7 @@ class InferScaleWorkerExtension:
 
     def inferscale_hydrate(self, user: str, version: str, tier: str) -> dict:
         """Load ``user``'s artifact ``version`` (or ``"latest"``) into ``tier``."""
-        worker = _worker()
+        worker = connector_worker()
         worker.attach_model(self.model_runner.model)  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         resident = worker.load(user, version, tier)
@@ -60,59 +63,37 @@ class InferScaleWorkerExtension:
 
     def inferscale_set_budgets(self, gpu_bytes: int, host_bytes: int) -> dict:
         """New byte budgets for the tiers; over-budget users are demoted/evicted now."""
-        return _worker().store.set_budgets(gpu_bytes, host_bytes)
+        return connector_worker().store.set_budgets(gpu_bytes, host_bytes)
 
     def inferscale_verify_next(self) -> bool:
         """Keep the next load's description so :meth:`inferscale_verify_last_load` can
         check what it wrote."""
-        _worker().verify_next = True
+        connector_worker().verify_next = True
         return True
 
     def inferscale_verify_last_load(self) -> dict:
         """Compare the paged cache at the last kept load's slots with an independent
         computation (:func:`inferscale.vllm_plugin.inject.verify_step`)."""
         hf_config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
-        worker = _worker()
+        worker = connector_worker()
         return {**worker.verify_last_load(hf_config), "tp_rank": worker.tp_rank}
 
     def inferscale_evict(self, user: str) -> bool:
-        return _worker().evict(user)
-
-    def inferscale_fault_drop_slab(self, user: str) -> bool:
-        """Fault injection, for tests: the data of ``user``'s resident slab disappears
-        underneath the store (the slab becomes a tensor of its shape and dtype without
-        storage), so its next load fails inside the real load path. Hydrate the user
-        again to repair it. Returns whether the user was resident."""
-        import torch
-
-        resident = _worker().store.held(user)
-        if resident is None:
-            return False
-        slab = resident.slab
-        resident.slab = torch.empty_strided(slab.shape, slab.stride(), dtype=slab.dtype,
-                                            device="meta")
-        return True
-
-    def inferscale_fault_drop_on_rank(self, user: str, rank: int) -> bool:
-        """Fault injection, for tests: only tensor-parallel rank ``rank`` loses ``user``,
-        as its own budget eviction would drop it (not an admin eviction: a later request
-        reloads it there). Returns whether this worker dropped it."""
-        worker = _worker()
-        return worker.tp_rank == rank and worker.store.evict(user)
+        return connector_worker().evict(user)
 
     def inferscale_prefetch(self, user: str, version: str, chunks: list[str],
                             deadline_s: float, nbytes: int = 0) -> dict:
         """Start reading a request's leading ``chunks`` from storage before the engine
         sees the request (the server sends this ahead of it), unless this worker holds
         the user; returns this worker's storage statistics."""
-        return _worker().prefetch(user, version, list(chunks), deadline_s, nbytes)
+        return connector_worker().prefetch(user, version, list(chunks), deadline_s, nbytes)
 
     def inferscale_storage_stats(self) -> dict:
         """This worker's storage statistics for the server's compute-or-load split."""
-        return _worker().storage_stats()
+        return connector_worker().storage_stats()
 
     def inferscale_status(self) -> dict:
-        return _worker().status()
+        return connector_worker().status()
 
     def inferscale_metrics(self) -> dict:
         """This worker's running counters and residency, for the server's ``/metrics``:
@@ -120,7 +101,7 @@ class InferScaleWorkerExtension:
         seconds), loads and scheduler hooks that failed, background reloads (count,
         failures, latency histogram: :meth:`~inferscale.hydrate.loader.ResidentLoader.
         reload_stats`)."""
-        worker = _worker()
+        worker = connector_worker()
         status = worker.status()
         tiers = {t: {"users": 0, "bytes": 0} for t in status["budgets"]}
         for r in status["residents"]:

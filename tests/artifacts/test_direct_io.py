@@ -176,7 +176,7 @@ RAMFS_CHILD = textwrap.dedent("""
     from inferscale.artifacts.direct_io import DIRECT, FALLBACK, read_counts, supports_direct_io
     from inferscale.artifacts.layout import StoreConfig
     from inferscale.artifacts.publish import publish
-    from inferscale.hydrate.fetch import FactReader
+    from inferscale.hydrate.fact_reader import FactReader
     from inferscale.hydrate.slab import hydrate
 
     root = sys.argv[1]

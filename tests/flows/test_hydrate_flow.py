@@ -17,10 +17,10 @@ def served(engine_env, embedder):
     loopback, as the server allows)."""
     from engine_helpers import served_app
 
-    from inferscale.serve.app import AccessPolicy
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.server import build_server
 
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
     with served_app(engine_env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
         yield url

@@ -9,6 +9,7 @@ import pytest
 
 from inferscale.serve.access import GATEWAY_SECRET_HEADER, AccessPolicy
 from inferscale.serve.app import create_app
+from inferscale.serve.backend import AnswerRequest
 from tests.serve.recording_server import RecordingServer
 
 KEYS = {"key-ann": "ann", "key-bob": "bob"}
@@ -72,7 +73,7 @@ def test_the_key_decides_whatever_header_or_body_say():
     assert client.post("/v1/chat/completions", json={**ASK, "user": "bob"},
                        headers=ANN).status_code == 401
     r = client.post("/v1/chat/completions", json=ASK, headers={**ANN, "X-User": "ann"})
-    assert r.status_code == 200 and [c["user"] for _, c in server.calls] == ["ann"]
+    assert r.status_code == 200 and [c.user for _, c in server.calls] == ["ann"]
 
 
 def test_a_repeated_identity_header_is_a_400_before_the_body_is_read():
@@ -211,9 +212,9 @@ def test_a_valid_request_reaches_the_server_with_its_options():
     r = client.post("/v1/chat/completions", json=body, headers=ANN)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "ok"
-    assert server.calls == [("answer", dict(user="ann", question="What is my dog called?", k=4,
-                                            max_tokens=9, temperature=0.5, mode="prompt",
-                                            ignore_eos=True, shed=False))]
+    assert server.calls == [("answer", AnswerRequest(
+        "ann", "What is my dog called?", top_k=4, mode="prompt", max_tokens=9, temperature=0.5,
+        ignore_eos=True, shed=False))]
 
 
 def test_only_users_without_an_api_key_may_be_shed():
@@ -229,8 +230,8 @@ def test_only_users_without_an_api_key_may_be_shed():
             r = client.post("/v1/chat/completions", headers=headers,
                             json={**ASK, "user": "ann", "stream": stream})
             assert r.status_code == 200, r.text
-        assert [(kind, c["shed"]) for kind, c in server.calls if "shed" in c] == \
-            [("answer", shed), ("request", shed)], policy
+        assert [(kind, c.shed) for kind, c in server.calls] == \
+            [("answer", shed), ("prepare", shed)], policy
 
 
 def test_the_last_user_message_is_answered_in_either_form():
@@ -249,7 +250,7 @@ def test_the_last_user_message_is_answered_in_either_form():
                              {"role": "assistant", "content": "A prefill."}]}
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
-        assert [c["question"] for _, c in server.calls] == [question]
+        assert [c.question for _, c in server.calls] == [question]
 
 
 def test_admin_bodies_are_validated():
@@ -283,7 +284,7 @@ def test_openai_client_against_the_server(engine_env, embedder):
 
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     for user, name in (("ann", "Pelican"), ("bob", "Tornado")):
         mem, table = limiting_memory(engine_env.model.model, engine_env.model.tokenizer, user,
@@ -292,8 +293,8 @@ def test_openai_client_against_the_server(engine_env, embedder):
                                      engine_env.model.fingerprint, embedder)
         publish(engine_env.store, user, mem, table, Lineage(f"log-{user}", f"f-{user}"),
                 embeddings=False)
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
-                          engine_env.store, top_k=5)
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, ServerConfig(top_k=5))
     policy = AccessPolicy(KEYS, "admin", None, loopback=True)
     with served_app(engine_env.loop, server, policy) as url:
         admin = httpx.Client(base_url=url, trust_env=False, timeout=300,
@@ -347,7 +348,7 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     from engine_helpers import limiting_memory
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.compose import Composer, memory_layout
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
     from inferscale.types import PREFIX_ID
 
     texts = ["Pip the cat is grey.", "Pip sleeps on the piano.", "The user plays piano.",
@@ -357,30 +358,31 @@ def test_kv_requests_follow_the_artifacts_layout(engine_env, embedder):
     mem.encoder_config.update(memory_order="chronological", text_tail=2)
     publish(engine_env.store, "layout-user", mem, table, Lineage("log-l", "f-l"),
             embeddings=False)
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
-                          engine_env.store, top_k=4)
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, ServerConfig(top_k=4))
     engine_env.loop.run(server.hydrate("layout-user"))
     composer = Composer(engine_env.model.tokenizer)
     tokens = dict(zip(table.column("fact_id").to_pylist(), table.column("token_ids").to_pylist()))
     source = dict(zip(table.column("fact_id").to_pylist(),
                       table.column("source_index").to_pylist()))
     q = "Where does Pip sleep?"
-    p = engine_env.loop.run(server.request("layout-user", q, mode="kv"))
+    p = engine_env.loop.run(server.prepare(AnswerRequest("layout-user", q, mode="kv")))
     ids, ref, info = p.ids, p.ref, p.info
-    injected, tail = memory_layout(info["facts"], "chronological", 2, source)
-    assert len(injected) == 2 and tail == info["facts"][:2][::-1]
+    injected, tail = memory_layout(info.facts, "chronological", 2, source)
+    assert len(injected) == 2 and tail == info.facts[:2][::-1]
     assert [source[f] for f in injected] == sorted(source[f] for f in injected)
     assert ref.chunks == (PREFIX_ID, *injected)
     assert ids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in injected], q,
                                    [tokens[f] for f in tail])[0]
-    assert info["text_tail_tokens"] == sum(len(tokens[f]) for f in tail)
-    p = engine_env.loop.run(server.request("layout-user", q, mode="prompt"))
+    assert info.text_tail_tokens == sum(len(tokens[f]) for f in tail)
+    p = engine_env.loop.run(server.prepare(AnswerRequest("layout-user", q, mode="prompt")))
     pids, pref, pinfo = p.ids, p.ref, p.info
-    assert pref is None and pinfo["facts"] == info["facts"]
-    assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info["facts"]],
+    assert pref is None and pinfo.facts == info.facts
+    assert pids == composer.compose([composer.prefix_ids()] + [tokens[f] for f in info.facts],
                                     q)[0]
-    out = engine_env.loop.run(server.answer("layout-user", q, mode="kv", max_tokens=8))
-    assert out["info"]["injected_tokens"] > 0 and out["generation"].fallback is None
+    out = engine_env.loop.run(server.answer(AnswerRequest("layout-user", q, mode="kv",
+                                                          max_tokens=8)))
+    assert out.info.injected_tokens > 0 and out.generation.reply.fallback is None
 
 
 def _request_bytes(body: str) -> bytes:
@@ -407,7 +409,7 @@ def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder)
     import httpx
 
     from engine_helpers import serving
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import build_server
     from inferscale.vllm_plugin.compat import engine_metrics_registry
 
     def generated() -> float:
@@ -431,7 +433,7 @@ def test_a_request_whose_client_goes_away_stops_generating(engine_env, embedder)
                 samples[("inferscale_aborted_completion_tokens_total", (("mode", "none"),))])
 
     llm = engine_env.engine.llm
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
                           engine_env.store)
     max_tokens = 1800  # many minutes on this CPU when not aborted
     policy = AccessPolicy({}, None, None, loopback=True)
@@ -496,25 +498,27 @@ def test_users_never_share_prefix_cache_blocks(engine_env, embedder):
     """The same prompt text for two users shares no prefix-cache block, on the paths
     without injected memory too: no memory at all, and prompt mode (facts as text).
     The same user's repeat does hit its own blocks (the cache is on)."""
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
-                          engine_env.store, top_k=5)
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store, ServerConfig(top_k=5))
     question = ("Here is a long note about my week, please read it carefully. " * 20
                 + "What did I say about my week?")
     counters = engine_env.engine.prompt_token_counters
 
     def ask(user: str, mode: str | None = None) -> tuple[int, int]:
         before = counters()["local_cache_hit"]
-        out = engine_env.loop.run(server.answer(user, question, max_tokens=1, mode=mode))
-        return counters()["local_cache_hit"] - before, out["info"]["cached_tokens"]
+        out = engine_env.loop.run(server.answer(AnswerRequest(user, question, mode=mode,
+                                                              max_tokens=1)))
+        return counters()["local_cache_hit"] - before, out.info.cached_tokens
 
     for word, user in (("Marigold", "twin-a"), ("Marigold", "twin-b")):
         publish_secret(engine_env, embedder, user, word, f"log-{user}")
-    same = {u: engine_env.loop.run(server.request(u, question, mode="prompt")).ids
+    same = {u: engine_env.loop.run(server.prepare(AnswerRequest(u, question, mode="prompt"))).ids
             for u in ("twin-a", "twin-b")}
     assert same["twin-a"] == same["twin-b"] and len(same["twin-a"]) > 2 * 128
-    assert len(engine_env.loop.run(server.request("nomem-x", question)).ids) > 128  # a block
+    nomem = engine_env.loop.run(server.prepare(AnswerRequest("nomem-x", question)))
+    assert len(nomem.ids) > 128  # a block
     for first, second, mode in (("nomem-x", "nomem-y", None), ("twin-a", "twin-b", "prompt")):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         ask(first, mode)
@@ -537,14 +541,15 @@ def test_new_versions_reach_serving_while_requests_run(engine_env, embedder):
     from engine_helpers import served_app
     from inferscale.artifacts.gc import gc
     from inferscale.serve.memory_cache import MemoryCacheConfig
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     refresh_s = 2.0
     words = {"fresh-ann": ("Pelican", "Walrus"), "fresh-bob": ("Tornado", "Biscuit")}
     v1 = {u: publish_secret(engine_env, embedder, u, old, f"{u}-1") for u, (old, _) in
           words.items()}
-    server = MemoryServer(engine_env.engine, engine_env.model.tokenizer, embedder,
-                          engine_env.store, top_k=5, cache=MemoryCacheConfig(refresh_s=refresh_s))
+    server = build_server(engine_env.engine, engine_env.model.tokenizer, embedder,
+                          engine_env.store,
+                          ServerConfig(top_k=5, cache=MemoryCacheConfig(refresh_s=refresh_s)))
     results: list[dict] = []
     stop = threading.Event()
 
@@ -658,7 +663,7 @@ def test_a_cold_start_answers_every_user_with_its_memory_or_a_named_fallback(eng
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
     from inferscale.serve.memory_cache import MemoryCacheConfig
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     env = engine_env
     users = [f"cold-{i:03d}" for i in range(300)]
@@ -688,8 +693,8 @@ def test_a_cold_start_answers_every_user_with_its_memory_or_a_named_fallback(eng
     for keyed in (True, False):
         config = MemoryCacheConfig()
         assert config.miss_burst < len(users)  # the defaults shed some of them
-        server = MemoryServer(env.engine, env.model.tokenizer, embedder, env.store, top_k=1,
-                              cache=config)  # a fresh server: nothing held
+        server = build_server(env.engine, env.model.tokenizer, embedder, env.store,
+                              ServerConfig(top_k=1, cache=config))  # fresh: nothing held
         policy = AccessPolicy(keys if keyed else {}, "admin" if keyed else None, None,
                               loopback=True)
         with served_app(env.loop, server, policy) as url:

@@ -10,6 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason
 
 lengths_st = st.lists(st.integers(1, 400), min_size=1, max_size=60)
 row_st = st.sampled_from([1, 64, 11_520, 65_536, 131_072])  # SmolLM2 fp8 .. 8B bf16
@@ -276,14 +277,14 @@ def test_a_cold_request_loads_its_first_chunks_and_prefills_the_rest(engine_env,
         after = env.engine.prompt_token_counters()
         delta = {k: after[k] - before[k] for k in after}
         loaded = sum(lengths[:n])
-        assert out.fallback is None and out.injected_tokens == loaded
+        assert out.reply.fallback is None and out.reply.injected_tokens == loaded
         assert delta == {"total": len(ids), "external_kv_transfer": loaded,
                          "local_cache_hit": 0, "computed": len(ids) - loaded}
         assert out.token_ids == plain.token_ids
         facts = len(chunks) - 1
-        assert out.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
-        assert out.facts_by_tier == ({"storage": n - 1} if n else {})
-        assert out.storage_bytes == loaded * row_bytes
+        assert out.reply.cold == ColdSplit(max(0, n - 1), facts - max(0, n - 1), read=n > 0)
+        assert out.reply.facts_by_tier == ({"storage": n - 1} if n else {})
+        assert out.reply.storage_bytes == loaded * row_bytes
 
 
 @pytest.mark.slow
@@ -300,10 +301,11 @@ def test_a_read_past_its_deadline_is_recomputed(engine_env, cold_user):
     out = gen(env, ids, MemoryRef("cold-split", version, chunks,
                                   lengths_of(env.model.tokenizer, table), cold_chunks=4,
                                   read_deadline_s=0.0))
-    assert out.injected_tokens == 0 and out.token_ids == plain.token_ids
-    assert out.fallback == "memory load failed (reading its facts from storage failed " \
-                           "(no time left for a read)); recomputed"
-    assert out.cold == ColdSplit(0, len(chunks) - 1, read=True)
+    assert out.reply.injected_tokens == 0 and out.token_ids == plain.token_ids
+    assert out.reply.fallback == Fallback(
+        FallbackReason.LOAD_ERROR, "memory load failed (reading its facts from storage failed "
+        "(no time left for a read)); recomputed")
+    assert out.reply.cold == ColdSplit(0, len(chunks) - 1, read=True)
 
 
 @pytest.mark.slow
@@ -320,9 +322,9 @@ def test_a_resident_user_ignores_the_split(engine_env, embedder):
         env.loop.run(env.engine.llm.reset_prefix_cache())
         out = gen(env, ids, MemoryRef("cold-split-held", version, chunks,
                                       lengths_of(env.model.tokenizer, table), cold_chunks=1))
-        assert out.cold is None and out.fallback is None
-        assert out.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
-        assert out.facts_by_tier == {"host": len(FACTS)} and out.storage_bytes == 0
+        assert out.reply.cold is None and out.reply.fallback is None
+        assert out.reply.injected_tokens == sum(lengths_of(env.model.tokenizer, table))
+        assert out.reply.facts_by_tier == {"host": len(FACTS)} and out.reply.storage_bytes == 0
     finally:
         env.loop.run(env.engine.evict("cold-split-held"))
 
@@ -335,13 +337,14 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
     RPC, sent before the request (vLLM keeps their order), and the request's read adopts
     it; the answer reports the split; ``off`` reads every chunk without a prefetch; the
     estimator has vLLM's stats and the workers' storage statistics."""
-    from inferscale.serve.server import MemoryServer
     from engine_helpers import QUESTIONS
+    from inferscale.serve.backend import AnswerRequest
+    from inferscale.serve.server import ServerConfig, build_server
 
     env = engine_env
     tok = env.model.tokenizer
-    servers = {mode: MemoryServer(env.engine, tok, embedder, env.store, top_k=6,
-                                  cold=ColdSplitConfig(mode=mode, pinned_chunks=3))
+    servers = {mode: build_server(env.engine, tok, embedder, env.store, ServerConfig(
+                   top_k=6, cold=ColdSplitConfig(mode=mode, pinned_chunks=3)))
                for mode in ("pinned", "off")}
 
     def prefetches():
@@ -349,7 +352,7 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
 
     def ask(mode, q):
         env.loop.run(env.engine.llm.reset_prefix_cache())
-        return env.loop.run(servers[mode].answer("cold-split", q, max_tokens=12))
+        return env.loop.run(servers[mode].answer(AnswerRequest("cold-split", q, max_tokens=12)))
 
     for q in QUESTIONS[:2]:
         before = prefetches()
@@ -357,17 +360,17 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
         after = prefetches()
         assert after["started"] - before["started"] == 1
         assert after["adopted"] - before["adopted"] == 1 and after["dropped"] == before["dropped"]
-        info, gen = out["info"], out["generation"]
-        cold = info["cold"]
+        info, gen = out.info, out.generation
+        cold = info.cold
         assert (cold["facts_loaded"], cold["facts_computed"]) == (2, 4)
-        assert cold["bytes_read"] == gen.storage_bytes > 0 and cold["split"]["chunks"] == 3
-        assert info["injected_tokens"] == cold["split"]["tokens"] > 0  # 3 chunks, served order
+        assert cold["bytes_read"] == gen.reply.storage_bytes > 0 and cold["split"]["chunks"] == 3
+        assert info.injected_tokens == cold["split"]["tokens"] > 0  # 3 chunks, served order
         whole = ask("off", q)  # every chunk read once the engine schedules it
         assert prefetches()["started"] == after["started"]
-        assert whole["info"]["cold"]["facts_loaded"] == 6
+        assert whole.info.cold["facts_loaded"] == 6
         # the same prompt (the served order is by relevance, not the limiting case's
         # encoding order, so only the engine-level test above compares answers)
-        assert whole["generation"].prompt_tokens == gen.prompt_tokens
+        assert whole.generation.prompt_tokens == gen.prompt_tokens
     est = servers["pinned"].cold.estimator
     assert est.storage_at is not None and len(est._samples) > 0
     assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured

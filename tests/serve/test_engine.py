@@ -83,3 +83,18 @@ def test_running_engine_schedules_as_vllm_serve(engine_env):
                                   str(cfg.max_model_len), "--dtype", cfg.dtype)
     assert (limits["max_num_batched_tokens"], limits["max_num_seqs"]) == _limits(serve)
     assert limits["enable_prefix_caching"] is True
+
+
+def test_serves_engine_follows_the_settings():
+    """EngineConfig.from_settings (inferscale serve's engine): the settings' sizes, and on
+    the CPU float32 and eager unless enforce_eager says otherwise."""
+    from inferscale.settings import Settings
+
+    connector = ConnectorConfig("fp")
+    cfg = EngineConfig.from_settings(Settings(device="cpu", max_model_len=4096,
+                                              kv_cache_memory_bytes=1 << 30), "ckpt", connector)
+    assert (cfg.model, cfg.connector, cfg.dtype, cfg.enforce_eager) == \
+        ("ckpt", connector, "float32", True)
+    assert (cfg.max_model_len, cfg.kv_cache_memory_bytes) == (4096, 1 << 30)
+    assert not EngineConfig.from_settings(Settings(device="cpu", enforce_eager=False), "ckpt",
+                                          connector).enforce_eager

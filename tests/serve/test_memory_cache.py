@@ -15,7 +15,9 @@ from builders import make_inputs
 from inferscale.artifacts import gc as G
 from inferscale.artifacts import publish as P
 from inferscale.artifacts import read as R
-from inferscale.serve.memory_cache import Lookup, MemoryCache, MemoryCacheConfig, UserMemory
+from inferscale.serve.memory_cache import (
+    Lookup, MemoryCache, MemoryCacheConfig, MemoryFallbackReason, UserMemory,
+)
 from inferscale.serve.retrieval import FactIndex
 
 FP = "fp-test"
@@ -242,8 +244,8 @@ def test_a_failed_load_is_named_not_silent(local_store):
 
     failed, within, nobody = asyncio.run(main())
     for found in (failed, within):
-        assert found.memory is None and found.reason == "load_failed"
-        assert "OSError: storage timed out" in found.fallback
+        assert found.memory is None and found.fallback.reason is MemoryFallbackReason.LOAD_FAILED
+        assert "OSError: storage timed out" in found.fallback.detail
     assert nobody == Lookup(None)
 
 
@@ -264,8 +266,8 @@ def test_an_api_key_users_first_lookup_is_never_shed(local_store):
 
     first, shed, keyed, memories = asyncio.run(main())
     assert first.memory is not None and first.fallback is None
-    assert shed.memory is None and shed.reason == "shed"
-    assert "INFERSCALE_SERVE_STORAGE_MISSES_PER_S" in shed.fallback
+    assert shed.memory is None and shed.fallback.reason is MemoryFallbackReason.SHED
+    assert "INFERSCALE_SERVE_STORAGE_MISSES_PER_S" in shed.fallback.detail
     assert [k.memory.user for k in keyed] == users[1:] and all(k.fallback is None for k in keyed)
     stats = memories.stats()
     assert stats["lookups_limited"] == 1 and stats["storage_lookups"] == 6
@@ -287,7 +289,8 @@ def test_shed_lookups_wait_their_turn_then_are_shed(local_store):
 
     found, memories, reader = asyncio.run(main())
     assert [f.memory.user for f in found[:5]] == users[:5]
-    assert all(f.memory is None and f.reason == "shed" for f in found[5:])
+    assert all(f.memory is None and f.fallback.reason is MemoryFallbackReason.SHED
+               for f in found[5:])
     stats = memories.stats()
     assert stats["lookups_delayed"] == 3 and stats["lookups_limited"] == 5
     assert sorted(u for u, _ in reader.reads) == users[:5]
@@ -345,13 +348,14 @@ def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, s
     import logging
 
     from inferscale.serve.engine import EngineConfig, MemoryEngine
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.backend import AnswerRequest
+    from inferscale.serve.server import ServerConfig, build_server
 
     v1 = publish(local_store, "dora", 1)
     # a real engine object, never started: the server reads only its configuration here
     engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
-    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
-                          cache=MemoryCacheConfig(refresh_s=0.0))
+    server = build_server(engine, smollm2.tokenizer, embedder, local_store,
+                          ServerConfig(cache=MemoryCacheConfig(refresh_s=0.0)))
     reads = []
     real = server.memories.read
     server.memories.read = lambda user, version: reads.append(version) or real(user, version)
@@ -359,17 +363,17 @@ def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, s
     async def main():
         out = []
         for _ in range(3):
-            out.append(await server.request("dora", "What is my dog called?"))
+            out.append(await server.prepare(AnswerRequest("dora", "What is my dog called?")))
             await server.memories.settle()
         return out
 
     with caplog.at_level(logging.WARNING, logger="inferscale.serve"):
         prepared = asyncio.run(main())
     server.memories.close()
-    assert [p.info["mode"] for p in prepared] == ["none"] * 3
+    infos = [p.info.to_json() for p in prepared]  # as the API answers
+    assert [i["mode"] for i in infos] == ["none"] * 3
     assert all(p.ref is None for p in prepared)
-    assert all(p.info["fallback_reason"] == "refused" and v1[:12] in p.info["fallback"]
-               for p in prepared)
+    assert all(i["fallback_reason"] == "refused" and v1[:12] in i["fallback"] for i in infos)
     assert reads == [v1]  # refused once; the refresh sees LATEST unchanged
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "embedding_dim"}) == 1
@@ -385,7 +389,8 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
     user is answered without memory instead of failing every request."""
     from inferscale.artifacts.blobs import Location
     from inferscale.serve.engine import EngineConfig, MemoryEngine
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.backend import AnswerRequest
+    from inferscale.serve.server import ServerConfig, build_server
     from storage_schemas.manifest import Manifest
 
     v1 = publish(local_store, "dora", 1)
@@ -394,19 +399,19 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
         Location(local_store, "dora", FP).file(v1, "manifest.json"),
         Manifest(**{**m.__dict__, "encoder_config": {**m.encoder_config, **layout}}).to_json())
     engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
-    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
-                          cache=MemoryCacheConfig(refresh_s=0.0))
+    server = build_server(engine, smollm2.tokenizer, embedder, local_store,
+                          ServerConfig(cache=MemoryCacheConfig(refresh_s=0.0)))
 
     async def main():
         out = []
         for _ in range(2):
-            out.append(await server.request("dora", "What is my dog called?"))
+            out.append(await server.prepare(AnswerRequest("dora", "What is my dog called?")))
             await server.memories.settle()
         return out
 
     prepared = asyncio.run(main())
     server.memories.close()
-    assert [p.info["mode"] for p in prepared] == ["none"] * 2
-    assert [p.info["fallback_reason"] for p in prepared] == ["refused"] * 2
+    assert [p.info.to_json()["mode"] for p in prepared] == ["none"] * 2
+    assert [p.info.to_json()["fallback_reason"] for p in prepared] == ["refused"] * 2
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "layout"}) == 1

@@ -54,9 +54,9 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
 
     from engine_helpers import limiting_memory, served_app
     from inferscale.artifacts.publish import Lineage, publish
-    from inferscale.serve.app import AccessPolicy
+    from inferscale.serve.access import AccessPolicy
     from inferscale.serve.cold_split import ColdSplitConfig
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     env = engine_env
     tok, model, fp = env.model.tokenizer, env.model.model, env.model.fingerprint
@@ -71,8 +71,8 @@ def test_metrics_count_what_the_requests_did(engine_env, embedder):
         publish_user(user)
     # every chunk of a user in neither tier read from storage (prefetched ahead of the
     # request); the automatic split's choice depends on timings
-    server = MemoryServer(env.engine, tok, embedder, env.store, top_k=3,
-                          cold=ColdSplitConfig(mode="pinned", pinned_chunks=100))
+    server = build_server(env.engine, tok, embedder, env.store, ServerConfig(
+        top_k=3, cold=ColdSplitConfig(mode="pinned", pinned_chunks=100)))
     msg = [{"role": "user", "content": "What is the name of my dog?"}]
     with served_app(env.loop, server, AccessPolicy({}, None, None, loopback=True)) as url:
         http = httpx.Client(base_url=url, trust_env=False, timeout=300)

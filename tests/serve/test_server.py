@@ -10,6 +10,7 @@ import torch
 
 from engine_helpers import limiting_memory
 from inferscale.artifacts.publish import Lineage, publish
+from inferscale.serve.backend import AnswerRequest
 from inferscale.serve.memory_cache import MemoryCacheConfig
 
 FP = "fp-server"
@@ -18,14 +19,35 @@ FP = "fp-server"
 @pytest.fixture
 def server(local_store, smollm2, embedder):
     from inferscale.serve.engine import EngineConfig, MemoryEngine
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP,
                                           max_model_len=2048))
-    server = MemoryServer(engine, smollm2.tokenizer, embedder, local_store,
-                          cache=MemoryCacheConfig(refresh_s=0.0))
+    server = build_server(engine, smollm2.tokenizer, embedder, local_store,
+                          ServerConfig(cache=MemoryCacheConfig(refresh_s=0.0)))
     yield server
     server.memories.close()
+
+
+def test_a_server_is_built_for_one_known_model(local_store, smollm2, embedder):
+    """build_server: without an engine the model's fingerprint is needed, with one it
+    may not differ from the engine's; a tokenizer is loaded from its checkpoint."""
+    from inferscale.serve.engine import EngineConfig, MemoryEngine
+    from inferscale.serve.server import ServerConfig, build_server
+
+    with pytest.raises(ValueError, match="needs the model's fingerprint"):
+        build_server(None, smollm2.tokenizer, embedder, local_store)
+    engine = MemoryEngine(EngineConfig.of(model=str(smollm2.checkpoint), model_fingerprint=FP))
+    with pytest.raises(ValueError, match="differs from the engine's"):
+        build_server(engine, smollm2.tokenizer, embedder, local_store, fingerprint="other")
+    with pytest.raises(ValueError, match="mode must be"):
+        ServerConfig(mode="text")
+    server = build_server(None, smollm2.checkpoint, embedder, local_store,
+                          ServerConfig(mode="prompt"), fingerprint=FP)
+    assert (server.fp, server.mode, server.max_model_len) == (FP, "prompt", None)
+    assert server.tokenizer.encode("Where do I live?") == \
+        smollm2.tokenizer.encode("Where do I live?")
+    server.close()
 
 
 def publish_with(store, model, embedder, user: str, instruction) -> str:
@@ -43,7 +65,8 @@ def ask(server, user: str, n: int = 2):
     async def main():
         out = []
         for _ in range(n):
-            out.append(await server.request(user, "Where do I live?", mode="kv", max_tokens=8))
+            out.append(await server.prepare(AnswerRequest(user, "Where do I live?", mode="kv",
+                                                          max_tokens=8)))
             await server.memories.settle()
         return out
 
@@ -61,11 +84,12 @@ def test_an_instruction_that_can_never_be_served_is_refused_at_load(
     at load, and counted; the user is answered without memory and the answer names why."""
     version = publish_with(local_store, smollm2, embedder, "dora", instruction)
     prepared = ask(server, "dora")
-    assert [p.info["mode"] for p in prepared] == ["none"] * 2
+    assert [p.info.to_json()["mode"] for p in prepared] == ["none"] * 2
     for p in prepared:
-        assert p.ref is None and p.info["fallback_reason"] == "refused"
-        assert p.info["fallback"].startswith(f"version {version[:12]} refused (instruction): ")
-        assert why in p.info["fallback"]
+        info = p.info.to_json()  # as the API answers
+        assert p.ref is None and info["fallback_reason"] == "refused"
+        assert info["fallback"].startswith(f"version {version[:12]} refused (instruction): ")
+        assert why in info["fallback"]
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "instruction"}) == 1
     assert server.memories.held()["dora"] is None and version
@@ -76,11 +100,12 @@ def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_stor
     """A user of a refused version whose next version can be served: served from it
     (its own instruction's prefix), and its answers no longer name a refusal."""
     publish_with(local_store, smollm2, embedder, "dora", 5)
-    assert ask(server, "dora", 1)[0].info["fallback_reason"] == "refused"
+    assert ask(server, "dora", 1)[0].info.to_json()["fallback_reason"] == "refused"
     good = publish_with(local_store, smollm2, embedder, "dora", "Be brief.\n")
     ask(server, "dora", 1)  # the refresh reads the new LATEST in the background
     (p,) = ask(server, "dora", 1)
-    assert p.info["mode"] == "kv" and p.info["version"] == good and "fallback" not in p.info
+    info = p.info.to_json()
+    assert info["mode"] == "kv" and info["version"] == good and "fallback" not in info
     from inferscale.compose import Composer
 
     assert p.ids[:len(Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids())] == \

@@ -25,6 +25,21 @@ def test_the_names_vllm_loads_exist():
         "inferscale_set_budgets", "inferscale_verify_next", "inferscale_verify_last_load"))
 
 
+def test_fault_injection_lives_in_the_tests_only():
+    """The production worker extension has no fault endpoint; the tests' engines load a
+    subclass that adds them, by the dotted path vLLM resolves in the worker."""
+    from fault_injection import FAULT_EXTENSION
+
+    from inferscale.vllm_plugin.worker_ext import InferScaleWorkerExtension
+
+    assert not [m for m in dir(InferScaleWorkerExtension) if "fault" in m]
+    module, _, name = FAULT_EXTENSION.rpartition(".")
+    faults = getattr(importlib.import_module(module), name)
+    assert issubclass(faults, InferScaleWorkerExtension)
+    assert callable(faults.inferscale_fault_drop_slab) and \
+        callable(faults.inferscale_fault_drop_on_rank)
+
+
 def test_settings_round_trip_through_the_extra_config():
     cfg = ConnectorConfig("fp", "s3://b/p", {"key": "k"}, 1, 2, "gpu", False)
     transfer = kv_transfer_config(cfg)
@@ -77,3 +92,18 @@ def test_direct_io_travels_from_the_settings_to_every_store_the_worker_reads(
     assert worker.fetches.reader.store == store
     with pytest.raises(ValueError, match="direct_io"):
         ConnectorConfig.from_extra_config({**extra, "direct_io": "yes"})
+
+
+def test_the_serving_docs_list_every_connector_setting():
+    """docs/serving.md's ``kv_connector_extra_config`` names each ConnectorConfig field,
+    no other, and says how many there are (it once listed 9 of 16)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    block = doc.split('"kv_connector_extra_config": {', 1)[1].split("\n}", 1)[0]
+    keys = re.findall(r'"(\w+)":', re.sub(r"#.*", "", block))
+    names = [f.name for f in fields(ConnectorConfig)]
+    assert sorted(keys) == sorted(names) and len(keys) == len(set(keys))
+    assert f"ConnectorConfig's {len(names)} fields" in block

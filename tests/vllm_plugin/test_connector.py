@@ -17,6 +17,7 @@ import torch
 
 from engine_helpers import FACTS, QUESTIONS, gen, limiting_memory, memory_prompt, publish_user
 from inferscale.artifacts.publish import Lineage, publish
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason
 from inferscale.vllm_plugin.metadata import MemoryRef
 from inferscale.types import GPU_BUDGET_BYTES, HOST_BUDGET_BYTES
 
@@ -41,8 +42,8 @@ def test_equivalence_limiting_case_float32(engine_env, caroline):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         injected = gen(engine_env, ids, MemoryRef("caroline", version, chunks))
         plain = gen(engine_env, ids)  # no memory, no salt: a full prefill
-        assert injected.injected_tokens > 0 and injected.fallback is None
-        assert plain.injected_tokens == 0
+        assert injected.reply.injected_tokens > 0 and injected.reply.fallback is None
+        assert plain.reply.injected_tokens == 0
         identical += injected.token_ids == plain.token_ids
     assert identical == len(QUESTIONS), f"{identical}/{len(QUESTIONS)} token-identical"
     # served by the fused CPU kernel, which passed its check against vLLM's writer
@@ -59,7 +60,7 @@ def test_a_load_reads_back_as_the_independent_rotation(engine_env, caroline):
     out = gen(engine_env, ids, MemoryRef("caroline", version, chunks))
     check = engine_env.loop.run(engine_env.engine.verify_last_load())
     assert check["checked"] and check["path"] == "numba"
-    assert check["tokens"] == out.injected_tokens > 0
+    assert check["tokens"] == out.reply.injected_tokens > 0
     assert check["max_abs_err_v"] == 0.0
     assert check["max_abs_err_k"] < 1e-5 * max(1.0, check["max_abs_value"])
 
@@ -80,7 +81,7 @@ def test_only_the_query_is_prefilled(engine_env, caroline):
     out = gen(engine_env, ids, MemoryRef("caroline", version, chunks), max_tokens=1)
     after = engine_env.engine.prompt_token_counters()
     delta = {k: after[k] - before[k] for k in after}
-    assert out.injected_tokens == memory
+    assert out.reply.injected_tokens == memory
     assert delta == {"total": len(ids), "external_kv_transfer": memory,
                      "local_cache_hit": 0, "computed": query}
     assert out.cached_tokens == memory  # RequestOutput.num_cached_tokens agrees
@@ -129,9 +130,9 @@ def test_isolation_200_interleaved_concurrent_requests(engine_env, secret_users)
         other = SECRETS["bob" if user == "ann" else "ann"]
         assert other not in out.text.upper(), (user, out.text)
         own += SECRETS[user] in out.text.upper()
-        assert out.fallback is None
+        assert out.reply.fallback is None
         # memory came from this user's injection or this user's salted prefix cache
-        assert out.cached_tokens >= out.injected_tokens
+        assert out.cached_tokens >= out.reply.injected_tokens
         assert out.cached_tokens + 1 >= min(memory_tokens[user], 128)
     assert own >= 190, f"only {own}/200 answers named the user's own secret"
 
@@ -145,7 +146,7 @@ def test_salt_keeps_injected_blocks_from_others(engine_env, caroline):
     assert len(ids) > 128  # at least one full block (the CPU block size)
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
     first = gen(engine_env, ids, MemoryRef("caroline", version, chunks), max_tokens=1)
-    assert first.injected_tokens > 0
+    assert first.reply.injected_tokens > 0
     c0 = engine_env.engine.prompt_token_counters()
     plain = gen(engine_env, ids, max_tokens=1)
     c1 = engine_env.engine.prompt_token_counters()
@@ -167,20 +168,25 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
     def ask(ref):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         out = gen(engine_env, ids, ref)
-        assert out.injected_tokens == 0 and out.token_ids == reference
-        return out.fallback
+        assert out.reply.injected_tokens == 0 and out.token_ids == reference
+        return out.reply.fallback
 
+    not_resident = Fallback(FallbackReason.NOT_RESIDENT, "user not resident")
     # unknown user
-    assert ask(MemoryRef("nobody", v1, chunks)) == "user not resident"
+    assert ask(MemoryRef("nobody", v1, chunks)) == not_resident
     # stale version: caroline now holds a newer version
     v2, _ = publish_user(engine_env, embedder, "caroline", FACTS, lineage="log-2")
     engine_env.loop.run(engine_env.engine.hydrate("caroline", version=v2, tier="gpu"))
-    assert ask(MemoryRef("caroline", v1, chunks)).startswith("stale version")
+    stale = ask(MemoryRef("caroline", v1, chunks))
+    assert stale.reason is FallbackReason.STALE_VERSION
+    assert stale.detail.startswith("stale version")
     # token ids that are not the memory's
     wrong = ids[:3] + [ids[3] + 1] + ids[4:]
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
     out = gen(engine_env, wrong, MemoryRef("caroline", v2, chunks))
-    assert out.injected_tokens == 0 and "token ids" in out.fallback
+    assert out.reply.injected_tokens == 0
+    assert out.reply.fallback.reason is FallbackReason.TOKEN_MISMATCH
+    assert "token ids" in out.reply.fallback.detail
     # artifacts of another model: hydration refuses, requests prefill
     mem, other_table = __import__("engine_helpers").limiting_memory(
         engine_env.model.model, tok, "dora", FACTS[:2], "f" * 32, embedder)
@@ -189,10 +195,10 @@ def test_fallbacks_answer_by_prefill_and_are_logged(engine_env, embedder, caroli
             other_table, Lineage("log-d", "facts-d"), embeddings=False)
     with pytest.raises(Exception, match="nothing published for user .dora., model "):
         engine_env.loop.run(engine_env.engine.hydrate("dora", version="latest", tier="gpu"))
-    assert ask(MemoryRef("dora", v1, chunks)) == "user not resident"
+    assert ask(MemoryRef("dora", v1, chunks)) == not_resident
     # evicted
     assert engine_env.loop.run(engine_env.engine.evict("caroline"))
-    assert ask(MemoryRef("caroline", v2, chunks)) == "user not resident"
+    assert ask(MemoryRef("caroline", v2, chunks)) == not_resident
     text = engine_env.log.read_text(errors="replace")
     for reason in ("user not resident", "stale version", "prompt does not begin with the memory"):
         assert f"prefilling memory, {reason}" in text
@@ -212,7 +218,7 @@ def test_host_and_device_tiers_give_identical_outputs(engine_env, embedder):
             ids, chunks = memory_prompt(tok, table, q)
             engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
             out = gen(engine_env, ids, MemoryRef(user, version, chunks))
-            assert out.injected_tokens > 0
+            assert out.reply.injected_tokens > 0
             outs[tier].append(out.token_ids)
     assert outs["gpu"] == outs["host"]
 
@@ -252,7 +258,7 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
         assert status["reloads"] > 0
         assert status["used"]["gpu"] <= 2 * size and status["used"]["host"] <= 2 * size
         assert len(status["residents"]) <= 4
-        injected = sum(o.injected_tokens > 0 for _, o in results)
+        injected = sum(o.reply.injected_tokens > 0 for _, o in results)
         assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
     finally:
         engine_env.loop.run(engine_env.engine.set_budgets(GPU_BUDGET_BYTES, HOST_BUDGET_BYTES))
@@ -278,10 +284,10 @@ def test_a_bfloat16_artifact_serves_on_the_float32_engine(engine_env, embedder):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         engine_env.loop.run(engine_env.engine.verify_next())
         out = gen(engine_env, ids, MemoryRef("bf16", version, chunks))
-        assert out.injected_tokens > 0 and out.fallback is None
+        assert out.reply.injected_tokens > 0 and out.reply.fallback is None
         check = engine_env.loop.run(engine_env.engine.verify_last_load())
         assert check["checked"] and check["path"] == "numba" and check["dtype"] == "torch.float32"
-        assert check["tokens"] == out.injected_tokens and check["max_abs_err_v"] == 0.0
+        assert check["tokens"] == out.reply.injected_tokens and check["max_abs_err_v"] == 0.0
     finally:
         engine_env.loop.run(engine_env.engine.evict("bf16"))
 
@@ -312,19 +318,21 @@ def test_a_failing_load_is_recomputed_and_the_engine_serves_on(engine_env, embed
                                            max_tokens=24))
 
         bad, good = engine_env.loop.run(both())
-        assert bad.injected_tokens == 0 and bad.token_ids == want_bad
-        assert bad.fallback.startswith("memory load failed (NotImplementedError: Cannot copy "
-                                       "out of meta tensor"), bad.fallback
-        assert good.injected_tokens > 0 and good.fallback is None
+        assert bad.reply.injected_tokens == 0 and bad.token_ids == want_bad
+        assert bad.reply.fallback.reason is FallbackReason.LOAD_ERROR
+        assert bad.reply.fallback.detail.startswith(
+            "memory load failed (NotImplementedError: Cannot copy out of meta tensor"), \
+            bad.reply.fallback
+        assert good.reply.injected_tokens > 0 and good.reply.fallback is None
         assert good.token_ids == want_good
         status = engine_env.loop.run(engine_env.engine.status())
         assert status["load_failures"] == before + 1
         # the engine serves on: both users again, one after the other
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         again = gen(engine_env, good_ids, MemoryRef("healthy", version, good_chunks))
-        assert again.injected_tokens > 0 and again.token_ids == want_good
+        assert again.reply.injected_tokens > 0 and again.token_ids == want_good
         bad = gen(engine_env, bad_ids, MemoryRef("faulty", bad_version, bad_chunks))
-        assert bad.injected_tokens == 0 and bad.token_ids == want_bad
+        assert bad.reply.injected_tokens == 0 and bad.token_ids == want_bad
         text = engine_env.log.read_text(errors="replace")
         assert text.count("(user faulty): memory load failed (NotImplementedError") == 2
     finally:
@@ -346,12 +354,14 @@ def test_a_scheduler_hook_error_prefills_the_request(engine_env, embedder):
     want = gen(engine_env, ids).token_ids
     before = engine_env.loop.run(engine_env.engine.status())["scheduler_errors"]
     out = gen(engine_env, ids, Malformed("hook", version, chunks))
-    assert out.injected_tokens == 0 and out.token_ids == want
-    assert out.fallback.startswith("connector error in get_num_new_matched_tokens: TypeError")
+    assert out.reply.injected_tokens == 0 and out.token_ids == want
+    assert out.reply.fallback.reason is FallbackReason.CONNECTOR_ERROR
+    assert out.reply.fallback.detail.startswith(
+        "connector error in get_num_new_matched_tokens: TypeError")
     assert engine_env.loop.run(engine_env.engine.status())["scheduler_errors"] == before + 1
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
     ok = gen(engine_env, ids, MemoryRef("hook", version, chunks))
-    assert ok.injected_tokens > 0 and ok.fallback is None
+    assert ok.reply.injected_tokens > 0 and ok.reply.fallback is None
     engine_env.loop.run(engine_env.engine.evict("hook"))
 
 def test_text_tail_after_injected_memory(engine_env, embedder):
@@ -370,7 +380,7 @@ def test_text_tail_after_injected_memory(engine_env, embedder):
         engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
         injected = gen(engine_env, ids, MemoryRef("tail-user", version, (PREFIX_ID, *fids[:4])))
         plain = gen(engine_env, ids)
-        assert injected.fallback is None and 0 < injected.injected_tokens <= m
+        assert injected.reply.fallback is None and 0 < injected.reply.injected_tokens <= m
         assert injected.token_ids == plain.token_ids
 
 
@@ -391,7 +401,9 @@ def test_a_user_larger_than_the_budget_costs_one_refusal(engine_env, embedder):
         for q in QUESTIONS[:8]:
             ids, chunks = memory_prompt(tok, table, q)
             out = gen(engine_env, ids, MemoryRef("huge", version, chunks), max_tokens=1)
-            assert out.injected_tokens == 0 and out.fallback == "user not resident"
+            assert out.reply.injected_tokens == 0
+            assert out.reply.fallback == Fallback(FallbackReason.NOT_RESIDENT,
+                                                  "user not resident")
             time.sleep(0.5)  # an ordered reload would fail and be reported meanwhile
         status1 = engine_env.loop.run(engine_env.engine.status())
     finally:
@@ -435,7 +447,7 @@ def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, em
                       supersedes=True)
     engine_env.loop.run(engine_env.engine.llm.reset_prefix_cache())
     want = gen(engine_env, nb_ids, nb_ref)
-    assert want.injected_tokens > 0 and want.fallback is None
+    assert want.reply.injected_tokens > 0 and want.reply.fallback is None
     want_f = gen(engine_env, f_ids).token_ids  # the forger's question, plainly prefilled
     status0 = engine_env.loop.run(engine_env.engine.status())
     try:
@@ -450,9 +462,9 @@ def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, em
 
             f, nb = engine_env.loop.run(both())
             assert nb.token_ids == want.token_ids, nb.text
-            assert nb.injected_tokens > 0 and nb.fallback is None
-            assert f.injected_tokens == 0 and f.token_ids == want_f and f.fallback
-            fallbacks.append(f.fallback)
+            assert nb.reply.injected_tokens > 0 and nb.reply.fallback is None
+            assert f.reply.injected_tokens == 0 and f.token_ids == want_f and f.reply.fallback
+            fallbacks.append(f.reply.fallback.detail)
             time.sleep(0.5)  # the ordered reload fails meanwhile
         status1 = engine_env.loop.run(engine_env.engine.status())
     finally:

@@ -64,8 +64,8 @@ def test_an_fp8_artifact_answers_on_the_float32_engine(engine_env, fp8_users):
         for user in versions:
             env.loop.run(env.engine.llm.reset_prefix_cache())
             out[user] = gen(env, ids, MemoryRef(user, versions[user], chunks))
-            assert out[user].injected_tokens > 0 and out[user].fallback is None
-            assert out[user].facts_by_tier == {"gpu": len(FACTS)}
+            assert out[user].reply.injected_tokens > 0 and out[user].reply.fallback is None
+            assert out[user].reply.facts_by_tier == {"gpu": len(FACTS)}
         identical += out["fp8"].token_ids == out["f32"].token_ids
         answers[q] = out["fp8"].text
     print(f"fp8 memory: {identical}/{len(QUESTIONS)} answers token-identical to float32's")
@@ -92,8 +92,9 @@ def test_fp8_facts_read_alone_from_storage(engine_env, fp8_users):
                *(len(t) for t in table.column("token_ids").to_pylist()))
     env.loop.run(env.engine.llm.reset_prefix_cache())
     stored = gen(env, ids, MemoryRef("fp8", versions["fp8"], chunks, lengths=lengths))
-    assert stored.fallback is None and stored.injected_tokens == resident.injected_tokens
+    assert stored.reply.fallback is None
+    assert stored.reply.injected_tokens == resident.reply.injected_tokens
     row_bytes = 2 * 30 * 3 * 64  # fp8: one byte per element (SmolLM2: L=30, H=3, D=64)
-    assert stored.facts_by_tier == {"storage": len(FACTS)}
-    assert stored.storage_bytes == sum(lengths) * row_bytes
+    assert stored.reply.facts_by_tier == {"storage": len(FACTS)}
+    assert stored.reply.storage_bytes == sum(lengths) * row_bytes
     assert stored.token_ids == resident.token_ids

@@ -11,8 +11,9 @@ import dataclasses
 import pytest
 
 from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.failures import FallbackReason
 from inferscale.vllm_plugin.metadata import (
-    FetchSpec, MemoryRef, MemoryReply, ResidencyReport, ResidentInfo,
+    FailedLoad, FetchSpec, MemoryRef, MemoryReply, ResidencyReport, ResidentAdded, ResidentInfo,
 )
 from inferscale.vllm_plugin.scheduler import ConnectorScheduler
 
@@ -96,8 +97,9 @@ def test_reads_in_flight_are_bounded_and_a_read_done_frees_its_share():
     assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # 8 + 8 > 10: prefill
     delay, params = s.request_finished(b, [])
     assert delay is False
-    assert MemoryReply.from_params(params).fallback.startswith(
-        "user not resident, storage reads busy (8 tokens in flight)")
+    fallback = MemoryReply.from_params(params).fallback
+    assert fallback.reason is FallbackReason.NOT_RESIDENT
+    assert fallback.detail == "user not resident, storage reads busy (8 tokens in flight)"
     s.update_connector_output(finished({"a"}))
     b2 = request("b2", REF, PROMPT)
     assert s.get_num_new_matched_tokens(b2, 0) == (8, True)
@@ -116,7 +118,7 @@ def test_a_request_whose_read_failed_is_prefilled_not_read_again():
     s.build_connector_meta(output({}))
     why = "reading its facts from storage failed (GeometryMismatch: ...)"
     s.update_connector_output(finished({"r1"}))
-    s.update_connector_output(KVOutput(ResidencyReport(failed_loads=[("r1", why)])))
+    s.update_connector_output(KVOutput(ResidencyReport(failed_loads=[FailedLoad("r1", why)])))
     for _ in range(3):
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.build_connector_meta(output({})).fetches == []
@@ -125,7 +127,8 @@ def test_a_request_whose_read_failed_is_prefilled_not_read_again():
     delay, params = s.request_finished(req, [7, 3, 9])
     assert delay is False
     reply = MemoryReply.from_params(params)
-    assert reply.injected_tokens == 0 and reply.fallback == f"memory load failed ({why}); recomputed"
+    assert reply.injected_tokens == 0 and reply.fallback.reason is FallbackReason.LOAD_ERROR
+    assert reply.fallback.detail == f"memory load failed ({why}); recomputed"
     assert "r1" not in s._recompute
 
 
@@ -155,7 +158,7 @@ def test_a_resident_user_loads_within_the_step():
     s = sched()
     info = ResidentInfo("ann", "v1", FP, {"prefix": PREFIX, "f1": FACT})
     s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
-        [(0, "add", info)])})())
+        [ResidentAdded(0, info)])})())
     req = request("r", REF, PROMPT)
     assert s.get_num_new_matched_tokens(req, 0) == (8, False)
     s.update_state_after_alloc(req, blocks([5, 6, 7]), 8)
@@ -166,7 +169,7 @@ def test_stale_versions_are_read_only_when_the_request_supersedes():
     s = sched()
     old = ResidentInfo("ann", "v0", FP, {"prefix": PREFIX})
     s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
-        [(0, "add", old)])})())
+        [ResidentAdded(0, old)])})())
     assert s.get_num_new_matched_tokens(request("r", REF, PROMPT), 0) == (8, True)
     plain = dataclasses.replace(REF, supersedes=False)
     assert s.get_num_new_matched_tokens(request("q", plain, PROMPT), 0) == (0, False)
@@ -242,12 +245,12 @@ def test_a_failed_read_is_computed_and_not_read_again():
     s.update_state_after_alloc(req, blocks([7, 3, 9, 4]), 11)
     assert len(s.build_connector_meta(output({})).fetches) == 1
     s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
-        failed_loads=[("r", "read from storage not done within its 0.1 s")])})())
+        failed_loads=[FailedLoad("r", "read from storage not done within its 0.1 s")])})())
     # vLLM frees the blocks of a load that left nothing valid and asks again: computed
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.build_connector_meta(output({})).fetches == []
     reply = finish(s, req)
-    assert reply.injected_tokens == 0 and reply.fallback.startswith("memory load failed")
+    assert reply.injected_tokens == 0 and reply.fallback.reason is FallbackReason.LOAD_ERROR
     assert (reply.cold.loaded, reply.cold.computed, reply.cold.read) == (0, 2, True)
     assert s._recompute == set()
 
@@ -256,7 +259,7 @@ def test_a_resident_user_ignores_the_split():
     s = sched()
     info = ResidentInfo("ann", "v1", FP, {"prefix": PREFIX, "f1": FACT, "f2": FACT2})
     s.update_connector_output(type("O", (), {"kv_connector_worker_meta": ResidencyReport(
-        [(0, "add", info)])})())
+        [ResidentAdded(0, info)])})())
     req = request("r", dataclasses.replace(SPLIT_REF, cold_chunks=0), SPLIT_PROMPT)
     assert s.get_num_new_matched_tokens(req, 0) == (11, False)  # all of it, from memory
     s.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 11)
@@ -270,7 +273,9 @@ def test_the_read_budget_counts_only_the_split():
     s = sched(fetch_tokens=9)
     whole = request("a", SPLIT_REF, SPLIT_PROMPT)  # 11 tokens > 9: prefilled
     assert s.get_num_new_matched_tokens(whole, 0) == (0, False)
-    assert finish(s, whole).fallback.startswith("user not resident, storage reads busy")
+    busy = finish(s, whole).fallback
+    assert busy.reason is FallbackReason.NOT_RESIDENT
+    assert busy.detail.startswith("user not resident, storage reads busy")
     part = request("b", dataclasses.replace(SPLIT_REF, cold_chunks=2), SPLIT_PROMPT)
     assert s.get_num_new_matched_tokens(part, 0) == (8, True)
 

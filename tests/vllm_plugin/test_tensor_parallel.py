@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from engine_helpers import LoopThread, limiting_memory, memory_prompt, start_engine
+from fault_injection import FAULT_EXTENSION
 from inferscale.vllm_plugin.compat import kv_head_shard
+from inferscale.vllm_plugin.failures import Fallback, FallbackReason
 
 # ------------------------------------------------------------------ the sharding rule
 
@@ -109,7 +111,9 @@ def _step(scheduler, reports: list) -> None:
 def test_a_user_is_resident_only_when_every_rank_reports_it():
     from inferscale.hydrate.resident import Resident
     from inferscale.vllm_plugin.config import ConnectorConfig
-    from inferscale.vllm_plugin.metadata import ResidencyReport, ResidentInfo
+    from inferscale.vllm_plugin.metadata import (
+        MemoryReply, ResidencyReport, ResidentAdded, ResidentInfo, ResidentRemoved,
+    )
     from inferscale.vllm_plugin.scheduler import ConnectorScheduler
     from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -126,11 +130,15 @@ def test_a_user_is_resident_only_when_every_rank_reports_it():
         orders = sched.build_connector_meta(SchedulerOutput.make_empty()).reloads
         return [(o.user, o.version, o.tier) for o in orders]
 
-    def fallback(n: int) -> str | None:
-        return sched.request_finished(_request(f"r{n}", ids, "ann", "v1", []), [])[1][
-            "inferscale"].get("fallback")
+    def fallback(n: int, reason: FallbackReason = FallbackReason.NOT_RESIDENT) -> str:
+        """The request's fallback in words, once its reason is seen to be ``reason``."""
+        params = sched.request_finished(_request(f"r{n}", ids, "ann", "v1", []), [])[1]
+        why = MemoryReply.from_params(params).fallback
+        assert why is not None and why.reason is reason, why
+        return why.detail
 
-    add = [ResidencyReport([(rank, "add", ResidentInfo.of(r, with_tokens=rank == 0))])
+    STALE = FallbackReason.STALE_VERSION
+    add = [ResidencyReport([ResidentAdded(rank, ResidentInfo.of(r, with_tokens=rank == 0))])
            for rank in range(2)]
     _step(sched, [add[0], None])  # rank 0 has loaded it, rank 1 not yet
     assert admitted(1) == 0
@@ -139,24 +147,27 @@ def test_a_user_is_resident_only_when_every_rank_reports_it():
     _step(sched, [None, add[1]])
     assert admitted(2) == 5  # every memory token; the token ids came from rank 0
     # rank 1 alone drops it (its own budget): not resident any more, and reloaded
-    _step(sched, [None, ResidencyReport([(1, "remove", ("ann", "v1"))])])
+    _step(sched, [None, ResidencyReport([ResidentRemoved(1, "ann", "v1")])])
     assert admitted(3) == 0 and fallback(3).startswith("user not resident on every rank")
     # both ranks move to v2: v1 is stale
     r2 = Resident("ann", "v2", "fp", torch.empty(0), {}, tokens)
-    _step(sched, [ResidencyReport([(rank, "add", ResidentInfo.of(r2, with_tokens=rank == 0))])
+    _step(sched, [ResidencyReport([ResidentAdded(rank, ResidentInfo.of(r2,
+                                                                        with_tokens=rank == 0))])
                   for rank in range(2)])
-    assert admitted(4) == 0 and fallback(4).startswith("stale version (workers hold v2")
+    assert admitted(4) == 0 and fallback(4, STALE).startswith("stale version (workers hold v2")
     reloads()
     # mid-supersede: rank 0 has moved to v3, rank 1 still holds v2. Neither version is
     # injected; a request for the old one orders nothing (rank 0 must not go back to v2)
     r3 = Resident("ann", "v3", "fp", torch.empty(0), {}, tokens)
-    _step(sched, [ResidencyReport([(0, "add", ResidentInfo.of(r3))]), None])
-    assert admitted(5, "v2") == 0 and fallback(5).startswith("stale version (workers hold v3")
+    _step(sched, [ResidencyReport([ResidentAdded(0, ResidentInfo.of(r3))]), None])
+    assert admitted(5, "v2") == 0
+    assert fallback(5, STALE).startswith("stale version (workers hold v3")
     assert reloads() == []
     assert admitted(6, "v3", supersedes=True) == 0
-    assert fallback(6).startswith("stale version (workers hold v2")
+    assert fallback(6, STALE).startswith("stale version (workers hold v2")
     assert reloads() == [("ann", "v3", None)]  # into the tier v2 is on; rank 0 skips it
-    _step(sched, [None, ResidencyReport([(1, "add", ResidentInfo.of(r3, with_tokens=False))])])
+    _step(sched, [None, ResidencyReport([ResidentAdded(1, ResidentInfo.of(r3,
+                                                                        with_tokens=False))])])
     assert admitted(7, "v3") == 5
 
 
@@ -217,7 +228,7 @@ def tp2(inferscale_home, embedder, tmp_path_factory):
     engine = MemoryEngine(EngineConfig.of(  # its start binds each rank to its own core
         model=str(ckpt), model_fingerprint=model.fingerprint, dtype="float32",
         kv_cache_memory_bytes=256 << 20, max_model_len=2048, tensor_parallel_size=2,
-        artifact_root=store.root))
+        artifact_root=store.root, worker_extension=FAULT_EXTENSION))
     start_engine(loop, engine, root / "engine.log")
     hydrated = {u: loop.run(engine.hydrate(u, version=v, tier="gpu"))
                 for u, (v, _, _) in users.items()}
@@ -279,8 +290,8 @@ def test_limiting_case_at_tp2_is_token_identical_to_prefill(tp2):
             assert check["max_abs_err_k"] < 1e-5 * max(1.0, check["max_abs_value"])
             counted = True
         plain = gen(tp2, ids)  # no memory, no salt: a full prefill on both ranks
-        assert injected.injected_tokens == memory and injected.fallback is None
-        assert plain.injected_tokens == 0
+        assert injected.reply.injected_tokens == memory and injected.reply.fallback is None
+        assert plain.reply.injected_tokens == 0
         identical += injected.token_ids == plain.token_ids
     assert identical == len(QUESTIONS), f"{identical}/{len(QUESTIONS)} token-identical"
 
@@ -310,7 +321,7 @@ def test_two_users_concurrently_each_get_their_own_memory(tp2):
 
     results = tp2.loop.run(all_of_them())
     for key, out in results:
-        assert out.injected_tokens > 0 and out.fallback is None, (key, out.fallback)
+        assert out.reply.injected_tokens > 0 and out.reply.fallback is None, (key, out.reply)
         assert out.token_ids == want[key], key
 
 
@@ -322,11 +333,12 @@ def test_a_user_one_rank_lost_is_prefilled_then_reloaded_on_that_rank(tp2):
     rpc = tp2.engine.llm.collective_rpc
     before = [r["reloads"] for r in tp2.loop.run(tp2.engine.status())["ranks"]]
     assert tp2.loop.run(rpc("inferscale_fault_drop_on_rank", args=("ann", 1))) == [False, True]
-    tp2.loop.run(tp2.engine.sync())  # the scheduler sees rank 1's removal
+    tp2.loop.run(tp2.engine.deliver_worker_reports())  # the scheduler sees rank 1's drop
     tp2.loop.run(tp2.engine.llm.reset_prefix_cache())
     out = gen(tp2, ids, ref_of(tp2, "ann", chunks))
-    assert out.injected_tokens == 0
-    assert out.fallback == "user not resident on every rank (1 of 2 hold it)"
+    assert out.reply.injected_tokens == 0
+    assert out.reply.fallback == Fallback(FallbackReason.NOT_RESIDENT,
+                                          "user not resident on every rank (1 of 2 hold it)")
     assert out.token_ids == gen(tp2, ids).token_ids  # prefilled instead
     # that request ordered a reload: rank 1 reads the artifact again, rank 0 keeps its copy
     deadline = time.monotonic() + 120
@@ -335,12 +347,12 @@ def test_a_user_one_rank_lost_is_prefilled_then_reloaded_on_that_rank(tp2):
         if all(any(r["user"] == "ann" for r in st["residents"]) for st in ranks):
             break
         assert time.monotonic() < deadline, "rank 1 never reloaded the user"
-        tp2.loop.run(tp2.engine.sync())
+        tp2.loop.run(tp2.engine.deliver_worker_reports())
     assert [st["reloads"] - b for st, b in zip(ranks, before)] == [0, 1]
-    tp2.loop.run(tp2.engine.sync())
+    tp2.loop.run(tp2.engine.deliver_worker_reports())
     tp2.loop.run(tp2.engine.llm.reset_prefix_cache())
     again = gen(tp2, ids, ref_of(tp2, "ann", chunks))
-    assert again.injected_tokens > 0 and again.fallback is None
+    assert again.reply.injected_tokens > 0 and again.reply.fallback is None
     assert again.token_ids == out.token_ids
 
 
@@ -352,7 +364,8 @@ def test_evict_reaches_every_rank(tp2):
     assert tp2.loop.run(tp2.engine.evict("bob")) is True
     ranks = tp2.loop.run(tp2.engine.status())["ranks"]
     assert all(r["user"] != "bob" for st in ranks for r in st["residents"])
-    assert gen(tp2, ids, ref_of(tp2, "bob", chunks)).fallback == "user not resident"
+    assert gen(tp2, ids, ref_of(tp2, "bob", chunks)).reply.fallback == \
+        Fallback(FallbackReason.NOT_RESIDENT, "user not resident")
     assert tp2.loop.run(tp2.engine.evict("bob")) is False
 
 
@@ -388,8 +401,8 @@ def test_a_split_read_is_prefetched_and_injected_on_every_rank(tp2):
     delta = {k: v - counted[k] for k, v in tp2.engine.prompt_token_counters().items()}
     assert [(a["started"] - b["started"], a["adopted"] - b["adopted"])
             for a, b in zip(after, before)] == [(1, 1), (1, 1)]
-    assert out.fallback is None and out.injected_tokens == sum(lengths[:2])
+    assert out.reply.fallback is None and out.reply.injected_tokens == sum(lengths[:2])
     assert delta["external_kv_transfer"] == sum(lengths[:2])
     assert delta["computed"] == len(ids) - sum(lengths[:2])
-    assert out.cold.loaded == 1 and out.cold.computed == len(chunks) - 2
+    assert out.reply.cold.loaded == 1 and out.reply.cold.computed == len(chunks) - 2
     assert out.token_ids == plain.token_ids

@@ -63,10 +63,11 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     assert (got["resident"], got["started"]) == (False, True)
     assert got["prefetch"]["started"] == before["prefetch"]["started"] + 1
     time.sleep(1.5)  # past its deadline and the second it is kept for (prefetch_keep_s)
-    env.loop.run(env.engine.sync())  # an engine step: prefetches no request adopted go
+    # an engine step: prefetches no request adopted go
+    env.loop.run(env.engine.deliver_worker_reports())
     after = rpc("inferscale_storage_stats")
     assert after["prefetch"]["dropped"] == before["prefetch"]["dropped"] + 1
     assert after["queued_bytes"] == 0 and rpc("inferscale_status")["fetches"]["pending"] == 0
     with pytest.raises(Exception, match="nothing published for user 'nobody-ext'"):
         rpc("inferscale_hydrate", "nobody-ext", "latest", "gpu")
-    env.loop.run(env.engine.sync())  # the scheduler sees the evictions
+    env.loop.run(env.engine.deliver_worker_reports())  # the scheduler sees the evictions

@@ -95,17 +95,15 @@ class PeerPrompts:
     """The prompt mode's prompts, composed by the library's own code without an engine."""
 
     def __init__(self, args, memory: dict, embedder):
-        from transformers import AutoTokenizer
-
         from inferscale.artifacts.layout import StoreConfig
-        from inferscale.serve.server import MemoryServer
+        from inferscale.serve.server import ServerConfig, build_server
 
         engine = memory["server"]["engine"]
         self.top_k = args.top_k
-        self.server = MemoryServer(
-            None, AutoTokenizer.from_pretrained(memory["server"]["tokenizer"]), embedder,
-            StoreConfig(engine["artifact_root"]), mode="prompt", top_k=args.top_k,
-            fingerprint=engine["model_fingerprint"])
+        self.server = build_server(None, memory["server"]["tokenizer"], embedder,
+                                   StoreConfig(engine["artifact_root"]),
+                                   ServerConfig(mode="prompt", top_k=args.top_k),
+                                   fingerprint=engine["model_fingerprint"])
         self.composed: dict[tuple[str, str], tuple[list[int], dict]] = {}
 
     def compose(self, schedule: list[tuple[float, str, str]]) -> None:

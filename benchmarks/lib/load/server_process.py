@@ -275,13 +275,13 @@ async def wait_idle(http, timeout: float) -> None:
 
 async def serve(cfg: dict) -> None:
     import torch
-    from transformers import AutoTokenizer
 
     from inferscale.artifacts.layout import StoreConfig
-    from inferscale.serve.app import AccessPolicy, serve_app
+    from inferscale.serve.access import AccessPolicy
+    from inferscale.serve.app import serve_app
     from inferscale.serve.engine import EngineConfig, MemoryEngine
     from inferscale.serve.retrieval import Embedder
-    from inferscale.serve.server import MemoryServer
+    from inferscale.serve.server import ServerConfig, build_server
 
     import vllm
 
@@ -295,12 +295,12 @@ async def serve(cfg: dict) -> None:
             {"vllm_version": vllm.__version__, "scheduler": engine.scheduler_limits()}))
     embedder = Embedder(cfg["embedder"], device="cuda" if cuda else "cpu",
                         dtype=torch.float16 if cuda else None)
-    server = MemoryServer(engine, AutoTokenizer.from_pretrained(cfg["tokenizer"]), embedder,
+    server = build_server(engine, cfg["tokenizer"], embedder,
                           StoreConfig(cfg["engine"]["artifact_root"],
-                                      direct_io=cfg["engine"].get("direct_io", False)), mode="kv",
-                          top_k=cfg["top_k"],
-                          cache=MemoryCacheConfig(**cfg.get("memory_cache", {})),
-                          cold=ColdSplitConfig(**cfg.get("cold_split", {})))
+                                      direct_io=cfg["engine"].get("direct_io", False)),
+                          ServerConfig(mode="kv", top_k=cfg["top_k"],
+                                       cache=MemoryCacheConfig(**cfg.get("memory_cache", {})),
+                                       cold=ColdSplitConfig(**cfg.get("cold_split", {}))))
     await serve_app(server, AccessPolicy({}, None, None, loopback=True), cfg["model_name"],
                     "127.0.0.1", cfg["port"], log_level="warning")
 

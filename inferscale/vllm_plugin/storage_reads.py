@@ -2,10 +2,10 @@
 
 The scheduler admits a request whose user is in neither tier as an asynchronous load
 (:class:`~inferscale.vllm_plugin.metadata.FetchSpec`): vLLM keeps it waiting, with its
-blocks allocated, until the worker reports it finished. :class:`Fetches` runs each read
-on a small thread pool, off the engine's thread: the version's chunk index, the rows of
-just those chunks into the store's pinned staging reserve
-(:class:`~inferscale.hydrate.fetch.FactReader`, which refuses a version of another
+blocks allocated, until the worker reports it finished. :class:`StorageReads` runs each
+read on a small thread pool, off the engine's thread: the version's chunk index, the rows
+of just those chunks into the store's pinned staging reserve
+(:class:`~inferscale.hydrate.fact_reader.FactReader`, which refuses a version of another
 fingerprint or geometry than the model's from its manifest), checked as the store checks
 every slab, and one copy into its device staging reserve in the engine's dtype and layout
 (the rank's heads under tensor parallelism). Before a read is handed over, the chunks'
@@ -13,7 +13,7 @@ token ids are checked against the prompt's. What the engine's thread then does i
 it does for a resident user: one injection kernel reading device memory, in the next step.
 
 **Prefetches.** The server knows a request's facts before the engine schedules it, so
-it asks every worker to start reading them then (:meth:`Fetches.prefetch`, the
+it asks every worker to start reading them then (:meth:`StorageReads.prefetch`, the
 ``inferscale_prefetch`` RPC, sent ahead of the request): the read overlaps the request's
 wait in vLLM's queue. A read is keyed by (user, version, chunks); the request's
 ``FetchSpec`` adopts a prefetch of the same key, running or finished, instead of reading
@@ -25,8 +25,8 @@ A read that fails, cannot get staging memory, or is not done by its deadline
 (vLLM recomputes the request's memory); a request that finishes while its read runs (a
 client that went away) has its read dropped when it completes. Every read is reported
 finished exactly once, which is when vLLM frees the blocks it held. The reads' bytes and
-the time the reader was busy are counted (:meth:`Fetches.stats`): the server's estimate
-of the storage bandwidth.
+the time the reader was busy are counted (:meth:`StorageReads.stats`): the server's
+estimate of the storage bandwidth.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from inferscale.hydrate.fetch import FactReader
+from inferscale.hydrate.fact_reader import FactReader
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
 from inferscale.stats import Histogram, geometric
@@ -71,7 +71,7 @@ class _Read:
     spec: FetchSpec | None = None  # the request it is for (None: a prefetch not adopted)
 
 
-class Fetches:
+class StorageReads:
     """Reads for waiting requests; :meth:`done` hands over the finished ones."""
 
     def __init__(self, store: ResidentStore, reader: FactReader | None, fingerprint: str,

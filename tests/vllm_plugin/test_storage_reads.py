@@ -14,10 +14,10 @@ import torch
 
 from builders import make_inputs
 from inferscale.artifacts.publish import publish
-from inferscale.hydrate.fetch import FactReader
+from inferscale.hydrate.fact_reader import FactReader
 from inferscale.hydrate.slab import hydrate
 from inferscale.hydrate.store import ResidentStore
-from inferscale.vllm_plugin.fetches import Fetches
+from inferscale.vllm_plugin.storage_reads import StorageReads
 from inferscale.vllm_plugin.metadata import FetchSpec
 
 FP = "fp-test"
@@ -27,7 +27,7 @@ def setup(local_store, dtype=torch.bfloat16, **store_kw):
     memory, facts, lineage = make_inputs("ann", 6, dtype=dtype)
     version = publish(local_store, "ann", memory, facts, lineage, embeddings=False).version
     store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32, **store_kw)
-    fetches = Fetches(store, FactReader(local_store, FP), FP, timeout_s=5)
+    fetches = StorageReads(store, FactReader(local_store, FP), FP, timeout_s=5)
     whole = hydrate(local_store, "ann", FP)
     return store, fetches, whole, version
 
@@ -119,7 +119,7 @@ def test_a_forged_geometry_never_reaches_staging(local_store):
     store = ResidentStore("cpu", 1 << 20, 1 << 20, dtype=torch.float32, geometry=geometry)
     for reader, error in ((FactReader(local_store, FP, geometry=geometry), "GeometryMismatch"),
                           (FactReader(local_store, FP), "ResidencyError")):
-        fetches = Fetches(store, reader, FP, timeout_s=5)
+        fetches = StorageReads(store, reader, FP, timeout_s=5)
         fetches.submit(spec(whole, version, ["prefix", list(whole.index)[2]]))
         (got,) = wait_done(fetches)
         assert got.resident is None and got.error.startswith(error), got.error
@@ -148,7 +148,7 @@ def test_cuda_reads_land_in_device_staging_memory(local_store):
     memory, facts, lineage = make_inputs("ann", 6, dtype=torch.bfloat16)
     version = publish(local_store, "ann", memory, facts, lineage, embeddings=False).version
     store = ResidentStore("cuda", 1 << 20, 1 << 20, dtype=torch.bfloat16)
-    fetches = Fetches(store, FactReader(local_store, FP), FP)
+    fetches = StorageReads(store, FactReader(local_store, FP), FP)
     whole = hydrate(local_store, "ann", FP)
     chunks = ["prefix", list(whole.index)[5]]
     fetches.submit(spec(whole, version, chunks))
@@ -167,7 +167,7 @@ def test_cuda_fp8_reads_stay_fp8_with_their_scales(local_store):
     memory, facts, lineage = make_inputs("ann", 6, dtype=torch.float8_e4m3fn)
     version = publish(local_store, "ann", memory, facts, lineage, embeddings=False).version
     store = ResidentStore("cuda", 1 << 20, 1 << 20, dtype=torch.bfloat16)
-    fetches = Fetches(store, FactReader(local_store, FP), FP)
+    fetches = StorageReads(store, FactReader(local_store, FP), FP)
     whole = hydrate(local_store, "ann", FP)
     chunks = [list(whole.index)[4], "prefix"]
     fetches.submit(spec(whole, version, chunks))

@@ -11,7 +11,7 @@ from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import ChecksumError, CorruptArtifact
 from inferscale.artifacts.publish import publish
 from inferscale.artifacts.read import data_path, read_manifest
-from inferscale.hydrate.fetch import FactReader, NotFetchable
+from inferscale.hydrate.fact_reader import FactReader, NotFetchable
 from inferscale.hydrate.slab import hydrate
 from storage_schemas.manifest import Manifest
 
