@@ -27,6 +27,15 @@ sys.path.insert(1, str(REPO))  # flows/, tasks/, benchmarks/ (tests/benchmarks t
 
 from moto_s3 import S3_KEY, S3_REGION, S3_SECRET, s3_options  # noqa: E402
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property tests check behaviour, never speed: on CI's 2 cores, beside an engine or a Ray
+# cluster of the same session, drawing one example can take over a second, which
+# Hypothesis's timing checks (a deadline per example, too_slow) would report as a failure.
+settings.register_profile("inferscale", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("inferscale")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
