@@ -57,3 +57,13 @@ def test_a_record_serves_the_layout_it_was_encoded_with():
     record = RunIdentity.of(FactsConfig(mode="raw"), EncodingIdentity(
         enc, "fp", "float32", "cpu")).record()
     assert served_layout(record) == MemoryLayout("chronological", 2, 4)
+
+
+@pytest.mark.parametrize("facts", [None, "raw", 5, ["mode"], True])
+def test_a_record_whose_facts_config_is_not_a_mapping_is_stale_on_it(facts):
+    """A version's record is read from its manifest: a ``facts`` entry that is not an
+    object (hand-edited, or written by something else) is a changed facts config, never
+    an error and never up to date."""
+    run = RunIdentity.of(FactsConfig(mode="raw"), ENC)
+    record = {**run.record(), "facts": facts}
+    assert run.changed_settings(record) == ["facts"]
