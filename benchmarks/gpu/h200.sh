@@ -167,8 +167,8 @@ EOF
 # step -> load-h200-llama31-8b-u{24,200,2000}.json. The whole sequence stops starting
 # steps after TOTAL_S seconds (default 1320: 22 minutes).
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
-LOAD_NAME=load-h200-llama31-8b
-PEER_NAME=peer-h200-llama31-8b
+LOAD_NAME=${LOAD_NAME:-load-h200-llama31-8b}  # another card: LOAD_NAME=load-h100-llama31-8b
+PEER_NAME=${PEER_NAME:-peer-h200-llama31-8b}
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
