@@ -30,15 +30,15 @@
 # The load runs (issues 26, 30) outlast one device call (10 minutes): `load` starts them
 # detached (setsid: they survive the call) writing under /tmp/load-out, and `load-poll`
 # waits for progress and brings back what is there. Issue 30, one H200 session held
-# back to back (~27 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here first:
-# .gpu-stage/p1..p4), five or six device calls of at most 10 minutes:
-#   1  bash benchmarks/gpu/h200.sh receive 1                      (carry .gpu-stage/p1)
-#   2  bash benchmarks/gpu/h200.sh receive 2                      (carry .gpu-stage/p2)
-#   3  bash benchmarks/gpu/h200.sh receive 3                      (carry .gpu-stage/p3)
-#   4  bash benchmarks/gpu/h200.sh receive 4 && bash benchmarks/gpu/h200.sh install \
-#        && bash benchmarks/gpu/h200.sh load 420                  (carry .gpu-stage/p4)
-#   5  bash benchmarks/gpu/h200.sh load-poll 570
-#   6  bash benchmarks/gpu/h200.sh load-poll 570                  (until it prints FINISHED)
+# back to back (~28 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here first:
+# .gpu-stage/p1..p5, 50 MiB parts since the tracked tree travels too), six or seven
+# device calls of at most 10 minutes:
+#   1-4  bash benchmarks/gpu/h200.sh receive I                    (carry .gpu-stage/pI)
+#   5  bash benchmarks/gpu/h200.sh receive 5 && bash benchmarks/gpu/h200.sh install \
+#        && bash benchmarks/gpu/h200.sh load 420                  (carry .gpu-stage/p5)
+#   6  bash benchmarks/gpu/h200.sh load-poll 570
+#   7  bash benchmarks/gpu/h200.sh load-poll 570                  (until it prints FINISHED)
+# On an H100 the results are named load-h100-* / peer-h100-* and the gpu tier is 20 GiB.
 # `load` prints the estimate first (`load-estimate` alone); the sequence: the peer (stock
 # vllm serve, ~7 min with the users' setup), then users 24, 200, 2000 in one server
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
@@ -49,7 +49,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-PART_MIB=${PART_MIB:-60}
+PART_MIB=${PART_MIB:-50}  # a part + the tracked tree (~12 MiB) <= 64 MiB a call
 export PYTHONPATH=/tmp/site:$repo VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export INFERSCALE_HOME=/tmp/inferscale-home INFERSCALE_EMBEDDER=/tmp/data/minilm
@@ -167,8 +167,13 @@ EOF
 # step -> load-h200-llama31-8b-u{24,200,2000}.json. The whole sequence stops starting
 # steps after TOTAL_S seconds (default 1320: 22 minutes).
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
-LOAD_NAME=${LOAD_NAME:-load-h200-llama31-8b}  # another card: LOAD_NAME=load-h100-llama31-8b
-PEER_NAME=${PEER_NAME:-peer-h200-llama31-8b}
+# The card names the results; an H100 (78 GiB) cannot hold the 64 GiB gpu tier beside the
+# model (16 GB) and vLLM's 24 GiB, so its gpu tier defaults to 20 GiB.
+CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 \
+  && echo h100 || echo h200)}
+LOAD_NAME=${LOAD_NAME:-load-$CARD-llama31-8b}
+PEER_NAME=${PEER_NAME:-peer-$CARD-llama31-8b}
+[ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20}
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
