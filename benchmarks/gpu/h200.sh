@@ -168,12 +168,13 @@ EOF
 # steps after TOTAL_S seconds (default 1320: 22 minutes).
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
 # The card names the results; an H100 (78 GiB) cannot hold the 64 GiB gpu tier beside the
-# model (16 GB) and vLLM's 24 GiB, so its gpu tier defaults to 20 GiB.
+# model (16 GB) and vLLM's 24 GiB, so its gpu tier defaults to 20 GiB (and its rates start
+# one step lower: an H100's prefill may not meet the objective at 5 rps).
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 \
   && echo h100 || echo h200)}
 LOAD_NAME=${LOAD_NAME:-load-$CARD-llama31-8b}
 PEER_NAME=${PEER_NAME:-peer-$CARD-llama31-8b}
-[ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20}
+[ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20} && RATES=${RATES:-4 5 6 7 8 10}
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
