@@ -31,7 +31,8 @@ class Run:
 
     def __init__(self, args, server: ServerProcess, memory: dict, sizes: dict, started: float):
         self.args, self.server, self.sizes, self.started = args, server, sizes, started
-        self.measured = memory["storage"]  # the storage bandwidth this run measured
+        # the storage bandwidth this run measured (None against stock vLLM: no storage tier)
+        self.measured: dict | None = memory.get("storage")
         self.http = Http(server.url)
         self.ranked = sorted(memory["versions"])  # load-0000 is the most active user
         self.versions = memory["versions"]
@@ -51,6 +52,8 @@ class Run:
 
     async def storage(self, result: dict) -> None:
         """The run's storage measurement with what the server read, by reader, so far."""
+        if self.measured is None:  # the peer: vllm serve reads no memory from storage
+            return
         status = await asyncio.to_thread(engine_status, self.http)
         result["storage"] = with_server_reads(self.measured, status)
 

@@ -62,3 +62,26 @@ def test_peer_prompts_are_the_prompt_modes(published, tokenizer, embedder):
     expected, _ = composer.compose([composer.prefix_ids()] + [
         pool[group.turns[i]].token_ids for i in order], question, [])
     assert ids == expected
+
+
+def test_the_peer_run_has_no_storage_tier_to_report(published, embedder):
+    """The run against stock vLLM measures no storage (its memory carries none): it is
+    built from that memory and reports nothing under ``storage`` (it once failed on the
+    H100 with ``KeyError: 'storage'`` before its first step)."""
+    import asyncio
+
+    from inferscale.models import resolve_checkpoint
+    from inferscale.settings import Settings
+    from benchmarks.lib.load.peer import PeerRun
+
+    memory = {"versions": published.versions, "questions": {}, "shares": {},
+              "question_lengths": {},
+              "server": {"engine": {"artifact_root": published.store.root,
+                                    "model_fingerprint": published.fp, "model": "m"},
+                         "tokenizer": str(resolve_checkpoint("embedded", Settings().home))}}
+    args = SimpleNamespace(top_k=3, request_timeout_s=5.0, profile_dir=None, deadline_s=60.0)
+    server = SimpleNamespace(url="http://127.0.0.1:9", proc=None)  # never contacted
+    run = PeerRun(args, server, memory, 0.0, embedder)
+    result: dict = {}
+    asyncio.run(run.storage(result))
+    assert run.measured is None and "storage" not in result
