@@ -44,19 +44,32 @@ from storage_schemas.manifest import Manifest
 log = logging.getLogger("vllm.inferscale.loader")
 
 # Upper bounds (seconds) of the reload latency histogram's buckets; +Inf is implied.
+YIELD_POLL_S = 0.002  # how often a yielding reload looks whether the urgent reads are done
 RELOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Throttle:
     """At most ``bytes_per_s`` on average (0: unbounded) across the threads that share
-    it: a reader calls :meth:`take` after each part and sleeps when it is ahead."""
+    it: a reader calls :meth:`take` after each part and sleeps when it is ahead. With
+    ``yield_to``, it also waits while ``yield_to()`` is true (reads more urgent than its
+    own are in progress), at most ``max_yield_s`` per part, so a background reload never
+    starves them and never stops."""
 
-    def __init__(self, bytes_per_s: int = 0):
+    def __init__(self, bytes_per_s: int = 0, yield_to: Callable[[], bool] | None = None,
+                 max_yield_s: float = 0.25):
         self.rate = bytes_per_s
+        self.yield_to, self.max_yield_s = yield_to, max_yield_s
+        self.yielded_s = 0.0  # seconds waited for more urgent reads, all threads
         self._lock = threading.Lock()
         self._free_at = time.monotonic()
 
     def take(self, nbytes: int) -> None:
+        if self.yield_to is not None and self.yield_to():
+            t0 = time.monotonic()
+            while self.yield_to() and time.monotonic() - t0 < self.max_yield_s:
+                time.sleep(YIELD_POLL_S)
+            with self._lock:
+                self.yielded_s += time.monotonic() - t0
         if self.rate <= 0:
             return
         with self._lock:
@@ -75,7 +88,8 @@ class ResidentLoader:
 
     def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
                  storage_options: dict | None = None, reload_workers: int = 2,
-                 reload_bytes_per_s: int = 0, *, direct_io: bool = False):
+                 reload_bytes_per_s: int = 0, *, direct_io: bool = False,
+                 yield_to: Callable[[], bool] | None = None):
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.artifact_root = artifact_root
@@ -86,8 +100,9 @@ class ResidentLoader:
         self.reload_failures = 0  # background reloads that failed (refusals included)
         self.latency = Histogram(RELOAD_BUCKETS_S)  # of the successful reloads
         # background reloads share this read bandwidth, so a burst of users promoted
-        # from storage never crowds out the requests' own reads
-        self.throttle = Throttle(reload_bytes_per_s)
+        # from storage never crowds out the requests' own reads; and they pause while
+        # those reads run (``yield_to``: the worker's reads of facts for waiting requests)
+        self.throttle = Throttle(reload_bytes_per_s, yield_to)
         self._failed: list[tuple[str, str, str]] = []  # (user, version, reason)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(reload_workers, thread_name_prefix="inferscale-reload")
@@ -190,6 +205,7 @@ class ResidentLoader:
         seconds), per-bucket ``counts`` (one more: above the last bound) and ``sum``."""
         with self._lock:
             return {"reloads": self.reloads, "failures": self.reload_failures,
+                    "yielded_s": self.throttle.yielded_s,
                     **self.latency.snapshot()}
 
     def take_failures(self) -> list[tuple[str, str, str]]:

@@ -218,3 +218,4 @@ class StoreEvent:
     user: str
     version: str
     resident: Resident | None = None
+    for_room: bool = False  # removed to make room for another user (a budget's drop)

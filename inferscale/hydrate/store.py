@@ -353,7 +353,7 @@ class ResidentStore:
             if self._lru.get(victim.user) is not victim:
                 return
             del self._lru[victim.user]
-            self._events.append(StoreEvent("remove", victim.user, victim.version))
+            self._events.append(StoreEvent("remove", victim.user, victim.version, None, True))
             self._free(victim)
         log.info("evicted user %s (%d bytes) from %s memory", victim.user, victim.nbytes,
                  victim.tier)

@@ -47,6 +47,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     worker_load_failures_total{rank}        loads refused or failed (recomputed)
     worker_scheduler_errors_total{rank}     scheduler-hook errors (request prefilled)
     reloads_total{rank}, reload_failures_total{rank}, reload_seconds{rank}
+    reload_yielded_seconds_total{rank}      reloads waiting for requests' reads of facts
+    promotions_declined_total{rank}         misses that did not promote their user
     engine_step_seconds{rank}               busy engine steps, timed by the connector
     inject_kernel_seconds{rank}             each step's injection (GPU time on CUDA)
     connector_seconds_total{rank,side}      time in the connector's hooks (scheduler|worker)
@@ -129,6 +131,12 @@ class WorkerCollector:
                      lambda s: [([], s["reload"]["reloads"])])
         yield family(CounterMetricFamily, "reload_failures", "Background reloads that failed",
                      lambda s: [([], s["reload"]["failures"])])
+        yield family(CounterMetricFamily, "reload_yielded_seconds", "Time background reloads "
+                     "waited for reads of facts for waiting requests",
+                     lambda s: [([], s["reload"].get("yielded_s", 0.0))])
+        yield family(CounterMetricFamily, "promotions_declined", "Requests of a user in no "
+                     "tier that did not promote it: asked for less than the residents",
+                     lambda s: [([], s.get("promotions_declined", 0))])
         yield _histogram("reload_seconds", "Latency of successful background reloads (read, "
                          "verify, place)", [(str(r), s["reload"]) for r, s in snaps])
         yield _histogram("engine_step_seconds", "Wall time of busy engine steps (from one "

@@ -11,6 +11,8 @@ vLLM loads it by name (:mod:`inferscale.vllm_plugin.config`: ``kv_connector_modu
   memory that goes unused says why: a typed fallback);
 - :mod:`~inferscale.vllm_plugin.storage_reads`: the worker's reads of non-resident users'
   facts from storage, for waiting requests;
+- :mod:`~inferscale.vllm_plugin.promotion`: which misses promote their user (a whole-user
+  reload), by how often users are asked for;
 - :mod:`~inferscale.vllm_plugin.inject`: one step's gather, rotate and write;
   :mod:`~inferscale.vllm_plugin.kernels`: the fused kernels behind it;
 - :mod:`~inferscale.vllm_plugin.worker_ext`: the collective-RPC endpoints of the worker;

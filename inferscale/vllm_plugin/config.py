@@ -38,7 +38,14 @@ class ConnectorConfig:
     reload_workers: int = 2  # background reloads running at once (a pool, not a thread each)
     reload_backoff_s: float = 30.0  # first wait after a failed reload; doubles per failure
     reload_backoff_max_s: float = 600.0
-    reload_bytes_per_s: int = 2 << 30  # background reloads share this read bandwidth (0: no bound)
+    # background reloads share this read bandwidth (0: no bound), a fraction of a disk's
+    # (1.1-2.1 GB/s on the H100/H200 machines) so requests' own reads keep the rest
+    reload_bytes_per_s: int = 512 << 20
+    # a miss promotes its user (a whole-user reload) only when the user's requests, each
+    # weighing half per promote_half_life_s of age, are >= promote_min_requests and above
+    # the least-asked resident's, once the tiers are full (promotion.py)
+    promote_half_life_s: float = 300.0
+    promote_min_requests: float = 1.5  # 1.5: a second request within a half-life
     # a request of a user in neither tier: its facts are read from storage for it, at most
     # this many tokens at a time over all requests (0: such requests prefill instead)
     fetch_tokens: int = 65536
@@ -70,6 +77,8 @@ class ConnectorConfig:
                      "device_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if not self.promote_half_life_s > 0 or not self.promote_min_requests >= 0:
+            raise ValueError("need promote_half_life_s > 0 and promote_min_requests >= 0")
         if self.fetch_workers < 1 or self.fetch_timeout_s <= 0 or self.prefetch_keep_s < 0:
             raise ValueError("fetch_workers must be >= 1, fetch_timeout_s > 0 and "
                              "prefetch_keep_s >= 0")

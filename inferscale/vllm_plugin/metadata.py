@@ -226,6 +226,7 @@ class InferScaleMetadata(KVConnectorMetadata):
     # hooks in them: the worker keeps the histograms the server's /metrics reads
     step_seconds: list[float] = field(default_factory=list)
     scheduler_seconds: float = 0.0
+    promotions_declined: int = 0  # misses that did not promote their user (promotion.py)
 
 
 @dataclass
@@ -254,11 +255,13 @@ class ResidentAdded:
 
 @dataclass(frozen=True)
 class ResidentRemoved:
-    """Tensor-parallel rank ``rank`` no longer holds ``user``'s ``version``."""
+    """Tensor-parallel rank ``rank`` no longer holds ``user``'s ``version``; ``for_room``:
+    dropped to make room for another user (not replaced, not evicted by an admin)."""
 
     rank: int
     user: str
     version: str
+    for_room: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ externally available when
   or whose token ids are not the prompt's, is recomputed). vLLM lets loaded tokens be
   only a prefix of the prompt; the later chunks are in the prompt anyway and vLLM
   prefills them (the server's compute-or-load split; 0 chunks: no fallback). Meanwhile
-  the whole user is reloaded in the background, so its later requests find it resident.
+  the whole user is reloaded in the background, so its later requests find it resident,
+  when the promotion rule admits it (:mod:`~inferscale.vllm_plugin.promotion`: every miss
+  while the tiers have room, then only users asked for more than the least-asked
+  resident).
 
 Otherwise it returns 0 and the request prefills (the reason is logged and returned); so
 does a request whose load the workers reported failed (vLLM recomputes its blocks and
@@ -48,9 +51,10 @@ import numpy as np
 from inferscale.vllm_plugin.compat import block_ids_of
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Fallback, FallbackReason, Failures
+from inferscale.vllm_plugin.promotion import Reloads
 from inferscale.types import PREFIX_ID
 from inferscale.vllm_plugin.metadata import (
-    ColdSplit, FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply, ReloadOrder,
+    ColdSplit, FetchSpec, InferScaleMetadata, LoadSpec, MemoryRef, MemoryReply,
     ResidencyReport, ResidentAdded, ResidentInfo,
 )
 
@@ -89,9 +93,7 @@ class ConnectorScheduler:
         self._to_load: dict[str, _Plan] = {}
         self._fetches: list[FetchSpec] = []  # admitted this step, sent with its metadata
         self._fetching: dict[str, int] = {}  # request id -> tokens read for it (in flight)
-        self._reloads: dict[tuple[str, str], ReloadOrder] = {}
-        self._reload_pending: set[tuple[str, str]] = set()
-        self._reload_failed: dict[tuple[str, str], tuple[int, float]] = {}  # n, retry at
+        self.reloads = Reloads(config)  # whole-user reloads: which, pending, back-off
         self.injected_tokens: dict[str, int] = {}
         self._sources: dict[str, tuple[dict, int]] = {}  # request id -> facts by tier, bytes
         self._fallbacks: dict[str, Fallback] = {}  # request id -> why memory was prefilled
@@ -128,12 +130,13 @@ class ConnectorScheduler:
             return 0, False
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        first = self.reloads.seen(req_id, ref.user)
         if req_id in self._recompute:  # a failed load from nothing valid: it is computed
             return 0, False
         self._cold.pop(req_id, None)
         why = fetch = None
         n = len(ref.chunks)  # chunks loaded: all of them, unless read from storage
-        refused = self._refusal(ref, request)  # not from resident memory
+        refused = self._refusal(ref, request, first)  # not from resident memory
         if refused is not None:
             if ref.cold_chunks is not None:
                 n = min(n, ref.cold_chunks)
@@ -187,12 +190,14 @@ class ConnectorScheduler:
             self.failures.record(f"request {req_id}: {hook}", exc, "prefilling its memory")
             self._fallbacks[req_id] = fallback
 
-    def _refusal(self, ref: MemoryRef, request: "Request") -> tuple[Fallback, bool] | None:
+    def _refusal(self, ref: MemoryRef, request: "Request",
+                 first: bool = True) -> tuple[Fallback, bool] | None:
         """Why this request's memory cannot be injected from resident memory, with whether
         its chunks may be read from storage instead (no rank holds the user, or the ranks
         hold an older version the request ``supersedes``); None when it can be injected.
         A miss orders a background reload when the workers (some ranks, under tensor
-        parallelism) hold nothing of the user, or hold another version it supersedes."""
+        parallelism) hold nothing of the user and the promotion rule admits it (decided
+        once per request: its ``first`` ask), or hold another version it supersedes."""
         if self._disabled:
             return self._disabled, False
         user, version = ref.user, ref.version
@@ -201,15 +206,16 @@ class ConnectorScheduler:
             held = [r[user].version for r in self._ranks if user in r]
             others = [v for v in held if v != version]
             if not held:
-                self._order_reload(user, version, self.config.reload_tier)
+                if first:  # a miss: promote the user if it is asked for enough
+                    self.reloads.miss(user, version, self._ranks[0])
                 return Fallback(FallbackReason.NOT_RESIDENT, "user not resident"), True
             if others:  # (some ranks may hold this version already: mid-reload)
                 if ref.supersedes:
-                    self._order_reload(user, version, None)  # into the old version's tier
+                    self.reloads.order(user, version, None)  # into the old version's tier
                 return Fallback(FallbackReason.STALE_VERSION, "stale version (workers hold "
                                 f"{others[0][:12]})"), ref.supersedes
             # some ranks hold this version, the others nothing (their own budgets dropped it)
-            self._order_reload(user, version, self.config.reload_tier)  # holders skip it
+            self.reloads.order(user, version, self.config.reload_tier)  # holders skip it
             why = f"user not resident on every rank ({len(held)} of {self.tp_size} hold it)"
             return Fallback(FallbackReason.NOT_RESIDENT, why), False
         if info.fingerprint != self.config.model_fingerprint:
@@ -234,17 +240,6 @@ class ConnectorScheduler:
         if any(i is None or i.version != version for i in infos):
             return None
         return infos[0]
-
-    def _order_reload(self, user: str, version: str, tier: str | None) -> None:
-        key = (user, version)
-        if not (self.config.auto_reload and self.config.artifact_root) or \
-                key in self._reload_pending:
-            return
-        failed = self._reload_failed.get(key)
-        if failed is not None and time.monotonic() < failed[1]:
-            return  # backing off after a failure
-        self._reloads[key] = ReloadOrder(user, version, tier)
-        self._reload_pending.add(key)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -290,8 +285,9 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InferScaleMetadata:
         t0 = time.perf_counter()
         self._time_step(t0, scheduler_output)
-        meta = InferScaleMetadata(reloads=list(self._reloads.values()), fetches=self._fetches)
-        self._reloads.clear()
+        reloads, declined = self.reloads.take()
+        meta = InferScaleMetadata(reloads=reloads, fetches=self._fetches,
+                                  promotions_declined=declined)
         self._fetches = []
         try:
             self._plan_loads(meta, scheduler_output)
@@ -370,25 +366,13 @@ class ConnectorScheduler:
                 user, version = change.user, change.version
                 if user in held and held[user].version == version:
                     del held[user]
-                self._reload_pending.discard((user, version))
+                self.reloads.removed(user, version, change.for_room)
                 continue
             info = change.info
             held[info.user] = info  # a rank holds one version per user
             if self._resident(info.user, info.version) is not None:  # every rank holds it
-                self._reload_pending.discard((info.user, info.version))
-                self._reload_failed.pop((info.user, info.version), None)
-        failed: dict[tuple[str, str], str] = {}  # one failure however many ranks report it
-        for f in report.failed_reloads:
-            failed.setdefault((f.user, f.version), f.reason)
-        for key, reason in failed.items():
-            user, version = key
-            failures = self._reload_failed.get(key, (0, 0.0))[0] + 1
-            wait = self.config.backoff_s(failures)
-            self._reload_failed[key] = (failures, time.monotonic() + wait)
-            self._reload_pending.discard(key)
-            log.warning("reload of user %s version %s failed (%d in a row; next try in "
-                        "%.0f s at the earliest): %s", user, version[:12], failures, wait,
-                        reason)
+                self.reloads.held(info.user, info.version)
+        self.reloads.failed(report.failed_reloads)
         for load in report.failed_loads:  # the worker logged and counted it
             req_id = load.req_id
             if self.injected_tokens.pop(req_id, None) is not None:
@@ -408,6 +392,7 @@ class ConnectorScheduler:
         from storage may still write them (the workers then report it finished)."""
         req_id = request.request_id
         self._finished.add(req_id)
+        self.reloads.finished(req_id)
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)
         self._unloadable.discard(req_id)

@@ -135,6 +135,11 @@ class StorageReads:
         self._cancelled |= req_ids & self._running.keys()
 
     @property
+    def busy(self) -> bool:
+        """Whether rows are being read for a request now (background reloads yield)."""
+        return self._active > 0
+
+    @property
     def pending(self) -> int:
         return len(self._running) + sum(len(v) for v in self._prefetched.values())
 

@@ -90,9 +90,10 @@ class ConnectorWorker:
                                    config.host_budget_bytes, self.model_dtype, self.heads,
                                    config.staging_bytes, config.device_staging_bytes,
                                    self.geometry)
-        self.loader = ResidentLoader(self.store, config.model_fingerprint, config.artifact_root,
-                                     config.storage_options, config.reload_workers,
-                                     config.reload_bytes_per_s, direct_io=config.direct_io)
+        self.loader = ResidentLoader(  # its reloads wait while requests' facts are read
+            self.store, config.model_fingerprint, config.artifact_root, config.storage_options,
+            config.reload_workers, config.reload_bytes_per_s, direct_io=config.direct_io,
+            yield_to=lambda: self.fetches.busy)
         reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers,
                             geometry=self.geometry) if config.artifact_root else None
         self.fetches = StorageReads(self.store, reader, config.model_fingerprint,
@@ -105,6 +106,7 @@ class ConnectorWorker:
         self.kernel_time = Histogram()
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
+        self.promotions_declined = 0  # the scheduler's, for /metrics (promotion.py)
         self.facts_by_tier = dict.fromkeys(("gpu", "host", "storage"), 0)
         self._sources: list[LoadSources] = []
         self.rotary: torch.nn.Module | None = None
@@ -204,12 +206,10 @@ class ConnectorWorker:
                 "storage_reads": read_counts(),
                 "load_failures": self.failures.count,  # loads recomputed instead (logged)
                 "scheduler_errors": self.scheduler_errors,  # scheduler-hook errors (logged)
-                "inject_calls": self.inject_calls,
+                "inject_calls": self.inject_calls, "inject_path": self.inject_path,
                 "inject_ms_mean": self.inject_seconds * 1e3 / max(1, self.inject_calls),
-                "inject_path": self.inject_path,
                 "fetches": self.fetches.status(),
-                "budgets": store.budget,
-                "used": {t: store.used(t) for t in TIERS}}
+                "budgets": store.budget, "used": {t: store.used(t) for t in TIERS}}
 
     def verify_last_load(self, hf_config: Any) -> dict:
         """Check the paged cache at the last kept load's slots (see
@@ -228,6 +228,7 @@ class ConnectorWorker:
         assert isinstance(meta, InferScaleMetadata)
         self.scheduler_errors = meta.scheduler_errors
         self.hook_seconds["scheduler"] += meta.scheduler_seconds
+        self.promotions_declined += meta.promotions_declined
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
             self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds
@@ -414,6 +415,6 @@ class ConnectorWorker:
             return None
         rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
         changes = [ResidentAdded(rank, ResidentInfo.of(e.resident, with_tokens=rank == 0))
-                   if e.op == "add" else ResidentRemoved(rank, e.user, e.version)
+                   if e.op == "add" else ResidentRemoved(rank, e.user, e.version, e.for_room)
                    for e in events]
         return ResidencyReport(changes, [FailedReload(*f) for f in failed], loads, sources)

@@ -115,6 +115,7 @@ class InferScaleWorkerExtension:
                 "reload": worker.loader.reload_stats(),
                 "step": worker.step_time.snapshot(), "kernel": worker.kernel_time.snapshot(),
                 "hook_seconds": dict(worker.hook_seconds),
+                "promotions_declined": worker.promotions_declined,
                 "facts_by_tier": dict(worker.facts_by_tier),
                 "fetch": {**worker.fetches.latency.snapshot(), "reads": worker.fetches.reads,
                           "failures": worker.fetches.failures,

@@ -187,3 +187,32 @@ def test_a_forged_geometry_is_refused_before_anything_is_read(store):
     memory, facts, lineage = make_inputs("eve", 3, layers=2, heads=2, head_dim=8, seed=4)
     good = publish(store, "eve", memory, facts, lineage, embeddings=False).version
     assert loader.load("eve", good).version == good
+
+
+def test_a_reload_part_waits_while_requests_read_their_facts_then_goes_on():
+    """The reloads' throttle yields to reads of facts for waiting requests (``yield_to``:
+    the worker's StorageReads.busy), and goes on once they are done."""
+    import threading
+
+    from inferscale.hydrate.loader import Throttle
+
+    busy = threading.Event()
+    busy.set()
+    throttle = Throttle(0, yield_to=busy.is_set, max_yield_s=60.0)
+    done = threading.Event()
+    reader = threading.Thread(target=lambda: (throttle.take(1 << 20), done.set()))
+    reader.start()
+    assert not done.wait(0.3)  # held back while the requests' reads run
+    busy.clear()
+    assert done.wait(30.0)
+    reader.join()
+    assert throttle.yielded_s >= 0.3
+
+
+def test_a_reload_is_held_back_at_most_max_yield_per_part():
+    from inferscale.hydrate.loader import Throttle
+
+    throttle = Throttle(0, yield_to=lambda: True, max_yield_s=0.05)
+    throttle.take(1)  # returns though the requests' reads never end
+    throttle.take(1)
+    assert throttle.yielded_s >= 0.1

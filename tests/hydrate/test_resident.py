@@ -26,8 +26,11 @@ def test_gpu_overflow_demotes_lru_to_host_and_host_overflow_evicts():
     assert tiers == {"a": "host", "c": "host", "b": "gpu", "d": "gpu"}
     store.put(make_resident("e"), "gpu")  # demotes b; host now holds a, c, b > budget
     assert store.get("a", "v1") is None  # a, the LRU host user, was dropped
-    ops = [(e.op, e.user) for e in store.take_events()]
+    events = store.take_events()
+    ops = [(e.op, e.user) for e in events]
     assert ("remove", "a") in ops and ops[0] == ("add", "a")
+    # dropped to make room: what turns the scheduler's promotion rule on
+    assert [(e.user, e.for_room) for e in events if e.op == "remove"] == [("a", True)]
     assert store.take_events() == []
     assert store.used("gpu") <= 2 * size and store.used("host") <= 2 * size
 
@@ -37,10 +40,11 @@ def test_new_version_replaces_old_and_is_reported_in_order():
     store.put(make_resident("u", "v1"))
     store.put(make_resident("u", "v2"))
     assert store.get("u", "v1") is None and store.get("u", "v2") is not None
-    assert [(e.op, e.version) for e in store.take_events()] == [
-        ("add", "v1"), ("remove", "v1"), ("add", "v2")]
+    assert [(e.op, e.version, e.for_room) for e in store.take_events()] == [
+        ("add", "v1", False), ("remove", "v1", False), ("add", "v2", False)]
     assert store.evict("u") and not store.evict("u")
-    assert [(e.op, e.version) for e in store.take_events()] == [("remove", "v2")]
+    assert [(e.op, e.version, e.for_room) for e in store.take_events()] == [
+        ("remove", "v2", False)]  # an admin's eviction is not for room
 
 
 def test_too_large_for_every_budget_is_refused():

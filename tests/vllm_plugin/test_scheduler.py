@@ -289,3 +289,42 @@ def test_split_fields_travel_and_are_checked():
         body = {**SPLIT_REF.to_params()["inferscale"], **bad}
         with pytest.raises(TypeError):
             MemoryRef.from_params({"inferscale": body})
+
+
+def test_misses_promote_until_a_resident_is_dropped_for_room_then_only_frequent_users():
+    """A miss orders a whole-user reload while the tiers have room; once the workers report
+    a resident dropped for room, a user asked for once does not displace one asked for
+    more (promotion.py); a user asked for more often than every resident does."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from inferscale.vllm_plugin.metadata import ResidentRemoved
+
+    s = sched()
+
+    def ask(req_id: str, user: str) -> list[str]:
+        """A request of ``user`` (finished at once); the users it ordered reloaded."""
+        req = request(req_id, dataclasses.replace(REF, user=user), PROMPT)
+        s.get_num_new_matched_tokens(req, 0)
+        s.get_num_new_matched_tokens(req, 0)  # asked again while waiting: counted once
+        s.request_finished(req, [])
+        meta = s.build_connector_meta(SchedulerOutput.make_empty())
+        return [o.user for o in meta.reloads]
+
+    assert ask("r1", "ann") == ["ann"]  # room: promoted at the first miss
+    for i in range(3):
+        s.update_connector_output(KVOutput(ResidencyReport([ResidentAdded(
+            0, ResidentInfo("bob", "v1", FP, {"prefix": PREFIX, "f1": FACT}))])))
+        s.get_num_new_matched_tokens(request(f"b{i}", dataclasses.replace(REF, user="bob"),
+                                             PROMPT), 0)  # bob: resident, asked 3 times
+    # a removal that is not for room (a new version, an admin) leaves admission off
+    s.update_connector_output(KVOutput(ResidencyReport([ResidentRemoved(0, "zed", "v0")])))
+    assert ask("r2", "cy") == ["cy"]
+    s.update_connector_output(KVOutput(ResidencyReport([ResidentRemoved(0, "ann", "v1",
+                                                                        for_room=True)])))
+    assert ask("r3", "dan") == []  # asked once: not promoted
+    assert s.build_connector_meta(SchedulerOutput.make_empty()).promotions_declined == 0
+    assert ask("r4", "dan") == []  # twice, but bob (the only resident) was asked 3 times
+    assert ask("r5", "eve") == []  # eve: once
+    s.update_connector_output(KVOutput(ResidencyReport([ResidentRemoved(0, "bob", "v1",
+                                                                        for_room=True)])))
+    assert ask("r6", "eve") == ["eve"]  # twice, and nobody is resident now
+    assert (s.reloads.promotions.admitted, s.reloads.promotions.declined) == (3, 3)

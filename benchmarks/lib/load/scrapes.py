@@ -4,7 +4,8 @@ A scrape is parsed into ``{(sample name, sorted labels): value}`` (:func:`parse`
 prometheus_client's parser). Per rate step, the benchmark scrapes at the step's start and
 again once it drained; :func:`step_metrics` turns the two into what changed:
 
-- counters: reloads and failures, fallbacks by reason, preemptions, the connector's time
+- counters: reloads and failures, promotions declined, seconds reloads yielded to
+  requests' reads, fallbacks by reason, preemptions, the connector's time
   per side, injected facts by the tier they were read from, bytes read from storage;
 - histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
   p50 and p99 of the engine's busy step time, the injection per step, per-request fetches
@@ -150,7 +151,8 @@ def step_metrics(before: dict, after: dict) -> dict:
         return {k: round(v - was.get(k, 0.0), 6) for k, v in labelled(after, name, label).items()}
 
     d: dict = {name: moved(f"inferscale_{name}_total")
-               for name in ("reloads", "reload_failures", "worker_load_failures")}
+               for name in ("reloads", "reload_failures", "worker_load_failures",
+                            "promotions_declined", "reload_yielded_seconds")}
     d["fallbacks"] = {k: v for k, v in (by_label("inferscale_fallbacks_total", "reason")
                                         or {}).items() if v}
     d["resident_users"] = {t: metric(after, "inferscale_resident_users", tier=t)

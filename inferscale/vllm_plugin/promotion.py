@@ -1,0 +1,167 @@
+"""Which users the scheduler reloads: a miss promotes its user (a whole-user reload) only
+when the user is asked for more often than the residents it would displace (admission in
+the manner of TinyLFU); :class:`Reloads` keeps the orders, pending and backing off.
+
+A request of a user in neither tier is served all the same: its facts are read from
+storage or prefilled (:mod:`inferscale.serve.cold_split`). Promoting the whole user (a
+background reload of every fact into the host tier, about ten times the bytes of one
+request's facts) pays only if the user comes back before it is dropped again. Under a
+long-tailed popularity (thousands of users, most asked for now and then) promoting every
+miss drops users asked for more often than the one promoted, and the reloads take the
+storage bandwidth that the misses' own reads need: on an H100 with 200 users, 33 of them
+resident, promoting every miss kept about one reload of 2.6 GB a second going and starved
+the misses' reads (``benchmarks/results/load-h100-llama31-8b-u200.json``).
+
+So the scheduler counts each user's requests (a count that halves every ``half_life_s``)
+and, once the tiers have had to make room (a resident dropped for the budget), promotes a
+missed user only when its count is at least ``min_requests`` (1.5 by default: a second
+request within a half-life, since counts decay between requests) and above the
+least-asked resident's. Until a resident has been dropped every miss is promoted: the
+tiers have room.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from typing import Iterable
+
+from inferscale.vllm_plugin.config import ConnectorConfig
+from inferscale.vllm_plugin.metadata import FailedReload, ReloadOrder
+
+log = logging.getLogger("vllm.inferscale.connector")
+Key = tuple[str, str]  # user, version
+
+
+class Promotions:
+    """Decayed request counts per user and the admission rule (module doc). Bounded:
+    past ``max_users`` the user seen least recently is forgotten (its count has decayed
+    the most). Engine-core thread only."""
+
+    def __init__(self, half_life_s: float = 300.0, min_requests: float = 1.5,
+                 max_users: int = 100_000):
+        if not half_life_s > 0 or min_requests < 0 or max_users < 1:
+            raise ValueError("need half_life_s > 0, min_requests >= 0 and max_users >= 1")
+        self.half_life_s, self.min_requests = half_life_s, min_requests
+        self.max_users = max_users
+        self._counts: OrderedDict[str, tuple[float, float]] = OrderedDict()  # user -> n, at
+        self.full = False  # a resident was dropped to make room: admission applies
+        self.admitted = 0
+        self.declined = 0
+
+    def count(self, user: str, now: float | None = None) -> float:
+        """``user``'s requests, each weighing half as much per ``half_life_s`` of age."""
+        n, at = self._counts.get(user, (0.0, 0.0))
+        if not n:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return n * math.exp2(-max(0.0, now - at) / self.half_life_s)
+
+    def seen(self, user: str, now: float | None = None) -> None:
+        """One request of ``user``."""
+        now = time.monotonic() if now is None else now
+        self._counts[user] = (self.count(user, now) + 1.0, now)
+        self._counts.move_to_end(user)
+        while len(self._counts) > self.max_users:
+            self._counts.popitem(last=False)
+
+    def dropped(self) -> None:
+        """A resident was dropped to make room for another: the tiers are full."""
+        self.full = True
+
+    def admit(self, user: str, residents: Iterable[str], now: float | None = None) -> bool:
+        """Whether a miss of ``user`` should promote it, given the users resident now."""
+        ok = True
+        if self.full:
+            now = time.monotonic() if now is None else now
+            mine = self.count(user, now)
+            coldest = min((self.count(r, now) for r in residents if r != user), default=0.0)
+            ok = mine >= self.min_requests and mine > coldest
+        if ok:
+            self.admitted += 1
+        else:
+            self.declined += 1
+        return ok
+
+
+class Reloads:
+    """The scheduler's background reload orders: each request's user counted once
+    (:meth:`seen`), misses promoted by the rule above (:meth:`miss`), newer versions and
+    unfinished ranks reloaded (:meth:`order`), one order per (user, version) until the
+    workers report it held or failed, and a back-off after a failure
+    (``config.backoff_s``). Engine-core thread only."""
+
+    def __init__(self, config: ConnectorConfig):
+        self.config = config
+        self.promotions = Promotions(config.promote_half_life_s, config.promote_min_requests)
+        self._orders: dict[Key, ReloadOrder] = {}  # ordered since the last take()
+        self._pending: set[Key] = set()
+        self._failed: dict[Key, tuple[int, float]] = {}  # failures in a row, retry at
+        self._counted: set[str] = set()  # request ids counted in promotions
+        self._declined = 0  # misses not promoted since the last take()
+
+    def seen(self, req_id: str, user: str) -> bool:
+        """Count request ``req_id`` of ``user`` once (vLLM asks again for a request still
+        waiting); True the first time."""
+        if req_id in self._counted:
+            return False
+        self._counted.add(req_id)
+        self.promotions.seen(user)
+        return True
+
+    def finished(self, req_id: str) -> None:
+        self._counted.discard(req_id)
+
+    def miss(self, user: str, version: str, residents: Iterable[str]) -> None:
+        """A request of ``user``, whom no rank holds: promote it if the rule admits it."""
+        if self.promotions.admit(user, residents):
+            self.order(user, version, self.config.reload_tier)
+        else:
+            self._declined += 1
+
+    def order(self, user: str, version: str, tier: str | None) -> None:
+        """Reload ``user``'s ``version`` into ``tier`` (None: the tier its current version
+        is on), unless ordered already or backing off after a failure."""
+        key = (user, version)
+        if not (self.config.auto_reload and self.config.artifact_root) or key in self._pending:
+            return
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() < failed[1]:
+            return
+        self._orders[key] = ReloadOrder(user, version, tier)
+        self._pending.add(key)
+
+    def take(self) -> tuple[list[ReloadOrder], int]:
+        """The orders and the declined promotions since the last call (for the metadata)."""
+        orders, declined = list(self._orders.values()), self._declined
+        self._orders.clear()
+        self._declined = 0
+        return orders, declined
+
+    def removed(self, user: str, version: str, for_room: bool) -> None:
+        """A rank no longer holds ``user``'s ``version`` (``for_room``: dropped for room)."""
+        if for_room:
+            self.promotions.dropped()
+        self._pending.discard((user, version))
+
+    def held(self, user: str, version: str) -> None:
+        """Every rank holds ``user``'s ``version`` now."""
+        self._pending.discard((user, version))
+        self._failed.pop((user, version), None)
+
+    def failed(self, reports: Iterable[FailedReload]) -> None:
+        """Reloads the workers reported failed: each backs off (one failure however many
+        ranks report it)."""
+        failed: dict[Key, str] = {}
+        for f in reports:
+            failed.setdefault((f.user, f.version), f.reason)
+        for key, reason in failed.items():
+            failures = self._failed.get(key, (0, 0.0))[0] + 1
+            wait = self.config.backoff_s(failures)
+            self._failed[key] = (failures, time.monotonic() + wait)
+            self._pending.discard(key)
+            log.warning("reload of user %s version %s failed (%d in a row; next try in "
+                        "%.0f s at the earliest): %s", key[0], key[1][:12], failures, wait,
+                        reason)
