@@ -44,8 +44,8 @@ from storage_schemas.manifest import Manifest
 log = logging.getLogger("vllm.inferscale.loader")
 
 # Upper bounds (seconds) of the reload latency histogram's buckets; +Inf is implied.
-YIELD_POLL_S = 0.002  # how often a yielding reload looks whether the urgent reads are done
 RELOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+YIELD_POLL_S = 0.002  # how often a yielding reload looks whether the urgent reads are done
 
 
 class Throttle:
