@@ -29,7 +29,8 @@ def _records(ttfts, error_at=None):
             r["error"] = "APIConnectionError: refused"
         else:
             r.update(ttft_ms=t, e2e_ms=t + 100, end=100.0 + i * 0.5 + (t + 100) / 1e3, tokens=8,
-                     q2ft_ms=t - 2, engine_ttft_ms=t - 5, injected=100, memory_tokens=120,
+                     q2ft_ms=t - 2, engine_ttft_ms=t - 5, memory_ms=t / 10, injected=100,
+                     memory_tokens=120,
                      fallback_reason="not_resident" if i == 0 else None)
         out.append(r)
     return out
@@ -40,6 +41,8 @@ def test_step_summary_and_goodput():
                                  objective_ms=100)
     assert ok["completed"] == 4 and ok["meets_objective"] and ok["ttft_p50_ms"] == 65.0
     assert ok["fallbacks"] == {"not_resident": 1} and ok["injected_share"] == 1.0
+    # the server's time before the engine (memory lookup, retrieval, composition)
+    assert (ok["memory_p50_ms"], ok["memory_p99_ms"]) == (6.5, pytest.approx(7.97))
     assert ok["output_tokens_per_s"] == pytest.approx(32 / (1.5 + 0.18), rel=1e-3)
     failed = goodput.step_summary(_records([50.0] * 4, error_at=2), "prompt", 4.0,
                                      objective_ms=100)
