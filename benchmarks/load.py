@@ -39,8 +39,8 @@ stops the run at once, with an error, unless ``--no-storage-direct-io`` is given
 
 Per step: TTFT p50/p99 (client) and the requests over the objective, q2ft, engine TTFT,
 the server's time before the engine (``memory_p50_ms``/``memory_p99_ms``: lookup,
-retrieval, composition), end-to-end, tokens/s, dispatch lag, fallbacks, facts by the tier they came from, and what
-``/metrics`` says changed (:mod:`benchmarks.lib.load.scrapes`: the engine's busy-step time
+retrieval, composition), end-to-end, tokens/s, dispatch lag, fallbacks, facts by the
+tier they came from, and what ``/metrics`` says changed (:mod:`benchmarks.lib.load.scrapes`: the engine's busy-step time
 p50/p99, the injection, the connector's time, vLLM's queue and prefill times,
 reloads, promotions declined...), and whose memory each answer used. Summary per scenario
 (:func:`benchmarks.lib.load.goodput.summarize`): the goodputs, ``goodput_vs_peer``,
