@@ -191,7 +191,7 @@ class ConnectorScheduler:
             self._fallbacks[req_id] = fallback
 
     def _refusal(self, ref: MemoryRef, request: "Request",
-                 first: bool = True) -> tuple[Fallback, bool] | None:
+                 first: bool) -> tuple[Fallback, bool] | None:
         """Why this request's memory cannot be injected from resident memory, with whether
         its chunks may be read from storage instead (no rank holds the user, or the ranks
         hold an older version the request ``supersedes``); None when it can be injected.

@@ -58,6 +58,11 @@ def test_settings_round_trip_through_the_extra_config():
     ({"model_fingerprint": "fp", "reload_tier": "disk"}, "reload_tier"),
     ({"model_fingerprint": "fp", "gpu_budget_bytes": -1}, "budgets"),
     ({"model_fingerprint": "fp", "budget": 1}, "unknown"),
+    ({"model_fingerprint": "fp", "promote_half_life_s": 0}, "promote_half_life_s"),
+    ({"model_fingerprint": "fp", "promote_half_life_s": float("nan")}, "promote_half_life_s"),
+    ({"model_fingerprint": "fp", "promote_min_requests": -1}, "promote_min_requests"),
+    ({"model_fingerprint": "fp", "promote_min_requests": float("nan")}, "promote_min_requests"),
+    ({"model_fingerprint": "fp", "promote_min_requests": "2"}, "not supported"),
 ])
 def test_bad_settings_are_refused(extra, match):
     with pytest.raises((ValueError, TypeError), match=match):
