@@ -44,8 +44,9 @@
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
 # peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
 # load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
-# PEER=0 (no peer run; PEER_G gives its goodput), PROFILE=1 (py-spy), COLD_SPLIT=auto|off|
-# pinned:N (how cold requests split between storage and prefill) override.)
+# PEER=0 (no peer run; PEER_G gives its goodput), PROMPT_G=G (no prompt-mode steps: KV only,
+# against our prompt mode's goodput G measured before), PROFILE=1 (py-spy), COLD_SPLIT=auto|
+# off|pinned:N (how cold requests split between storage and prefill) override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -222,8 +223,10 @@ load_main() {  # (2) InferScale's server over the user counts, KV at multiples o
   local left=$(( $1 > 300 ? $1 : 300 ))  # the peer overran: still its first steps
   # users the peer left half-published cannot be published again beside them
   [ -f /tmp/load-work/memory.json ] || rm -rf /tmp/load-work
+  local prompt=--prompt-once  # PROMPT_G: KV only, the prompt mode's goodput given
+  [ -n "${PROMPT_G:-}" ] && prompt="--modes kv --prompt-goodput $PROMPT_G"
   echo "=== main, $left s left ($(date +%T))"
-  timeout $(( left + 300 )) python -m benchmarks.load $(load_args) --prompt-once \
+  timeout $(( left + 300 )) python -m benchmarks.load $(load_args) $prompt \
     --reuse-memory $peer --deadline-s "$left" $(load_profile_args) \
     --keep-scrapes "$LOAD_OUT/scrapes" --server-log "$LOAD_OUT/server.log" \
     --out "$LOAD_OUT/$LOAD_NAME-u{users}.json" > "$LOAD_OUT/load.log" 2>&1
