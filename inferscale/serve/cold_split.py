@@ -11,22 +11,33 @@ later chunk is prefilled as part of the prompt (its token ids are the prompt's e
 way: exact KV). The read overlaps the request's wait in the engine's queue, not its own
 compute.
 
-**The rule** (:func:`split`). With ``W`` the expected wait before the engine starts
-computing the request, ``c`` the engine's seconds per computed prompt token under the
-current load, ``B`` the storage bandwidth (bytes/s, aggregate while busy), ``Q`` the bytes
-of reads already queued ahead, ``b`` the bytes per memory token and ``D`` the fixed cost
-of an asynchronous load (the request is scheduled a step after its read is handed over),
-the request loads the largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
+**The rule** (:func:`split`). With ``W`` the expected wait in vLLM's queue before the
+engine starts computing the request, ``c`` the engine's seconds per computed prompt token,
+``ρ`` how congested prefill is (below), ``B`` the storage bandwidth (bytes/s, aggregate
+while busy), ``Q`` the bytes of reads already queued ahead, ``b`` the bytes per memory
+token and ``D`` the fixed cost of an asynchronous load (the request is scheduled a step
+after its read is handed over), the request loads the largest ``n`` (whole leading
+chunks, ``T(n)`` tokens) with::
 
-    max((Q + T(n) b) / B, W) + D <= W + c T(n)
+    max((Q + T(n) b) / B, W) + D <= W + c T(n) / (1 - ρ)
 
-Its first token then comes no later than if it prefilled everything (``W + c T``), and
-every token loaded is prefill time given to the other requests. The feasible ``T`` form
-an interval, so: storage faster per token than compute (``b/B < c``) loads everything
-once ``c T`` pays for ``D``; a busy engine (large ``W``) loads more; slow or busy storage
-(small ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The
-read may take ``deadline_factor * (W + c T)`` from its start before it is given up and
-the tokens recomputed.
+A computed token costs its own time ``c`` and, when prefill is congested, the time it
+makes the requests behind it wait: in a single-server queue at utilization ``ρ``, work
+``x`` added delays the later arrivals by ``x ρ / (1 - ρ)`` in all, so a token's whole
+cost is ``c / (1 - ρ)`` (``ρ`` capped at ``busy_cap``). An idle engine (``ρ = 0``) keeps
+the rule per request: the first token comes no later than if everything were prefilled
+(``W + c T``). A congested one gives prefill time to the others with every token loaded,
+at the request's own latency: under chunked prefill a request waiting for its read does
+not keep its place behind the running prefills (vLLM admits it after the read), so its
+read never hides in that wait, and on an H100 a bf16 token read at 2.1 GB/s (~62 us)
+costs three times its computing (~19 us): without the congestion term nothing was ever
+loaded and the GPU saturated at about the peer's goodput over the share of requests in
+storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
+form an interval, so: storage faster per token than the priced compute loads everything
+once that pays for ``D``; a congested engine loads more; slow or busy storage (small
+``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
+may take ``deadline_factor * (W + c T / (1 - ρ))`` from its start before it is given up
+and the tokens recomputed.
 
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
@@ -34,7 +45,11 @@ requests that did not wait for a read (theirs includes the read), decaying to th
 prior while nothing finishes; ``c`` the slope of a windowed least-squares fit of vLLM's
 ``prefill_time`` against the tokens each request computed (prompt less cached), pulled
 towards the prior by ``prior_sxx`` (so a window of near-equal prompts keeps the prior;
-the intercept, the fixed part, is reported apart); ``B`` a moving average of the workers'
+the intercept, the fixed part, is reported apart); ``ρ`` the share of recent time in
+which the running requests had prompt tokens left after a step, so that a request
+arriving would wait for the token budget (the scheduler's
+:class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the busiest rank, decaying with
+``busy_tau_s`` since it was reported); ``B`` a moving average of the workers'
 bytes read per second of reader busy time (the slowest rank); ``Q`` the workers' bytes
 not read yet, drained at ``B`` since they reported; ``D`` = ``overhead_steps`` busy
 engine steps (the workers' moving average). Nothing here touches the engine: the server
@@ -67,7 +82,9 @@ class ColdSplitConfig:
     wait_prior_s: float = 0.0
     step_prior_s: float = 0.02
     overhead_steps: float = 1.5  # D in engine steps (handed over, then scheduled)
-    deadline_factor: float = 2.0  # a read may take this times (W + c T)
+    deadline_factor: float = 2.0  # a read may take this times (W + c T / (1 - ρ))
+    busy_cap: float = 0.9  # ρ at most this: a computed token costs at most 10 c
+    busy_tau_s: float = 2.0  # ρ's time constant, as the scheduler's (backlog.py)
     window: int = 64  # finished requests in the fit of c
     window_s: float = 60.0  # ... none older than this
     prior_sxx: float = 4e6  # the compute prior's weight in that fit, in tokens^2
@@ -79,7 +96,7 @@ class ColdSplitConfig:
         if self.mode not in MODES:
             raise ValueError(f"cold split mode must be one of {MODES}, got {self.mode!r}")
         for name in ("bandwidth_prior", "compute_prior_s", "prior_sxx", "wait_half_life_s",
-                     "poll_s", "window_s"):
+                     "poll_s", "window_s", "busy_tau_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("pinned_chunks", "wait_prior_s", "step_prior_s", "overhead_steps"):
@@ -87,6 +104,8 @@ class ColdSplitConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.deadline_factor < 1 or self.window < 2 or not 0 < self.alpha <= 1:
             raise ValueError("need deadline_factor >= 1, window >= 2, 0 < alpha <= 1")
+        if not 0 <= self.busy_cap < 1:
+            raise ValueError(f"busy_cap must be in [0, 1), got {self.busy_cap}")
 
     @classmethod
     def from_settings(cls, settings: Any) -> "ColdSplitConfig":
@@ -100,8 +119,8 @@ class ColdSplitConfig:
 
 @dataclass(frozen=True)
 class Estimates:
-    """What the rule reads: ``W``, ``c``, ``B``, ``Q`` and ``D`` (see the module doc), and
-    the fixed part of a request's prefill time (reported only)."""
+    """What the rule reads: ``W``, ``c``, ``B``, ``Q``, ``D`` and ``ρ`` (see the module
+    doc), and the fixed part of a request's prefill time (reported only)."""
 
     wait_s: float
     compute_s_per_token: float
@@ -109,12 +128,18 @@ class Estimates:
     queued_bytes: float
     overhead_s: float
     fixed_s: float = 0.0
+    prefill_busy: float = 0.0  # ρ, already capped
+
+    @property
+    def priced_s_per_token(self) -> float:
+        """A computed token's whole cost: ``c / (1 - ρ)``."""
+        return self.compute_s_per_token / (1.0 - self.prefill_busy)
 
     def info(self) -> dict:
         return {"wait_ms": self.wait_s * 1e3, "compute_us_per_token":
                 self.compute_s_per_token * 1e6, "bandwidth_bytes_per_s": self.bandwidth,
                 "queued_bytes": self.queued_bytes, "overhead_ms": self.overhead_s * 1e3,
-                "fixed_ms": self.fixed_s * 1e3}
+                "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy}
 
 
 @dataclass(frozen=True)
@@ -146,7 +171,7 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
     ``pinned`` chunks."""
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
-    w, c, d = est.wait_s, est.compute_s_per_token, est.overhead_s
+    w, c, d = est.wait_s, est.priced_s_per_token, est.overhead_s
 
     def read_s(tokens: int) -> float:
         return (est.queued_bytes + tokens * row_bytes) / est.bandwidth \
@@ -158,14 +183,14 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
         n, total = 0, 0
         for k, length in enumerate(lengths, 1):
             total += length
-            # max(R, W) + D <= W + c T, written so rounding keeps it monotonic in W, B, Q
+            # max(R, W) + D <= W + c T / (1 - ρ), written so rounding keeps it monotonic
             if max(read_s(total) - w, 0.0) + d <= c * total:
                 n = k
     tokens = sum(lengths[:n])
     memory = sum(lengths)
     deadline = None if pinned is not None or not tokens else deadline_factor * (w + c * tokens)
     return Split(n, tokens, tokens * row_bytes, read_s(tokens) if tokens else 0.0,
-                 c * (memory - tokens), deadline, est)
+                 est.compute_s_per_token * (memory - tokens), deadline, est)
 
 
 class LoadEstimator:
@@ -186,6 +211,7 @@ class LoadEstimator:
         self._bandwidth: dict[int, float] = {}
         self._queued: dict[int, float] = {}
         self._step: dict[int, float] = {}
+        self._busy: dict[int, tuple[float, float]] = {}  # rank -> ρ, when it held
         self.storage_at: float | None = None  # when the workers last reported
 
     # ------------------------------------------------------------------ requests
@@ -249,7 +275,7 @@ class LoadEstimator:
     def storage(self, reports: list[dict], now: float | None = None) -> None:
         """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
         storage_stats`, one per rank: cumulative ``bytes`` and ``busy_s``,
-        ``queued_bytes``, ``step_s``."""
+        ``queued_bytes``, ``step_s``, ``prefill_busy`` and its age ``prefill_busy_age_s``."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -264,6 +290,9 @@ class LoadEstimator:
             self._queued[rank] = float(r["queued_bytes"])
             if r.get("step_s") is not None:
                 self._step[rank] = float(r["step_s"])
+            if r.get("prefill_busy") is not None:
+                age = max(0.0, float(r.get("prefill_busy_age_s") or 0.0))
+                self._busy[rank] = (min(1.0, max(0.0, float(r["prefill_busy"]))), now - age)
         self.storage_at = now
 
     # ------------------------------------------------------------------ now
@@ -277,8 +306,10 @@ class LoadEstimator:
             queued = max(0.0, queued - bandwidth * (now - self.storage_at))
         step = max(self._step.values(), default=cfg.step_prior_s)
         c, fixed = self._fit(now)
+        busy = max((b * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
+                    for b, at in self._busy.values()), default=0.0)
         return Estimates(self._wait_now(now), c, bandwidth, queued,
-                         cfg.overhead_steps * step, fixed)
+                         cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap))
 
 
 def _bound(pending: OrderedDict, most: int = 4096) -> None:

@@ -64,7 +64,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     storage_bandwidth_bytes_per_second      the split's storage bandwidth estimate (B)
     cold_split_estimate{quantity}           its other estimates: wait_seconds (W),
                                             compute_seconds_per_token (c), overhead_seconds
-                                            (D), queued_bytes (Q), fixed_seconds
+                                            (D), queued_bytes (Q), fixed_seconds,
+                                            prefill_busy (ρ)
 
 """
 
@@ -236,7 +237,7 @@ class EstimateCollector:
         for name, v in (("wait_seconds", est.wait_s),
                         ("compute_seconds_per_token", est.compute_s_per_token),
                         ("overhead_seconds", est.overhead_s), ("queued_bytes", est.queued_bytes),
-                        ("fixed_seconds", est.fixed_s)):
+                        ("fixed_seconds", est.fixed_s), ("prefill_busy", est.prefill_busy)):
             fam.add_metric([name], v)
         yield fam
 

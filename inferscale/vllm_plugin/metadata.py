@@ -225,6 +225,7 @@ class InferScaleMetadata(KVConnectorMetadata):
     # wall seconds of the busy engine steps since the last metadata, and of the scheduler
     # hooks in them: the worker keeps the histograms the server's /metrics reads
     step_seconds: list[float] = field(default_factory=list)
+    prefill_busy: float = 0.0  # share of recent time with prompt tokens left over (backlog.py)
     scheduler_seconds: float = 0.0
     promotions_declined: int = 0  # misses that did not promote their user (promotion.py)
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from inferscale.vllm_plugin.backlog import PrefillBacklog
 from inferscale.vllm_plugin.compat import block_ids_of
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.failures import Fallback, FallbackReason, Failures
@@ -107,6 +108,7 @@ class ConnectorScheduler:
         self._step_reqs: set[str] = set()
         self._finished: set[str] = set()
         self._steps: list[float] = []
+        self.backlog = PrefillBacklog()  # how congested prefill is (backlog.py)
         self._hook_s = 0.0
 
     # ------------------------------------------------------------------ admission
@@ -300,6 +302,7 @@ class ConnectorScheduler:
                                       f"connector disabled after an error ({cause})")
         meta.scheduler_errors = self.failures.count
         meta.step_seconds, self._steps = self._steps, []
+        meta.prefill_busy = self.backlog.busy
         self._hook_s += time.perf_counter() - t0
         meta.scheduler_seconds, self._hook_s = self._hook_s, 0.0
         return meta
@@ -307,8 +310,11 @@ class ConnectorScheduler:
     def _time_step(self, now: float, scheduler_output: "SchedulerOutput") -> None:
         """Close the previous step's interval if it was busy: one of its requests is
         still running, so the engine went straight on to this step."""
+        busy = None
         if self._step_at is not None and self._step_reqs - self._finished:
-            self._steps.append(now - self._step_at)
+            busy = now - self._step_at
+            self._steps.append(busy)
+        self.backlog.step(scheduler_output, busy, now)
         self._finished.clear()
         counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         self._step_reqs = set(counts)
@@ -392,6 +398,7 @@ class ConnectorScheduler:
         from storage may still write them (the workers then report it finished)."""
         req_id = request.request_id
         self._finished.add(req_id)
+        self.backlog.finished(req_id)
         self.reloads.finished(req_id)
         self._plans.pop(req_id, None)
         self._to_load.pop(req_id, None)

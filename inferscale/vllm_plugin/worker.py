@@ -99,10 +99,10 @@ class ConnectorWorker:
         self.fetches = StorageReads(self.store, reader, config.model_fingerprint,
                                config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
-        # where the time goes, for /metrics: busy engine steps (timed by the scheduler
-        # half), this step's injection (GPU time on CUDA), both halves' hook time
+        # for /metrics: busy engine steps (timed by the scheduler), injection (GPU time)
         self.step_time = Histogram()
         self.step_s: float | None = None  # moving average of the busy steps
+        self.prefill_busy = (0.0, time.monotonic())  # the scheduler's (backlog.py), when
         self.kernel_time = Histogram()
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
@@ -110,13 +110,10 @@ class ConnectorWorker:
         self.facts_by_tier = dict.fromkeys(("gpu", "host", "storage"), 0)
         self._sources: list[LoadSources] = []
         self.rotary: torch.nn.Module | None = None
-        self._invalid_blocks: set[int] = set()
-        self._failed_loads: list[FailedLoad] = []
+        self._invalid_blocks, self._failed_loads = set[int](), list[FailedLoad]()
         self.failures = Failures()
         self.scheduler_errors = 0  # the scheduler half's count, as its last metadata said
-        self.loaded_tokens = 0
-        self.inject_seconds = 0.0
-        self.inject_calls = 0
+        self.loaded_tokens, self.inject_seconds, self.inject_calls = 0, 0.0, 0
         self._step: StepLoad | None = None
         self._staging = Staging()
         self._fused: FusedWriter | None = None
@@ -190,9 +187,11 @@ class ConnectorWorker:
                 "started": not resident and self.fetches.reader is not None}
 
     def storage_stats(self) -> dict:
-        """What the server's compute-or-load split needs from this worker: the reads'
-        bytes and busy seconds (cumulative), the bytes queued, the busy step's average."""
-        return {**self.fetches.stats(), "step_s": self.step_s, "tp_rank": self.tp_rank}
+        """For the server's compute-or-load split: the reads' bytes and busy seconds
+        (cumulative), bytes queued, the busy steps' average, prefill's busy share and age."""
+        busy, at = self.prefill_busy
+        return {**self.fetches.stats(), "step_s": self.step_s, "prefill_busy": busy,
+                "prefill_busy_age_s": time.monotonic() - at, "tp_rank": self.tp_rank}
 
     def status(self) -> dict:
         store, heads = self.store, self.heads
@@ -229,6 +228,7 @@ class ConnectorWorker:
         self.scheduler_errors = meta.scheduler_errors
         self.hook_seconds["scheduler"] += meta.scheduler_seconds
         self.promotions_declined += meta.promotions_declined
+        self.prefill_busy = (meta.prefill_busy, time.monotonic())
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
             self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds

@@ -5,6 +5,9 @@ hopeless) and the estimators fed as the server feeds them."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -24,17 +27,19 @@ queued = st.floats(0, 1e10, allow_nan=False)
 def estimates(draw, **fixed):
     values = dict(wait_s=draw(seconds), compute_s_per_token=draw(per_token),
                   bandwidth=draw(bandwidth), queued_bytes=draw(queued),
-                  overhead_s=draw(st.floats(0, 0.1, allow_nan=False)))
+                  overhead_s=draw(st.floats(0, 0.1, allow_nan=False)), fixed_s=0.0,
+                  prefill_busy=draw(st.sampled_from([0.0, 0.0, 0.3, 0.75, 0.9])))
     values.update(fixed)
     return Estimates(**values)
 
 
 def within(tokens: int, row: int, e: Estimates, slack: float) -> bool:
-    """The rule's bound as the module states it, max(R, W) + D <= W + c T, give or take
-    ``slack`` (relative): the implementation rearranges it, so rounding may differ."""
+    """The rule's bound as the module states it, max(R, W) + D <= W + c T / (1 - ρ), give
+    or take ``slack`` (relative): the implementation rearranges it, so rounding may
+    differ."""
     read = (e.queued_bytes + tokens * row) / e.bandwidth
     left = max(read, e.wait_s) + e.overhead_s
-    right = e.wait_s + e.compute_s_per_token * tokens
+    right = e.wait_s + e.compute_s_per_token / (1 - e.prefill_busy) * tokens
     return left <= right + slack * max(left, right, 1e-12)
 
 
@@ -49,7 +54,8 @@ def test_the_split_is_the_largest_leading_run_within_the_bound(lengths, row, e):
     assert s.tokens == prefix(lengths, s.chunks) and s.bytes == s.tokens * row
     if s.chunks:  # never beyond the bound: the read is done when prefill would be
         assert within(s.tokens, row, e, 1e-9)
-        assert s.deadline_s == pytest.approx(2.0 * (e.wait_s + e.compute_s_per_token * s.tokens))
+        assert s.deadline_s == pytest.approx(
+            2.0 * (e.wait_s + e.compute_s_per_token / (1 - e.prefill_busy) * s.tokens))
         assert s.read_s == pytest.approx((e.queued_bytes + s.bytes) / e.bandwidth)
     else:
         assert s.deadline_s is None and s.read_s == 0.0
@@ -60,26 +66,30 @@ def test_the_split_is_the_largest_leading_run_within_the_bound(lengths, row, e):
 
 @given(lengths_st, row_st, estimates(), seconds)
 def test_a_busier_engine_never_loads_less(lengths, row, e, more):
-    busier = Estimates(e.wait_s + more, e.compute_s_per_token, e.bandwidth, e.queued_bytes,
-                       e.overhead_s)
+    busier = dataclasses.replace(e, wait_s=e.wait_s + more)
     assert split(lengths, row, busier).chunks >= split(lengths, row, e).chunks
 
 
 @given(lengths_st, row_st, estimates(), st.floats(1.0, 1e6))
 def test_faster_storage_never_loads_less(lengths, row, e, factor):
-    faster = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth * factor,
-                       e.queued_bytes, e.overhead_s)
+    faster = dataclasses.replace(e, bandwidth=e.bandwidth * factor)
     assert split(lengths, row, faster).chunks >= split(lengths, row, e).chunks
 
 
 @given(lengths_st, row_st, estimates(), queued)
 def test_busier_storage_never_loads_more(lengths, row, e, more):
-    busier = Estimates(e.wait_s, e.compute_s_per_token, e.bandwidth, e.queued_bytes + more,
-                       e.overhead_s)
+    busier = dataclasses.replace(e, queued_bytes=e.queued_bytes + more)
     assert split(lengths, row, busier).chunks <= split(lengths, row, e).chunks
 
 
-@given(lengths_st, row_st, estimates(queued_bytes=0.0, overhead_s=0.0),
+@given(lengths_st, row_st, estimates(), st.sampled_from([0.0, 0.3, 0.75, 0.9]))
+def test_a_more_congested_engine_never_loads_less(lengths, row, e, busy):
+    """ρ prices a computed token at c / (1 - ρ): more congestion, more loaded."""
+    more = dataclasses.replace(e, prefill_busy=max(busy, e.prefill_busy))
+    assert split(lengths, row, more).chunks >= split(lengths, row, e).chunks
+
+
+@given(lengths_st, row_st, estimates(queued_bytes=0.0, overhead_s=0.0, prefill_busy=0.0),
        st.floats(0.0, 0.999))
 def test_storage_faster_than_compute_loads_everything(lengths, row, e, ratio):
     """Per token, reading (b/B) takes less than the compute time c: all of it is read.
@@ -124,12 +134,33 @@ def test_the_h200_numbers():
     assert split(lengths, 65_536, Estimates(bandwidth=1.5e9, **busy)).chunks > part.chunks
 
 
+def test_the_h100_numbers():
+    """Issue 30's second H100 run (``load-h100-llama31-8b-u200.json``, the estimates in its
+    20 rps scrape): c ~18.7 us a token, D ~59 ms, 2.1 GB/s of O_DIRECT reads, ~2,240
+    memory tokens. A bf16 token read (~62 us) costs more than three computed ones, so
+    the rule without a price on congestion never loaded anything there; priced at
+    c / (1 - ρ), a congested engine (ρ = 0.9) loads everything, a half-busy one nothing;
+    fp8 rows (half the bytes) are loaded from ρ = 0.75."""
+    lengths = [30] + [45] * 49
+    at = dict(wait_s=0.0, compute_s_per_token=18.7e-6, bandwidth=2.1e9, queued_bytes=0.0,
+              overhead_s=0.059)
+    for busy, bf16, fp8 in ((0.0, 0, 0), (0.5, 0, 0), (0.75, 0, 50), (0.9, 50, 50)):
+        e = Estimates(**at, prefill_busy=busy)
+        assert (split(lengths, 131_072, e).chunks, split(lengths, 65_536, e).chunks) \
+            == (bf16, fp8), busy
+    # the deadline grows with the price: a congested engine waits longer for a read
+    e = Estimates(**at, prefill_busy=0.9)
+    assert split(lengths, 131_072, e).deadline_s == pytest.approx(
+        2.0 * 18.7e-6 / 0.1 * sum(lengths))
+
+
 def test_bad_inputs_are_refused():
     e = Estimates(0.0, 1e-5, 1e9, 0.0, 0.0)
     with pytest.raises(ValueError, match="row_bytes"):
         split([3], 0, e)
     for bad in ({"mode": "sometimes"}, {"bandwidth_prior": 0}, {"deadline_factor": 0.5},
-                {"alpha": 0}, {"pinned_chunks": -1}):
+                {"alpha": 0}, {"pinned_chunks": -1}, {"busy_cap": 1.0}, {"busy_cap": -0.1},
+                {"busy_cap": float("nan")}, {"busy_tau_s": 0}):
         with pytest.raises(ValueError):
             ColdSplitConfig(**bad)
 
@@ -231,6 +262,23 @@ def test_bandwidth_queue_and_steps_come_from_the_workers():
     assert est.estimates(now=20.0).queued_bytes == 0.0
     est.storage([{**ranks[0], "bytes": 4e9, "busy_s": 3.0, "queued_bytes": 0}], now=11.0)
     assert est.estimates(now=11.0).bandwidth == pytest.approx(1.5e9)  # no bytes: no sample
+
+
+def test_congestion_comes_from_the_busiest_rank_and_fades_with_its_age():
+    est = LoadEstimator(ColdSplitConfig(busy_tau_s=2.0))
+    assert est.estimates(now=0.0).prefill_busy == 0.0  # nothing reported: not congested
+    base = {"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.02}
+    est.storage([{**base, "tp_rank": 0, "prefill_busy": 0.5, "prefill_busy_age_s": 0.0},
+                 {**base, "tp_rank": 1, "prefill_busy": 0.7, "prefill_busy_age_s": 2.0}],
+                now=10.0)
+    e = est.estimates(now=10.0)
+    assert e.prefill_busy == pytest.approx(0.5)  # rank 1's 0.7 is 2 s old: 0.7 / e
+    assert e.priced_s_per_token == pytest.approx(e.compute_s_per_token / 0.5)
+    assert est.estimates(now=12.0).prefill_busy == pytest.approx(0.5 / math.e)
+    est.storage([{**base, "tp_rank": 0, "prefill_busy": 1.0, "prefill_busy_age_s": 0.0}],
+                now=13.0)
+    assert est.estimates(now=13.0).prefill_busy == 0.9  # capped: at most 10 c a token
+    assert "prefill_busy" in est.estimates(now=13.0).info()
 
 
 # ---------------------------------------------------------------- on the real engine

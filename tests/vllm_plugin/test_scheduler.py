@@ -201,6 +201,27 @@ def test_busy_steps_are_timed_and_idle_gaps_are_not():
     assert s.build_connector_meta(output({})).step_seconds == []  # nothing ran
 
 
+def test_each_step_carries_how_congested_prefill_is():
+    """A step that leaves prompt tokens over (the budget could not fit the prompt) makes
+    its time congested: the metadata's ``prefill_busy`` (ρ, backlog.py) rises from 0."""
+    import time
+
+    from vllm.v1.core.sched.output import NewRequestData
+
+    s = sched()
+    long = request("long", None, list(range(50)))
+    s.get_num_new_matched_tokens(long, 0)
+    first = dataclasses.replace(output({"long": 20}),
+                                scheduled_new_reqs=[NewRequestData.from_request(long, ([],))])
+    assert s.build_connector_meta(first).prefill_busy == 0.0  # nothing timed yet
+    time.sleep(0.02)
+    meta = s.build_connector_meta(output({"long": 20}))  # 30 left after the first step
+    assert 0.0 < meta.prefill_busy <= 1.0
+    assert s.backlog.tokens == 30  # not a cached request of this step's data: kept
+    s.request_finished(long, [])
+    assert s.backlog.tokens == 0
+
+
 # ---------------------------------------------------------------- the compute-or-load split
 
 FACT2 = (9, 10, 11)

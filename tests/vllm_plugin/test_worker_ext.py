@@ -58,7 +58,10 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     assert rpc("inferscale_evict", "ext-user") is True
     assert rpc("inferscale_evict", "ext-user") is False
     before = rpc("inferscale_storage_stats")
-    assert set(before) == {"bytes", "busy_s", "queued_bytes", "prefetch", "step_s", "tp_rank"}
+    assert set(before) == {"bytes", "busy_s", "queued_bytes", "prefetch", "step_s",
+                           "prefill_busy", "prefill_busy_age_s", "tp_rank"}
+    # the engine ran steps before: the scheduler's congestion came with their metadata
+    assert 0.0 <= before["prefill_busy"] <= 1.0 and before["prefill_busy_age_s"] >= 0.0
     got = rpc("inferscale_prefetch", "ext-user", version, ["prefix"], 0.01, 4096)
     assert (got["resident"], got["started"]) == (False, True)
     assert got["prefetch"]["started"] == before["prefetch"]["started"] + 1

@@ -7,6 +7,8 @@ again once it drained; :func:`step_metrics` turns the two into what changed:
 - counters: reloads and failures, promotions declined, seconds reloads yielded to
   requests' reads, fallbacks by reason, preemptions, the connector's time
   per side, injected facts by the tier they were read from, bytes read from storage;
+- the compute-or-load split (``cold``): requests of users in neither tier, their facts
+  loaded and computed, bytes read, and the split's estimates at the step's end;
 - histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
   p50 and p99 of the engine's busy step time, the injection per step, per-request fetches
   from storage, and vLLM's own per-request queue time, prefill time, TTFT and inter-token
@@ -170,7 +172,24 @@ def step_metrics(before: dict, after: dict) -> dict:
         if d["connector_seconds"] is not None and steps else None)
     d["memory_facts"] = by_label("inferscale_memory_facts_total", "tier")
     d["storage_read_bytes"] = moved("inferscale_storage_read_bytes_total")
+    d["cold"] = cold_split(before, after, moved, by_label)
     return d
+
+
+def cold_split(before: dict, after: dict, moved, by_label) -> dict | None:
+    """The step's requests of users in neither tier: how many, their facts loaded from
+    storage and computed, bytes read, and the split's estimates at the step's end (the
+    bandwidth ``B``, ``W``, ``c``, ``D``, ``Q``, the fixed part, ``ρ``)."""
+    if not present(after, "inferscale_cold_requests_total"):
+        return None
+    gauges = labelled(after, "inferscale_cold_split_estimate", "quantity")
+    if present(after, "inferscale_storage_bandwidth_bytes_per_second"):
+        gauges["bandwidth_bytes_per_second"] = metric(
+            after, "inferscale_storage_bandwidth_bytes_per_second")
+    return {"requests": moved("inferscale_cold_requests_total"),
+            "facts": by_label("inferscale_cold_facts_total", "source"),
+            "read_bytes": moved("inferscale_cold_read_bytes_total"),
+            "estimates_at_end": gauges or None}
 
 
 def step_time(metrics: dict) -> dict:

@@ -92,6 +92,7 @@ def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
     assert h["engine_step"] is None and h["inject_kernel"] is None and h["storage_fetch"] is None
     assert m["connector_seconds"] is None and m["connector_ms_per_busy_step"] is None
     assert m["memory_facts"] is None and m["storage_read_bytes"] is None
+    assert m["cold"] is None
     assert step_time(m) == {"step_p50_ms": None, "step_p99_ms": None, "engine_steps": None,
                             "step_p99_over_p50": None, "queue_mean_ms": h["vllm_queue"]["mean_ms"],
                             "prefill_mean_ms": h["vllm_prefill"]["mean_ms"]}
@@ -111,6 +112,43 @@ def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
                                                "worker": pytest.approx(5.2632, abs=1e-4)}
     assert m["memory_facts"] == {"gpu": 90, "host": 30, "storage": 15}
     assert m["storage_read_bytes"] == 5 << 20
+    assert m["cold"] is None  # a server without the split's families
     t = step_time(m)
     assert (t["step_p50_ms"], t["engine_steps"]) == (4.75, 190)
     assert t["step_p99_over_p50"] == pytest.approx(t["step_p99_ms"] / 4.75, abs=1e-3)
+
+
+def _cold_families(requests: int, facts: dict[str, int], read: int, busy: float) -> str:
+    """The split's families as the server's collector renders them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Families:
+        def collect(self):
+            yield CounterMetricFamily("inferscale_cold_requests", "cold", value=requests)
+            f = CounterMetricFamily("inferscale_cold_facts", "facts", labels=["source"])
+            for source, n in facts.items():
+                f.add_metric([source], n)
+            yield f
+            yield CounterMetricFamily("inferscale_cold_read_bytes", "bytes", value=read)
+            yield GaugeMetricFamily("inferscale_storage_bandwidth_bytes_per_second", "B",
+                                    value=2.1e9)
+            g = GaugeMetricFamily("inferscale_cold_split_estimate", "est", labels=["quantity"])
+            g.add_metric(["compute_seconds_per_token"], 18.7e-6)
+            g.add_metric(["prefill_busy"], busy)
+            yield g
+
+    registry = CollectorRegistry()
+    registry.register(Families())
+    return generate_latest(registry).decode()
+
+
+def test_each_step_reports_the_split_facts_bytes_and_estimates():
+    before = _cold_families(10, {"storage": 0, "prefill": 450}, 0, 0.2)
+    after = _cold_families(25, {"storage": 300, "prefill": 900}, 6 << 30, 0.8)
+    m = step_metrics(parse(before), parse(after))
+    assert m["cold"] == {"requests": 15, "facts": {"storage": 300, "prefill": 450},
+                         "read_bytes": 6 << 30,
+                         "estimates_at_end": {"compute_seconds_per_token": 18.7e-6,
+                                              "prefill_busy": 0.8,
+                                              "bandwidth_bytes_per_second": 2.1e9}}

@@ -1,0 +1,79 @@
+"""How congested the engine's prefill is, for the server's compute-or-load split.
+
+Under chunked prefill vLLM admits a request at once (its queue time stays ~0) but gives
+each step's token budget (``max_num_batched_tokens``) to the running requests first, so
+a request's chunks wait whenever the running requests have more prompt tokens left than a
+step computes. vLLM's ``queued_time`` does not see that wait: on an H100 at 20 requests/s
+it stayed ~0 ms while the p99 TTFT passed 370 ms
+(``benchmarks/results/load-h100-llama31-8b-u200.json``).
+
+:class:`PrefillBacklog` follows, from each step's ``SchedulerOutput``, the prompt tokens
+each scheduled request has left after the step (requests leave when vLLM finishes or
+preempts them), and keeps ``busy``: the share of recent wall time (time constant
+``tau_s``) spent in steps after which prompt tokens were left over, i.e. in which a
+request arriving would have waited for the budget. For a single-server queue that share is
+the utilization ρ (the probability that an arrival waits), which prices a computed token
+in the split (:mod:`inferscale.serve.cold_split`). Engine-core thread only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+
+class PrefillBacklog:
+    """Prompt tokens the scheduled requests have left, and the share of time with some."""
+
+    def __init__(self, tau_s: float = 2.0):
+        if not tau_s > 0:
+            raise ValueError(f"tau_s must be > 0, got {tau_s}")
+        self.tau_s = tau_s
+        self._prompt: dict[str, int] = {}  # request id -> prompt tokens
+        self._left: dict[str, int] = {}  # request id -> prompt tokens left after its step
+        self._behind = False  # the last step left prompt tokens over
+        self._at: float | None = None  # when busy was last updated
+        self.busy = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self._left.values())
+
+    def step(self, scheduler_output: Any, previous_s: float | None,
+             now: float | None = None) -> None:
+        """One step's schedule at ``now``; ``previous_s``: the wall time of the step
+        before it (None when that step was not busy), which counts as congested if that
+        step left prompt tokens over; the rest of the time since the last call does not."""
+        now = time.monotonic() if now is None else now
+        if self._at is not None and now > self._at:
+            dt = now - self._at
+            congested = min(previous_s or 0.0, dt) if self._behind else 0.0
+            decay = math.exp(-dt / self.tau_s)
+            self.busy = self.busy * decay + (congested / dt) * (1 - decay)
+        self._at = now
+        counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        computed: dict[str, int] = {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            self._prompt[new.req_id] = len(new.prompt_token_ids or ())
+            computed[new.req_id] = new.num_computed_tokens
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n in counts.items():
+            prompt = self._prompt.get(req_id)
+            if prompt is not None and req_id in computed:
+                left = prompt - computed[req_id] - n
+                if left > 0:
+                    self._left[req_id] = left
+                else:
+                    self._left.pop(req_id, None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._left.pop(req_id, None)  # back to waiting: vLLM's queue time counts it
+        for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
+            self.finished(req_id)
+        self._behind = bool(self._left)
+
+    def finished(self, req_id: str) -> None:
+        self._prompt.pop(req_id, None)
+        self._left.pop(req_id, None)

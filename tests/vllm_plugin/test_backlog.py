@@ -1,0 +1,106 @@
+"""The prefill backlog from vLLM's own ``SchedulerOutput``: prompt tokens left after each
+step, and ``busy``, the share of recent time in which a request arriving would have
+waited for the token budget (the ρ of the compute-or-load split)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferscale.vllm_plugin.backlog import PrefillBacklog
+
+
+def request(req_id: str, prompt_len: int):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(range(prompt_len)), SamplingParams(max_tokens=4), None)
+
+
+def output(new=(), cached=(), scheduled=None, finished=(), preempted=()):
+    """A step: ``new`` requests (first scheduled, none computed), ``cached`` pairs (request
+    id, tokens computed before this step), ``scheduled`` tokens by request id."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    ids = [r for r, _ in cached]
+    cached_data = dataclasses.replace(
+        CachedRequestData.make_empty(), req_ids=ids, num_computed_tokens=[n for _, n in cached],
+        new_block_ids=[None] * len(ids), new_token_ids=[[] for _ in ids],
+        num_output_tokens=[0] * len(ids))
+    scheduled = scheduled or {}
+    return dataclasses.replace(
+        SchedulerOutput.make_empty(),
+        scheduled_new_reqs=[NewRequestData.from_request(r, ([],)) for r in new],
+        scheduled_cached_reqs=cached_data, num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()), finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted))
+
+
+def test_prompt_tokens_left_follow_the_steps_and_leave_with_the_request():
+    b = PrefillBacklog(tau_s=1.0)
+    a, c = request("a", 10_000), request("c", 3_000)
+    b.step(output(new=[a], scheduled={"a": 8192}), None, now=0.0)
+    assert b.tokens == 10_000 - 8192
+    # the next step finishes a's prompt and starts c, which does not fit the budget
+    b.step(output(new=[c], cached=[("a", 8192)], scheduled={"a": 1808, "c": 2000}), 0.1,
+           now=0.1)
+    assert b.tokens == 1000
+    b.step(output(cached=[("a", 10_000), ("c", 2000)], scheduled={"a": 1, "c": 1000}), 0.05,
+           now=0.15)
+    assert b.tokens == 0
+    b.step(output(new=[request("d", 20_000)], scheduled={"d": 8192}), None, now=1.0)
+    assert b.tokens == 20_000 - 8192
+    b.step(output(preempted={"d"}), 0.1, now=1.1)  # back to vLLM's queue
+    assert b.tokens == 0
+    b.step(output(new=[request("e", 9000)], scheduled={"e": 8192}), None, now=2.0)
+    b.finished("e")
+    assert b.tokens == 0
+    b.step(output(new=[request("f", 9000)], scheduled={"f": 8192}), None, now=3.0)
+    b.step(output(finished={"f"}), 0.1, now=3.1)  # vLLM's own word that it finished
+    assert b.tokens == 0
+
+
+def test_busy_is_the_share_of_recent_time_with_tokens_left_over():
+    b = PrefillBacklog(tau_s=1.0)
+    t = 0.0
+    b.step(output(new=[request("a", 1_000_000)], scheduled={"a": 8192}), None, now=t)
+    for i in range(1, 40):  # 4 s of full steps, each leaving tokens over
+        t += 0.1
+        b.step(output(cached=[("a", 8192 * i)], scheduled={"a": 8192}), 0.1, now=t)
+    assert b.busy == pytest.approx(1 - math.exp(-3.9), rel=1e-6)
+    # then steps that leave nothing over (decodes only): it fades with tau
+    b.finished("a")
+    b.step(output(scheduled={"x": 1}), 0.1, now=t + 0.1)  # the last full step ends
+    high = b.busy
+    b.step(output(scheduled={"x": 1}), 0.1, now=t + 1.1)
+    assert b.busy == pytest.approx(high * math.exp(-1.0))
+    # a step that left tokens over but was followed by idle time counts only its own length
+    b2 = PrefillBacklog(tau_s=1.0)
+    b2.step(output(new=[request("a", 20_000)], scheduled={"a": 8192}), None, now=0.0)
+    b2.step(output(), None, now=10.0)  # the engine idled in between (no busy interval)
+    assert b2.busy == 0.0
+
+
+@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 9000),
+                          st.floats(0.0, 1.0, allow_nan=False),
+                          st.floats(1e-4, 2.0, allow_nan=False)), max_size=30))
+def test_busy_stays_a_share_whatever_the_steps(steps):
+    """Hostile schedules (more scheduled than the prompt, zero-length steps, idle gaps):
+    ``busy`` stays in [0, 1] and tokens left are never negative."""
+    b = PrefillBacklog(tau_s=0.5)
+    t = 0.0
+    for i, (prompt, n, dur, gap) in enumerate(steps):
+        t += gap
+        b.step(output(new=[request(f"r{i}", prompt)], scheduled={f"r{i}": n}),
+               dur if i else None, now=t)
+        assert 0.0 <= b.busy <= 1.0 and b.tokens >= 0
+
+
+def test_bad_settings_are_refused():
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            PrefillBacklog(tau_s=bad)
