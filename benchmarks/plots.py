@@ -14,10 +14,12 @@
   counts of one run, ``benchmarks.load --user-counts``): p99 TTFT against the arrival
   rate, one colour per user count (and variant), solid for KV injection, dashed for the
   prompt baseline, black dotted for stock vLLM (``peer-<name>.json``,
-  ``benchmarks.load --peer``), with the objective;
+  ``benchmarks.load --peer``), with the objective; a family is one run's files, so an
+  earlier run of the same card and model keeps its own name (``load-h100-llama31-8b-run1-u<N>``);
 - ``load-<name>-goodput-users.png`` per such family: goodput against the number of
   users for KV injection, the prompt mode (hollow where a file took it from another
-  scenario, ``--prompt-once``) and stock vLLM (its one measurement, a line), a goodput
+  scenario, ``--prompt-once``, or another run, ``--prompt-goodput``: the legend says
+  which) and stock vLLM (its one measurement, a line), a goodput
   that never missed drawn as an upward triangle (a lower bound).
 
 A missing or unreadable result file is skipped with a message, never a crash.
@@ -241,6 +243,8 @@ def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> di
             "kv_lower_bound": [bool((s.get("kv") or {}).get("lower_bound")) for s in summ],
             "prompt": [s.get("goodput_prompt_rps") for s in summ],
             "prompt_measured_here": [not (s.get("prompt") or {}).get("given") for s in summ],
+            "prompt_from_another_run": ["another run" in str((s.get("prompt") or {}).get("given"))
+                                        for s in summ],
             "peer": ((peer or {}).get("summary") or {}).get("goodput_peer_rps")}
 
 
@@ -256,8 +260,10 @@ def plot_goodput_users(family: str, paths: list[Path], figures: Path,
     line, = ax.plot(users, [x or 0 for x in g["kv"]], "-", lw=1.8, label="KV injection")
     for u, x, low in zip(users, g["kv"], g["kv_lower_bound"]):
         ax.plot([u], [x or 0], "^" if low else "s", color=line.get_color(), ms=7)
+    hollow = ("; hollow: measured in another run" if any(g["prompt_from_another_run"])
+              else "; hollow: another scenario's" if not all(g["prompt_measured_here"]) else "")
     line, = ax.plot(users, [x or 0 for x in g["prompt"]], "--", lw=1.2,
-                    label="our prompt mode (facts as text)")
+                    label=f"our prompt mode (facts as text{hollow})")
     for u, x, here in zip(users, g["prompt"], g["prompt_measured_here"]):
         ax.plot([u], [x or 0], "o", color=line.get_color(), ms=6,
                 markerfacecolor=line.get_color() if here else "none")

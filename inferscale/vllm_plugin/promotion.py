@@ -10,7 +10,7 @@ long-tailed popularity (thousands of users, most asked for now and then) promoti
 miss drops users asked for more often than the one promoted, and the reloads take the
 storage bandwidth that the misses' own reads need: on an H100 with 200 users, 33 of them
 resident, promoting every miss kept about one reload of 2.6 GB a second going and starved
-the misses' reads (``benchmarks/results/load-h100-llama31-8b-u200.json``).
+the misses' reads (``benchmarks/results/load-h100-llama31-8b-run1-u200.json``).
 
 So the scheduler counts each user's requests (a count that halves every ``half_life_s``)
 and, once the tiers have had to make room (a resident dropped for the budget), promotes a

@@ -96,10 +96,20 @@ def test_goodput_against_users_with_stock_vllm(tmp_path):
     g = plots.goodput_series(plots._scenarios(paths), peer)
     assert g == {"users": [24, 200, 2000], "kv": [32.0, 30.0, 18.0],
                  "kv_lower_bound": [True, False, False], "prompt": [4.0, 4.0, 4.0],
-                 "prompt_measured_here": [True, False, False], "peer": 2.0}
+                 "prompt_measured_here": [True, False, False],
+                 "prompt_from_another_run": [False, False, False], "peer": 2.0}
     assert plots.peer_of("load-h200-other", results) is None
     written = plots.main(["--results", str(results), "--figures", str(figures)])
     assert {p.name for p in written} >= {"load-h200-fixture-goodput-users.png",
                                          "load-h200-fixture-users.png"}
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goodput_against_users_says_a_prompt_goodput_from_another_run():
+    """``--prompt-goodput`` (the prompt mode measured in another run): flagged, so the
+    figure's legend says so."""
+    data = _scenario(200, 12.0, False, 7.0, False)
+    data["summary"]["prompt"]["given"] = "measured in another run (--prompt-goodput)"
+    g = plots.goodput_series([(200, "", data)], None)
+    assert g["prompt_measured_here"] == [False] and g["prompt_from_another_run"] == [True]
