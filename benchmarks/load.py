@@ -125,6 +125,11 @@ async def measure(args, base: dict) -> list[dict]:
         seconds=args.storage_seconds, max_bytes=int(args.storage_gib * GIB),
         threads=args.storage_threads)
     refuse_unbypassed(work, args.storage_direct_io, base["storage"])
+    # the split's prior: the bandwidth just measured, as an operator sets
+    # INFERSCALE_COLD_BANDWIDTH_PRIOR for its disk (its own estimate takes over once it reads)
+    measured = [v for v in base["storage"]["bandwidth_bytes_per_s"].values() if v]
+    if measured:
+        memory["server"]["cold_split"]["bandwidth_prior"] = float(min(measured))
     print(json.dumps({"storage": {k: v for k, v in base["storage"].items() if k != "patterns"}}),
           flush=True)
     sizes = placed_sizes(memory, cuda)

@@ -167,7 +167,10 @@ class _GraphedQuery:
                     self._forward(static_ids)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the server's other threads (the memory cache placing a user's
+            # fact index) keep using CUDA meanwhile; the default ("global") mode made their
+            # calls fail and invalidated this capture (issue 30's second H100 run)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._forward(static_ids)
             entry = (graph, static_ids, out)
             ids = self.tokenizer(text, truncation=True, max_length=self.max_len)["input_ids"]

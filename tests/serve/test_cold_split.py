@@ -136,13 +136,13 @@ def test_the_h200_numbers():
 
 def test_the_h100_numbers():
     """Issue 30's second H100 run (``load-h100-llama31-8b-u200.json``, the estimates in its
-    20 rps scrape): c ~18.7 us a token, D ~59 ms, 2.1 GB/s of O_DIRECT reads, ~2,240
-    memory tokens. A bf16 token read (~62 us) costs more than three computed ones, so
+    20 rps scrape): c ~18.7 us a token, D ~59 ms, 2.32 GB/s of O_DIRECT reads, ~2,240
+    memory tokens. A bf16 token read (~56 us) costs three computed ones, so
     the rule without a price on congestion never loaded anything there; priced at
     c / (1 - ρ), a congested engine (ρ = 0.9) loads everything, a half-busy one nothing;
     fp8 rows (half the bytes) are loaded from ρ = 0.75."""
     lengths = [30] + [45] * 49
-    at = dict(wait_s=0.0, compute_s_per_token=18.7e-6, bandwidth=2.1e9, queued_bytes=0.0,
+    at = dict(wait_s=0.0, compute_s_per_token=18.7e-6, bandwidth=2.32e9, queued_bytes=0.0,
               overhead_s=0.059)
     for busy, bf16, fp8 in ((0.0, 0, 0), (0.5, 0, 0), (0.75, 0, 50), (0.9, 50, 50)):
         e = Estimates(**at, prefill_busy=busy)
