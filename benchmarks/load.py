@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         + f" (torch {torch.__version__}, vllm {vllm.__version__})",
         "model": args.model, "user_counts": args.counts, "users_built": args.users,
         "groups": args.groups or args.users, "facts_per_user": args.facts,
+        "memory_dtype": args.memory_dtype,
         "text_tail": args.text_tail, "top_k": args.top_k, "max_tokens": args.max_tokens,
         "zipf": args.zipf, "objective_ms": args.objective_ms, "modes": args.modes,
         "rates": args.rates, "kv_rates": args.kv_rates,

@@ -48,6 +48,7 @@ from inferscale.encode.capture import EncodedChunk
 from inferscale.encode.encoder import EncodedMemory, FactSpec, TurnText, encode_facts
 from inferscale.encode.identity import EncoderConfig, EncodingIdentity
 from inferscale.facts.table import facts_table, raw_facts
+from inferscale.kv_quant import is_quantized, quantize
 from inferscale.types import DEFAULT_TEXT_TAIL, PREFIX_ID, KVGeometry
 
 
@@ -137,11 +138,14 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
                  shape: tuple[int, int, int] | None = None, dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0, text_tail: int = DEFAULT_TEXT_TAIL) -> EncodedMemory:
     """The group's memory: its turns' chunks from ``encoded`` (the pool encoding), or
-    random K/V ``[L, T, H, D]`` of ``shape`` when ``encoded`` is None."""
+    random K/V ``[L, T, H, D]`` of ``shape`` when ``encoded`` is None, stored as ``dtype``
+    (``torch.float8_e4m3fn``: drawn in bfloat16, each chunk quantized with its scales as
+    the encoder quantizes, :func:`inferscale.kv_quant.quantize`)."""
     if encoded is not None:
         by_id = {c.chunk_id: c for c in encoded.chunks}
         chunks = [by_id[PREFIX_ID]] + [
-            EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].kv)
+            EncodedChunk(fid, by_id[f"p{i}"].token_ids, by_id[f"p{i}"].kv,
+                         scales=by_id[f"p{i}"].scales)
             for fid, i in zip(fact_ids, group.turns)]
         return EncodedMemory(chunks, fingerprint, dict(encoded.encoder_config),
                              geometry=encoded.geometry)
@@ -151,11 +155,16 @@ def group_memory(group: Group, fact_ids: list[str], encoded: EncodedMemory | Non
     total = sum(len(t) for _, t in ids)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(seed + group.index)
-    kv = torch.randn((2, L, total, H, D), generator=g, device=device, dtype=dtype).cpu()
+    quantized = is_quantized(dtype)
+    kv = torch.randn((2, L, total, H, D), generator=g, device=device,
+                     dtype=torch.bfloat16 if quantized else dtype).cpu()
     kv = kv.permute(2, 0, 1, 3, 4)  # [T, 2, L, H, D] (a view)
     chunks, at = [], 0
     for cid, t in ids:
-        chunks.append(EncodedChunk(cid, list(t), kv[at:at + len(t)]))
+        rows, scales = kv[at:at + len(t)], None
+        if quantized:
+            rows, scales = quantize(rows)  # [T, 2, L, H, D] fp8, [2, L, H]
+        chunks.append(EncodedChunk(cid, list(t), rows, scales=scales))
         at += len(t)
     cfg = EncoderConfig(window=0, dtype=str(dtype).removeprefix("torch."),
                         text_tail=text_tail).to_dict()

@@ -44,9 +44,11 @@
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
 # peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
 # load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
-# PEER=0 (no peer run; PEER_G gives its goodput), PROMPT_G=G (no prompt-mode steps: KV only,
-# against our prompt mode's goodput G measured before), PROFILE=1 (py-spy), COLD_SPLIT=auto|
-# off|pinned:N (how cold requests split between storage and prefill) override.)
+# MEMORY_DTYPE=float8_e4m3fn (users' KV stored fp8: half the bytes; issue 31 decides
+# whether answers hold), PEER=0 (no peer run; PEER_G gives its goodput), PROMPT_G=G (no
+# prompt-mode steps: KV only, against our prompt mode's goodput G measured before),
+# PROFILE=1 (py-spy), COLD_SPLIT=auto|off|pinned:N (how cold requests split between
+# storage and prefill) override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -176,6 +178,7 @@ CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | g
 LOAD_NAME=${LOAD_NAME:-load-$CARD-llama31-8b}
 PEER_NAME=${PEER_NAME:-peer-$CARD-llama31-8b}
 [ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20} && RATES=${RATES:-4 5 6 7 8 10}
+[ "${MEMORY_DTYPE:-}" = float8_e4m3fn ] && USER_GIB=${USER_GIB:-1.25}  # GiB placed a user
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
@@ -184,7 +187,8 @@ load_args() {  # the flags every H200 load run shares (no spaces in these paths)
     --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
     --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
-    --estimate-setup-s 60 --estimate-start-s 150 --estimate-user-gib 2.49 \
+    --estimate-setup-s 60 --estimate-start-s 150 --memory-dtype ${MEMORY_DTYPE:-bfloat16} \
+    --estimate-user-gib ${USER_GIB:-2.49} \
     --estimate-hydrate-s 0.65 \
     --workdir /tmp/load-work --cold-split ${COLD_SPLIT:-auto} \
     --user-counts ${USER_COUNTS:-24 200 2000}

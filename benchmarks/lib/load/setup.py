@@ -23,6 +23,7 @@ def memory_key(args, users: int) -> dict:
     """The settings the published users depend on (``--reuse-memory`` compares them)."""
     return {"model": args.model, "users": users, "groups": args.groups or users,
             "facts": args.facts, "text_tail": args.text_tail, "tokenizer": args.tokenizer,
+            "memory_dtype": args.memory_dtype,
             "embedder": args.embedder,
             "conversations": [str(Path(c).resolve()) for c in args.conversations]}
 
@@ -146,10 +147,11 @@ def publish_memory(args, store, tok, fp: str, pool, embeddings, groups, loaded) 
 
         def memory_of(group, fids):
             return lu.group_memory(group, fids, None, tok, pool, fp, shape,
+                                   dtype=getattr(torch, args.memory_dtype),
                                    text_tail=args.text_tail)
     else:
         t = time.perf_counter()
-        encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, "bfloat16",
+        encoded = lu.encode_pool(loaded.model, tok, pool, groups, fp, args.memory_dtype,
                                  text_tail=args.text_tail)
         print(f"encoded {len(encoded.chunks) - 1} turns at w=0 "
               f"in {time.perf_counter() - t:.0f} s", flush=True)
@@ -179,6 +181,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--text-tail", type=int, default=Settings().text_tail,
       help="facts the served layout prefills as text after the injected ones, kept with the "
            "artifacts (default: INFERSCALE_TEXT_TAIL or the encoder's default)")
+    a("--memory-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+      help="the users' stored KV: bfloat16, or fp8 (e4m3 with per-chunk scales: half the "
+           "bytes read from storage and held in each tier)")
     a("--zipf", type=float, default=1.0,
       help="popularity exponent: user rank r asks with weight r**-zipf")
     a("--top-k", type=int, default=50)

@@ -80,6 +80,35 @@ def test_linked_users_hydrate_verified_and_share_one_file(tmp_path, workload, to
                            b.slab[: min(len(a.slab), len(b.slab))])
 
 
+def test_fp8_users_are_published_with_their_scales_at_half_the_bytes(tmp_path, workload,
+                                                                    tokenizer):
+    """``--memory-dtype float8_e4m3fn``: the same random K/V drawn in bfloat16, each chunk
+    quantized with its scales; the slab is fp8, read back within e4m3's error."""
+    pool = workload.pool
+    groups = lu.make_groups(len(pool), 2, 9, 2)
+    slabs = {}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        store = StoreConfig(str(tmp_path / str(dtype)))
+
+        def memory_of(group, fids, dtype=dtype):
+            return lu.group_memory(group, fids, None, tokenizer, pool, FP, shape=(2, 2, 8),
+                                   dtype=dtype)
+
+        memory = memory_of(groups[0], [f"f{i}" for i in groups[0].turns])
+        assert all((c.scales is not None) == (dtype == torch.float8_e4m3fn)
+                   for c in memory.chunks)
+        versions = lu.publish_users(store, groups, pool, workload.embeddings, tokenizer,
+                                    memory_of, progress=lambda m: None)
+        slabs[dtype] = (hydrate(store, "load-0000", FP, device="cpu"),
+                        versions["load-0000"]["slab_bytes"])
+    (bf16, bf16_bytes), (fp8, fp8_bytes) = slabs[torch.bfloat16], slabs[torch.float8_e4m3fn]
+    assert fp8.slab.dtype == torch.float8_e4m3fn and fp8_bytes < 0.6 * bf16_bytes
+    assert fp8.index == bf16.index
+    for offset, length in bf16.index.values():
+        rows = torch.arange(offset, offset + length)
+        assert torch.allclose(fp8.rows_float(rows), bf16.rows_float(rows), rtol=0.07, atol=0.02)
+
+
 def test_questions_follow_the_users_conversations(workload):
     pool, questions = workload.pool, workload.questions
     assert questions[0] == [f"c0 question {i}?" for i in (0, 1, 2, 3, 5)]  # category 5 left out
