@@ -415,3 +415,18 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
     assert [p.info.to_json()["fallback_reason"] for p in prepared] == ["refused"] * 2
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "layout"}) == 1
+
+
+def test_held_token_ids_leave_the_collectors_view(local_store):
+    """Thousands of users' token ids must not lengthen every full collection: held as
+    tuples of ints, the collector stops tracking them after one pass (lists it never
+    does); their values are the facts table's."""
+    import gc
+
+    publish(local_store, "ann", 1, n_facts=4)
+    mem = Reader(local_store).read("ann", "latest")
+    facts = R.read_facts(local_store, "ann", FP, mem.version)
+    assert [list(mem.token_ids[f]) for f in mem.fact_ids] == \
+        facts.column("token_ids").to_pylist()
+    gc.collect()
+    assert mem.token_ids and not any(gc.is_tracked(t) for t in mem.token_ids.values())
