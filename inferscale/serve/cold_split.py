@@ -29,10 +29,10 @@ the rule per request: the first token comes no later than if everything were pre
 (``W + c T``). A congested one gives prefill time to the others with every token loaded,
 at the request's own latency: under chunked prefill a request waiting for its read does
 not keep its place behind the running prefills (vLLM admits it after the read), so its
-read never hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured (~56 us)
-costs three times its computing (~19 us): without the congestion term nothing was ever
-loaded and the GPU saturated at about the peer's goodput over the share of requests in
-storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
+read never hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured
+(~56 us) costs three times its computing (~19 us): without the congestion term nothing
+was ever loaded and the GPU saturated at about the peer's goodput over the share of
+requests in storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
 form an interval, so: storage faster per token than the priced compute loads everything
 once that pays for ``D``; a congested engine loads more; slow or busy storage (small
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
