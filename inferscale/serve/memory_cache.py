@@ -63,17 +63,18 @@ log = logging.getLogger("inferscale.serve")
 class UserMemory:
     """What the server holds per user: the version, facts and their retrieval index.
 
-    Token ids are kept as tuples: CPython's collector stops tracking a tuple of ints after
-    its first collection, while a list stays tracked for good. With thousands of users of
-    hundreds of facts each, lists made every full collection traverse them all (2,000
-    users of 400 facts of 40 tokens: ~490 ms a full collection on this 2-core CPU, ~28 ms
-    with tuples), a pause every request in flight waits out: a likely part of the ~214 ms
-    the H100 run's 2,000-user p99 spent before the server's timer started (issue 30)."""
+    Fact ids, texts and token ids are kept as tuples: CPython's collector stops tracking a
+    tuple of ints or strings after its first collection, while a list stays tracked for
+    good. With thousands of users of hundreds of facts each, lists made every full
+    collection traverse them all (2,000 users of 400 facts of 40 tokens: ~490 ms a full
+    collection on this 2-core CPU, a few ms with tuples), a pause every request in flight
+    waits out: a likely part of the ~214 ms the H100 run's 2,000-user p99 spent before the
+    server's timer started (issue 30)."""
 
     user: str
     version: str
-    fact_ids: list[str]
-    texts: list[str]
+    fact_ids: tuple[str, ...]
+    texts: tuple[str, ...]
     token_ids: dict[str, tuple[int, ...]]  # chunk id -> token ids ("prefix" included)
     index: Any  # retrieval.FactIndex
     source_index: dict[str, int] = field(default_factory=dict)  # fact id -> source turn index
@@ -84,7 +85,8 @@ class UserMemory:
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.token_ids = {c: tuple(t) for c, t in self.token_ids.items()}  # see the doc
+        self.fact_ids, self.texts = tuple(self.fact_ids), tuple(self.texts)  # see the doc
+        self.token_ids = {c: tuple(t) for c, t in self.token_ids.items()}
         emb = getattr(self.index, "embeddings", None)
         self.nbytes = ((emb.numel() * emb.element_size() if emb is not None else 0)
                        + 8 * sum(len(t) for t in self.token_ids.values())

@@ -418,9 +418,9 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
 
 
 def test_held_token_ids_leave_the_collectors_view(local_store):
-    """Thousands of users' token ids must not lengthen every full collection: held as
-    tuples of ints, the collector stops tracking them after one pass (lists it never
-    does); their values are the facts table's."""
+    """Thousands of users' facts must not lengthen every full collection: their ids,
+    texts and token ids held as tuples, the collector stops tracking them after one pass
+    (lists it never does); their values are the facts table's."""
     import gc
 
     publish(local_store, "ann", 1, n_facts=4)
@@ -430,3 +430,5 @@ def test_held_token_ids_leave_the_collectors_view(local_store):
         facts.column("token_ids").to_pylist()
     gc.collect()
     assert mem.token_ids and not any(gc.is_tracked(t) for t in mem.token_ids.values())
+    assert not gc.is_tracked(mem.fact_ids) and not gc.is_tracked(mem.texts)
+    assert mem.fact_ids == tuple(facts.column("fact_id").to_pylist())
