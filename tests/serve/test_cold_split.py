@@ -422,3 +422,32 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
     est = servers["pinned"].cold.estimator
     assert est.storage_at is not None and len(est._samples) > 0
     assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured
+
+
+@pytest.mark.engine
+def test_congested_prefill_is_measured_on_the_engine(engine_env):
+    """Prompts that together overflow a step's token budget: a step leaves prompt tokens
+    over, so the scheduler half's ρ (backlog.py) rises above 0 and comes back with the
+    workers' storage statistics, as the split reads it. (Sent while another request
+    decodes, so the engine finds them queued together; any two of the three overflow.)"""
+    import asyncio
+
+    env = engine_env
+    budget = env.engine.scheduler_limits()["max_num_batched_tokens"]
+    n = min(budget, 2048 - 8) * 7 // 10  # each fits the context, any two overflow
+    assert 2 * n > budget, "the test engine's budget outgrew its context"
+    long = [[100 + (i + j) % 5000 for j in range(n)] for i in range(3)]
+
+    async def run():
+        first = asyncio.ensure_future(env.engine.generate([7] * 16, None, max_tokens=64))
+        await asyncio.sleep(0.5)  # decoding by now
+        await asyncio.gather(*(env.engine.generate(p, None, max_tokens=2) for p in long))
+        await first
+
+    env.loop.run(env.engine.llm.reset_prefix_cache())
+    env.loop.run(run())
+    (stats,) = env.loop.run(env.engine.storage_stats())
+    assert 0.0 < stats["prefill_busy"] <= 1.0 and stats["prefill_busy_age_s"] >= 0.0
+    est = LoadEstimator()
+    est.storage([stats])
+    assert est.estimates().prefill_busy > 0.0
