@@ -66,9 +66,9 @@ class UserMemory:
     Fact ids, texts and token ids are kept as tuples: CPython's collector stops tracking a
     tuple of ints or strings after its first collection, while a list stays tracked for
     good. With thousands of users of hundreds of facts each, lists made every full
-    collection traverse them all (2,000 users of 400 facts of 40 tokens: ~490 ms a full
-    collection on this 2-core CPU, a few ms with tuples), a pause every request in flight
-    waits out: a likely part of the ~214 ms the H100 run's 2,000-user p99 spent before the
+    collection traverse them all (2,000 users of 400 facts of 40 tokens: 485 ms a full
+    collection on a 2-core CPU, 3 ms with tuples: ``benchmarks/results/gc-pause-cpu.json``),
+    a pause every request in flight waits out: a likely part of the ~214 ms the H100 run's 2,000-user p99 spent before the
     server's timer started (issue 30)."""
 
     user: str

@@ -279,6 +279,13 @@ def test_congestion_comes_from_the_busiest_rank_and_fades_with_its_age():
                 now=13.0)
     assert est.estimates(now=13.0).prefill_busy == 0.9  # capped: at most 10 c a token
     assert "prefill_busy" in est.estimates(now=13.0).info()
+    # hostile reports (a negative or NaN share, an age from the future) never price
+    # compute below its own time nor above the cap
+    for busy, age in ((-0.5, 0.0), (float("nan"), 0.0), (0.5, -3.0), (0.5, float("nan"))):
+        bad = LoadEstimator()
+        bad.storage([{**base, "tp_rank": 0, "prefill_busy": busy,
+                      "prefill_busy_age_s": age}], now=20.0)
+        assert 0.0 <= bad.estimates(now=20.0).prefill_busy <= 0.9, (busy, age)
 
 
 # ---------------------------------------------------------------- on the real engine

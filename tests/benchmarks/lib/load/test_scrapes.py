@@ -19,7 +19,6 @@ def _worker_families(step_buckets: dict[str, list[float]], scheduler_s: float, w
                      facts: dict[str, int], read_bytes: int) -> str:
     """The worker metrics the connector adds, rendered by prometheus_client the way the
     server's collector renders its worker families (one sample per rank)."""
-    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
     class Families:
@@ -47,8 +46,15 @@ def _worker_families(step_buckets: dict[str, list[float]], scheduler_s: float, w
             read.add_metric(["0"], read_bytes)
             yield read
 
+    return _rendered(Families())
+
+
+def _rendered(collector) -> str:
+    """``collector``'s families as prometheus_client renders a /metrics page."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
     registry = CollectorRegistry()
-    registry.register(Families())
+    registry.register(collector)
     return generate_latest(registry).decode()
 
 
@@ -120,7 +126,6 @@ def test_step_metrics_from_a_real_scrape_and_the_worker_metrics():
 
 def _cold_families(requests: int, facts: dict[str, int], read: int, busy: float) -> str:
     """The split's families as the server's collector renders them."""
-    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Families:
@@ -138,9 +143,7 @@ def _cold_families(requests: int, facts: dict[str, int], read: int, busy: float)
             g.add_metric(["prefill_busy"], busy)
             yield g
 
-    registry = CollectorRegistry()
-    registry.register(Families())
-    return generate_latest(registry).decode()
+    return _rendered(Families())
 
 
 def test_each_step_reports_the_split_facts_bytes_and_estimates():

@@ -1,0 +1,94 @@
+"""The server's garbage-collection pause with many users' facts held in memory.
+
+The server's memory cache holds each user's facts (``inferscale.serve.memory_cache.
+UserMemory``: fact ids, texts, token ids per chunk). CPython's collector traverses every
+container it tracks on each full collection, a pause every request in flight waits out.
+This builds ``--users`` users of ``--facts`` facts of ``--tokens`` token ids each twice:
+as the server held them before issue 30's second H100 run (plain lists) and as
+``UserMemory`` holds them now (tuples, which the collector stops tracking after one
+pass), and times ``--repeats`` full collections of each (``gc.collect()``), reporting
+the median and the number of objects the collector tracks.
+
+    python -m benchmarks.gc_pause --out benchmarks/results/gc-pause-cpu.json
+
+Callers: this CLI; ``tests/benchmarks/test_gc_pause.py`` (tiny sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import random
+import statistics
+import sys
+import time
+
+from benchmarks.lib.results import command_line, write_result
+from inferscale.serve.memory_cache import UserMemory
+
+
+def users_as_lists(users: int, facts: int, tokens: int, seed: int = 0) -> list[dict]:
+    """What the server held per user before: lists (the form ``to_pylist`` returns)."""
+    rng = random.Random(seed)
+    out = []
+    for u in range(users):
+        ids = [f"u{u}-f{i}" for i in range(facts)]
+        out.append({"fact_ids": ids, "texts": [f"fact {i} of user {u}" for i in ids],
+                    "token_ids": {f: [rng.randrange(50_000) for _ in range(tokens)]
+                                  for f in ids}})
+    return out
+
+
+def held(users: list[dict]) -> list[UserMemory]:
+    """The same users as the server holds them now."""
+    return [UserMemory(f"user-{i}", "v", u["fact_ids"], u["texts"], u["token_ids"], None)
+            for i, u in enumerate(users)]
+
+
+def pause(repeats: int) -> dict:
+    """Median and max seconds of a full collection, and the objects tracked."""
+    gc.collect()  # the first pass untracks what it can
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t0)
+    return {"full_collection_ms_median": round(statistics.median(times) * 1e3, 2),
+            "full_collection_ms_max": round(max(times) * 1e3, 2),
+            "tracked_objects": len(gc.get_objects())}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=2000)
+    ap.add_argument("--facts", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=40, help="token ids per fact")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if min(args.users, args.facts, args.tokens, args.repeats) < 1:
+        ap.error("--users, --facts, --tokens and --repeats must be >= 1")
+    rows = []
+    for form in ("lists", "user_memory"):
+        data = users_as_lists(args.users, args.facts, args.tokens)
+        if form == "user_memory":
+            data = held(data)
+        rows.append({"form": form, **pause(args.repeats)})
+        del data
+        print(rows[-1], flush=True)
+    gc.collect()
+    lists, now = rows
+    summary = {"users": args.users, "facts": args.facts, "tokens": args.tokens,
+               **{f"{k}_{r['form']}": r[k] for r in rows
+                  for k in ("full_collection_ms_median", "tracked_objects")}}
+    summary["pause_ratio"] = round(lists["full_collection_ms_median"]
+                                   / max(now["full_collection_ms_median"], 1e-3), 1)
+    return write_result({"command": command_line(__spec__.name, argv),
+                         "device": f"{platform.processor() or 'cpu'} (python "
+                                   f"{sys.version.split()[0]})",
+                         "rows": rows, "summary": summary}, args.out)
+
+
+if __name__ == "__main__":
+    main()
