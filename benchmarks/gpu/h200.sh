@@ -339,6 +339,8 @@ case "${1:-}" in
     python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection
     python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection \
       --layout | tee /tmp/selected-layout.txt "$OUT/selected-layout.txt"
+    python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection \
+      | awk '{print $2}' | tee /tmp/selected-fields.txt  # for `fp8 quality`
     ;;
   ttft-default)  # issue 27: TTFT of the layout the injection rule picked (or LAYOUT, as
     # benchmarks.ttft flags), Llama-3.1-8B shape, k = 10 and 50
@@ -390,10 +392,14 @@ case "${1:-}" in
     # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md)
     rc=0
     case "${2:-}" in
-      quality)  # (a) LoCoMo, both development conversations, the default layout (window
-        # 20, text tail 5), the same bf16 encoding stored bf16 and fp8, paired per question
+      quality)  # (a) LoCoMo, both development conversations, the default layout (or
+        # FIELDS, or the layout `injection` picked on this machine: issue 32's default),
+        # the same bf16 encoding stored bf16 and fp8, paired per question
+        FIELDS=${FIELDS:-$(cat /tmp/selected-fields.txt 2>/dev/null)}
+        echo "layout: ${FIELDS:-the encoder default}" | tee "$OUT/fp8-layout.txt"
         run locomo-h200-fp8 560 python -m benchmarks.locomo --conversation $CONVS --compile \
-          --windows --variant bf16:dtype=bfloat16 --variant fp8:dtype=float8_e4m3fn \
+          --windows --variant bf16:${FIELDS:+$FIELDS,}dtype=bfloat16 \
+          --variant fp8:${FIELDS:+$FIELDS,}dtype=float8_e4m3fn \
           --default-variant bf16 --compare fp8 bf16 --concurrency 128 \
           --out "$OUT/locomo-h200-fp8.json" || rc=1
         python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["summary"]

@@ -276,29 +276,33 @@ TRITON_CASES = [("float32", "float32"), ("bfloat16", "bfloat16"), ("fp8", "bfloa
                 ("fp8", "float32"), ("fp8", "fp8"), ("bfloat16", "fp8")]
 
 
-def run_triton_script(src: str, cache: str):
+def run_triton_script(src: str, cache: str, tmp_path: Path):
+    """Runs :data:`TRITON_SCRIPT` from a file: compiled Triton reads a ``@triton.jit``
+    function's source with ``inspect`` (``python -c`` has none; the interpreter needs none)."""
     pytest.importorskip("triton")
+    script = tmp_path / "triton_kernel_check.py"
+    script.write_text(TRITON_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SRC": src, "CACHE": cache}
     env.update({"KERNEL_DEVICE": "cuda"} if torch.cuda.is_available() else
                {"KERNEL_DEVICE": "cpu", "TRITON_INTERPRET": "1"})
-    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("ok")
 
 
 @pytest.mark.parametrize("src, cache", TRITON_CASES)
-def test_triton_kernel_matches_an_independent_rotation(src, cache):
+def test_triton_kernel_matches_an_independent_rotation(src, cache, tmp_path):
     """bf16/fp32 and fp8 sources (dequantized in the same pass) into bf16/fp32 and fp8
     caches (divided by the layer's scales, saturated), against an independent float32
     computation: under Triton's CPU interpreter here (it rounds to bf16 by truncation,
     hence two roundings of slack; fp8 codes are compared with Triton's own rounding),
     compiled where CUDA exists."""
-    run_triton_script(src, cache)
+    run_triton_script(src, cache, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("src, cache", TRITON_CASES)
-def test_cuda_kernel_compiled_matches_an_independent_rotation(src, cache):
+def test_cuda_kernel_compiled_matches_an_independent_rotation(src, cache, tmp_path):
     """The same checks with the kernel compiled for the GPU (one rounding to nearest)."""
-    run_triton_script(src, cache)
+    run_triton_script(src, cache, tmp_path)
