@@ -81,7 +81,7 @@ from benchmarks.lib.load.plan import GIB  # noqa: E402
 from benchmarks.lib.load.run import Run, out_path, write  # noqa: E402
 from benchmarks.lib.load.scrapes import HISTOGRAM_METHOD  # noqa: E402
 from benchmarks.lib.load.server_process import ServerProcess  # noqa: E402
-from benchmarks.lib.load.setup import build_memory, parser, resolve  # noqa: E402
+from benchmarks.lib.load.setup import build_memory, parser, resolve, served_layout  # noqa: E402
 from benchmarks.lib.load.storage_bandwidth import (  # noqa: E402
     StorageNotBypassed, kv_files, refuse_unbypassed,
 )
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "model": args.model, "user_counts": args.counts, "users_built": args.users,
         "groups": args.groups or args.users, "facts_per_user": args.facts,
         "memory_dtype": args.memory_dtype,
-        "text_tail": args.text_tail, "top_k": args.top_k, "max_tokens": args.max_tokens,
+        "text_tail": args.text_tail, "layout": served_layout(args), "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
         "zipf": args.zipf, "objective_ms": args.objective_ms, "modes": args.modes,
         "rates": args.rates, "kv_rates": args.kv_rates,
         "kv_rate_multipliers": args.kv_rate_multipliers,

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from benchmarks.datasets import locomo  # noqa: E402
 from benchmarks.lib import locomo_report  # noqa: E402
 from benchmarks.lib.locomo_variants import (  # noqa: E402
-    Variant, encoding_key, parse_variant, read_specs)
+    Variant, encoding_key, parse_variant, part_of, read_specs)
 from benchmarks.lib.results import command_line  # noqa: E402
 
 QUERY_TEMPLATE = "Question: {question} Short answer:"  # the same for every mode
@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "f1_A_minus_B_min, ci_A_minus_B_k{k}, same_prediction_A_B_k{k}")
     ap.add_argument("--skip-baselines", action="store_true",
                     help="answer only the KV variants (no prompt baseline, no nomem)")
+    ap.add_argument("--part", default=None, metavar="I/N",
+                    help="only the I-th of N contiguous slices of the variants (in the order "
+                         "they run), for a sweep longer than one call; join the parts' "
+                         "results with benchmarks.locomo_merge")
     ap.add_argument("--select-default", action="store_true",
                     help="after the run, pick the default variant by the fixed rule of "
                          "benchmarks.locomo_select and compare it with the baseline")
@@ -330,6 +334,14 @@ def main(argv: list[str] | None = None) -> dict:
     variants.sort(key=lambda v: encoding_key(v.encoder_config()))
     if len({v.name for v in variants}) != len(variants):
         ap.error("variant names must be unique")
+    planned = [v.name for v in variants]
+    if args.part:
+        if args.select_default:
+            ap.error("--part: select the default on the merged result (benchmarks.locomo_merge)")
+        try:
+            variants = part_of(variants, args.part)
+        except ValueError as e:
+            ap.error(str(e))
     if args.default_variant and args.default_variant not in {v.name for v in variants}:
         ap.error(f"--default-variant {args.default_variant!r} is not a variant")
     if args.compare and not set(args.compare) <= {v.name for v in variants} | {"prompt"}:
@@ -360,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         "query_template": QUERY_TEMPLATE, "max_tokens": args.max_tokens, "greedy": True,
         "kv_dtype": args.kv_dtype, "compiled": args.compile, "ks": args.ks,
         "variants": {v.name: dict(v.fields) for v in variants},
+        **({"part": args.part, "planned_variants": planned} if args.part else {}),
         "encoder_defaults": EncoderConfig().to_dict(),
         "default_variant": args.default_variant, "phases": phases, "compare": args.compare,
     }

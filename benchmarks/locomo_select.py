@@ -60,7 +60,14 @@ def _diffs(result: dict, name: str, ks) -> list[float] | None:
     f1 = [s.get(f"f1_{name}_k{k}") for k in ks]
     if any(x is None for x in f1):
         return None
-    return [round(x - s[f"f1_prompt_k{k}"], 4) for x, k in zip(f1, ks)]
+    return [_diff(s, name, k) for k in ks]
+
+
+def _diff(s: dict, name: str, k: int) -> float:
+    """Pooled F1 of ``name`` minus the prompt baseline's at ``k``: against the baseline
+    of the part that answered it where the result was merged (benchmarks.locomo_merge)."""
+    paired = s.get(f"f1_{name}_minus_prompt_k{k}")
+    return paired if paired is not None else round(s[f"f1_{name}_k{k}"] - s[f"f1_prompt_k{k}"], 4)
 
 
 def select(result: dict, max_tail: int = 5, exact: bool = True) -> tuple[str, dict, dict]:
@@ -137,7 +144,7 @@ def select_injection(result: dict) -> tuple[str, dict, dict]:
 def apply(result: dict, name: str, rule: str) -> dict:
     """Record ``name`` as the result's default: the pooled summary's comparison keys."""
     s, ks = result["summary"], result["ks"]
-    diffs = [s[f"f1_{name}_k{k}"] - s[f"f1_prompt_k{k}"] for k in ks]
+    diffs = [_diff(s, name, k) for k in ks]
     s["f1_default_minus_prompt_min"] = round(min(diffs), 4)
     s["continues_default_minus_prompt"] = round(
         s[f"continues_{name}"] - s["continues_prompt"], 4)

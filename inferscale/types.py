@@ -15,8 +15,9 @@
   :data:`DEFAULT_MEMORY_ORDER`, :data:`DEFAULT_TEXT_TAIL`, :data:`DEFAULT_TAIL_MAX_K`,
   :data:`DEFAULT_KEY_CALIBRATION`): what each fact is encoded after, how its stored keys
   are tempered and how a request lays out its memory; the encoder config and the
-  settings both default to these. They are the variant that answered as well as the
-  prompt baseline on LoCoMo (``benchmarks/README.md``, "Answer quality").
+  settings both default to these. They are the variant the injection rule picked on
+  LoCoMo: as accurate as the prompt baseline while injecting every fact from k = 6 on
+  (``benchmarks/README.md``, "Issue 27").
 - :func:`check_user_id` / :func:`user_id_problem`: the one rule for user ids, applied
   wherever an id enters (log ingestion quarantines a record with a bad one; the settings'
   ``INFERSCALE_API_KEYS``; the server's bodies, gateway header and admin requests; the
@@ -72,11 +73,14 @@ HOST_BUDGET_BYTES = 32 << 30
 ENCODER_CONTEXTS = ("transcript", "memory", "prefix")
 # The order of a request's injected facts: best first, best last, or by source turn.
 MEMORY_ORDERS = ("relevance", "relevance_last", "chronological")
+# The defaults are issue 27's injection rule's pick on the H200 (w20_last_tail5_k5,
+# benchmarks/results/locomo-h200-injection.json): up to 5 facts retrieved, all as text;
+# from 6 on, every fact injected, the best last (right before the question).
 DEFAULT_WINDOW = 20
 DEFAULT_CONTEXT = "memory"
-DEFAULT_MEMORY_ORDER = "relevance"
+DEFAULT_MEMORY_ORDER = "relevance_last"
 DEFAULT_TEXT_TAIL = 5  # the best facts prefilled as text right before the question
-DEFAULT_TAIL_MAX_K = 0  # the tail at every k (n > 0: only when at most n facts are retrieved)
+DEFAULT_TAIL_MAX_K = 5  # the tail only where at most this many facts are retrieved (0: always)
 # Offline key-temperature calibration of the stored fact keys (inferscale.encode.calibration):
 # none, one temperature per layer, or one per layer and KV head.
 KEY_CALIBRATIONS = ("none", "layer", "head")

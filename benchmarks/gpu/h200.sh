@@ -16,8 +16,8 @@
 #
 # Issue 27 (LoCoMo needs the real SmolLM2 weights: the full `prepare`, not LEAN=1), calls
 # back to back on one machine: `receive 1` .. `receive N-1`; `receive N && install`;
-# `injection` (-> locomo-h200-injection.json, the rule's pick); `ttft-default` (-> its
-# TTFT, ttft-h200-llama31-8b-default.json). benchmarks/README.md has the estimates.
+# `injection 1`, `injection 2`, `injection 3` (-> locomo-h200-injection.json, the rule's
+# pick, after the third); `ttft-default` (-> its TTFT, ttft-h200-llama31-8b-default.json). benchmarks/README.md has the estimates.
 #
 # Phase `tp2` needs the two-GPU kind (nvidia-h200-x2): the same receive/install calls
 # there, then `bash benchmarks/gpu/h200.sh tp2 equivalence` and `... tp2 ttft`, one device
@@ -330,13 +330,22 @@ case "${1:-}" in
     python -m benchmarks.locomo_select "$OUT/locomo-h200-variants.json" --tail \
       > /tmp/selected-tail.txt  # the default's text tail, for ttft-llama
     ;;
-  injection)  # issue 27: the [issue-27] variants (no window grid) on both conversations;
-    # the default picked by the pre-registered injection rule (benchmarks.locomo_select)
-    run locomo-h200-injection 570 python -m benchmarks.locomo --conversation $CONVS \
+  injection)  # issue 27: the [issue-27] variants on both conversations, in INJECTION_PARTS
+    # (3) parts of one device call each (all at once outlast one call): `injection 1` ..
+    # `injection 3`; the last merges the parts (benchmarks.locomo_merge: each variant
+    # against its own part's baselines) and picks the default by the injection rule
+    i=${2:-}; n=${INJECTION_PARTS:-3}; parts=/tmp/injection-parts
+    [ -n "$i" ] || { echo "injection I, for I = 1 .. $n (one device call each)"; exit 2; }
+    mkdir -p $parts; [ "$i" = 1 ] && rm -f $parts/part*.json  # a new sweep
+    run locomo-h200-injection-part$i 570 python -m benchmarks.locomo --conversation $CONVS \
       --compile --windows --variants-file benchmarks/locomo_variants.txt --section issue-27 \
-      --select-default --rule injection --concurrency 128 \
-      --out "$OUT/locomo-h200-injection.json"
-    python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection
+      --part "$i/$n" --concurrency 128 --out $parts/part$i.json || exit 1
+    cp $parts/part$i.json "$OUT/locomo-h200-injection-part$i.json"
+    [ "$i" = "$n" ] || exit 0
+    (cd $parts && python -m benchmarks.locomo_merge part[1-9].json \
+      --out locomo-h200-injection.json) || exit 1  # parts in order (N <= 9)
+    python -m benchmarks.locomo_select $parts/locomo-h200-injection.json --rule injection --apply
+    cp $parts/locomo-h200-injection.json "$OUT/"
     python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection \
       --layout | tee /tmp/selected-layout.txt "$OUT/selected-layout.txt"
     python -m benchmarks.locomo_select "$OUT/locomo-h200-injection.json" --rule injection \

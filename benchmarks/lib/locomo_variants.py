@@ -61,6 +61,17 @@ def read_specs(text: str, section: str | None = None) -> list[str]:
     return specs
 
 
+def part_of(variants: list, part: str) -> list:
+    """``part`` ``"I/N"``: the I-th of N contiguous slices of ``variants`` (sizes differ by
+    at most one), for a sweep longer than one device call (``benchmarks.locomo --part``)."""
+    try:
+        i, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise ValueError(f"--part must be I/N, got {part!r}") from None
+    if not 1 <= i <= n or n > len(variants):
+        raise ValueError(f"--part {part}: need 1 <= I <= N <= {len(variants)} (the variants)")
+    return variants[len(variants) * (i - 1) // n:len(variants) * i // n]
+
 
 # Fields that change the layout of a request only: variants differing in these alone
 # share one encoding (each still gets its own artifact version), unless calibrated (the

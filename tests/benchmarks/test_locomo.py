@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from benchmarks.locomo import encode_variant, parse_variant, prepare
+import pytest
+
+from benchmarks.locomo import encode_variant, main, parse_variant, prepare
 from inferscale.artifacts.layout import StoreConfig
 from inferscale.artifacts.read import read_manifest
 
@@ -26,3 +28,12 @@ def test_a_variant_is_encoded_and_published_with_the_models_geometry(
         assert m.encoder_config == cfg.to_dict() and m.kv["dtype"] == cfg.dtype
         assert stats["facts"] == len({f for t in conv.top for f in t})
         assert ("kv_rel_rms_error" in stats) == (cfg.dtype != "float32")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--part", "1/2", "--select-default"],  # a part cannot pick the default
+    ["--part", "3/2"], ["--part", "half"], ["--part", "1/9"]])  # 2 variants: at most 2 parts
+def test_a_part_the_sweep_cannot_have_is_refused_before_any_work(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["--conversation", "none.json", "--windows", "0", "20", *argv])
+    assert "--part" in capsys.readouterr().err

@@ -108,3 +108,17 @@ def test_select_layout_flags(tmp_path, capsys):
     stored = json.loads(path.read_text())
     assert stored["default_variant"] == "per_k" and stored["default_score"]["rule_met"]
     assert stored["summary"]["injected_share_min_k10"] == 1.0
+
+
+def test_a_merged_results_paired_differences_decide():
+    """A result joined from parts (benchmarks.locomo_merge) gives each variant's F1
+    difference against its own part's baseline: the rule uses that, not the subtraction
+    from the first part's baseline (which would make ``late`` look best)."""
+    result = _rule_result({"early": ([0.11] * 4, [0, 1.0, 1.0, 1.0], 0.05, {}),
+                           "late": ([0.13] * 4, [0, 1.0, 1.0, 1.0], 0.05, {})})
+    result["summary"] |= {f"f1_early_minus_prompt_k{k}": 0.01 for k in RULE_KS}
+    result["summary"] |= {f"f1_late_minus_prompt_k{k}": -0.002 for k in RULE_KS}
+    name, _, score = select_injection(result)
+    assert name == "early" and score["min_diff"] == 0.01
+    apply(result, "late", "rule")
+    assert result["summary"]["f1_default_minus_prompt_min"] == -0.002

@@ -75,7 +75,7 @@ def _facts(n: int, seed: int = 0):
 
 def test_probes_come_from_the_first_facts_laid_out_as_served():
     ids, tokens, source = _facts(300)
-    cfg = EncoderConfig(text_tail=2, memory_order="relevance_last")
+    cfg = EncoderConfig(text_tail=2, memory_order="relevance_last", tail_max_k=0)
     probes = choose_probes(ids, tokens, source, cfg)
     pool = set(sorted(ids, key=source.get)[:POOL_FACTS])
     assert len(probes) == 8

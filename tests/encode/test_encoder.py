@@ -378,9 +378,11 @@ def test_layout_config_validation():
 
 def test_later_fields_are_recorded_only_off_their_neutral_value():
     """key_calibration and tail_max_k: absent from the record (so versions published
-    before them keep their ids and stay current) unless set, and then a change both ways."""
-    plain = EncodingIdentity(EncoderConfig(), "fp", "float32", "cpu")
-    calibrated = EncodingIdentity(EncoderConfig(key_calibration="head"), "fp", "float32", "cpu")
+    before them keep their ids and stay current) unless set, and then a change both ways.
+    The default sets tail_max_k (issue 27's pick), so it is recorded."""
+    plain = EncodingIdentity(EncoderConfig(tail_max_k=0), "fp", "float32", "cpu")
+    calibrated = EncodingIdentity(EncoderConfig(key_calibration="head", tail_max_k=0), "fp",
+                                  "float32", "cpu")
     per_k = EncodingIdentity(EncoderConfig(tail_max_k=5), "fp", "float32", "cpu")
     assert "key_calibration" not in plain.record() and "tail_max_k" not in plain.record()
     assert calibrated.record()["key_calibration"] == "head"
@@ -390,6 +392,7 @@ def test_later_fields_are_recorded_only_off_their_neutral_value():
     assert plain.changed_settings(calibrated.record()) == ["key_calibration"]
     assert per_k.changed_settings(plain.record()) == ["tail_max_k"]
     assert plain.to_dict() != calibrated.to_dict()  # the KV step's cache key
+    assert EncodingIdentity(EncoderConfig(), "fp", "float32", "cpu").record()["tail_max_k"] == 5
 
 
 DATED = [TurnText("A", "I got a dog.", "2023-05-08T10:00:00"),

@@ -52,3 +52,39 @@ def test_a_fact_mode_change_is_encoded(local_store, tmp_path):
     hashes = {"maya": lineage.log_hash}
     assert plan_run(cfg, raw, "fp", hashes) == RunPlan({}, {"maya": v}, {})
     assert plan_run(cfg, mem0, "fp", hashes).encode == {"maya": "facts-changed"}
+
+
+def test_users_of_the_previous_default_layout_are_reencoded(local_store, tmp_path):
+    """Issue 27's pick changed the default layout (best last, the text tail only up to
+    k = 5): a user published under the one before (best first, a 5-fact tail at every k,
+    recorded without ``tail_max_k``) is encoded again by the nightly and backfill plans,
+    naming both settings; one published under today's default is up to date."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from builders import make_inputs
+    from inferscale.artifacts.publish import publish
+    from inferscale.encode.identity import EncoderConfig
+    from inferscale.facts.extractor import FactsConfig
+    from inferscale.pipeline.config import PipelineConfig
+    from inferscale.pipeline.plan import plan_run
+
+    cfg = PipelineConfig(home=Path(tmp_path), model="embedded", device="cpu",
+                         model_dtype="float32", encoder=EncoderConfig(),
+                         artifact_root=local_store.root, storage_options={})
+    before = replace(cfg, encoder=EncoderConfig(memory_order="relevance", text_tail=5,
+                                                tail_max_k=0))
+    raw = FactsConfig(mode="raw")
+    hashes, versions = {}, {}
+    for user, run in (("old", before), ("new", cfg)):
+        mem, facts, lineage = make_inputs(user, 2, seed=1, fp="fp")
+        mem.encoder_config = run.run_identity(raw, "fp").record()
+        versions[user] = publish(local_store, user, mem, facts, lineage,
+                                 embeddings=False).version
+        hashes[user] = lineage.log_hash
+    assert "tail_max_k" not in before.run_identity(raw, "fp").record()
+    plan = plan_run(cfg, raw, "fp", hashes)
+    assert plan.encode == {"old": "encoder-changed"}
+    assert plan.up_to_date == {"new": versions["new"]}
+    assert cfg.run_identity(raw, "fp").changed_settings(
+        before.run_identity(raw, "fp").record()) == ["memory_order", "tail_max_k"]

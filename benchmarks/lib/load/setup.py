@@ -19,10 +19,20 @@ from inferscale.settings import Settings
 MEMORY_FILE = "memory.json"  # in --workdir: what was published there, for --reuse-memory
 
 
+def served_layout(args) -> dict:
+    """How requests lay out the users' memory (kept with their artifacts): ``--text-tail``
+    and the encoder's default order and tail bound."""
+    from inferscale.encode.identity import EncoderConfig
+
+    cfg = EncoderConfig(window=0, text_tail=args.text_tail)
+    return {"memory_order": cfg.memory_order, "text_tail": cfg.text_tail,
+            "tail_max_k": cfg.tail_max_k}
+
+
 def memory_key(args, users: int) -> dict:
     """The settings the published users depend on (``--reuse-memory`` compares them)."""
     return {"model": args.model, "users": users, "groups": args.groups or users,
-            "facts": args.facts, "text_tail": args.text_tail, "tokenizer": args.tokenizer,
+            "facts": args.facts, "layout": served_layout(args), "tokenizer": args.tokenizer,
             "memory_dtype": args.memory_dtype,
             "embedder": args.embedder,
             "conversations": [str(Path(c).resolve()) for c in args.conversations]}

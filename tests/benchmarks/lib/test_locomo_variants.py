@@ -1,13 +1,16 @@
 """The LoCoMo benchmark's KV variants (``benchmarks.lib.locomo_variants``): specs,
-variants files with sections (the committed one parses), shared encodings."""
+variants files with sections (the committed one parses), shared encodings, a sweep's
+parts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from benchmarks.lib.locomo_variants import encoding_key, parse_variant, read_specs
+from benchmarks.lib.locomo_variants import encoding_key, parse_variant, part_of, read_specs
 
 
 def test_parse_variant():
@@ -43,3 +46,21 @@ def test_the_issue_27_section_parses():
     assert all({"context", "window", "memory_order", "text_tail", "tail_max_k",
                 "key_calibration"} <= dict(v.fields).keys() for v in specs)
     assert len(read_specs(text, "issue-18")) == 21
+
+
+@given(n_variants=st.integers(1, 40), parts=st.integers(1, 40))
+def test_the_parts_of_a_sweep_cover_it_once_in_order(n_variants, parts):
+    names = [f"v{i}" for i in range(n_variants)]
+    if parts > n_variants:
+        with pytest.raises(ValueError):
+            part_of(names, f"1/{parts}")
+        return
+    got = [part_of(names, f"{i}/{parts}") for i in range(1, parts + 1)]
+    assert sum(got, []) == names
+    assert max(map(len, got)) - min(map(len, got)) <= 1
+
+
+@pytest.mark.parametrize("bad", ["0/3", "4/3", "1", "a/b", "1/0", "-1/2", ""])
+def test_a_bad_part_is_refused(bad):
+    with pytest.raises(ValueError):
+        part_of(["a", "b", "c"], bad)
