@@ -19,8 +19,9 @@ Variants: ``--windows 0 5 20 50`` adds ``kv_w{w}`` (the pipeline's default encod
 at window ``w``); ``--variant NAME:field=value,...`` adds any encoder config (fields of
 ``inferscale.encode.identity.EncoderConfig``: ``context``, ``window``, ``key_temperature``,
 ``key_calibration``, ``memory_order``, ``text_tail``, ``tail_max_k``);
-``--variants-file FILE [--section NAME]`` adds a file's (:mod:`benchmarks.lib.locomo_variants`).
-Retrieval runs once per question (exact top-``max(ks)``) and top-k is its first k facts,
+``--variants-file FILE [--section NAME]`` adds a file's (:mod:`benchmarks.lib.locomo_variants`);
+``--part I/N`` runs only the I-th of N slices of them (a sweep longer than one device
+call; :mod:`benchmarks.locomo_merge` joins the parts). Retrieval runs once per question (exact top-``max(ks)``) and top-k is its first k facts,
 so every mode and k answers from the same facts.
 
 Scores: LoCoMo's token F1 of the first line (:mod:`benchmarks.lib.qa_metrics`) per mode, k

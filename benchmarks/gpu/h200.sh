@@ -17,7 +17,8 @@
 # Issue 27 (LoCoMo needs the real SmolLM2 weights: the full `prepare`, not LEAN=1), calls
 # back to back on one machine: `receive 1` .. `receive N-1`; `receive N && install`;
 # `injection 1`, `injection 2`, `injection 3` (-> locomo-h200-injection.json, the rule's
-# pick, after the third); `ttft-default` (-> its TTFT, ttft-h200-llama31-8b-default.json). benchmarks/README.md has the estimates.
+# pick, after the third); `ttft-default` (-> its TTFT, ttft-h200-llama31-8b-default.json).
+# benchmarks/README.md has the estimates.
 #
 # Phase `tp2` needs the two-GPU kind (nvidia-h200-x2): the same receive/install calls
 # there, then `bash benchmarks/gpu/h200.sh tp2 equivalence` and `... tp2 ttft`, one device
@@ -401,9 +402,9 @@ case "${1:-}" in
     # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md)
     rc=0
     case "${2:-}" in
-      quality)  # (a) LoCoMo, both development conversations, the default layout (or
-        # FIELDS, or the layout `injection` picked on this machine: issue 32's default),
-        # the same bf16 encoding stored bf16 and fp8, paired per question
+      quality)  # (a) LoCoMo, both development conversations, the encoder's default layout
+        # (or FIELDS, or the layout `injection 3` picked on this machine), the same bf16
+        # encoding stored bf16 and fp8, paired per question
         FIELDS=${FIELDS:-$(cat /tmp/selected-fields.txt 2>/dev/null)}
         echo "layout: ${FIELDS:-the encoder default}" | tee "$OUT/fp8-layout.txt"
         run locomo-h200-fp8 560 python -m benchmarks.locomo --conversation $CONVS --compile \
