@@ -74,6 +74,30 @@ def _fitting(rows: np.ndarray, distinct: int) -> int:
     return int(np.sort(first)[distinct])
 
 
+def pack(sources: list[Source], out: np.ndarray, packed: np.ndarray) -> int:
+    """Fill ``out`` ``[4, n]`` int64 (rows, positions, slots, scale rows) for ``sources``
+    (``n`` tokens in all) and ``packed`` ``[S]`` float32 with each fp8 source's distinct
+    chunks' scales, once each; returns the floats of ``packed`` used. A token's fourth
+    column names its row of ``packed`` (rows of ``2 * L * H`` floats; 0 for float
+    sources). ValueError when the scales exceed ``packed``."""
+    at = floats = 0
+    for s in sources:
+        k = len(s.rows)
+        out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
+        out[3, at:at + k] = 0
+        if s.scales is not None:
+            per_row = s.scales[0].numel()
+            used, inverse = np.unique(s.scale_rows, return_inverse=True)
+            if floats + len(used) * per_row > len(packed):
+                raise ValueError(f"{len(used)} chunks' scales exceed the scale capacity")
+            got = s.scales.numpy().reshape(len(s.scales), per_row)[used]
+            packed[floats:floats + got.size] = got.reshape(-1)
+            out[3, at:at + k] = floats // per_row + inverse
+            floats += got.size
+        at += k
+    return floats
+
+
 class IndexBuffers:
     """Two fixed pinned host buffers and their device copies, used in turn by successive
     steps: a step's indices (and fp8 scales) go over in one non-blocking copy each, and a
@@ -105,23 +129,7 @@ class IndexBuffers:
         if self.done[i] is not None:
             self.done[i].synchronize()
         host = self.host[i][:4 * n].view(4, n)
-        out = host.numpy()
-        packed = self.host_scales[i].numpy()
-        at = floats = 0
-        for s in sources:
-            k = len(s.rows)
-            out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
-            out[3, at:at + k] = 0
-            if s.scales is not None:
-                per_row = s.scales[0].numel()
-                used, inverse = np.unique(s.scale_rows, return_inverse=True)
-                if floats + len(used) * per_row > self.scale_capacity:
-                    raise ValueError(f"{len(used)} chunks' scales exceed the scale capacity")
-                got = s.scales.numpy().reshape(len(s.scales), per_row)[used]
-                packed[floats:floats + got.size] = got.reshape(-1)
-                out[3, at:at + k] = floats // per_row + inverse
-                floats += got.size
-            at += k
+        floats = pack(sources, host.numpy(), self.host_scales[i].numpy())
         dev = self.dev[i][:4 * n].view(4, n)  # starts at the buffer's (aligned) base
         dev.copy_(host, non_blocking=True)
         if floats:
