@@ -53,29 +53,6 @@ def test_launch_batches_respect_token_and_scale_capacities():
         batches([fp8], capacity=16, scale_capacity=8)
 
 
-def test_pack_writes_each_used_chunks_scales_once():
-    """A launch's index columns, and each fp8 source's distinct chunks' scales packed
-    once: a token's fourth column names the packed row of its own chunk's scales."""
-    from inferscale.vllm_plugin.kernels.indices import pack
-
-    slab = torch.zeros(40, 2, 2, 3, 4)
-    scales = torch.arange(10 * 12, dtype=torch.float32).view(10, 2, 2, 3)  # 12 floats a row
-    chunk = np.array([7, 7, 2, 2, 2, 9, 7])  # chunk 7 twice, not in a row
-    fp8 = Source(slab, np.arange(7) + 3, np.arange(7) + 1, np.arange(7) + 20, scales, chunk)
-    plain = Source(slab, np.arange(2), np.arange(2), np.arange(2))
-    out = np.full((4, 9), -1, dtype=np.int64)
-    packed = np.zeros(64, dtype=np.float32)
-    assert pack([plain, fp8], out, packed) == 3 * 12  # chunks 2, 7, 9
-    assert out[:3, :2].tolist() == [[0, 1]] * 3 and out[3, :2].tolist() == [0, 0]
-    assert out[:3, 2:].tolist() == [fp8.rows.tolist(), fp8.positions.tolist(),
-                                   fp8.slots.tolist()]
-    rows = packed[:36].reshape(3, 12)
-    for t, c in enumerate(chunk):
-        assert rows[out[3, 2 + t]].tolist() == scales[c].reshape(-1).tolist()
-    with pytest.raises(ValueError, match="scale capacity"):
-        pack([fp8], out[:, :7], np.zeros(35, dtype=np.float32))
-
-
 def test_flat_numpy_views_layer_major_slabs_without_copying():
     slab = torch.randn(5, 2, 3, 2, 4)
     lm = layer_major(slab)
