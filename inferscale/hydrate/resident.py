@@ -154,8 +154,12 @@ class Resident:
         if self.scales is not None and out.dtype != slab.dtype:
             raw = torch.empty(out.shape, dtype=slab.dtype, device=out.device)
             self.gather(chunk_ids, start, end, raw)
-            rows = torch.from_numpy(self.scale_rows(chunk_ids, start, end))
-            out.copy_(dequantize(raw, self.scales[rows]))
+            # only the used chunks' scales cross ([U, 2, L, H]), spread per token there:
+            # not [N, 2, L, H] gathered on the host (2 KB a token at Llama-3.1-8B's shape)
+            used, inverse = np.unique(self.scale_rows(chunk_ids, start, end),
+                                      return_inverse=True)
+            table = self.scales[torch.from_numpy(used)].to(out.device)  # [U, 2, L, H]
+            out.copy_(dequantize(raw, table[torch.from_numpy(inverse).to(out.device)]))
             return
         runs = self.runs(chunk_ids, start, end)
         if slab.device == out.device and slab.is_contiguous():
