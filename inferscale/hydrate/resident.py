@@ -122,11 +122,10 @@ class Resident:
                           len(chunk_ids))  # [k]: the chunks' rows of the index
         offsets, lengths = self._spans[0][pos], self._spans[1][pos]  # [k]
         first, count = token_spans(lengths, start, end)  # [k]
-        n = int(count.sum())
-        # token t of chunk j: slab row offsets[j] + first[j] + (t - its first output t)
-        rows = np.repeat(offsets + first - (np.cumsum(count) - count), count) + \
-            np.arange(n, dtype=np.int64)  # [N]
-        return rows, np.repeat(pos, count) if scales else None
+        # token t of chunk j: slab row offsets[j] + first[j] + (t - chunk j's first t)
+        rows = (offsets + first + count - count.cumsum()).repeat(count)  # [N]
+        rows += np.arange(len(rows), dtype=np.int64)
+        return rows, pos.repeat(count) if scales else None
 
     def rows_float(self, rows: torch.Tensor) -> torch.Tensor:
         """Slab rows ``rows [N]`` as float32 ``[N, 2, L, H, D]`` (fp8 rows dequantized)."""
@@ -202,10 +201,9 @@ def token_spans(lengths: np.ndarray, start: int, end: int) -> tuple[np.ndarray, 
     """Memory tokens ``[start, end)`` of the concatenation of chunks of ``lengths``
     (``[k]`` int64): per chunk the first of its tokens taken and how many (``[k]`` each;
     0 for a chunk outside the range)."""
-    begins = np.cumsum(lengths) - lengths  # [k]: each chunk's first memory token
+    begins = lengths.cumsum() - lengths  # [k]: each chunk's first memory token
     first = np.minimum(np.maximum(start - begins, 0), lengths)
-    count = np.maximum(np.minimum(np.maximum(end - begins, 0), lengths) - first, 0)
-    return first, count
+    return first, np.maximum(np.minimum(end - begins, lengths) - first, 0)
 
 
 def check_servable(resident: Resident, geometry: KVGeometry | None,
