@@ -14,7 +14,9 @@ vLLM loads it by name (:mod:`inferscale.vllm_plugin.config`: ``kv_connector_modu
 - :mod:`~inferscale.vllm_plugin.promotion`: which misses promote their user (a whole-user
   reload), by how often users are asked for;
 - :mod:`~inferscale.vllm_plugin.inject`: one step's gather, rotate and write;
-  :mod:`~inferscale.vllm_plugin.kernels`: the fused kernels behind it;
+  :mod:`~inferscale.vllm_plugin.kernels`: the fused kernels behind it
+  (:mod:`~inferscale.vllm_plugin.kernels.writer`, their entry point;
+  :mod:`~inferscale.vllm_plugin.kernels.indices`, what one launch reads besides the slab);
 - :mod:`~inferscale.vllm_plugin.worker_ext`: the collective-RPC endpoints of the worker;
 - :mod:`~inferscale.vllm_plugin.compat`: everything that differs between vLLM releases.
 

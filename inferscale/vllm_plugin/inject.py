@@ -34,7 +34,7 @@ from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
 from inferscale.vllm_plugin.compat import read_layer_kv, rotate_with_model, write_layer_kv
-from inferscale.vllm_plugin.kernels.indices import Source
+from inferscale.vllm_plugin.kernels.indices import Source, unique_runs
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 
 
@@ -117,8 +117,9 @@ def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch
         sl = slice(j.at, j.at + j.width)
         res = j.resident
         if res.slab.device == device and (res.slab.dtype == dtype or res.scales is not None):
-            sources.append(Source(res.slab, row_numpy(res, j.chunks, j.start, j.end),
-                                  positions[sl], slots[sl], res.scales, _scale_rows(j)))
+            rows, scale_rows = _token_rows(j)  # [N] each (scale rows: fp8 only)
+            sources.append(Source(res.slab, rows, positions[sl], slots[sl], res.scales,
+                                  scale_rows))
         else:  # host tier behind a device (fp8 rows cross as fp8: half the bytes)
             moved.setdefault(res.slab.dtype, []).append(j)
     for kept, group in moved.items():  # only the needed rows cross, into staging
@@ -132,7 +133,7 @@ def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch
             pos.append(positions[j.at:j.at + j.width])
             sl_.append(slots[j.at:j.at + j.width])
             if fp8:  # the rows' chunks' scales, renumbered for this source
-                used, inverse = np.unique(_scale_rows(j), return_inverse=True)
+                used, inverse = unique_runs(j.resident.scale_rows(j.chunks, j.start, j.end))
                 scales.append(j.resident.scales[torch.from_numpy(used)])
                 rows.append(inverse + base)
                 base += len(used)
@@ -143,9 +144,12 @@ def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch
     fused.write(sources)
 
 
-def _scale_rows(j: Job) -> np.ndarray | None:
+def _token_rows(j: Job) -> tuple[np.ndarray, np.ndarray | None]:
     res = j.resident
-    return None if res.scales is None else res.scale_rows(j.chunks, j.start, j.end)
+    rows, scale_rows = res.token_rows(j.chunks, j.start, j.end, scales=res.scales is not None)
+    if not len(rows):
+        raise ValueError(f"no memory tokens in [{j.start}, {j.end})")
+    return rows, scale_rows
 
 
 def _generic(store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]],
@@ -168,8 +172,10 @@ def _generic(store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]
 def row_numpy(resident: Resident, chunks: list[str], start: int, end: int) -> np.ndarray:
     """Slab rows ``[N]`` (int64) of memory tokens ``[start, end)`` of the chunks'
     concatenation."""
-    return np.concatenate([np.arange(r, r + n, dtype=np.int64)
-                           for r, n in resident.runs(chunks, start, end)])
+    rows = resident.token_rows(chunks, start, end)[0]
+    if not len(rows):  # as before: nothing to load is an error
+        raise ValueError(f"no memory tokens in [{start}, {end})")
+    return rows
 
 
 def row_index(resident: Resident, chunks: list[str], start: int, end: int) -> torch.Tensor:

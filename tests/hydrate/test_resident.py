@@ -1,7 +1,10 @@
 """The worker-resident store: tiers, byte budgets, LRU, events, gathering."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from builders import make_resident
 from inferscale.hydrate.arena import ALIGN
@@ -294,6 +297,37 @@ def test_fp8_rows_gathered_into_a_float_buffer_are_dequantized():
     assert r.scale_rows(["b", "a", "prefix"], 1, 7).tolist() == [2, 1, 1, 1, 1, 0]
     assert torch.equal(r.rows_float(torch.tensor([8, 0, 4])), want[[8, 0, 4]])
     assert r.nbytes == r.slab.numel() + r.scales.numel() * 4
+
+
+def rows_reference(r: Resident, chunks: list[str], start: int, end: int):
+    """Slab rows and scale rows of tokens ``[start, end)``, a chunk at a time."""
+    rows, scale_rows, pos = [], [], 0
+    for c in chunks:
+        off, n = r.index[c]
+        lo, hi = max(start, pos), min(end, pos + n)
+        if lo < hi:
+            rows += range(off + lo - pos, off + hi - pos)
+            scale_rows += [r.scale_pos(c)] * (hi - lo)
+        pos += n
+    return rows, scale_rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=8),
+       st.lists(st.integers(0, 7), max_size=12), st.integers(-5, 45), st.integers(-5, 45))
+def test_token_rows_are_the_chunk_by_chunk_rows(lengths, picks, start, end):
+    """Any request order, chunks repeated or empty, any range (past either end, empty,
+    reversed): per token its slab row and its chunk's scales row, as chunk by chunk."""
+    r = make_resident("u", chunks=[(f"c{i}", n) for i, n in enumerate(lengths)])
+    chunks = [f"c{i % len(lengths)}" for i in picks]
+    rows, scale_rows = r.token_rows(chunks, start, end, scales=True)
+    want_rows, want_scales = rows_reference(r, chunks, start, end)
+    assert rows.tolist() == want_rows and scale_rows.tolist() == want_scales
+    assert rows.dtype == scale_rows.dtype == np.int64
+    assert r.token_rows(chunks, start, end)[1] is None
+    assert r.scale_rows(chunks, start, end).tolist() == want_scales
+    with pytest.raises(KeyError):
+        r.token_rows(chunks + ["unknown"], start, end)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -166,6 +166,20 @@ def test_self_check_rejects_a_kernel_that_disagrees(cpu_backend, monkeypatch):
     assert not writer.ok and "keys differ" in writer.reason
 
 
+def test_nothing_the_probe_and_a_served_step_pass_differently_is_specialized():
+    """Triton compiles a variant per "integer divisible by 16": the start-up probe's
+    slab has one layer (its scale strides ``2 * 1 * H``, ``1 * H``: 8 for 8 KV heads),
+    a served slab all of them (256 at 32 layers). Specialized, the first served step of
+    each source kind would compile on the engine's thread."""
+    pytest.importorskip("triton")
+    from inferscale.vllm_plugin.kernels.cuda import inject_kernel
+
+    if not hasattr(inject_kernel, "params"):  # Triton's interpreter: nothing compiled
+        pytest.skip("interpreted")
+    loose = {p.name for p in inject_kernel.params if p.do_not_specialize}
+    assert {"s_tok", "s_kv", "s_layer", "at", "n_all", "sc_row", "sc_kv"} <= loose
+
+
 TRITON_SCRIPT = textwrap.dedent("""
     import os, torch, triton
     import triton.language as tl

@@ -19,10 +19,12 @@ FP8_MAX = 448.0  # float8 e4m3fn (``inferscale.kv_quant.FP8_MAX``)
 # buffer that always starts aligned (``idx``) plus an unspecialized column offset
 # (``at``) and row length (``n_all``), and the source slab's strides are unspecialized
 # too. The scales of fp8 sources arrive in one buffer that always starts aligned
-# (``scl``), each token's row of it named by the index's fourth column, and the cache's
-# own scales sit in a table built once (``out_scl``). Every step then runs the variants
-# the start-up warm-up compiled (one per source kind: float, fp8).
-@triton.jit(do_not_specialize=["s_tok", "s_kv", "s_layer", "at", "n_all"])
+# (``scl``), each token's row of it named by the index's fourth column, its strides
+# unspecialized (``2 * L * H`` and ``L * H`` of the source: the start-up probe's slab has
+# one layer, 8 heads give 8 there and 256 at 32 layers), and the cache's own scales sit
+# in a table built once (``out_scl``). Every step then runs the variants the start-up
+# warm-up compiled (one per source kind: float, fp8).
+@triton.jit(do_not_specialize=["s_tok", "s_kv", "s_layer", "at", "n_all", "sc_row", "sc_kv"])
 def inject_kernel(src, s_tok, s_kv, s_layer, idx, at, n_all, scl, sc_row, sc_kv, cos_sin,
                   cs_stride, cache0, layer_off, out_scl, kb, ko, kh, kd, vb, vo, vh, vd,
                   k_off, v_off, block_size,

@@ -7,6 +7,7 @@ Used by :class:`inferscale.vllm_plugin.kernels.writer.FusedWriter` on CUDA.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,12 +47,13 @@ def batches(sources: list[Source], capacity: int, scale_capacity: int) -> list[l
     out: list[list[Source]] = [[]]
     room, scale_room = capacity, scale_capacity
     for src in sources:
-        per_row = src.scales[0].numel() if src.scales is not None else 0
+        per_row = math.prod(src.scales.shape[1:]) if src.scales is not None else 0
         at = 0
         while at < len(src.rows):
             k = min(room, len(src.rows) - at)
+            used = 0
             if per_row:  # tokens of at most scale_room // per_row distinct chunks
-                k = min(k, _fitting(src.scale_rows[at:at + k], scale_room // per_row))
+                k, used = _fitting(src.scale_rows[at:at + k], scale_room // per_row)
             if k == 0:
                 if not out[-1]:
                     raise ValueError(f"one chunk's {per_row} scales exceed the capacity")
@@ -59,19 +61,81 @@ def batches(sources: list[Source], capacity: int, scale_capacity: int) -> list[l
                 room, scale_room = capacity, scale_capacity
                 continue
             out[-1].append(src.part(slice(at, at + k)))
-            if per_row:
-                scale_room -= per_row * len(np.unique(src.scale_rows[at:at + k]))
+            scale_room -= per_row * used
             at += k
             room -= k
     return [b for b in out if b]
 
 
-def _fitting(rows: np.ndarray, distinct: int) -> int:
-    """The longest prefix of ``rows`` with at most ``distinct`` distinct values."""
-    _, first = np.unique(rows, return_index=True)
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal consecutive ``values`` (``[N]``) starts (``[R]`` int64;
+    a request's tokens come chunk after chunk, so its scale rows form few runs)."""
+    new = np.empty(len(values), dtype=bool)  # [N]: a run starts here
+    new[:1] = True
+    np.not_equal(values[1:], values[:-1], out=new[1:])
+    return new.nonzero()[0]
+
+
+def unique_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for ``[N]`` ``values``, sorting only
+    the values of their ``R`` runs of equal consecutive values: ``O(N + R log R)``."""
+    starts = run_starts(values)  # [R]
+    heads = values[starts]
+    order = heads.argsort(kind="stable")
+    ordered = heads[order]
+    new = np.empty(len(heads), dtype=bool)  # [R]: a value not seen before, in order
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(len(heads), dtype=np.int64)  # [R]: each run's value's rank
+    inverse[order] = new.cumsum() - 1
+    counts = np.empty(len(heads), dtype=np.int64)  # [R]: each run's length
+    counts[:-1] = starts[1:] - starts[:-1]
+    counts[-1:] = len(values) - starts[-1:]
+    return ordered[new], inverse.repeat(counts)
+
+
+def _fitting(rows: np.ndarray, distinct: int) -> tuple[int, int]:
+    """The longest prefix of ``rows`` with at most ``distinct`` distinct values, and how
+    many it has (a value first appears where one of its runs starts)."""
+    starts = run_starts(rows)
+    heads = rows[starts]
+    if len(starts) <= distinct:  # no more values than runs: all of them fit
+        ordered = np.sort(heads)  # [R]
+        return len(rows), int(np.count_nonzero(ordered[1:] != ordered[:-1])) + (len(rows) > 0)
+    _, first = np.unique(heads, return_index=True)
     if len(first) <= distinct:
-        return len(rows)
-    return int(np.sort(first)[distinct])
+        return len(rows), len(first)
+    return int(starts[np.sort(first)[distinct]]), distinct
+
+
+def pack(sources: list[Source], out: np.ndarray, packed: np.ndarray) -> int:
+    """Fill ``out`` ``[4, n]`` int64 (rows, positions, slots, scale rows) for ``sources``
+    (``n`` tokens in all) and ``packed`` ``[S]`` float32 with each fp8 source's distinct
+    chunks' scales, once each; returns the floats of ``packed`` used. A token's fourth
+    column names its row of ``packed`` (rows of ``2 * L * H`` floats; 0 for float
+    sources). ValueError when the scales exceed ``packed``."""
+    at = floats = 0
+    for s in sources:
+        k = len(s.rows)
+        out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
+        if s.scales is None:
+            out[3, at:at + k] = 0
+        else:
+            per_row = math.prod(s.scales.shape[1:])
+            used, inverse = unique_runs(s.scale_rows)
+            size = len(used) * per_row
+            if floats + size > len(packed):
+                raise ValueError(f"{len(used)} chunks' scales exceed the scale capacity")
+            table = s.scales.numpy().reshape(len(s.scales), per_row)  # [C, 2*L*H]
+            if len(used) and (used[0] < 0 or used[-1] >= len(table)):  # sorted
+                raise IndexError(f"scale rows outside [0, {len(table)})")
+            # straight into ``packed`` (mode "raise" would buffer; none is clipped: checked)
+            np.take(table, used, axis=0, mode="clip",
+                    out=packed[floats:floats + size].reshape(len(used), per_row))
+            out[3, at:at + k] = floats // per_row + inverse
+            floats += size
+        at += k
+    return floats
 
 
 class IndexBuffers:
@@ -105,23 +169,7 @@ class IndexBuffers:
         if self.done[i] is not None:
             self.done[i].synchronize()
         host = self.host[i][:4 * n].view(4, n)
-        out = host.numpy()
-        packed = self.host_scales[i].numpy()
-        at = floats = 0
-        for s in sources:
-            k = len(s.rows)
-            out[0, at:at + k], out[1, at:at + k], out[2, at:at + k] = s.rows, s.positions, s.slots
-            out[3, at:at + k] = 0
-            if s.scales is not None:
-                per_row = s.scales[0].numel()
-                used, inverse = np.unique(s.scale_rows, return_inverse=True)
-                if floats + len(used) * per_row > self.scale_capacity:
-                    raise ValueError(f"{len(used)} chunks' scales exceed the scale capacity")
-                got = s.scales.numpy().reshape(len(s.scales), per_row)[used]
-                packed[floats:floats + got.size] = got.reshape(-1)
-                out[3, at:at + k] = floats // per_row + inverse
-                floats += got.size
-            at += k
+        floats = pack(sources, host.numpy(), self.host_scales[i].numpy())
         dev = self.dev[i][:4 * n].view(4, n)  # starts at the buffer's (aligned) base
         dev.copy_(host, non_blocking=True)
         if floats:
