@@ -20,7 +20,9 @@ the engine itself runs in bf16 on CUDA (float32 on the CPU) whatever the memory'
 
 Engine TTFT is measured from submitting the request to its first token (``max_tokens=1``).
 vLLM's prefix cache is reset before every uncached measurement, so no k or query feeds
-another; the order of the four modes rotates from query to query. Medians per k; the
+another; the order of the four modes rotates from query to query. An injecting mode's row
+also gives the injection's host time and GPU (kernel) time per request, read from the
+workers between requests (``<mode>_host_ms``, ``<mode>_kernel_ms``). Medians per k; the
 summary is taken at the largest k, plus ``speedup_vs_prompt_k<k>`` at every k. The
 artifacts carry the layout of ``--memory-order``, ``--text-tail`` and ``--tail-max-k``
 (the encoder defaults unless given), as the server lays requests out.
@@ -165,6 +167,22 @@ async def measure(args) -> dict:
             return await ttft(kv, users["gpu"], q, k, reset=False)
         return await ttft(kv, users[mode.removeprefix("inject_")], q, k)
 
+    async def injection_counters() -> tuple[float, float]:
+        """(host seconds, GPU seconds) the workers spent injecting so far (rank 0)."""
+        w = (await engine.worker_metrics())[0]
+        return w["inject_seconds"], w["kernel"]["sum"]
+
+    async def measure(mode, q, k):
+        """One sample; an injecting mode's also with the injection's host and GPU time
+        (read between samples, outside the timed request)."""
+        if mode in ("prompt", "cached"):
+            return await measure_mode(mode, q, k)
+        host0, gpu0 = await injection_counters()
+        sample = await measure_mode(mode, q, k)
+        host1, gpu1 = await injection_counters()
+        return {**sample, "host_ms": (host1 - host0) * 1e3,
+                "kernel_ms": (gpu1 - gpu0) * 1e3}
+
     # what the loads write, checked against an independent computation (known layouts)
     verify = {}
     for tier, user in users.items():
@@ -186,7 +204,7 @@ async def measure(args) -> dict:
             # prompt prefill (the request right after it measured up to 35 ms slower on CPU)
             r = i % len(modes)
             for mode in modes[r:] + modes[:r]:
-                samples[mode].append(await measure_mode(mode, q, k))
+                samples[mode].append(await measure(mode, q, k))
         med = {m: {f: statistics.median(s[f] for s in v) for f in v[0]}
                for m, v in samples.items()}
         row = {
@@ -203,6 +221,8 @@ async def measure(args) -> dict:
             "prompt_q2ft_ms": med["prompt"]["q2ft_ms"],
             "inject_gpu_q2ft_ms": med["inject_gpu"]["q2ft_ms"],
             "inject_host_q2ft_ms": med["inject_host"]["q2ft_ms"],
+            **{f"{m}_{f}": med[m][f] for m in med if m.startswith(("inject_", "ref_"))
+               for f in ("host_ms", "kernel_ms")},
             "embed_ms": med["inject_gpu"]["embed_ms"],
             "retrieve_ms": med["inject_gpu"]["retrieve_ms"],
         }

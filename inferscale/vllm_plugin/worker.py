@@ -232,7 +232,7 @@ class ConnectorWorker:
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
             self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds
-        self._kernel_times()
+        self.collect_kernel_times()
         self._invalid_blocks.update(meta.failed_blocks)
         for order in meta.reloads:
             try:
@@ -351,8 +351,8 @@ class ConnectorWorker:
             self.last_step, self.verify_next = step, False
         return step
 
-    def _kernel_times(self) -> None:
-        """Injection GPU times of earlier steps whose events have completed."""
+    def collect_kernel_times(self) -> None:
+        """Injection GPU times of steps whose events completed (each step; also at a scrape)."""
         while self._kernel_events and self._kernel_events[0][1].query():
             begin, end = self._kernel_events.pop(0)
             self.kernel_time.observe(begin.elapsed_time(end) / 1e3)

@@ -102,6 +102,7 @@ class InferScaleWorkerExtension:
         failures, latency histogram: :meth:`~inferscale.hydrate.loader.ResidentLoader.
         reload_stats`)."""
         worker = connector_worker()
+        worker.collect_kernel_times()
         status = worker.status()
         tiers = {t: {"users": 0, "bytes": 0} for t in status["budgets"]}
         for r in status["residents"]:
