@@ -16,7 +16,8 @@
   :mod:`inferscale.serve.access` (who may use whose memory),
   :mod:`inferscale.serve.api_models` (bodies and their bounds),
   :mod:`inferscale.serve.streaming` (streams closed down to vLLM) and
-  :mod:`inferscale.serve.metrics` (``/metrics``);
+  :mod:`inferscale.serve.metrics` (``/metrics``; the event loop's lag:
+  :mod:`inferscale.serve.loop_lag`);
 - :mod:`inferscale.serve.replicas`: memory replicas on Ray Serve behind one endpoint
   (:mod:`~inferscale.serve.replica_set`, :mod:`~inferscale.serve.router`,
   :mod:`~inferscale.serve.placement`, :mod:`~inferscale.serve.leftovers`);

@@ -234,6 +234,7 @@ class MemoryServer:
         ``shed``: the user's first lookup may be shed under load (False: an API-key
         user); memory that goes unused is named in the info's ``fallback``."""
         t0 = time.perf_counter()
+        self.metrics.loop_probe.start()  # on the loop that serves (a no-op once running)
         user = request.user
         found = await self.memories.lookup(user, request.shed) if user is not None \
             else Lookup(None)
@@ -335,11 +336,13 @@ class MemoryServer:
         return await self.engine.evict(user)
 
     async def render_metrics(self) -> bytes:
+        self.metrics.loop_probe.start()
         return await self.metrics.render(self.engine)
 
     def close(self) -> None:
         """Stop the memory cache's loads and shut the engine down (it unlinks its shared
         memory)."""
+        self.metrics.loop_probe.stop()
         self.memories.close()
         if self.engine is not None:
             self.engine.shutdown()

@@ -110,3 +110,18 @@ def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_stor
 
     assert p.ids[:len(Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids())] == \
         Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids()
+
+
+def test_the_first_request_starts_the_event_loop_probe(server):
+    """``inferscale_event_loop_lag_seconds`` is measured on the loop that serves, from
+    the first request on; closing the server stops the probe."""
+    async def main():
+        assert not server.metrics.loop_probe.running
+        await server.prepare(AnswerRequest("nobody-here", "Where do I live?"))
+        await asyncio.sleep(0.05)
+        running = server.metrics.loop_probe.running
+        server.metrics.loop_probe.stop()
+        return running
+
+    assert asyncio.run(main())
+    assert server.metrics.loop_lag.collect()[0].samples  # observed
