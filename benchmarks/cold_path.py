@@ -16,8 +16,10 @@ them (``--no-direct-io``: through the page cache). It reports:
   the others leave (the facts as Python objects, the held memory), then the query's
   embedding, the top-k and the composition;
 - ``burst``: ``--burst`` first requests of as many cold users at once, and one alone,
-  through ``MemoryServer.prepare`` on an event loop with the server's lag probe
-  (``inferscale.serve.loop_lag``): each request's memory phase, the loop's lag p99/max;
+  ``--bursts`` times each, through ``MemoryServer.prepare`` on an event loop with the
+  server's lag probe (``inferscale.serve.loop_lag``): each request's memory phase, the
+  slowest per burst, the loop's lag p99/max (after one unmeasured burst: each thread's
+  first call pays one-time costs);
 - ``open_loop``: Poisson arrivals at ``--rate`` for ``--seconds``, ``--cold-share`` of
   them first requests of users never loaded, the rest of ``--resident`` users the server
   holds: the memory phase's p50/p99, the lag's p99/max, the garbage collections;
@@ -44,7 +46,6 @@ import json
 import platform
 import random
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -301,11 +302,24 @@ async def measure(args, server, store, users: list[str], questions: list[str]) -
     cold = cold[args.samples:]
     _, lags, pauses = await with_probe(asyncio.sleep(args.idle_s), args.interval_s)
     rows.append(scenario("idle", [], lags, pauses, seconds=args.idle_s))
+    # each pool thread's first load, the retrieval thread's first query: not measured
+    group, cold = cold[:args.burst], cold[args.burst:]
+    await first_requests(server, group, questions, args.top_k, rng)
     for n in (1, args.burst):
-        group, cold = cold[:n], cold[n:]
-        out, lags, pauses = await with_probe(first_requests(server, group, questions,
-                                                            args.top_k, rng), args.interval_s)
-        rows.append(scenario(f"burst_{n}", out, lags, pauses, concurrent=n))
+        groups = [cold[i * n:(i + 1) * n] for i in range(args.bursts)]
+        cold = cold[n * args.bursts:]
+
+        async def bursts() -> list[list[dict]]:
+            out = []
+            for group in groups:
+                out.append(await first_requests(server, group, questions, args.top_k, rng))
+                await asyncio.sleep(0.05)
+            return out
+
+        out, lags, pauses = await with_probe(bursts(), args.interval_s)
+        rows.append(scenario(f"burst_{n}", [r for b in out for r in b], lags, pauses,
+                             concurrent=n, bursts=args.bursts, slowest_per_burst_ms=percentiles(
+                                 [max(r["memory_ms"] for r in b) for b in out])))
     out, lags, pauses = await with_probe(open_loop(server, cold, warm, questions, args, rng),
                                          args.interval_s)
     rows.append(scenario("open_loop", out, lags, pauses, rate=args.rate,
@@ -322,8 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
     a("--resident", type=int, default=1000, help="users the server holds before measuring")
     a("--samples", type=int, default=40, help="cold users timed stage by stage")
     a("--burst", type=int, default=12, help="first requests of cold users at once")
+    a("--bursts", type=int, default=8, help="bursts measured (and as many single requests)")
     a("--rate", type=float, default=12.0, help="open-loop arrivals per second")
-    a("--seconds", type=float, default=10.0, help="open-loop duration")
+    a("--seconds", type=float, default=20.0, help="open-loop duration")
     a("--cold-share", type=float, default=0.5, help="share of open-loop arrivals for cold users")
     a("--idle-s", type=float, default=1.0, help="the idle probe's duration")
     a("--interval-s", type=float, default=0.01, help="the lag probe's sleep")
@@ -344,15 +359,16 @@ def main(argv: list[str] | None = None) -> dict:
     a("--seed", type=int, default=0)
     a("--out", default=None)
     args = ap.parse_args(argv)
-    if min(args.users, args.groups, args.facts, args.samples, args.burst) < 1 or \
+    if min(args.users, args.groups, args.facts, args.samples, args.burst, args.bursts) < 1 or \
             args.resident < 1 or args.rate <= 0 or args.seconds <= 0 or \
             not 0 <= args.cold_share <= 1 or args.interval_s <= 0:
         ap.error("sizes must be >= 1, --rate, --seconds and --interval-s > 0, "
                  "--cold-share in [0, 1]")
     if args.groups > args.users:
         ap.error("--groups must be <= --users")
-    # cold users: the stage samples, one alone, a burst, the open loop's (with room)
-    need = args.resident + args.samples + 1 + args.burst + int(
+    # cold users: the stage samples, the unmeasured burst, the bursts and single ones,
+    # the open loop's (with room)
+    need = args.resident + args.samples + args.burst + args.bursts * (1 + args.burst) + int(
         args.rate * args.seconds * args.cold_share * 1.5 + 10)
     if args.users < need:
         ap.error(f"--users {args.users}: these settings need {need}")
@@ -378,7 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
         "cold_request_p50_ms_but_embed": ph["cold_total_but_embed"]["p50"],
         "embed_p50_ms": ph["embed"]["p50"],
         "idle_loop_lag_max_ms": by["idle"]["loop_lag_ms"].get("max"),
+        "single_memory_p50_ms": by["burst_1"]["memory_ms"]["p50"],
         "burst_memory_p50_ms": burst["memory_ms"]["p50"],
+        "burst_slowest_p50_ms": burst["slowest_per_burst_ms"]["p50"],
         "burst_memory_max_ms": burst["memory_ms"]["max"],
         "burst_loop_lag_max_ms": burst["loop_lag_ms"].get("max"),
         "burst_loop_lag_total_ms": burst["loop_lag_total_ms"],

@@ -14,7 +14,7 @@ from benchmarks import cold_path
 def test_a_tiny_run_reports_every_stage_and_scenario(tmp_path, conversations):
     out = tmp_path / "cold.json"
     argv = ["--users", "40", "--groups", "2", "--facts", "5", "--resident", "4",
-            "--samples", "3", "--burst", "3", "--rate", "20", "--seconds", "0.5",
+            "--samples", "3", "--burst", "3", "--bursts", "2", "--rate", "20", "--seconds", "0.5",
             "--idle-s", "0.1", "--top-k", "3", "--embed", "cached", "--no-direct-io",
             "--conversations", *conversations, "--workdir", str(tmp_path / "work"),
             "--out", str(out)]
@@ -25,7 +25,8 @@ def test_a_tiny_run_reports_every_stage_and_scenario(tmp_path, conversations):
     assert all(stages[s]["n"] == 3 for s in ("read_user", "embed", "compose"))
     by = {r["scenario"]: r for r in result["rows"][1:]}
     assert set(by) == {"idle", "burst_1", "burst_3", "open_loop"}
-    assert by["burst_3"]["requests"] == 3 and by["burst_3"]["loop_lag_ms"]["n"] > 0
+    assert by["burst_3"]["requests"] == 6 and by["burst_3"]["loop_lag_ms"]["n"] > 0
+    assert by["burst_3"]["slowest_per_burst_ms"]["n"] == 2 and by["burst_1"]["requests"] == 2
     assert by["open_loop"]["requests"] >= 1 and "dispatch_lag_ms" in by["open_loop"]
     s = result["summary"]
     assert s["users"] == 40 and s["embed"] == "cached" and s["burst_memory_max_ms"] > 0
