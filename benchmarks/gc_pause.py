@@ -5,8 +5,9 @@ UserMemory``: fact ids, texts, token ids per chunk). CPython's collector travers
 container it tracks on each full collection, a pause every request in flight waits out.
 This builds ``--users`` users of ``--facts`` facts of ``--tokens`` token ids each twice:
 as the server held them before issue 30's second H100 run (plain lists) and as
-``UserMemory`` holds them now (tuples, which the collector stops tracking after one
-pass), and times ``--repeats`` full collections of each (``gc.collect()``), reporting
+``UserMemory`` holds them now (ids and texts as tuples, which the collector stops
+tracking after one pass; token ids as tuples too when ``gc-pause-cpu.json`` was
+measured, one int32 array per user since: ``inferscale.serve.user_memory``), and times ``--repeats`` full collections of each (``gc.collect()``), reporting
 the median and the number of objects the collector tracks.
 
     python -m benchmarks.gc_pause --out benchmarks/results/gc-pause-cpu.json

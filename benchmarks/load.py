@@ -42,7 +42,8 @@ the server's time before the engine (``memory_p50_ms``/``memory_p99_ms``: lookup
 retrieval, composition), end-to-end, tokens/s, dispatch lag, fallbacks, facts by the
 tier they came from, and what ``/metrics`` says changed (:mod:`benchmarks.lib.load.scrapes`: the engine's busy-step time
 p50/p99, the injection, the connector's time, vLLM's queue and prefill times,
-reloads, promotions declined...), and whose memory each answer used. Summary per scenario
+reloads, promotions declined..., and the server's event-loop lag: ``loop_lag_p99_ms``,
+``loop_lag_max_ms``, the largest lag's bucket), and whose memory each answer used. Summary per scenario
 (:func:`benchmarks.lib.load.goodput.summarize`): the goodputs, ``goodput_vs_peer``,
 ``kv_p99_ttft_at_peer_goodput_ms``, ``goodput_vs_prompt``,
 ``kv_p99_ttft_at_prompt_goodput_ms``, ``memory.no_foreign_memory``, KV's requests by

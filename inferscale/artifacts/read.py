@@ -130,11 +130,19 @@ def verify_files(loc: Location, m: Manifest) -> None:
                      loc.blobs.hash_file(data_path(loc, m, name), m.files[name].bytes))
 
 
-def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "latest") -> pa.Table:
-    """The facts table of a version, checksum-verified."""
+def read_facts(store: StoreConfig, user: str, model_fp: str, version: str = "latest",
+               manifest: Manifest | None = None) -> pa.Table:
+    """The facts table of a version, checksum-verified; ``manifest``: the version's, when
+    the caller has just read it (:func:`read_manifest`: not read again, the server's
+    first load of a user read it twice)."""
     loc = Location(store, user, model_fp)
     version = resolve_version(store, user, model_fp, version)
-    m = manifest_at(loc, version)
+    if manifest is not None and (manifest.user, manifest.version, manifest.model_fingerprint) \
+            != (loc.user, version, loc.model_fp):
+        raise ValueError(f"the manifest given is user {manifest.user!r}'s version "
+                         f"{manifest.version} of model {manifest.model_fingerprint}, not "
+                         f"{loc.describe(version)}")
+    m = manifest if manifest is not None else manifest_at(loc, version)
     check_size(loc, m, FACTS_FILE)
     path = data_path(loc, m, FACTS_FILE)
     try:

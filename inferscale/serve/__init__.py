@@ -4,8 +4,10 @@
   ``AsyncLLM`` with the connector; generation with injected memory, admin calls through
   the engine's collective RPC;
 - :mod:`inferscale.serve.retrieval`: query embedding and exact top-k over a user's facts;
-- :mod:`inferscale.serve.memory_cache`: the server's per-user facts and indexes, kept
-  fresh and bounded (its rate limit: :mod:`inferscale.serve.token_bucket`);
+- :mod:`inferscale.serve.memory_cache`: the server's per-user facts and indexes
+  (:mod:`inferscale.serve.user_memory`), kept fresh and bounded (its rate limit:
+  :mod:`inferscale.serve.token_bucket`); :mod:`inferscale.serve.prefixes`: the
+  instructions' prefixes;
 - :mod:`inferscale.serve.cold_split`, :mod:`inferscale.serve.cold_requests`: the
   compute-or-load split of requests whose user is in neither tier;
 - :mod:`inferscale.serve.server`: the memory server (retrieve, compose, generate) and
@@ -16,7 +18,8 @@
   :mod:`inferscale.serve.access` (who may use whose memory),
   :mod:`inferscale.serve.api_models` (bodies and their bounds),
   :mod:`inferscale.serve.streaming` (streams closed down to vLLM) and
-  :mod:`inferscale.serve.metrics` (``/metrics``);
+  :mod:`inferscale.serve.metrics` (``/metrics``; the event loop's lag:
+  :mod:`inferscale.serve.loop_lag`);
 - :mod:`inferscale.serve.replicas`: memory replicas on Ray Serve behind one endpoint
   (:mod:`~inferscale.serve.replica_set`, :mod:`~inferscale.serve.router`,
   :mod:`~inferscale.serve.placement`, :mod:`~inferscale.serve.leftovers`);

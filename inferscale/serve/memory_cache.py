@@ -4,8 +4,8 @@
 on every request:
 
 - **First loads never block the event loop**: reading a user's LATEST, facts and
-  retrieval index run on a small thread pool, and concurrent first requests of one user
-  share one load.
+  retrieval index (:class:`~inferscale.serve.user_memory.UserMemory`) run on a small
+  thread pool, and concurrent first requests of one user share one load.
 - **New versions arrive by themselves**: when a user's entry was last checked at least
   ``refresh_s`` seconds ago, a request starts a background re-read of the user's LATEST
   (a few bytes) and answers from the version it holds; if LATEST moved, the new version
@@ -49,48 +49,15 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Awaitable, Callable
 
 from inferscale.serve.token_bucket import TokenBucket
+from inferscale.serve.user_memory import UserMemory
 from inferscale.vllm_plugin.failures import Fallback
 
 log = logging.getLogger("inferscale.serve")
-
-
-@dataclass
-class UserMemory:
-    """What the server holds per user: the version, facts and their retrieval index.
-
-    Fact ids, texts and token ids are kept as tuples: CPython's collector stops tracking a
-    tuple of ints or strings after its first collection, while a list stays tracked for
-    good. With thousands of users of hundreds of facts each, lists made every full
-    collection traverse them all (2,000 users of 400 facts of 40 tokens: 485 ms a full
-    collection on a 2-core CPU, 3 ms with tuples: ``benchmarks/results/gc-pause-cpu.json``),
-    a pause every request in flight waits out: a likely part of the ~214 ms the H100 run's 2,000-user p99 spent before the
-    server's timer started (issue 30)."""
-
-    user: str
-    version: str
-    fact_ids: tuple[str, ...]
-    texts: tuple[str, ...]
-    token_ids: dict[str, tuple[int, ...]]  # chunk id -> token ids ("prefix" included)
-    index: Any  # retrieval.FactIndex
-    source_index: dict[str, int] = field(default_factory=dict)  # fact id -> source turn index
-    memory_order: str = "relevance"  # the artifact's composer settings (encoder config)
-    text_tail: int = 0
-    tail_max_k: int = 0
-    kv_row_bytes: int = 0  # stored KV bytes per memory token (0: unknown)
-    nbytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.fact_ids, self.texts = tuple(self.fact_ids), tuple(self.texts)  # see the doc
-        self.token_ids = {c: tuple(t) for c, t in self.token_ids.items()}
-        emb = getattr(self.index, "embeddings", None)
-        self.nbytes = ((emb.numel() * emb.element_size() if emb is not None else 0)
-                       + 8 * sum(len(t) for t in self.token_ids.values())
-                       + sum(len(t.encode()) for t in self.texts))
 
 
 class MemoryFallbackReason(StrEnum):

@@ -34,6 +34,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     retrieval_seconds                       query embedding + exact top-k
     composition_seconds                     prompt composition from stored token ids
     query_to_first_token_seconds{mode}      request start -> first token
+    event_loop_lag_seconds                  how late the server's event loop woke a probe
+                                            sleeping 10 ms (:mod:`~inferscale.serve.loop_lag`)
     memory_users, memory_bytes              users whose facts the server holds, their bytes
     memory_negative_entries                 users remembered without usable memory
     memory_negative_evictions_total         of those, forgotten under max_negative
@@ -76,6 +78,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from inferscale.serve.loop_lag import LoopLagProbe
 from inferscale.serve.memory_cache import MemoryFallbackReason
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.failures import FallbackReason
@@ -92,6 +95,7 @@ MODES = ("kv", "prompt", "none")
 ABORT_REASONS = ("client_disconnected", "cancelled")
 _FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LAG_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class WorkerCollector:
@@ -284,6 +288,11 @@ class ServingMetrics:
         self.q2ft = Histogram("inferscale_query_to_first_token_seconds",
                               "Request start (before retrieval) to the first token", ["mode"],
                               buckets=_TTFT_S, registry=r)
+        self.loop_lag = Histogram("inferscale_event_loop_lag_seconds", "How late the "
+                                  "server's event loop woke a probe sleeping 10 ms (every "
+                                  "request waits so long on a stalled loop)",
+                                  buckets=_LAG_S, registry=r)
+        self.loop_probe = LoopLagProbe(self.loop_lag.observe)  # started by the server
         self.cold = Counter("inferscale_cold_requests", "KV requests whose user was in "
                             "neither tier (facts split between storage and prefill)",
                             registry=r)

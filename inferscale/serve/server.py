@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import Any, AsyncIterator
 
-from inferscale.compose import ComposeError, Composer, memory_layout
+from inferscale.compose import ComposeError, memory_layout
 from inferscale.encode.identity import served_layout
 from inferscale.serve.backend import (
     Answer, AnswerInfo, AnswerRequest, Mode, PromptTooLong, Timings,
@@ -48,6 +48,8 @@ from inferscale.serve.memory_cache import (
     Lookup, MemoryCache, MemoryCacheConfig, MemoryRefused, UserMemory,
 )
 from inferscale.serve.metrics import ABORT_REASONS, ServingMetrics
+from inferscale.serve.prefixes import Prefixes
+from inferscale.serve.user_memory import TokenTable
 from inferscale.types import PREFIX_ID, Tier
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
@@ -108,7 +110,7 @@ class MemoryServer:
         self.top_k, self.max_tokens = config.top_k, config.max_tokens
         self.fp = fingerprint or engine.config.model_fingerprint
         self.memories = MemoryCache(self.read_user, self.latest_version, config.cache)
-        self._composers: dict[str, Composer] = {}
+        self.prefixes = Prefixes(tokenizer, self.max_model_len)  # composers by instruction
         # one thread: retrieval runs in request order, and the embedder's CUDA graphs are
         # replayed from one thread only
         self._retrieval = ThreadPoolExecutor(1, thread_name_prefix="inferscale-retrieval")
@@ -129,13 +131,6 @@ class MemoryServer:
         """user -> version held (None: no usable memory)."""
         return self.memories.held()
 
-    def _composer(self, instruction: str | None) -> Composer:
-        key = instruction or ""
-        if key not in self._composers:
-            self._composers[key] = (Composer(self.tokenizer, instruction) if instruction
-                                    else Composer(self.tokenizer))
-        return self._composers[key]
-
     def read_user(self, user: str, version: str = "latest") -> UserMemory:
         """Read a user's facts (texts, token ids, embeddings) for retrieval and
         composition. Blocking: the cache runs it on its thread pool. MemoryRefused for
@@ -152,40 +147,19 @@ class MemoryServer:
             layout = served_layout(manifest.encoder_config)
         except ComposeError as exc:  # every request of the user would fail to compose
             raise MemoryRefused(manifest.version, "layout", str(exc)) from exc
-        prefix = self._servable_prefix(manifest.version, manifest.encoder_config)
-        facts = read_facts(self.store, user, self.fp, manifest.version)
+        prefix = self.prefixes.servable(manifest.version, manifest.encoder_config)
+        facts = read_facts(self.store, user, self.fp, manifest.version, manifest=manifest)
         dim = facts.schema.field("embedding").type.list_size
         if dim != self.embedder.dim:  # every query of this user would fail in the top-k
             raise MemoryRefused(manifest.version, "embedding_dim",
                                 f"its facts are embedded in {dim} dimensions; the serving "
                                 f"embedder ({self.embedder.path}) makes {self.embedder.dim}")
         fact_ids = facts.column("fact_id").to_pylist()
-        token_ids = dict(zip(fact_ids, facts.column("token_ids").to_pylist()))
-        token_ids[PREFIX_ID] = prefix
+        tokens = TokenTable.from_arrow(fact_ids, facts.column("token_ids"), {PREFIX_ID: prefix})
         return UserMemory(user, manifest.version, fact_ids, facts.column("text").to_pylist(),
-                          token_ids, FactIndex.from_table(facts, device=self.embedder.device),
+                          tokens, FactIndex.from_table(facts, device=self.embedder.device),
                           dict(zip(fact_ids, facts.column("source_index").to_pylist())),
                           *layout, kv_row_bytes=_row_bytes(manifest.kv))
-
-    def _servable_prefix(self, version: str, encoder_config: dict) -> list[int]:
-        """The token ids of the instruction prefix the version was encoded with, or
-        MemoryRefused ``instruction`` when it is not text or when it, the question's
-        template and one answer token exceed the model's context (no request could fit)."""
-        instruction = encoder_config.get("instruction")
-        if instruction is not None and not isinstance(instruction, str):
-            raise MemoryRefused(version, "instruction", f"its instruction is a "
-                                f"{type(instruction).__name__}, not text")
-        prefix = self._composer(instruction).prefix_ids()
-        # the shortest request: a one-character question and one answer token
-        shortest = len(self._composer(None).compose([prefix], "?")[0]) + 1
-        limit = self.max_model_len
-        if limit is not None and shortest > limit:
-            self._composers.pop(instruction or "", None)  # never used: not kept
-            raise MemoryRefused(version, "instruction",
-                                f"its instruction prefix is {len(prefix)} tokens: with the "
-                                f"question's template and one answer token no request fits "
-                                f"the model's context ({limit} tokens)")
-        return prefix
 
     def latest_version(self, user: str) -> str | None:
         from inferscale.artifacts.read import latest_version
@@ -199,9 +173,9 @@ class MemoryServer:
         user, question = request.user, request.question
         mode = request.mode or self.mode
         t0 = time.perf_counter()
-        composer = self._composer(None)
+        composer = self.prefixes.composer(None)
         if mem is None:  # no memory to use: the question alone
-            ids = composer.compose([composer.prefix_ids()], question)[0]
+            ids = composer.compose([self.prefixes.ids(None)], question)[0]
             info = AnswerInfo(user, "none", timings_ms=Timings(
                 retrieve=0.0, compose=(time.perf_counter() - t0) * 1e3))
             return Prepared(ids, None, request_salt(user, None, mode), info, request)
@@ -215,16 +189,16 @@ class MemoryServer:
         else:  # the baseline: every fact as text, best first
             injected, tail = list(facts), []
         chunks = (PREFIX_ID, *injected)
-        ids, m = composer.compose([mem.token_ids[c] for c in chunks], question,
-                                  [mem.token_ids[c] for c in tail])
+        memory = [mem.token_ids[c] for c in chunks]
+        tail_ids = [mem.token_ids[c] for c in tail]
+        ids, m = composer.compose(memory, question, tail_ids)
         # the version this server serves the user from: the workers replace an older one
-        ref = MemoryRef(mem.user, mem.version, chunks,
-                        tuple(len(mem.token_ids[c]) for c in chunks),
+        ref = MemoryRef(mem.user, mem.version, chunks, tuple(map(len, memory)),
                         supersedes=True) if mode == "kv" else None
         salt = ref.cache_salt() if ref else request_salt(mem.user, mem.version, mode)
         t3 = time.perf_counter()
         info = AnswerInfo(user, mode, list(facts), mem.version, memory_tokens=m,
-                          text_tail_tokens=sum(len(mem.token_ids[c]) for c in tail),
+                          text_tail_tokens=sum(map(len, tail_ids)),
                           timings_ms=Timings((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
         return Prepared(ids, ref, salt, info, request)
 
@@ -234,6 +208,7 @@ class MemoryServer:
         ``shed``: the user's first lookup may be shed under load (False: an API-key
         user); memory that goes unused is named in the info's ``fallback``."""
         t0 = time.perf_counter()
+        self.metrics.loop_probe.start()  # on the loop that serves (a no-op once running)
         user = request.user
         found = await self.memories.lookup(user, request.shed) if user is not None \
             else Lookup(None)
@@ -335,11 +310,13 @@ class MemoryServer:
         return await self.engine.evict(user)
 
     async def render_metrics(self) -> bytes:
+        self.metrics.loop_probe.start()
         return await self.metrics.render(self.engine)
 
     def close(self) -> None:
         """Stop the memory cache's loads and shut the engine down (it unlinks its shared
         memory)."""
+        self.metrics.loop_probe.stop()
         self.memories.close()
         if self.engine is not None:
             self.engine.shutdown()

@@ -1,5 +1,6 @@
 """Reading a version's KV rows by content key (what its next version reuses): the stored
-rows as the encoder emitted them, verified, without hydration."""
+rows as the encoder emitted them, verified, without hydration; its facts with the
+manifest the caller read already."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from builders import make_inputs
 from inferscale.artifacts.blobs import Location
 from inferscale.artifacts.layout import ArtifactSchemaError, ChecksumError
 from inferscale.artifacts.publish import publish
-from inferscale.artifacts.read import data_path, read_kv_rows
+from inferscale.artifacts.read import data_path, read_facts, read_kv_rows, read_manifest
 from inferscale.types import ChunkKV
 
 FP = "fp-test"
@@ -72,3 +73,18 @@ def test_damaged_or_unknown_files_are_refused(local_store):
     local_store.filesystem().pipe_file(loc.file(r.version, "manifest.json"), forged.to_json())
     with pytest.raises(ArtifactSchemaError, match="upgrade InferScale"):
         read_kv_rows(local_store, "bo", FP, r.version)
+
+
+def test_facts_read_with_the_manifest_read_before(store):
+    """The same table, the manifest not read again; another version's manifest refused."""
+    memory, facts, lineage = make_inputs("erin", 3)
+    v1 = publish(store, "erin", memory, facts, lineage, embeddings=False).version
+    memory, facts2, lineage = make_inputs("erin", 4, seed=1)
+    v2 = publish(store, "erin", memory, facts2, lineage, embeddings=False).version
+    m1 = read_manifest(store, "erin", FP, v1)
+    assert read_facts(store, "erin", FP, v1, manifest=m1).equals(read_facts(store, "erin", FP, v1))
+    assert read_facts(store, "erin", FP, v1, manifest=m1).equals(facts)
+    with pytest.raises(ValueError, match="not user 'erin'"):
+        read_facts(store, "erin", FP, v2, manifest=m1)
+    with pytest.raises(ValueError, match="the manifest given"):
+        read_facts(store, "erin", "fp-other", v1, manifest=m1)

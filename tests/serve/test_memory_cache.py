@@ -418,9 +418,10 @@ def test_a_layout_that_cannot_be_served_is_refused_at_load(local_store, smollm2,
 
 
 def test_held_token_ids_leave_the_collectors_view(local_store):
-    """Thousands of users' facts must not lengthen every full collection: their ids,
-    texts and token ids held as tuples, the collector stops tracking them after one pass
-    (lists it never does); their values are the facts table's."""
+    """Thousands of users' facts must not lengthen every full collection: their ids and
+    texts held as tuples, the collector stops tracking them after one pass (lists it
+    never does), their token ids in one array it never tracks; their values are the
+    facts table's."""
     import gc
 
     publish(local_store, "ann", 1, n_facts=4)
@@ -429,6 +430,8 @@ def test_held_token_ids_leave_the_collectors_view(local_store):
     assert [list(mem.token_ids[f]) for f in mem.fact_ids] == \
         facts.column("token_ids").to_pylist()
     gc.collect()
-    assert mem.token_ids and not any(gc.is_tracked(t) for t in mem.token_ids.values())
+    held = [r for r in gc.get_referents(mem.token_ids) if not isinstance(r, type)]
+    assert held and not any(gc.is_tracked(r) for r in held)
+    assert mem.token_ids.tokens == sum(map(len, facts.column("token_ids").to_pylist()))
     assert not gc.is_tracked(mem.fact_ids) and not gc.is_tracked(mem.texts)
     assert mem.fact_ids == tuple(facts.column("fact_id").to_pylist())

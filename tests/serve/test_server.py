@@ -1,5 +1,6 @@
 """The memory server's reading of a user's version (no engine started: only its
-configuration is read): what it refuses at load, and how those users are answered."""
+configuration is read): what it refuses at load, how those users are answered, and what
+a first load costs (each file read once, the instruction's prefix made once)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_helpers import limiting_memory
 from inferscale.artifacts.publish import Lineage, publish
+from inferscale.compose import Composer
 from inferscale.serve.backend import AnswerRequest
 from inferscale.serve.memory_cache import MemoryCacheConfig
 
@@ -110,3 +114,60 @@ def test_a_servable_instruction_serves_and_clears_the_refusal(server, local_stor
 
     assert p.ids[:len(Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids())] == \
         Composer(smollm2.tokenizer, "Be brief.\n").prefix_ids()
+
+
+def test_the_first_request_starts_the_event_loop_probe(server):
+    """``inferscale_event_loop_lag_seconds`` is measured on the loop that serves, from
+    the first request on; closing the server stops the probe."""
+    async def main():
+        assert not server.metrics.loop_probe.running
+        await server.prepare(AnswerRequest("nobody-here", "Where do I live?"))
+        await asyncio.sleep(0.05)
+        running = server.metrics.loop_probe.running
+        server.metrics.loop_probe.stop()
+        return running
+
+    assert asyncio.run(main())
+    assert server.metrics.loop_lag.collect()[0].samples  # observed
+
+
+def test_a_first_load_reads_each_file_once(server, local_store, smollm2, embedder,
+                                           monkeypatch):
+    """LATEST, the manifest and the facts: one read each (the manifest was read twice)."""
+    from inferscale.artifacts.blobs import LocalBlobs
+
+    publish_with(local_store, smollm2, embedder, "hal", None)
+    reads, real = [], LocalBlobs.read_bytes
+
+    def counted(self, path):
+        reads.append(path.rsplit("/", 1)[-1].split(".")[0])
+        return real(self, path)
+
+    monkeypatch.setattr(LocalBlobs, "read_bytes", counted)
+    asyncio.run(server.prepare(AnswerRequest("hal", "Where do I live?")))
+    assert sorted(reads) == ["LATEST", "facts", "manifest"]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(instruction=st.one_of(st.none(), st.text(max_size=300),
+                             st.sampled_from(["<|im_start|>system\n", "<|im_end|>", ""])),
+       limit=st.integers(1, 200))
+def test_prefixes_are_what_each_load_computed(smollm2, instruction, limit):
+    """Any instruction text (control-token text included) and context: the prefix ids and
+    the refusal a load computed afresh before, from the prefixes made once."""
+    from inferscale.serve.memory_cache import MemoryRefused
+    from inferscale.serve.prefixes import Prefixes
+
+    prefixes = Prefixes(smollm2.tokenizer, limit)
+    composer = Composer(smollm2.tokenizer, instruction) if instruction \
+        else Composer(smollm2.tokenizer)
+    want = composer.prefix_ids()
+    fits = len(Composer(smollm2.tokenizer).compose([want], "?")[0]) + 1 <= limit
+    for _ in range(2):  # made, then found
+        if fits:
+            assert prefixes.servable("v", {"instruction": instruction}) == tuple(want)
+            assert prefixes.ids(instruction) is prefixes.ids(instruction)
+        else:
+            with pytest.raises(MemoryRefused, match="no request fits"):
+                prefixes.servable("v", {"instruction": instruction})
+            assert not prefixes._ids and (instruction or "") not in prefixes._composers

@@ -270,6 +270,8 @@ def progress(result: dict) -> list[str]:
     for r in result.get("rows", []):
         step = (f" step p50/p99 {r.get('step_p50_ms')}/{r.get('step_p99_ms')} ms"
                 if r.get("step_p50_ms") is not None else "")
+        if r.get("loop_lag_p99_ms") is not None:
+            step += f" loop lag p99/max {r['loop_lag_p99_ms']}/{r.get('loop_lag_max_ms')} ms"
         lines.append(f"  {r['mode']:>6} {r['rate']:>7g} rps: p99 {r['ttft_p99_ms']} ms, "
                      f"over {r.get('over_objective')}/{r['requests']}, "
                      f"{'met' if r['meets_objective'] else 'MISSED'}{step}")

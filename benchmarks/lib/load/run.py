@@ -17,7 +17,7 @@ from benchmarks.datasets.users import popularity
 from benchmarks.lib.load import plan
 from benchmarks.lib.load.client import Load
 from benchmarks.lib.load.goodput import machine, step_summary, summarize
-from benchmarks.lib.load.scrapes import parse, step_metrics, step_time
+from benchmarks.lib.load.scrapes import loop_lag, parse, step_metrics, step_time
 from benchmarks.lib.load.server_process import (
     Http, ServerProcess, engine_status, evict_all, hydrate_plan, residency, scrape_text,
     wait_idle,
@@ -79,7 +79,8 @@ class Run:
         await wait_idle(self.http, 60)
         text1, after = await self.scrape()
         row["metrics"] = step_metrics(before, after)
-        row.update(step_time(row["metrics"]), loadavg_1m_start=round(load_at_start, 2))
+        row.update(step_time(row["metrics"]), **loop_lag(before, after),
+                   loadavg_1m_start=round(load_at_start, 2))
         if prof is not None:
             row["profile"] = await asyncio.to_thread(self.profiler.finish, prof)
         if args.keep_scrapes:
@@ -89,7 +90,8 @@ class Run:
                 (keep / f"u{count}-{mode}-{rate:g}rps-{when}.prom").write_text(text)
         print(json.dumps({"users": count, **{k: row[k] for k in (
             "mode", "rate", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
-            "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "fallbacks", "served_from",
+            "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "loop_lag_p99_ms",
+            "loop_lag_max_ms", "fallbacks", "served_from",
             "meets_objective")}, "foreign_memory": (row["memory_check"] or {}).get("foreign")}),
             flush=True)
         return row

@@ -12,7 +12,8 @@ again once it drained; :func:`step_metrics` turns the two into what changed:
 - histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
   p50 and p99 of the engine's busy step time, the injection per step, per-request fetches
   from storage, and vLLM's own per-request queue time, prefill time, TTFT and inter-token
-  latency (queueing against prefill). Percentiles are **interpolated linearly within
+  latency (queueing against prefill), and the server's event-loop lag (how late a probe
+  sleeping 10 ms woke: :func:`loop_lag`, with the largest lag's bucket). Percentiles are **interpolated linearly within
   buckets** as Prometheus' ``histogram_quantile`` does: exact only to a bucket's width, and a
   quantile in the ``+Inf`` bucket is reported as the largest finite bound (``capped``).
 
@@ -40,7 +41,9 @@ HISTOGRAMS = {
     "vllm_ttft": ("vllm:time_to_first_token_seconds",),
     "vllm_inter_token": ("vllm:inter_token_latency_seconds",
                          "vllm:time_per_output_token_seconds"),
+    "event_loop_lag": ("inferscale_event_loop_lag_seconds",),
 }
+LOOP_LAG = "inferscale_event_loop_lag_seconds"
 
 
 def parse(text: str) -> dict:
@@ -190,6 +193,37 @@ def cold_split(before: dict, after: dict, moved, by_label) -> dict | None:
             "facts": by_label("inferscale_cold_facts_total", "source"),
             "read_bytes": moved("inferscale_cold_read_bytes_total"),
             "estimates_at_end": gauges or None}
+
+
+def largest(h: dict | None) -> tuple[float, float] | None:
+    """(lower, upper bound) of the highest bucket of a :func:`histogram_delta` that holds
+    an observation: where its largest value lies (upper ``inf`` past the last bound);
+    None when nothing was observed."""
+    if h is None or not h["buckets"] or h["buckets"][-1][1] <= 0:
+        return None
+    prev_le, prev_count, found = 0.0, 0.0, None
+    for le, count in h["buckets"]:
+        if count > prev_count:
+            found = (prev_le, le)
+        prev_le, prev_count = le, count
+    return found
+
+
+def loop_lag(before: dict, after: dict) -> dict:
+    """The row's event-loop keys: the lag's p99 (interpolated), its largest value's bucket
+    (``loop_lag_max_ms``: the bucket's upper bound, the lower one when past the last; the
+    bucket itself in ``loop_lag_max_within_ms``), the probe's samples and their total
+    (time the loop was late in all); None when the server does not export it."""
+    h = histogram_delta(before, after, LOOP_LAG)
+    s = summarize_histogram(h) or {}
+    top = largest(h)
+    return {"loop_lag_p99_ms": s.get("p99_ms"),
+            "loop_lag_max_ms": None if top is None else round(
+                (top[0] if math.isinf(top[1]) else top[1]) * 1e3, 3),
+            "loop_lag_max_within_ms": None if top is None else [
+                round(top[0] * 1e3, 3), None if math.isinf(top[1]) else round(top[1] * 1e3, 3)],
+            "loop_lag_samples": s.get("count"),
+            "loop_lag_total_ms": None if h is None else round(h["sum"] * 1e3, 3)}
 
 
 def step_time(metrics: dict) -> dict:

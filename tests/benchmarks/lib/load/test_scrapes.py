@@ -155,3 +155,38 @@ def test_each_step_reports_the_split_facts_bytes_and_estimates():
                          "estimates_at_end": {"compute_seconds_per_token": 18.7e-6,
                                               "prefill_busy": 0.8,
                                               "bandwidth_bytes_per_second": 2.1e9}}
+
+
+def _lag_family(counts: list[float], total: float) -> str:
+    """The server's event-loop lag histogram, as prometheus_client renders it."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    class Families:
+        def collect(self):
+            hist = HistogramMetricFamily("inferscale_event_loop_lag_seconds", "lag")
+            bounds = ["0.001", "0.01", "0.1", "1.0", "+Inf"]
+            running, buckets = 0.0, []
+            for bound, n in zip(bounds, counts):
+                running += n
+                buckets.append((bound, running))
+            hist.add_metric([], buckets, sum_value=total)
+            yield hist
+
+    return _rendered(Families())
+
+
+def test_each_step_reports_the_event_loop_lag():
+    from benchmarks.lib.load.scrapes import loop_lag
+
+    before = parse(_lag_family([100, 0, 0, 0, 0], 0.05))
+    # this step: 97 samples under 1 ms, 2 in (1, 10 ms], 1 in (100 ms, 1 s]
+    after = parse(_lag_family([197, 2, 0, 1, 0], 0.05 + 0.4))
+    lag = loop_lag(before, after)
+    assert lag["loop_lag_samples"] == 100 and lag["loop_lag_total_ms"] == pytest.approx(400.0)
+    assert lag["loop_lag_max_ms"] == 1000.0 and lag["loop_lag_max_within_ms"] == [100.0, 1000.0]
+    assert 1.0 < lag["loop_lag_p99_ms"] <= 10.0  # rank 99 of 100: the second (1, 10 ms] one
+    assert step_metrics(before, after)["histograms"]["event_loop_lag"]["count"] == 100
+    past = loop_lag(before, parse(_lag_family([100, 0, 0, 0, 1], 9.05)))
+    assert past["loop_lag_max_ms"] == 1000.0 and past["loop_lag_max_within_ms"] == [1000.0, None]
+    assert loop_lag(before, before)["loop_lag_max_ms"] is None  # nothing observed
+    assert set(loop_lag({}, {}).values()) == {None}  # a server without the probe
