@@ -146,10 +146,7 @@ def _fused(store: ResidentStore, jobs: list[Job], staging: Staging, dtype: torch
 
 def _token_rows(j: Job) -> tuple[np.ndarray, np.ndarray | None]:
     res = j.resident
-    rows, scale_rows = res.token_rows(j.chunks, j.start, j.end, scales=res.scales is not None)
-    if not len(rows):
-        raise ValueError(f"no memory tokens in [{j.start}, {j.end})")
-    return rows, scale_rows
+    return token_rows(res, j.chunks, j.start, j.end, scales=res.scales is not None)
 
 
 def _generic(store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]],
@@ -169,13 +166,19 @@ def _generic(store: ResidentStore, jobs: list[Job], layers: list[tuple[int, Any]
         write_layer_kv(layer, buf[:, 0, idx], buf[:, 1, idx], slot_mapping)
 
 
+def token_rows(resident: Resident, chunks: list[str], start: int, end: int,
+               scales: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """:meth:`Resident.token_rows`, where nothing to load is an error (ValueError)."""
+    rows, scale_rows = resident.token_rows(chunks, start, end, scales=scales)
+    if not len(rows):
+        raise ValueError(f"no memory tokens in [{start}, {end})")
+    return rows, scale_rows
+
+
 def row_numpy(resident: Resident, chunks: list[str], start: int, end: int) -> np.ndarray:
     """Slab rows ``[N]`` (int64) of memory tokens ``[start, end)`` of the chunks'
     concatenation."""
-    rows = resident.token_rows(chunks, start, end)[0]
-    if not len(rows):  # as before: nothing to load is an error
-        raise ValueError(f"no memory tokens in [{start}, {end})")
-    return rows
+    return token_rows(resident, chunks, start, end)[0]
 
 
 def row_index(resident: Resident, chunks: list[str], start: int, end: int) -> torch.Tensor:
