@@ -43,10 +43,8 @@ import argparse
 import asyncio
 import gc
 import json
-import platform
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -54,7 +52,7 @@ from inferscale.settings import offline_environment
 
 offline_environment()
 
-from benchmarks.lib.results import command_line, write_result  # noqa: E402
+from benchmarks.lib.results import command_line, cpu_device, write_result  # noqa: E402
 
 FP = "cold-path-tiny-kv"  # the model fingerprint the users are published under
 KV_SHAPE = (2, 1, 8)  # layers, KV heads, head dim: the server never reads the KV
@@ -406,8 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
         "open_loop_loop_lag_max_ms": by["open_loop"]["loop_lag_ms"].get("max"),
         "seconds": round(time.perf_counter() - t, 1)}
     return write_result({"command": command_line(__spec__.name, argv),
-                         "device": f"{platform.processor() or 'cpu'} (python "
-                                   f"{sys.version.split()[0]}), embedder on cpu",
+                         "device": cpu_device("embedder on cpu"),
                          "rows": rows, "summary": summary}, args.out)
 
 

@@ -26,9 +26,7 @@ Callers: this CLI; ``tests/benchmarks/test_inject_host_cost.py`` (tiny sizes).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import sys
 import time
 import types
 from typing import Callable
@@ -36,10 +34,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from benchmarks.lib.results import command_line, write_result
+from benchmarks.lib.results import command_line, cpu_device, write_result
+from benchmarks.lib.step_inputs import (
+    FP8, add_size_args, check_sizes, resident, retrievals,
+)
 from inferscale.hydrate.resident import Resident
 from inferscale.hydrate.store import ResidentStore
-from inferscale.types import PREFIX_ID
 from inferscale.vllm_plugin.compat import CacheLayout
 from inferscale.vllm_plugin.inject import Job, StepLoad
 from inferscale.vllm_plugin.kernels.indices import (
@@ -47,23 +47,8 @@ from inferscale.vllm_plugin.kernels.indices import (
 )
 from inferscale.vllm_plugin.kernels.writer import FusedWriter
 
-DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+DTYPES = {"fp8": FP8, "bf16": torch.bfloat16}
 BLOCK = 16
-
-
-def resident(facts: int, tokens: int, prefix: int, dtype: torch.dtype, L: int, H: int,
-             D: int, seed: int = 0) -> Resident:
-    """A GPU-tier resident of ``facts`` facts of ``tokens`` +- 8 tokens after a prefix."""
-    rng = np.random.default_rng(seed)
-    lengths = [prefix] + rng.integers(tokens - 8, tokens + 9, facts).tolist()
-    ids = [PREFIX_ID] + [f"fact-{i}" for i in range(facts)]
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-    index = {c: (int(o), int(n)) for c, o, n in zip(ids, offsets, lengths)}
-    tokens_of = {c: tuple(range(n)) for c, n in zip(ids, lengths)}
-    slab = torch.zeros((1, 1, 1, 1, 1), dtype=dtype).expand(sum(lengths), 2, L, H, D)
-    scales = (torch.rand((len(ids), 2, L, H), generator=torch.Generator().manual_seed(seed))
-              + 0.5) if dtype == DTYPES["fp8"] else None  # [C, 2, L, H] float32
-    return Resident("user", "v1", "fp", slab, index, tokens_of, tier="gpu", scales=scales)
 
 
 class HostWriter:
@@ -118,11 +103,7 @@ def timed(fn: Callable[[int], object], repeats: int) -> float:
 
 def measure(res: Resident, k: int, queries: int, repeats: int, L: int, H: int,
             D: int) -> dict:
-    rng = np.random.default_rng(k)
-    facts = [c for c in res.index if c != PREFIX_ID]
-    picks = [[PREFIX_ID] + [facts[i] for i in rng.choice(len(facts), k, replace=False)]
-             for _ in range(queries)]
-    widths = [sum(res.index[c][1] for c in p) for p in picks]
+    picks, widths, _ = retrievals(res, k, queries)
     blocks = -(-max(widths) // BLOCK) + 1
     store = ResidentStore("cpu", 0, 0)
     layers = [(i, types.SimpleNamespace(kv_cache=torch.empty(0))) for i in range(L)]
@@ -153,20 +134,10 @@ def measure(res: Resident, k: int, queries: int, repeats: int, L: int, H: int,
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--facts", type=int, default=400, help="facts of the resident user")
-    ap.add_argument("--tokens", type=int, default=28, help="mean tokens per fact")
-    ap.add_argument("--prefix", type=int, default=24, help="tokens of the prefix chunk")
-    ap.add_argument("--ks", type=int, nargs="+", default=[10, 50], help="facts per request")
-    ap.add_argument("--shape", type=int, nargs=3, default=[32, 8, 128], metavar=("L", "H", "D"),
-                    help="layers, KV heads, head dim (default: Llama-3.1-8B)")
-    ap.add_argument("--queries", type=int, default=20, help="retrievals cycled through")
-    ap.add_argument("--repeats", type=int, default=2000, help="timed steps per figure")
-    ap.add_argument("--out", default=None, help="write the result JSON here")
+    add_size_args(ap, repeats=2000)
     args = ap.parse_args(argv)
+    check_sizes(ap, args)
     L, H, D = args.shape
-    if min(args.facts, args.tokens - 8, args.prefix, args.queries, args.repeats, L, H,
-           D) < 1 or any(k < 1 or k > args.facts for k in args.ks):
-        ap.error("sizes must be >= 1 (--tokens > 8), each k at most --facts")
     rows = []
     for name, dtype in DTYPES.items():
         res = resident(args.facts, args.tokens, args.prefix, dtype, L, H, D)
@@ -180,9 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                **{f"fp8_minus_bf16_us_k{k}": round(total["fp8", k] - total["bf16", k], 1)
                   for k in args.ks}}
     return write_result({"command": command_line(__spec__.name, argv),
-                         "device": f"{platform.processor() or 'cpu'} (python "
-                                   f"{sys.version.split()[0]}, numpy {np.__version__}, "
-                                   f"torch {torch.__version__})",
+                         "device": cpu_device(f"numpy {np.__version__}",
+                                               f"torch {torch.__version__}"),
                          "rows": rows, "summary": summary}, args.out)
 
 

@@ -4,6 +4,7 @@ write the result file ``{"command", "device", "rows", "summary", ...}``."""
 from __future__ import annotations
 
 import json
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -13,6 +14,11 @@ def command_line(module: str, argv: list[str] | None) -> str:
     """The command that produced a result, as one could type it again: ``python -m
     module ARGS`` (``argv``: the arguments ``main`` was given; None: this process's)."""
     return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def cpu_device(*extra: str) -> str:
+    """A CPU benchmark's ``device``: the processor and Python, then ``extra`` notes."""
+    return f"{platform.processor() or 'cpu'} (python {', '.join((sys.version.split()[0], *extra))})"
 
 
 def write_result(result: dict, out: str | None) -> dict:

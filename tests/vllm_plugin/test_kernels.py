@@ -320,3 +320,18 @@ def test_triton_kernel_matches_an_independent_rotation(src, cache, tmp_path):
 def test_cuda_kernel_compiled_matches_an_independent_rotation(src, cache, tmp_path):
     """The same checks with the kernel compiled for the GPU (one rounding to nearest)."""
     run_triton_script(src, cache, tmp_path)
+
+
+def test_a_writer_over_known_caches_takes_float_cuda_caches_only():
+    """``FusedWriter.over`` (the Triton writer without an engine's layers, for
+    ``benchmarks.inject_kernel``) refuses CPU caches and fp8 layouts: it runs the CUDA
+    kernel and has no backend writer to check a quantized cache against."""
+    from inferscale.vllm_plugin.compat import CacheLayout
+
+    strides = (16 * 2 * 8, 2 * 8, 8, 1)
+    float_layout = CacheLayout(strides, strides, 0, 4 * 16 * 2 * 8, 16, 2, 8)
+    fp8_layout = CacheLayout(strides, strides, 0, 4 * 16 * 2 * 8, 16, 2, 8, quantized=True)
+    cpu = [(0, torch.zeros(4, 2, 16, 2, 8))]
+    for layout in (float_layout, fp8_layout):
+        with pytest.raises(ValueError, match="float CUDA caches"):
+            FusedWriter.over(cpu, layout, torch.zeros(64, 8), torch.float32)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # float8 e4m3fn (``inferscale.kv_quant.FP8_MAX``)
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn (``inferscale.kv_quant.FP8_MAX``); a global
+# a @jit function reads must be a constexpr (compiled Triton refuses others)
 
 
 # Triton compiles one variant per pattern of "integer is 1 / divisible by 16" and "pointer

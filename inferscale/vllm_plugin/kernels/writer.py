@@ -73,8 +73,9 @@ def flat_numpy(t: torch.Tensor) -> np.ndarray | None:
 class FusedWriter:
     """Writes rotated K/V of all layers for a list of :class:`Source` in one kernel each.
 
-    Build it with :meth:`build`; ``writer.ok`` says whether it may be used and
-    ``writer.reason`` why not.
+    Build it with :meth:`build` (an engine's layers; :meth:`over` for known caches
+    without an engine); ``writer.ok`` says whether it may be used and ``writer.reason``
+    why not.
     """
 
     def __init__(self, layers: list[tuple[int, Any]], rotary: torch.nn.Module,
@@ -134,21 +135,7 @@ class FusedWriter:
         self.cos_sin = rot.cos_sin_cache.to(device=device, dtype=(
             torch.float32 if device.type == "cpu" else self.dtype))  # [P, D]
         if device.type == "cuda":
-            self.kind = "triton"
-            from inferscale.vllm_plugin.kernels.cuda import inject_kernel
-
-            self._kernel = inject_kernel
-            base = first.kv_cache
-            size = base.element_size()
-            offs = [(idx, (layer.kv_cache.data_ptr() - base.data_ptr()) // size)
-                    for idx, layer in self.layers]
-            self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
-            self._layer_idx = np.asarray([i for i, _ in self.layers], dtype=np.int64)
-            self._indices = IndexBuffers(INDEX_CAPACITY, device)
-            # the cache's own scales per layer row [L, 2, H] (fp8 caches; else unused)
-            self._out_scales = (cache_scales([layer for _, layer in self.layers],
-                                             layout.num_heads) if layout.quantized
-                                else torch.ones(1, dtype=torch.float32, device=device))
+            self._setup_triton(device)
         else:
             if layout.quantized or self.dtype != torch.float32:
                 raise RuntimeError("the CPU kernel handles float32 models only")
@@ -161,6 +148,40 @@ class FusedWriter:
             self._ks = np.asarray(layout.k_strides, dtype=np.int64)
             self._vs = np.asarray(layout.v_strides, dtype=np.int64)
             self._arrays = arrays
+
+    def _setup_triton(self, device: torch.device) -> None:
+        from inferscale.vllm_plugin.kernels.cuda import inject_kernel
+
+        self.kind, self._kernel = "triton", inject_kernel
+        base = self.layers[0][1].kv_cache
+        size = base.element_size()
+        offs = [(idx, (layer.kv_cache.data_ptr() - base.data_ptr()) // size)
+                for idx, layer in self.layers]
+        self._layer_off = torch.tensor(offs, dtype=torch.int64, device=device)  # [L, 2]
+        self._layer_idx = np.asarray([i for i, _ in self.layers], dtype=np.int64)
+        self._indices = IndexBuffers(INDEX_CAPACITY, device)
+        # the cache's own scales per layer row [L, 2, H] (fp8 caches; else unused)
+        self._out_scales = (cache_scales([layer for _, layer in self.layers],
+                                         self.layout.num_heads) if self.layout.quantized
+                            else torch.ones(1, dtype=torch.float32, device=device))
+
+    @classmethod
+    def over(cls, caches: list[tuple[int, torch.Tensor]], layout: CacheLayout,
+             cos_sin: torch.Tensor, dtype: torch.dtype, neox: bool = True) -> "FusedWriter":
+        """The Triton writer over CUDA paged caches of a known float ``layout`` (one
+        ``(layer index, cache)`` per layer, every cache ``[B, ...]`` of one storage) and a
+        cos/sin table ``[P, D]``, without an engine's attention layers: what
+        ``benchmarks.inject_kernel`` times. Unlike :meth:`build` nothing checks it against
+        a backend's writer (there is none); the unit tests check the kernel."""
+        device = caches[0][1].device
+        if device.type != "cuda" or layout.quantized:
+            raise ValueError("FusedWriter.over takes float CUDA caches")
+        w = cls([(i, _CacheOnly(kv)) for i, kv in caches], None, dtype)
+        w.layout, w.blocks, w.neox = layout, caches[0][1].shape[0], neox
+        w.cos_sin = cos_sin.to(device=device, dtype=dtype)  # [P, D]
+        w._setup_triton(device)
+        w.ok, w.reason = True, "built over known caches (not checked)"
+        return w
 
     # -------------------------------------------------------------- writing
 
@@ -327,6 +348,13 @@ class FusedWriter:
         rel = 0.0 if self.kind == "numba" else \
             0.125 if lay.quantized else 2 * torch.finfo(self.dtype).eps
         _close(wk[b, o], gk[b, o], rel, what + "keys")
+
+
+class _CacheOnly:
+    """A layer as :meth:`FusedWriter.over` keeps it: its paged cache only."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
 
 
 def _close(want: torch.Tensor, got: torch.Tensor, rel: float, what: str) -> None:
