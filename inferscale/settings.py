@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from inferscale.types import (
     DEFAULT_CONTEXT, DEFAULT_KEY_CALIBRATION, DEFAULT_MEMORY_ORDER, DEFAULT_TAIL_MAX_K,
     DEFAULT_TEXT_TAIL, DEFAULT_WINDOW, ENCODER_CONTEXTS, GPU_BUDGET_BYTES, HOST_BUDGET_BYTES,
-    KEY_CALIBRATIONS, MEMORY_ORDERS, KVDtype, check_user_id)
+    KEY_CALIBRATIONS, KV_DTYPES, MEMORY_ORDERS, check_user_id, default_kv_dtype)
 
 # The settings a Ray worker of the encode flows may receive in its environment
 # (``runtime_env``): an explicit allow-list of non-secret knobs. Keys, the admin key, the
@@ -72,10 +72,12 @@ class Settings(BaseSettings):
     # -- the serving model and the encoder
     model: str = Field(default="embedded", description="HF path or hub id; 'embedded' = SmolLM2")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    kv_dtype: KVDtype = Field(
-        default="bfloat16", description="stored K/V dtype: bfloat16 (default), float16, "
-        "float32, or float8_e4m3fn (fp8 memory: half of bf16, scales per chunk, K/V, layer "
-        "and KV head; kept fp8 on CUDA, dequantized once on the CPU)")
+    kv_dtype: Literal[("auto", *KV_DTYPES)] = Field(  # type: ignore[valid-type]
+        default="auto", description="stored K/V dtype: 'auto' (default) = float8_e4m3fn "
+        "when encoding on CUDA (fp8 memory: half of bf16's bytes, scales per chunk, K/V, "
+        "layer and KV head; answers within 0.005 F1 of bf16 memory), bfloat16 on the CPU "
+        "(a CPU store dequantizes fp8 once: no saving); or bfloat16, float16, float32, "
+        "float8_e4m3fn")
     window: int = Field(default=DEFAULT_WINDOW, ge=0,
                         description="turns of context before each fact")
     encoder_context: Literal[ENCODER_CONTEXTS] = Field(  # type: ignore[valid-type]
@@ -173,6 +175,10 @@ class Settings(BaseSettings):
     # tokens at k = 50): above the limit its step runs eagerly, ~35 ms of kernel launches
     # on an 8B model, stalling every request in the step.
     cudagraph_max_tokens: int = Field(default=1024, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=16, description="vLLM's token budget per engine step (default: "
+        "what `vllm serve` picks on this GPU, 8192 on an H100/H200): smaller steps bound "
+        "how long a long prefill holds the requests batched with it")
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallelism of the serving engine; must "
         "divide the model's KV heads (each worker holds and injects its share)")
@@ -232,6 +238,13 @@ class Settings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_kv_dtype(self, device: str | None = None) -> str:
+        """``kv_dtype``, with ``"auto"`` decided for encoding on ``device`` (default: the
+        resolved device): fp8 on CUDA, bfloat16 on the CPU."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return default_kv_dtype(device or self.resolved_device())
 
     def resolved_artifact_root(self) -> str:
         return self.artifact_root or str(self.home / "artifacts")

@@ -30,7 +30,8 @@ class PipelineConfig:
         kw: dict[str, Any] = dict(
             home=Path(settings.home), model=settings.model, device=device,
             model_dtype="bfloat16" if device.startswith("cuda") else "float32",
-            encoder=EncoderConfig(window=settings.window, dtype=settings.kv_dtype,
+            encoder=EncoderConfig(window=settings.window,
+                                  dtype=settings.resolved_kv_dtype(device),
                                   max_fact_tokens=settings.max_fact_tokens,
                                   max_window_tokens=settings.max_window_tokens,
                                   batch_tokens=settings.encode_batch_tokens,

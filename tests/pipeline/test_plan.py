@@ -88,3 +88,38 @@ def test_users_of_the_previous_default_layout_are_reencoded(local_store, tmp_pat
     assert plan.up_to_date == {"new": versions["new"]}
     assert cfg.run_identity(raw, "fp").changed_settings(
         before.run_identity(raw, "fp").record()) == ["memory_order", "tail_max_k"]
+
+
+def test_users_of_the_previous_cuda_default_are_reencoded_in_fp8(local_store, tmp_path):
+    """fp8 memory became the default on CUDA (issue 31): a user stored in bf16 by a CUDA
+    run before is encoded again by the next nightly or backfill run on CUDA, naming the
+    dtype; a CPU run (still bf16 by default) finds its own users up to date."""
+    from pathlib import Path
+
+    from builders import make_inputs
+    from inferscale.artifacts.publish import publish
+    from inferscale.facts.extractor import FactsConfig
+    from inferscale.pipeline.config import PipelineConfig
+    from inferscale.pipeline.plan import plan_run
+    from inferscale.settings import Settings
+
+    def config(device: str, **kw) -> PipelineConfig:
+        return PipelineConfig.from_settings(
+            Settings(home=Path(tmp_path), device=device, artifact_root=local_store.root, **kw))
+
+    before = config("cuda", kv_dtype="bfloat16")
+    raw = FactsConfig(mode="raw")
+    mem, facts, lineage = make_inputs("kim", 2, seed=1, fp="fp")
+    mem.encoder_config = before.run_identity(raw, "fp").record()
+    publish(local_store, "kim", mem, facts, lineage, embeddings=False)
+    hashes = {"kim": lineage.log_hash}
+    now = config("cuda")
+    assert plan_run(now, raw, "fp", hashes).encode == {"kim": "encoder-changed"}
+    assert now.run_identity(raw, "fp").changed_settings(
+        before.run_identity(raw, "fp").record()) == ["dtype"]
+    assert plan_run(before, raw, "fp", hashes).encode == {}
+    cpu = config("cpu")
+    cpu_mem, cpu_facts, cpu_lineage = make_inputs("lee", 2, seed=2, fp="fp")
+    cpu_mem.encoder_config = cpu.run_identity(raw, "fp").record()
+    publish(local_store, "lee", cpu_mem, cpu_facts, cpu_lineage, embeddings=False)
+    assert plan_run(cpu, raw, "fp", {"lee": cpu_lineage.log_hash}).encode == {}

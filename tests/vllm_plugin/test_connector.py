@@ -269,7 +269,7 @@ def rpc(env, method, *args):
 
 
 def test_a_bfloat16_artifact_serves_on_the_float32_engine(engine_env, embedder):
-    """The default kv_dtype is bfloat16 and the CPU engine runs float32: hydration
+    """The default kv_dtype on the CPU is bfloat16 and the CPU engine runs float32: hydration
     converts the slab once, and the fused kernel injects it."""
     from inferscale.artifacts.read import read_manifest
 
