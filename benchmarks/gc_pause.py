@@ -6,9 +6,14 @@ container it tracks on each full collection, a pause every request in flight wai
 This builds ``--users`` users of ``--facts`` facts of ``--tokens`` token ids each twice:
 as the server held them before issue 30's second H100 run (plain lists) and as
 ``UserMemory`` holds them now (ids and texts as tuples, which the collector stops
-tracking after one pass; token ids as tuples too when ``gc-pause-cpu.json`` was
-measured, one int32 array per user since: ``inferscale.serve.user_memory``), and times ``--repeats`` full collections of each (``gc.collect()``), reporting
-the median and the number of objects the collector tracks.
+tracking after one pass; token ids one int32 array per user:
+``inferscale.serve.user_memory``), and times ``--repeats`` full collections of each
+(``gc.collect()``), reporting the median and the number of objects the collector
+tracks. Then (``--serving-imports``,
+on by default) it imports what the server's process imports before it serves (vLLM's
+``AsyncLLM``, torch, the server, the embedder's library, uvicorn) and times full
+collections again, before and after ``serve_app``'s ``freeze_startup_heap``: the pause
+the users' facts were not, and what freezing the start-up heap leaves.
 
     python -m benchmarks.gc_pause --out benchmarks/results/gc-pause-cpu.json
 
@@ -19,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
+import importlib
 import random
 import statistics
-import sys
 import time
 
-from benchmarks.lib.results import command_line, write_result
+from benchmarks.lib.results import command_line, cpu_device, write_result
 from inferscale.serve.memory_cache import UserMemory
 
 
@@ -60,12 +64,37 @@ def pause(repeats: int) -> dict:
             "tracked_objects": len(gc.get_objects())}
 
 
+# what the server's process has imported by the time it serves (inferscale serve, the
+# load benchmark's server process)
+SERVING_IMPORTS = ("torch", "vllm.v1.engine.async_llm", "inferscale.serve.server",
+                   "inferscale.serve.app", "sentence_transformers", "uvicorn")
+
+
+def serving_rows(repeats: int) -> list[dict]:
+    """Full collections with the serving process's imports loaded, then after its
+    start-up heap is frozen (``inferscale.serve.app.freeze_startup_heap``)."""
+    for name in SERVING_IMPORTS:
+        importlib.import_module(name)
+    from inferscale.serve.app import freeze_startup_heap
+
+    rows = [{"form": "serving_imports", **pause(repeats)}]
+    frozen = freeze_startup_heap()
+    try:
+        rows.append({"form": "serving_imports_frozen", **pause(repeats),
+                     "frozen_objects": frozen})
+    finally:
+        gc.unfreeze()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=2000)
     ap.add_argument("--facts", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=40, help="token ids per fact")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--serving-imports", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time collections with the server's imports, then frozen")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if min(args.users, args.facts, args.tokens, args.repeats) < 1:
@@ -80,14 +109,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(rows[-1], flush=True)
     gc.collect()
     lists, now = rows
+    if args.serving_imports:
+        rows += serving_rows(args.repeats)
+        for r in rows[2:]:
+            print(r, flush=True)
     summary = {"users": args.users, "facts": args.facts, "tokens": args.tokens,
                **{f"{k}_{r['form']}": r[k] for r in rows
                   for k in ("full_collection_ms_median", "tracked_objects")}}
     summary["pause_ratio"] = round(lists["full_collection_ms_median"]
                                    / max(now["full_collection_ms_median"], 1e-3), 1)
     return write_result({"command": command_line(__spec__.name, argv),
-                         "device": f"{platform.processor() or 'cpu'} (python "
-                                   f"{sys.version.split()[0]})",
+                         "device": cpu_device(),
                          "rows": rows, "summary": summary}, args.out)
 
 

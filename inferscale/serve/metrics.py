@@ -36,6 +36,9 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     query_to_first_token_seconds{mode}      request start -> first token
     event_loop_lag_seconds                  how late the server's event loop woke a probe
                                             sleeping 10 ms (:mod:`~inferscale.serve.loop_lag`)
+    event_loop_stalls_total                 times it did not wake for 100 ms (each logged with
+                                            the loop thread's stack, the first 20)
+    gc_pauses_total{generation}             garbage collections of 100 ms or more
     memory_users, memory_bytes              users whose facts the server holds, their bytes
     memory_negative_entries                 users remembered without usable memory
     memory_negative_evictions_total         of those, forgotten under max_negative
@@ -73,6 +76,7 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -82,6 +86,9 @@ from inferscale.serve.loop_lag import LoopLagProbe
 from inferscale.serve.memory_cache import MemoryFallbackReason
 from inferscale.types import TIERS
 from inferscale.vllm_plugin.failures import FallbackReason
+
+log = logging.getLogger(__name__)
+STALL_STACKS = 20  # stalls whose stack is logged; later ones are counted only
 
 if TYPE_CHECKING:
     from inferscale.serve.backend import AnswerInfo
@@ -292,7 +299,13 @@ class ServingMetrics:
                                   "server's event loop woke a probe sleeping 10 ms (every "
                                   "request waits so long on a stalled loop)",
                                   buckets=_LAG_S, registry=r)
-        self.loop_probe = LoopLagProbe(self.loop_lag.observe)  # started by the server
+        self.loop_stalls = Counter("inferscale_event_loop_stalls", "Times the event loop did "
+                                   "not wake for 100 ms or more", registry=r)
+        self._stalls = 0  # of them, seen by the watchdog's thread (the first are logged)
+        self.gc_pauses = Counter("inferscale_gc_pauses", "Garbage collections of 100 ms or "
+                                 "more", ["generation"], registry=r)
+        self.loop_probe = LoopLagProbe(self.loop_lag.observe, on_stall=self._stalled,
+                                       on_gc=self._gc_paused)  # started by the server
         self.cold = Counter("inferscale_cold_requests", "KV requests whose user was in "
                             "neither tier (facts split between storage and prefill)",
                             registry=r)
@@ -321,6 +334,18 @@ class ServingMetrics:
             r.register(CacheCollector(cache))
         if estimator is not None:
             r.register(EstimateCollector(estimator))
+
+    def _stalled(self, seconds: float, stack: str) -> None:  # the probe's watchdog thread
+        self.loop_stalls.inc()
+        self._stalls = n = self._stalls + 1
+        if n <= STALL_STACKS:
+            log.warning("event loop held for %.0f ms so far (stall %d; the first %d are "
+                        "logged), in:\n%s", seconds * 1e3, n, STALL_STACKS, stack)
+
+    def _gc_paused(self, seconds: float, generation: int) -> None:
+        self.gc_pauses.labels(str(generation)).inc()
+        log.warning("a garbage collection (generation %d) held the process %.0f ms",
+                    generation, seconds * 1e3)
 
     def observe(self, info: "AnswerInfo", gen: "Generation") -> None:
         """Count one finished request: ``info`` as the server composed and answered it

@@ -17,8 +17,23 @@ def test_held_users_track_fewer_objects_than_lists(tmp_path):
     s = result["summary"]
     # the lists form keeps 20 x 30 token-id lists (and 40 more) tracked; held: none of them
     assert s["tracked_objects_lists"] - s["tracked_objects_user_memory"] >= 20 * 30
-    assert [r["form"] for r in result["rows"]] == ["lists", "user_memory"]
+    assert [r["form"] for r in result["rows"]] == ["lists", "user_memory", "serving_imports",
+                                                   "serving_imports_frozen"]
+    # vLLM and torch bring hundreds of thousands of tracked objects; frozen, a full
+    # collection walks none of them (and the benchmark leaves the heap unfrozen)
+    assert s["tracked_objects_serving_imports"] > 100_000
+    assert s["tracked_objects_serving_imports_frozen"] < s["tracked_objects_serving_imports"] / 10
+    assert result["rows"][3]["frozen_objects"] > 100_000
+    import gc
+
+    assert gc.get_freeze_count() == 0
     assert json.loads(out.read_text())["command"].startswith("python -m benchmarks.gc_pause")
+
+
+def test_the_serving_imports_can_be_left_out():
+    result = gc_pause.main(["--users", "2", "--facts", "2", "--tokens", "2", "--repeats", "1",
+                            "--no-serving-imports"])
+    assert [r["form"] for r in result["rows"]] == ["lists", "user_memory"]
 
 
 def test_bad_sizes_are_refused():

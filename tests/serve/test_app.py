@@ -717,3 +717,20 @@ def test_a_cold_start_answers_every_user_with_its_memory_or_a_named_fallback(eng
             assert f'inferscale_memory_fallbacks_total{{reason="shed"}} {float(len(shed))}' \
                 in metrics
             assert f"inferscale_memory_lookups_limited_total {float(len(shed))}" in metrics
+
+
+def test_the_startup_heap_is_frozen_out_of_full_collections():
+    """``serve_app`` freezes what start-up built before it serves: a full collection no
+    longer walks it (stock ``vllm serve`` does the same)."""
+    import gc
+
+    from inferscale.serve.app import freeze_startup_heap
+
+    held = [[i] for i in range(50_000)]  # start-up's objects (lists: tracked)
+    try:
+        assert freeze_startup_heap() >= 50_000
+        collected = {id(o) for o in gc.get_objects()}  # the generations a collection walks
+        assert not any(id(x) in collected for x in held)
+    finally:
+        gc.unfreeze()
+    assert {id(x) for x in held[:100]} <= {id(o) for o in gc.get_objects()}  # walked again

@@ -81,3 +81,75 @@ def test_the_servers_histogram_counts_the_probes_samples():
     # the held 120 ms: above 100 ms (less one 10 ms interval at most), below 250 ms
     assert samples[("inferscale_event_loop_lag_seconds_bucket", "0.1")] < count
     assert samples[("inferscale_event_loop_lag_seconds_sum", None)] >= 0.1
+
+
+def test_a_stall_is_reported_once_with_the_loops_stack():
+    """The watchdog thread sees a loop that has not woken for ``stall_s`` and hands over
+    the loop thread's stack, naming the function that holds it, once per stall."""
+    stalls: list[tuple[float, str]] = []
+
+    def holds_the_loop_for_a_while():
+        time.sleep(0.3)
+
+    async def main():
+        probe = LoopLagProbe(lambda _: None, interval_s=0.005, stall_s=0.05,
+                             on_stall=lambda s, stack: stalls.append((s, stack)))
+        probe.start()
+        await asyncio.sleep(0.1)
+        assert not stalls  # an idle loop wakes on time
+        holds_the_loop_for_a_while()
+        await asyncio.sleep(0.1)
+        probe.stop()
+
+    asyncio.run(main())
+    assert len(stalls) == 1
+    held, stack = stalls[0]
+    assert 0.05 <= held < 0.3 and "holds_the_loop_for_a_while" in stack
+
+
+def test_long_garbage_collections_are_reported(monkeypatch):
+    """``gc.callbacks`` time every collection; one of ``stall_s`` or more is reported
+    with its generation, a short one is not, and a stopped probe stops listening."""
+    import gc
+
+    pauses: list[tuple[float, int]] = []
+    probe = LoopLagProbe(lambda _: None, stall_s=0.02, on_gc=lambda s, g: pauses.append((s, g)))
+
+    async def main():
+        probe.start()
+        gc.collect(0)  # quick
+        probe._gc("start", {"generation": 2})  # a collection that takes 30 ms
+        time.sleep(0.03)
+        probe._gc("stop", {"generation": 2})
+        probe.stop()
+
+    asyncio.run(main())
+    assert [g for _, g in pauses] == [2] and pauses[0][0] >= 0.02
+    assert probe._gc not in gc.callbacks
+    with pytest.raises(ValueError):
+        LoopLagProbe(lambda _: None, interval_s=0.01, stall_s=0.005)
+
+
+
+def test_a_probe_whose_loop_ended_unstopped_reports_nothing_more():
+    """A server's loop that closed without ``stop()`` (tests, a crashed server): its
+    watchdog exits and its collector callback stays silent, rather than report a stall
+    that was only the loop's end."""
+    import gc
+
+    events: list = []
+    probe = LoopLagProbe(lambda _: None, interval_s=0.005, stall_s=0.02,
+                         on_stall=lambda *a: events.append(a), on_gc=lambda *a: events.append(a))
+
+    async def main():
+        probe.start()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())  # cancels the probe's task; stop() never called
+    time.sleep(0.1)
+    probe._gc("start", {"generation": 2})
+    time.sleep(0.03)
+    probe._gc("stop", {"generation": 2})
+    assert events == []
+    probe.stop()
+    assert probe._gc not in gc.callbacks

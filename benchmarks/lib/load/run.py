@@ -91,7 +91,7 @@ class Run:
         print(json.dumps({"users": count, **{k: row[k] for k in (
             "mode", "rate", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
             "q2ft_p99_ms", "step_p50_ms", "step_p99_ms", "loop_lag_p99_ms",
-            "loop_lag_max_ms", "fallbacks", "served_from",
+            "loop_lag_max_ms", "loop_stalls", "gc_pauses", "fallbacks", "served_from",
             "meets_objective")}, "foreign_memory": (row["memory_check"] or {}).get("foreign")}),
             flush=True)
         return row

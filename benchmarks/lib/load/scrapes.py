@@ -213,7 +213,9 @@ def loop_lag(before: dict, after: dict) -> dict:
     """The row's event-loop keys: the lag's p99 (interpolated), its largest value's bucket
     (``loop_lag_max_ms``: the bucket's upper bound, the lower one when past the last; the
     bucket itself in ``loop_lag_max_within_ms``), the probe's samples and their total
-    (time the loop was late in all); None when the server does not export it."""
+    (time the loop was late in all), the stalls its watchdog saw (>= 100 ms; the server
+    logs their stacks) and the garbage collections of 100 ms or more; None when the
+    server does not export them."""
     h = histogram_delta(before, after, LOOP_LAG)
     s = summarize_histogram(h) or {}
     top = largest(h)
@@ -223,7 +225,11 @@ def loop_lag(before: dict, after: dict) -> dict:
             "loop_lag_max_within_ms": None if top is None else [
                 round(top[0] * 1e3, 3), None if math.isinf(top[1]) else round(top[1] * 1e3, 3)],
             "loop_lag_samples": s.get("count"),
-            "loop_lag_total_ms": None if h is None else round(h["sum"] * 1e3, 3)}
+            "loop_lag_total_ms": None if h is None else round(h["sum"] * 1e3, 3),
+            "loop_stalls": counter_delta(before, after, "inferscale_event_loop_stalls_total"),
+            "gc_pauses": None if not present(after, "inferscale_gc_pauses_total") else round(
+                sum(labelled(after, "inferscale_gc_pauses_total", "generation").values())
+                - sum(labelled(before, "inferscale_gc_pauses_total", "generation").values()))}
 
 
 def step_time(metrics: dict) -> dict:

@@ -190,3 +190,10 @@ def test_each_step_reports_the_event_loop_lag():
     assert past["loop_lag_max_ms"] == 1000.0 and past["loop_lag_max_within_ms"] == [1000.0, None]
     assert loop_lag(before, before)["loop_lag_max_ms"] is None  # nothing observed
     assert set(loop_lag({}, {}).values()) == {None}  # a server without the probe
+    stalls = ("# TYPE inferscale_event_loop_stalls counter\n"
+              "inferscale_event_loop_stalls_total {}\n"
+              "# TYPE inferscale_gc_pauses counter\n"
+              "inferscale_gc_pauses_total{{generation=\"2\"}} {}\n"
+              "inferscale_gc_pauses_total{{generation=\"1\"}} {}\n")
+    moved = loop_lag(parse(stalls.format(1, 2, 0)), parse(stalls.format(3, 4, 1)))
+    assert (moved["loop_stalls"], moved["gc_pauses"]) == (2, 3)
