@@ -42,6 +42,7 @@ class ColdRequests:
         """The split of a request's memory chunks by the estimates of now (and ask the
         workers for fresh storage statistics when they are older than ``poll_s``)."""
         self.estimator.engine_stats(engine.finished_stats())
+        self.estimator.queue(*engine.waiting_now())
         at = self.estimator.storage_at
         if (self._poll is None or self._poll.done()) and \
                 (at is None or time.monotonic() - at > self.config.poll_s):

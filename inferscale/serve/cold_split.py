@@ -41,19 +41,25 @@ and the tokens recomputed.
 
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
-requests that did not wait for a read (theirs includes the read), decaying to the
-prior while nothing finishes; ``c`` the slope of a windowed least-squares fit of vLLM's
-``prefill_time`` against the tokens each request computed (prompt less cached), pulled
-towards the prior by ``prior_sxx`` (so a window of near-equal prompts keeps the prior;
-the intercept, the fixed part, is reported apart); ``ρ`` the share of recent time in
-which the running requests had prompt tokens left after a step, so that a request
-arriving would wait for the token budget (the scheduler's
+requests that did not wait for a read (theirs includes the read), decaying to the prior
+while nothing finishes, and 0 while vLLM's latest scheduler stats (at most
+``queue_fresh_s`` old) say no request waits: a past burst's queue times outlive the queue
+in the average, and on an H100 reads chosen to hide in such a stale wait were the slowest
+answers of the step after a warm-up burst; ``c`` the slope of a windowed least-squares
+fit of vLLM's ``prefill_time`` against the tokens each request computed (prompt less
+cached), pulled towards the prior by ``prior_sxx`` (so a window of near-equal prompts
+keeps the prior; the intercept, the fixed part, is reported apart); ``ρ`` the larger of
+the share of recent time in which the running requests had prompt tokens left after a
+step, so that a request arriving would wait for the token budget, and the share of time
+prefill takes: the prompt tokens scheduled per second times ``c`` (the scheduler's
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the busiest rank, decaying with
-``busy_tau_s`` since it was reported); ``B`` a moving average of the workers'
-bytes read per second of reader busy time (the slowest rank); ``Q`` the workers' bytes
-not read yet, drained at ``B`` since they reported; ``D`` = ``overhead_steps`` busy
-engine steps (the workers' moving average). Nothing here touches the engine: the server
-(:mod:`inferscale.serve.server`) feeds it and applies the split.
+``busy_tau_s`` since it was reported; under an 8,192-token budget steps rarely leave
+tokens over, so the first alone read ~0 on an H100 prefilling ~0.4 of the time); ``B`` a
+moving average of the workers' bytes read per second of reader busy time (the slowest
+rank); ``Q`` the workers' bytes not read yet, drained at ``B`` since they reported; ``D``
+= ``overhead_steps`` busy engine steps (the workers' moving average). Nothing here
+touches the engine: the server (:mod:`inferscale.serve.server`) feeds it and applies the
+split.
 """
 
 from __future__ import annotations
@@ -91,12 +97,13 @@ class ColdSplitConfig:
     wait_half_life_s: float = 5.0  # W decays to its prior while no request finishes
     alpha: float = 0.2  # weight of a new sample in the moving averages of W and B
     poll_s: float = 0.5  # the workers' storage statistics are read at most this often
+    queue_fresh_s: float = 1.0  # vLLM's waiting count older than this is not used
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"cold split mode must be one of {MODES}, got {self.mode!r}")
         for name in ("bandwidth_prior", "compute_prior_s", "prior_sxx", "wait_half_life_s",
-                     "poll_s", "window_s", "busy_tau_s"):
+                     "poll_s", "window_s", "busy_tau_s", "queue_fresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("pinned_chunks", "wait_prior_s", "step_prior_s", "overhead_steps"):
@@ -205,13 +212,14 @@ class LoadEstimator:
         self._samples: deque[tuple[float, int, float]] = deque(maxlen=self.config.window)
         self._wait: float | None = None
         self._wait_at = 0.0
+        self._waiting: tuple[int, float] | None = None  # vLLM's waiting requests, when
         self._stats: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
         self._reads: OrderedDict[str, bool] = OrderedDict()
         self._last: dict[int, tuple[float, float]] = {}  # rank -> bytes, busy seconds
         self._bandwidth: dict[int, float] = {}
         self._queued: dict[int, float] = {}
         self._step: dict[int, float] = {}
-        self._busy: dict[int, tuple[float, float]] = {}  # rank -> ρ, when it held
+        self._busy: dict[int, tuple[float, float, float]] = {}  # rank -> share, tokens/s, when
         self.storage_at: float | None = None  # when the workers last reported
 
     # ------------------------------------------------------------------ requests
@@ -249,7 +257,15 @@ class LoadEstimator:
             self._wait = (1 - a) * self._wait_now(now) + a * queued_s
             self._wait_at = now
 
+    def queue(self, waiting: int | None, at: float) -> None:
+        """vLLM's count of waiting requests at ``at`` (monotonic; its scheduler stats)."""
+        if waiting is not None:
+            self._waiting = (waiting, at)
+
     def _wait_now(self, now: float) -> float:
+        if self._waiting is not None and self._waiting[0] == 0 and \
+                now - self._waiting[1] <= self.config.queue_fresh_s:
+            return 0.0  # nothing waits now: a read has no wait to hide in
         prior = self.config.wait_prior_s
         if self._wait is None:
             return prior
@@ -275,7 +291,8 @@ class LoadEstimator:
     def storage(self, reports: list[dict], now: float | None = None) -> None:
         """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
         storage_stats`, one per rank: cumulative ``bytes`` and ``busy_s``,
-        ``queued_bytes``, ``step_s``, ``prefill_busy`` and its age ``prefill_busy_age_s``."""
+        ``queued_bytes``, ``step_s``, ``prefill_busy``, ``prefill_tokens_per_s`` and their
+        age ``prefill_busy_age_s``."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -292,7 +309,9 @@ class LoadEstimator:
                 self._step[rank] = float(r["step_s"])
             if r.get("prefill_busy") is not None:
                 age = max(0.0, float(r.get("prefill_busy_age_s") or 0.0))
-                self._busy[rank] = (min(1.0, max(0.0, float(r["prefill_busy"]))), now - age)
+                rate = float(r.get("prefill_tokens_per_s") or 0.0)
+                self._busy[rank] = (min(1.0, max(0.0, float(r["prefill_busy"]))),
+                                    rate if 0.0 < rate < math.inf else 0.0, now - age)
         self.storage_at = now
 
     # ------------------------------------------------------------------ now
@@ -306,8 +325,8 @@ class LoadEstimator:
             queued = max(0.0, queued - bandwidth * (now - self.storage_at))
         step = max(self._step.values(), default=cfg.step_prior_s)
         c, fixed = self._fit(now)
-        busy = max((b * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
-                    for b, at in self._busy.values()), default=0.0)
+        busy = max((max(b, rate * c) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
+                    for b, rate, at in self._busy.values()), default=0.0)
         return Estimates(self._wait_now(now), c, bandwidth, queued,
                          cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap))
 

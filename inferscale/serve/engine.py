@@ -44,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     max_num_seqs: int | None = None
+    # vLLM's token budget per step (None: what `vllm serve` picks on this platform)
+    max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1  # must divide the model's KV heads (the connector checks)
     # largest step vLLM replays as a CUDA graph (None: vLLM's default); see Settings
     cudagraph_max_tokens: int | None = 1024
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 16")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
+            raise ValueError("max_num_batched_tokens must be >= 16")
 
     @classmethod
     def from_settings(cls, settings: Any, model: str,
@@ -72,6 +76,7 @@ class EngineConfig:
                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
                    max_model_len=settings.max_model_len, enforce_eager=eager,
                    tensor_parallel_size=settings.tensor_parallel_size,
+                   max_num_batched_tokens=settings.max_num_batched_tokens,
                    cudagraph_max_tokens=settings.cudagraph_max_tokens)
 
     @classmethod
@@ -102,6 +107,8 @@ class EngineConfig:
             kwargs["block_size"] = self.block_size
         if self.max_num_seqs:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.cudagraph_max_tokens and not self.enforce_eager:
@@ -157,12 +164,14 @@ class Progress:
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
 _COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
 _FINISHED: deque[dict] = deque(maxlen=4096)  # vLLM's stats of finished requests, unread
+_WAITING: list = [None, 0.0]  # vLLM's waiting requests at its latest scheduler stats, when
 
 
 def _prompt_token_counter():
     """A vLLM stat logger adding up vLLM's own per-iteration prompt-token counters
-    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``, and
-    keeping its stats of finished requests (queue and prefill times) in ``_FINISHED``."""
+    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``,
+    keeping its stats of finished requests (queue and prefill times) in ``_FINISHED`` and
+    its count of waiting requests in ``_WAITING``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     from inferscale.vllm_plugin.compat import finished_requests
@@ -173,6 +182,9 @@ def _prompt_token_counter():
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             _FINISHED.extend(finished_requests(iteration_stats))
+            waiting = getattr(scheduler_stats, "num_waiting_reqs", None)
+            if waiting is not None:
+                _WAITING[:] = [int(waiting), time.monotonic()]
             stats = getattr(iteration_stats, "prompt_token_stats", None)
             if stats is not None:
                 _COUNTERS["computed"] += stats.computed
@@ -228,6 +240,12 @@ class MemoryEngine:
         while _FINISHED:
             out.append(_FINISHED.popleft())
         return out
+
+    @staticmethod
+    def waiting_now() -> tuple[int | None, float]:
+        """vLLM's waiting requests at its latest scheduler stats and when (monotonic;
+        None before any)."""
+        return _WAITING[0], _WAITING[1]
 
     async def prefetch(self, ref: MemoryRef, chunks: int, deadline_s: float,
                        nbytes: int) -> "asyncio.Task":

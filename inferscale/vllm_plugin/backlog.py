@@ -13,7 +13,12 @@ preempts them), and keeps ``busy``: the share of recent wall time (time constant
 ``tau_s``) spent in steps after which prompt tokens were left over, i.e. in which a
 request arriving would have waited for the budget. For a single-server queue that share is
 the utilization ρ (the probability that an arrival waits), which prices a computed token
-in the split (:mod:`inferscale.serve.cold_split`). Engine-core thread only.
+in the split (:mod:`inferscale.serve.cold_split`). Under a large budget (8,192 tokens: a
+~2,500-token prefill fits one step) steps rarely leave prompt tokens over while the GPU
+is far from idle, so it also keeps ``token_rate``, the prompt tokens scheduled per second
+of recent wall time (the same ``tau_s``): times the seconds a computed token costs, that
+is the share of time spent prefilling, the utilization by the queue's own definition
+(λ x service time). The split takes the larger of the two. Engine-core thread only.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ class PrefillBacklog:
         self._left: dict[str, int] = {}  # request id -> prompt tokens left after its step
         self._behind = False  # the last step left prompt tokens over
         self._at: float | None = None  # when busy was last updated
+        self._scheduled = 0  # prompt tokens the last step scheduled (computed since then)
         self.busy = 0.0
+        self.token_rate = 0.0  # prompt tokens scheduled per second, recent
 
     @property
     def tokens(self) -> int:
@@ -51,7 +58,9 @@ class PrefillBacklog:
             congested = min(previous_s or 0.0, dt) if self._behind else 0.0
             decay = math.exp(-dt / self.tau_s)
             self.busy = self.busy * decay + (congested / dt) * (1 - decay)
+            self.token_rate = self.token_rate * decay + (self._scheduled / dt) * (1 - decay)
         self._at = now
+        self._scheduled = 0
         counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         computed: dict[str, int] = {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
@@ -63,6 +72,7 @@ class PrefillBacklog:
         for req_id, n in counts.items():
             prompt = self._prompt.get(req_id)
             if prompt is not None and req_id in computed:
+                self._scheduled += max(0, min(n, prompt - computed[req_id]))
                 left = prompt - computed[req_id] - n
                 if left > 0:
                     self._left[req_id] = left

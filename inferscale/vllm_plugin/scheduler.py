@@ -302,7 +302,7 @@ class ConnectorScheduler:
                                       f"connector disabled after an error ({cause})")
         meta.scheduler_errors = self.failures.count
         meta.step_seconds, self._steps = self._steps, []
-        meta.prefill_busy = self.backlog.busy
+        meta.prefill_busy, meta.prefill_tokens_per_s = self.backlog.busy, self.backlog.token_rate
         self._hook_s += time.perf_counter() - t0
         meta.scheduler_seconds, self._hook_s = self._hook_s, 0.0
         return meta

@@ -229,6 +229,27 @@ def test_the_wait_counts_requests_that_did_not_read_and_decays_when_idle():
     assert est.estimates(now=1.0).wait_s == pytest.approx(0.05)
 
 
+def test_a_stale_wait_is_dropped_while_nothing_waits():
+    """A warm-up burst leaves long queue times in the average after its queue is gone:
+    while vLLM's latest scheduler stats (fresh) say no request waits, W is 0, so no read
+    is chosen to hide in a wait that no longer exists."""
+    est = LoadEstimator(ColdSplitConfig(alpha=0.5, wait_half_life_s=5.0, queue_fresh_s=1.0))
+    est.observe(0.6, 0.01, 100, read=False, now=0.0)  # a burst's request
+    assert est.estimates(now=0.5).wait_s > 0.2
+    est.queue(0, at=0.4)
+    assert est.estimates(now=0.5).wait_s == 0.0  # the queue is empty now
+    assert est.estimates(now=2.0).wait_s > 0.1  # that word is 1.6 s old: the average again
+    est.queue(3, at=2.0)
+    assert est.estimates(now=2.0).wait_s > 0.1  # requests wait: the average holds
+    est.queue(None, at=3.0)  # no stats: the last word stands
+    assert est.estimates(now=2.5).wait_s > 0.1
+    lengths, row = (40,) * 50, 64 * 1024
+    e = est.estimates(now=2.5)
+    loads = split(lengths, row, e).chunks
+    est.queue(0, at=2.5)
+    assert split(lengths, row, est.estimates(now=2.5)).chunks <= loads
+
+
 def test_vllm_stats_and_replies_join_in_either_order():
     est = LoadEstimator(ColdSplitConfig(alpha=1.0))
     row = {"request_id": "is-1", "queued_s": 0.3, "prefill_s": 0.02, "prompt_tokens": 900,
@@ -279,6 +300,21 @@ def test_congestion_comes_from_the_busiest_rank_and_fades_with_its_age():
                 now=13.0)
     assert est.estimates(now=13.0).prefill_busy == 0.9  # capped: at most 10 c a token
     assert "prefill_busy" in est.estimates(now=13.0).info()
+    # prefill's share of time, tokens scheduled per second x c, when it is the larger: an
+    # engine prefilling 20,000 tokens a second at 25 us a token (the prior) is half busy
+    # though its steps leave nothing over
+    rate = LoadEstimator(ColdSplitConfig(busy_tau_s=2.0))
+    rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.0, "prefill_tokens_per_s": 2e4,
+                   "prefill_busy_age_s": 0.0}], now=0.0)
+    assert rate.estimates(now=0.0).prefill_busy == pytest.approx(0.5)
+    assert rate.estimates(now=2.0).prefill_busy == pytest.approx(0.5 / math.e)
+    rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.7, "prefill_tokens_per_s": 2e4,
+                   "prefill_busy_age_s": 0.0}], now=3.0)
+    assert rate.estimates(now=3.0).prefill_busy == pytest.approx(0.7)  # the larger
+    for hostile in (float("nan"), float("inf"), -5e4):
+        rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.0,
+                       "prefill_tokens_per_s": hostile, "prefill_busy_age_s": 0.0}], now=4.0)
+        assert rate.estimates(now=4.0).prefill_busy == 0.0, hostile
     # hostile reports (a negative or NaN share, an age from the future) never price
     # compute below its own time nor above the cap
     for busy, age in ((-0.5, 0.0), (float("nan"), 0.0), (0.5, -3.0), (0.5, float("nan"))):
@@ -429,6 +465,8 @@ def test_the_server_prefetches_the_split_before_the_engine_sees_the_request(
     est = servers["pinned"].cold.estimator
     assert est.storage_at is not None and len(est._samples) > 0
     assert est.estimates().bandwidth != ColdSplitConfig().bandwidth_prior  # measured
+    waiting, at = env.engine.waiting_now()  # vLLM's own count, from its scheduler stats
+    assert waiting == 0 and at > 0 and est._waiting is not None
 
 
 @pytest.mark.engine

@@ -73,6 +73,9 @@ def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
     fixed = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
                             max_model_len=2048, max_num_seqs=7).vllm_config()
     assert fixed.scheduler_config.max_num_seqs == 7  # set explicitly: kept
+    budget = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
+                             max_model_len=2048, max_num_batched_tokens=1024).vllm_config()
+    assert budget.scheduler_config.max_num_batched_tokens == 1024  # the settings' override
 
 
 def test_running_engine_schedules_as_vllm_serve(engine_env):
@@ -98,3 +101,9 @@ def test_serves_engine_follows_the_settings():
     assert (cfg.max_model_len, cfg.kv_cache_memory_bytes) == (4096, 1 << 30)
     assert not EngineConfig.from_settings(Settings(device="cpu", enforce_eager=False), "ckpt",
                                           connector).enforce_eager
+    assert EngineConfig.from_settings(Settings(device="cpu"), "ckpt",
+                                      connector).max_num_batched_tokens is None  # vllm serve's
+    assert EngineConfig.from_settings(Settings(device="cpu", max_num_batched_tokens=2048),
+                                      "ckpt", connector).max_num_batched_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig.of(model="/m", model_fingerprint="fp", max_num_batched_tokens=8)

@@ -85,6 +85,27 @@ def test_busy_is_the_share_of_recent_time_with_tokens_left_over():
     assert b2.busy == 0.0
 
 
+def test_token_rate_counts_prompt_tokens_scheduled_not_decodes_or_past_the_prompt():
+    """Steady prefill of 2,500-token prompts, each within one step (nothing left over:
+    ``busy`` stays 0): the rate converges to the prompt tokens per second; decode tokens,
+    and tokens past a prompt's end, are not counted."""
+    b = PrefillBacklog(tau_s=1.0)
+    t = 0.0
+    for i in range(100):  # 10 s: a 2,500-token prompt every 0.1 s, plus a decode
+        b.step(output(new=[request(f"p{i}", 2500)], cached=[("d", 10)],
+                      scheduled={f"p{i}": 2500, "d": 1}), 0.1 if i else None, now=t)
+        t += 0.1
+    b.step(output(), 0.1, now=t)
+    assert b.busy == 0.0
+    assert b.token_rate == pytest.approx(25_000, rel=1e-3)
+    c = PrefillBacklog(tau_s=1.0)  # 9,000 scheduled for a 2,000-token prompt: 2,000 count
+    c.step(output(new=[request("a", 2000)], scheduled={"a": 9000}), None, now=0.0)
+    c.step(output(), 0.5, now=0.5)
+    assert c.token_rate == pytest.approx(2000 / 0.5 * (1 - math.exp(-0.5)))
+    c.step(output(), None, now=10.5)  # then idle: it fades with tau
+    assert c.token_rate == pytest.approx(2000 / 0.5 * (1 - math.exp(-0.5)) * math.exp(-10))
+
+
 @given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 9000),
                           st.floats(0.0, 1.0, allow_nan=False),
                           st.floats(1e-4, 2.0, allow_nan=False)), max_size=30))
@@ -97,7 +118,7 @@ def test_busy_stays_a_share_whatever_the_steps(steps):
         t += gap
         b.step(output(new=[request(f"r{i}", prompt)], scheduled={f"r{i}": n}),
                dur if i else None, now=t)
-        assert 0.0 <= b.busy <= 1.0 and b.tokens >= 0
+        assert 0.0 <= b.busy <= 1.0 and b.tokens >= 0 and b.token_rate >= 0.0
 
 
 def test_bad_settings_are_refused():
