@@ -225,11 +225,19 @@ def _scenarios(paths: list[Path]) -> list[tuple[int, str, dict]]:
     return sorted(series, key=lambda s: (s[0], s[1]))
 
 
-def peer_of(family: str, results: Path) -> dict | None:
+def peer_of(family: str, results: Path, paths: list[Path] = ()) -> dict | None:
     """Stock vLLM's result beside a family's files (``peer-<name>.json`` for
-    ``load-<name>``), or None."""
+    ``load-<name>``), else the one its files were run against (``--peer-result``: the
+    file named in their ``peer_source``, when it is among ``results``), or None."""
     path = results / f"peer-{family.removeprefix('load-')}.json"
-    return _load(path) if path.is_file() else None
+    if path.is_file():
+        return _load(path)
+    for p in paths:
+        source = str(_load(p).get("peer_source") or "").split(":", 1)[0]
+        named = results / Path(source).name if source.endswith(".json") else None
+        if named is not None and named.is_file():
+            return _load(named)
+    return None
 
 
 def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> dict:
@@ -351,7 +359,7 @@ def make_all(results: Path, figures: Path) -> list[Path]:
         if m:
             families.setdefault(m["family"], []).append(path)
     for family, paths in families.items():
-        peer = peer_of(family, results)
+        peer = peer_of(family, results, paths)
         for out in (plot_load_users(family, paths, figures, peer),
                     plot_goodput_users(family, paths, figures, peer)):
             if out is not None:

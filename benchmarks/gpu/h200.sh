@@ -31,29 +31,30 @@
 # The load runs (issues 26, 30) outlast one device call (10 minutes): `load` starts them
 # detached (setsid: they survive the call) writing under /tmp/load-out, and `load-poll`
 # waits for progress and brings back what is there. Issue 30, one H200 session held
-# back to back (~28 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here first:
-# .gpu-stage/p1..p5, 50 MiB parts since the tracked tree travels too), six or seven
-# device calls of at most 10 minutes:
-#   1-4  bash benchmarks/gpu/h200.sh receive I                    (carry .gpu-stage/pI)
-#   5  bash benchmarks/gpu/h200.sh receive 5 && bash benchmarks/gpu/h200.sh install \
-#        && bash benchmarks/gpu/h200.sh load 420                  (carry .gpu-stage/p5)
-#   6  bash benchmarks/gpu/h200.sh load-poll 570
-#   7  bash benchmarks/gpu/h200.sh load-poll 570                  (until it prints FINISHED)
+# back to back (~28 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here
+# first: .gpu-stage/p1..pN, 40 MiB parts since the tracked tree, ~20 MiB, travels too and
+# a call carries at most 64 MiB), device calls of at most 10 minutes:
+#   1..N-1  bash benchmarks/gpu/h200.sh receive I                 (carry .gpu-stage/pI)
+#   N  bash benchmarks/gpu/h200.sh receive N && bash benchmarks/gpu/h200.sh install
+#   then bash benchmarks/gpu/h200.sh load 420   (a call of its own: install takes ~1 min)
+#   then bash benchmarks/gpu/h200.sh load-poll 570, again until it prints FINISHED
 # On an H100 the results are named load-h100-* / peer-h100-* and the gpu tier is 20 GiB.
 # `load` prints the estimate first (`load-estimate` alone); the sequence: the peer (stock
 # vllm serve, ~7 min with the users' setup), then users 24, 200, 2000 in one server
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
 # peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
 # load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
-# MEMORY_DTYPE=float8_e4m3fn (users' KV stored fp8: half the bytes; issue 31 decides
-# whether answers hold), PEER=0 (no peer run; PEER_G gives its goodput), PROMPT_G=G (no
+# MEMORY_DTYPE=bfloat16 (users' KV stored bf16; default fp8, the encoder's CUDA default
+# since issue 31: half the bytes), PEER=0 (no peer run; PEER_RESULT names an earlier peer file of
+# this card, e.g. benchmarks/results/peer-h100-llama31-8b.json, or PEER_G its goodput), PROMPT_G=G (no
 # prompt-mode steps: KV only, against our prompt mode's goodput G measured before),
 # PROFILE=1 (py-spy), COLD_SPLIT=auto|off|pinned:N (how cold requests split between
-# storage and prefill) override.)
+# storage and prefill), BATCHED=N (the server engine's max_num_batched_tokens; default
+# vllm serve's, 8192 here; the peer keeps vllm serve's) override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-PART_MIB=${PART_MIB:-50}  # a part + the tracked tree (~12 MiB) <= 64 MiB a call
+PART_MIB=${PART_MIB:-40}  # a part + the tracked tree (~20 MiB) <= 64 MiB a call
 export PYTHONPATH=/tmp/site:$repo VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export INFERSCALE_HOME=/tmp/inferscale-home INFERSCALE_EMBEDDER=/tmp/data/minilm
@@ -179,7 +180,11 @@ CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | g
 LOAD_NAME=${LOAD_NAME:-load-$CARD-llama31-8b}
 PEER_NAME=${PEER_NAME:-peer-$CARD-llama31-8b}
 [ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20} && RATES=${RATES:-4 5 6 7 8 10}
-[ "${MEMORY_DTYPE:-}" = float8_e4m3fn ] && USER_GIB=${USER_GIB:-1.25}  # GiB placed a user
+# benchmarks.ttft's vLLM share of the GPU (0.85 by default) leaves an H100 too little for
+# the gpu tier beside it (the fp8 TTFT run ran out of memory there at 0.85; 0.6 ran)
+TTFT_UTIL=$([ "$CARD" = h100 ] && echo "--gpu-memory-utilization ${TTFT_GPU_UTIL:-0.6}")
+MEMORY_DTYPE=${MEMORY_DTYPE:-float8_e4m3fn}  # the encoder's CUDA default since issue 31
+[ "$MEMORY_DTYPE" = float8_e4m3fn ] && USER_GIB=${USER_GIB:-1.25}  # GiB placed a user
 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
@@ -188,10 +193,10 @@ load_args() {  # the flags every H200 load run shares (no spaces in these paths)
     --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
     --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
-    --estimate-setup-s 60 --estimate-start-s 150 --memory-dtype ${MEMORY_DTYPE:-bfloat16} \
+    --estimate-setup-s 60 --estimate-start-s 150 --memory-dtype $MEMORY_DTYPE \
     --estimate-user-gib ${USER_GIB:-2.49} \
     --estimate-hydrate-s 0.65 \
-    --workdir /tmp/load-work --cold-split ${COLD_SPLIT:-auto} \
+    --workdir /tmp/load-work --cold-split ${COLD_SPLIT:-auto} ${BATCHED:+--max-num-batched-tokens $BATCHED} \
     --user-counts ${USER_COUNTS:-24 200 2000}
 }
 
@@ -223,6 +228,7 @@ load_main() {  # (2) InferScale's server over the user counts, KV at multiples o
   cd "$repo"
   local peer=
   if [ -f "$LOAD_OUT/$PEER_NAME.json" ]; then peer="--peer-result $LOAD_OUT/$PEER_NAME.json"
+  elif [ -n "${PEER_RESULT:-}" ]; then peer="--peer-result $PEER_RESULT"
   elif [ -n "${PEER_G:-}" ]; then peer="--peer-goodput $PEER_G"
   else echo "no peer result (and no PEER_G): KV at multiples of the prompt mode's goodput"; fi
   local left=$(( $1 > 300 ? $1 : 300 ))  # the peer overran: still its first steps
@@ -371,7 +377,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     run gpu-tests 420 python -m pytest -q -p no:cacheprovider tests/encode/test_rope.py \
       tests/hydrate/test_resident.py tests/hydrate/test_slab.py tests/vllm_plugin/test_kernels.py \
-      tests/vllm_plugin/test_storage_reads.py \
+      tests/vllm_plugin/test_storage_reads.py tests/benchmarks/test_inject_kernel.py \
       tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"  # ~4 min: 6 Triton compiles for the fp8 kernel cases
     ;;
   encode-hydrate)
@@ -399,7 +405,8 @@ case "${1:-}" in
       ${TAIL:+--text-tail $TAIL} --out "$OUT/ttft-h200-qwen3-14b.json"
     ;;
   fp8)  # issue 25: fp8 memory against bf16 memory on one bf16 engine; `fp8 quality`,
-    # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md)
+    # `fp8 ttft`, `fp8 equivalence`: one device call each (estimates in benchmarks/README.md);
+    # files named for the card (h200, or h100 on an H100)
     rc=0
     case "${2:-}" in
       quality)  # (a) LoCoMo, both development conversations, the encoder's default layout
@@ -407,24 +414,27 @@ case "${1:-}" in
         # encoding stored bf16 and fp8, paired per question
         FIELDS=${FIELDS:-$(cat /tmp/selected-fields.txt 2>/dev/null)}
         echo "layout: ${FIELDS:-the encoder default}" | tee "$OUT/fp8-layout.txt"
-        run locomo-h200-fp8 560 python -m benchmarks.locomo --conversation $CONVS --compile \
+        run locomo-$CARD-fp8 560 python -m benchmarks.locomo --conversation $CONVS --compile \
           --windows --variant bf16:${FIELDS:+$FIELDS,}dtype=bfloat16 \
           --variant fp8:${FIELDS:+$FIELDS,}dtype=float8_e4m3fn \
           --default-variant bf16 --compare fp8 bf16 --concurrency 128 \
-          --out "$OUT/locomo-h200-fp8.json" || rc=1
+          --out "$OUT/locomo-$CARD-fp8.json" || rc=1
         python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["summary"]
 print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
-          "$OUT/locomo-h200-fp8.json" ;;
+          "$OUT/locomo-$CARD-fp8.json" ;;
       ttft)  # (b) Llama-3.1-8B shape, fp8 memory and (ref_*) bf16 memory in the same run
-        run ttft-h200-llama31-8b-fp8 540 python -m benchmarks.ttft --model llama-3.1-8b-shape \
+        run ttft-$CARD-llama31-8b-fp8 540 python -m benchmarks.ttft --model llama-3.1-8b-shape $TTFT_UTIL \
           --conversation $D/conv-26.json --tokenizer "$SMOL" --embedder $D/minilm \
           --kv-dtype float8_e4m3fn --reference-dtype bfloat16 --ks ${KS:-5 10 20 50} \
-          --out "$OUT/ttft-h200-llama31-8b-fp8.json" || rc=1
-        grep -h "fused injection" "$OUT/ttft-h200-llama31-8b-fp8.log" | tail -n 1 ;;
+          --out "$OUT/ttft-$CARD-llama31-8b-fp8.json" || rc=1
+        grep -h "fused injection" "$OUT/ttft-$CARD-llama31-8b-fp8.log" | tail -n 1
+        # the injection step alone on the GPU, fp8 against bf16 memory (~30 s)
+        run inject-kernel-$CARD 120 python -m benchmarks.inject_kernel \
+          --out "$OUT/inject-kernel-$CARD.json" || rc=1 ;;
       equivalence)  # (c) greedy outputs, bf16 engine: fp8 memory against bf16 memory
-        run equivalence-h200-fp8 420 python -m benchmarks.equivalence --device cuda \
+        run equivalence-$CARD-fp8 420 python -m benchmarks.equivalence --device cuda \
           --dtypes bfloat16 --memory-dtype float8_e4m3fn \
-          --out "$OUT/equivalence-h200-fp8.json" || rc=1 ;;
+          --out "$OUT/equivalence-$CARD-fp8.json" || rc=1 ;;
       *) echo "fp8 quality | fp8 ttft | fp8 equivalence"; rc=2 ;;
     esac
     exit $rc

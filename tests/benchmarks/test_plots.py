@@ -99,6 +99,12 @@ def test_goodput_against_users_with_stock_vllm(tmp_path):
                  "prompt_measured_here": [True, False, False],
                  "prompt_from_another_run": [False, False, False], "peer": 2.0}
     assert plots.peer_of("load-h200-other", results) is None
+    # a family run against an earlier peer file (--peer-result) draws that peer
+    other = results / "load-h200-other-u200.json"
+    other.write_text(json.dumps({**_scenario(200, 12.0, False, 4.0, True),
+                                 "peer_source": "benchmarks/results/peer-h200-fixture.json: "
+                                                "python -m benchmarks.load --peer"}))
+    assert plots.peer_of("load-h200-other", results, [other]) == peer
     written = plots.main(["--results", str(results), "--figures", str(figures)])
     assert {p.name for p in written} >= {"load-h200-fixture-goodput-users.png",
                                          "load-h200-fixture-users.png"}

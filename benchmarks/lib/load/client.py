@@ -108,7 +108,8 @@ class Load:
                            injected=info.get("injected_tokens", 0),
                            fallback_reason=info.get("fallback_reason"),
                            facts_by_tier=info.get("facts_by_tier"),
-                           storage_bytes=info.get("storage_bytes"))
+                           storage_bytes=info.get("storage_bytes"),
+                           cold=info.get("cold"))  # a user in no tier: its split
         except asyncio.CancelledError:
             rec["error"] = "not finished within the drain time"
         except Exception as exc:  # noqa: BLE001 - a failed request counts against the mode

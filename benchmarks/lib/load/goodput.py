@@ -117,8 +117,33 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
         "served_from": {t: sum(served_from(r.get("facts_by_tier")) == t for r in ok)
                         for t in (*TIERS, "none")} if mode == "kv" and ok else None,
         "memory_check": memory_check(records, users),
+        "cold_decisions": cold_decisions(ok),
         "meets_objective": bool(p99 <= objective_ms),
     }
+
+
+def cold_decisions(ok: list[dict]) -> dict | None:
+    """What the compute-or-load split saw when it decided the step's cold requests (the
+    estimates each answer's ``cold.split`` carries, taken before the request ran, unlike
+    the scrape's ``metrics.cold.estimates_at_end``): how many, their facts loaded and
+    computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait
+    and storage bandwidth; None when no answer reports a split."""
+    cold = [r["cold"] for r in ok if isinstance(r.get("cold"), dict)]
+    splits = [c["split"] for c in cold if isinstance(c.get("split"), dict)]
+    if not cold:
+        return None
+
+    def stat(name: str) -> dict | None:
+        xs = [float(s[name]) for s in splits if s.get(name) is not None]
+        return {"p50": finite(percentile(xs, 50)), "max": finite(max(xs))} if xs else None
+
+    return {"requests": len(cold),
+            "facts_loaded": sum(int(c.get("facts_loaded") or 0) for c in cold),
+            "facts_computed": sum(int(c.get("facts_computed") or 0) for c in cold),
+            "requests_loading": sum(int(c.get("facts_loaded") or 0) > 0 for c in cold),
+            "prefill_busy": stat("prefill_busy"), "wait_ms": stat("wait_ms"),
+            "compute_us_per_token": stat("compute_us_per_token"),
+            "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s")}
 
 
 def machine() -> dict:
@@ -272,6 +297,13 @@ def progress(result: dict) -> list[str]:
                 if r.get("step_p50_ms") is not None else "")
         if r.get("loop_lag_p99_ms") is not None:
             step += f" loop lag p99/max {r['loop_lag_p99_ms']}/{r.get('loop_lag_max_ms')} ms"
+        if r.get("loop_stalls") or r.get("gc_pauses"):
+            step += f" stalls {r.get('loop_stalls')}, gc pauses {r.get('gc_pauses')}"
+        cold = r.get("cold_decisions")
+        if cold:
+            busy = cold.get("prefill_busy") or {}
+            step += (f" cold {cold['requests']}: facts loaded/computed {cold['facts_loaded']}/"
+                     f"{cold['facts_computed']}, rho p50/max {busy.get('p50')}/{busy.get('max')}")
         lines.append(f"  {r['mode']:>6} {r['rate']:>7g} rps: p99 {r['ttft_p99_ms']} ms, "
                      f"over {r.get('over_objective')}/{r['requests']}, "
                      f"{'met' if r['meets_objective'] else 'MISSED'}{step}")

@@ -93,6 +93,7 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         model_fingerprint=fp, artifact_root=store.root, max_model_len=args.max_model_len,
         enforce_eager=not cuda if args.eager is None else args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         gpu_budget_bytes=int(args.gpu_budget_gib * GIB),
         host_budget_bytes=int(args.host_budget_gib * GIB),
@@ -191,9 +192,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--text-tail", type=int, default=Settings().text_tail,
       help="facts the served layout prefills as text after the injected ones, kept with the "
            "artifacts (default: INFERSCALE_TEXT_TAIL or the encoder's default)")
-    a("--memory-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+    a("--memory-dtype", default=None, choices=("bfloat16", "float8_e4m3fn"),
       help="the users' stored KV: bfloat16, or fp8 (e4m3 with per-chunk scales: half the "
-           "bytes read from storage and held in each tier)")
+           "bytes read from storage and held in each tier); default: what the encoder "
+           "stores on this machine (INFERSCALE_KV_DTYPE, auto: fp8 on CUDA, bf16 on the CPU)")
     a("--zipf", type=float, default=1.0,
       help="popularity exponent: user rank r asks with weight r**-zipf")
     a("--top-k", type=int, default=50)
@@ -261,6 +263,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--kv-cache-gib", type=float, default=None,
       help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")
     a("--max-model-len", type=int, default=4096)
+    a("--max-num-batched-tokens", type=int, default=None,
+      help="the server engine's token budget per step (default: vllm serve's on this "
+           "GPU; the peer always runs vllm serve's)")
     a("--eager", action=argparse.BooleanOptionalAction, default=None)
     a("--embedder", default="embedded")
     a("--tokenizer", default=None, help="tokenizer dir for the -shape models")
@@ -345,6 +350,10 @@ def resolve(ap: argparse.ArgumentParser, args, cuda: bool):
     args.warmup_lengths = cuda if args.warmup_lengths is None else args.warmup_lengths
     args.profile_users = args.profile_users or [min(args.counts)]
     args.gpu_memory_utilization = args.gpu_memory_utilization or (0.85 if cuda else 0.5)
+    if args.memory_dtype is None:
+        args.memory_dtype = Settings().resolved_kv_dtype("cuda" if cuda else "cpu")
+        if args.memory_dtype not in ("bfloat16", "float8_e4m3fn"):
+            ap.error(f"INFERSCALE_KV_DTYPE={args.memory_dtype}: pass --memory-dtype")
     if not cuda and args.kv_cache_gib is None:
         args.kv_cache_gib = 3.0
     if args.estimate_setup_s is None:

@@ -79,6 +79,28 @@ def test_step_counts_requests_over_the_objective_and_memory_sources():
     assert row["storage_bytes"] == 4096 and row["requests_reading_storage"] == 1
     old_server = goodput.step_summary(_records([50.0]), "kv", 2.0, objective_ms=100)
     assert old_server["facts_by_tier"] is None and old_server["storage_bytes"] is None
+    assert old_server["cold_decisions"] is None
+
+
+def test_step_reports_what_the_split_saw_when_it_decided():
+    """Cold answers carry their split's estimates from before they ran: the step keeps
+    the facts loaded and computed and the congestion each decision saw."""
+    recs = _records([50.0, 60.0, 70.0, 80.0], error_at=3)
+
+    def cold(loaded, busy, wait_ms):
+        return {"facts_loaded": loaded, "facts_computed": 50 - loaded, "bytes_read": 0,
+                "split": {"chunks": loaded, "prefill_busy": busy, "wait_ms": wait_ms,
+                          "compute_us_per_token": 19.0, "bandwidth_bytes_per_s": 2e9}}
+
+    recs[0]["cold"] = cold(0, 0.1, 0.0)
+    recs[1]["cold"] = cold(20, 0.8, 4.0)
+    recs[2]["cold"] = {"facts_loaded": 0, "facts_computed": 50, "split": None}
+    recs[3]["cold"] = cold(50, 0.9, 9.0)  # failed: not counted
+    got = goodput.step_summary(recs, "kv", 2.0, objective_ms=100)["cold_decisions"]
+    assert (got["requests"], got["facts_loaded"], got["facts_computed"],
+            got["requests_loading"]) == (3, 20, 130, 1)
+    assert got["prefill_busy"] == {"p50": pytest.approx(0.45), "max": 0.8}
+    assert got["wait_ms"]["max"] == 4.0 and got["bandwidth_bytes_per_s"]["p50"] == 2e9
 
 
 def _answers(users_asked, used):

@@ -73,3 +73,24 @@ def test_published_users_are_reused_only_with_the_same_settings(tmp_path, conver
     with pytest.raises(ValueError, match="groups, users"):
         setup.reused_memory(resolve("--reuse-memory", "--groups", "3"), tmp_path, 12)
     assert setup.reused_memory(resolve(), tmp_path, 12) is None  # not asked to reuse
+
+
+def test_the_users_memory_dtype_defaults_to_what_the_encoder_stores(conversations,
+                                                                    monkeypatch):
+    """fp8 on CUDA, bf16 on the CPU (INFERSCALE_KV_DTYPE=auto); the flag or an explicit
+    setting wins; a setting the benchmark cannot build users in is refused."""
+    ap = setup.parser("test")
+
+    def resolve(cuda, *more):
+        return setup.resolve(ap, ap.parse_args(
+            ["--conversations", conversations[0], "--modes", "kv", "--peer-goodput", "4",
+             *more]), cuda).memory_dtype
+
+    monkeypatch.delenv("INFERSCALE_KV_DTYPE", raising=False)
+    assert (resolve(True), resolve(False)) == ("float8_e4m3fn", "bfloat16")
+    assert resolve(True, "--memory-dtype", "bfloat16") == "bfloat16"
+    monkeypatch.setenv("INFERSCALE_KV_DTYPE", "bfloat16")
+    assert resolve(True) == "bfloat16"
+    monkeypatch.setenv("INFERSCALE_KV_DTYPE", "float32")
+    with pytest.raises(SystemExit):
+        resolve(True)
