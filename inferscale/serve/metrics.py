@@ -304,6 +304,8 @@ class ServingMetrics:
         self._stalls = 0  # of them, seen by the watchdog's thread (the first are logged)
         self.gc_pauses = Counter("inferscale_gc_pauses", "Garbage collections of 100 ms or "
                                  "more", ["generation"], registry=r)
+        for generation in range(3):  # exported as 0 before any (else absent: "unknown")
+            self.gc_pauses.labels(str(generation))
         self.loop_probe = LoopLagProbe(self.loop_lag.observe, on_stall=self._stalled,
                                        on_gc=self._gc_paused)  # started by the server
         self.cold = Counter("inferscale_cold_requests", "KV requests whose user was in "

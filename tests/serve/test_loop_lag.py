@@ -153,3 +153,28 @@ def test_a_probe_whose_loop_ended_unstopped_reports_nothing_more():
     assert events == []
     probe.stop()
     assert probe._gc not in gc.callbacks
+
+
+def test_the_servers_stall_counters_start_at_zero_and_count():
+    """``/metrics`` exports both counters from the start (a load row tells 0 from a
+    server without them), and the probe's reports move them."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from inferscale.serve.metrics import ServingMetrics
+
+    def samples(m: ServingMetrics) -> dict[tuple[str, str], float]:
+        text = generate_latest(m.registry).decode()
+        return {(s.name, s.labels.get("generation", "")): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name in ("inferscale_event_loop_stalls_total", "inferscale_gc_pauses_total")}
+
+    m = ServingMetrics()
+    assert samples(m) == {("inferscale_event_loop_stalls_total", ""): 0.0,
+                          **{("inferscale_gc_pauses_total", g): 0.0 for g in "012"}}
+    m._stalled(0.2, "stack")
+    m._gc_paused(0.15, 2)
+    got = samples(m)
+    assert got[("inferscale_event_loop_stalls_total", "")] == 1.0
+    assert got[("inferscale_gc_pauses_total", "2")] == 1.0
+    assert got[("inferscale_gc_pauses_total", "0")] == 0.0
