@@ -118,8 +118,26 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
                         for t in (*TIERS, "none")} if mode == "kv" and ok else None,
         "memory_check": memory_check(records, users),
         "cold_decisions": cold_decisions(ok),
+        "latency_by_source": latency_by_source(ok) if mode == "kv" else None,
         "meets_objective": bool(p99 <= objective_ms),
     }
+
+
+def latency_by_source(ok: list[dict]) -> dict | None:
+    """Which requests set the step's tail: per :func:`served_from` class (``none``: all
+    memory prefilled, as a cold request's computed split is) the requests and their TTFT
+    p50/p99, the server's memory phase p99 and the engine's TTFT p99; None without any."""
+    groups: dict[str, list[dict]] = {}
+    for r in ok:
+        groups.setdefault(served_from(r.get("facts_by_tier")), []).append(r)
+
+    def p(rs: list[dict], key: str, q: float) -> float | None:
+        return finite(percentile([r[key] for r in rs if r.get(key) is not None], q))
+
+    return {src: {"requests": len(rs), "ttft_p50_ms": p(rs, "ttft_ms", 50),
+                  "ttft_p99_ms": p(rs, "ttft_ms", 99), "memory_p99_ms": p(rs, "memory_ms", 99),
+                  "engine_ttft_p99_ms": p(rs, "engine_ttft_ms", 99)}
+            for src, rs in sorted(groups.items())} or None
 
 
 def cold_decisions(ok: list[dict]) -> dict | None:
@@ -304,6 +322,11 @@ def progress(result: dict) -> list[str]:
             busy = cold.get("prefill_busy") or {}
             step += (f" cold {cold['requests']}: facts loaded/computed {cold['facts_loaded']}/"
                      f"{cold['facts_computed']}, rho p50/max {busy.get('p50')}/{busy.get('max')}")
+        by = r.get("latency_by_source") or {}
+        slowest = max(by, key=lambda k: by[k].get("ttft_p99_ms") or 0.0, default=None)
+        if slowest is not None:
+            step += (f" tail: {slowest} ({by[slowest]['requests']} requests, p99 "
+                     f"{by[slowest]['ttft_p99_ms']} ms)")
         lines.append(f"  {r['mode']:>6} {r['rate']:>7g} rps: p99 {r['ttft_p99_ms']} ms, "
                      f"over {r.get('over_objective')}/{r['requests']}, "
                      f"{'met' if r['meets_objective'] else 'MISSED'}{step}")

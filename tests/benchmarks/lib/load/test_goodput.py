@@ -80,6 +80,14 @@ def test_step_counts_requests_over_the_objective_and_memory_sources():
     old_server = goodput.step_summary(_records([50.0]), "kv", 2.0, objective_ms=100)
     assert old_server["facts_by_tier"] is None and old_server["storage_bytes"] is None
     assert old_server["cold_decisions"] is None
+    # which requests set the tail: the one with nothing injected (300 ms), not the reads
+    by = row["latency_by_source"]
+    assert set(by) == {"gpu", "storage", "none"} and by["none"]["ttft_p99_ms"] == 300.0
+    assert by["storage"]["ttft_p99_ms"] == 90.0 and by["storage"]["memory_p99_ms"] == 9.0
+    assert by["gpu"]["requests"] == 1 and by["gpu"]["engine_ttft_p99_ms"] == 45.0
+    line = goodput.progress({"users": 8, "rows": [row]})[1]
+    assert "tail: none (1 requests, p99 300.0 ms)" in line
+    assert goodput.step_summary(recs, "prompt", 2.0, objective_ms=100)["latency_by_source"] is None
 
 
 def test_step_reports_what_the_split_saw_when_it_decided():
