@@ -107,7 +107,7 @@ def test_a_stall_is_reported_once_with_the_loops_stack():
     assert 0.05 <= held < 0.3 and "holds_the_loop_for_a_while" in stack
 
 
-def test_long_garbage_collections_are_reported(monkeypatch):
+def test_long_garbage_collections_are_reported():
     """``gc.callbacks`` time every collection; one of ``stall_s`` or more is reported
     with its generation, a short one is not, and a stopped probe stops listening."""
     import gc
@@ -128,7 +128,6 @@ def test_long_garbage_collections_are_reported(monkeypatch):
     assert probe._gc not in gc.callbacks
     with pytest.raises(ValueError):
         LoopLagProbe(lambda _: None, interval_s=0.01, stall_s=0.005)
-
 
 
 def test_a_probe_whose_loop_ended_unstopped_reports_nothing_more():

@@ -126,7 +126,8 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
 def latency_by_source(ok: list[dict]) -> dict | None:
     """Which requests set the step's tail: per :func:`served_from` class (``none``: all
     memory prefilled, as a cold request's computed split is) the requests and their TTFT
-    p50/p99, the server's memory phase p99 and the engine's TTFT p99; None without any."""
+    p50/p99 (over a class of fewer than 100 requests the p99 is about its largest), the
+    server's memory phase p99 and the engine's TTFT p99; None without any."""
     groups: dict[str, list[dict]] = {}
     for r in ok:
         groups.setdefault(served_from(r.get("facts_by_tier")), []).append(r)
