@@ -295,18 +295,18 @@ def chunk_digest(rows: memoryview | bytes) -> int:
 
 
 def index_digest(chunk_ids: list[str], offsets: list[int], lengths: list[int],
-                 token_ids: list[list[int]], digests: list[int],
-                 scales: list[list[float]] | None = None) -> str:
+                 token_ids: list, digests: list[int], scales: list | None = None) -> str:
     """xxh3-128 over the index columns in order (what a manifest records as
     ``kv.index_xxh3``; with each chunk's ``scales`` as float32 when quantized): a reader
-    of single chunks checks the index it read with it."""
+    of single chunks checks the index it read with it. A chunk's token ids and scales may
+    be lists or numpy arrays (the same bytes: little-endian int32, float32)."""
     h = xxhash.xxh3_128()
     rows = zip(chunk_ids, offsets, lengths, token_ids, digests,
                scales if scales is not None else [None] * len(chunk_ids), strict=True)
     for cid, off, n, toks, d, sc in rows:
         h.update(cid.encode() + b"\0")
         h.update(struct.pack("<qqQq", off, n, d, len(toks)))
-        h.update(struct.pack(f"<{len(toks)}i", *toks))
+        h.update(np.asarray(toks, dtype="<i4").tobytes())
         if sc is not None:
-            h.update(struct.pack(f"<{len(sc)}f", *sc))
+            h.update(np.asarray(sc, dtype="<f4").tobytes())
     return h.hexdigest()

@@ -21,10 +21,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from inferscale.artifacts.blobs import Location
+from inferscale.artifacts.direct_io import ALIGN
 from inferscale.artifacts.layout import (
     KV_FILE, ArtifactError, ArtifactSchemaError, ChecksumError, CorruptArtifact,
     FingerprintMismatch, StoreConfig,
@@ -134,31 +136,39 @@ class FactReader:
             if projected.num_record_batches != 1:
                 raise CorruptArtifact(f"{path}: {projected.num_record_batches} record batches")
             batch = projected.get_batch(0)
-        cols = [batch.column(c).to_pylist() for c in columns]
-        if kv_schema.index_digest(*cols) != want:
+        ids, offsets, lengths, tokens, digests, scales = _index_columns(batch, layout, path)
+        if kv_schema.index_digest(ids, offsets, lengths, tokens, digests,
+                                  None if scales is None else scales.numpy()) != want:
             raise ChecksumError(f"{path}: its chunk index differs from the manifest's "
                                 "(the file is damaged)")
-        ids, offsets, lengths, tokens, digests = cols[:5]
         try:
             kv_schema.check_index(ids, offsets, lengths, [len(t) for t in tokens], layout.tokens)
             if layout.quantized:
                 kv_schema.check_scales(batch.column("scales"))
         except kv_schema.KVFormatError as exc:
             raise CorruptArtifact(f"{path}: {exc}") from exc
-        scales = None
-        if layout.quantized:
-            shape = (2, layout.layers, layout.kv_heads)
-            scales = {c: torch.tensor(sc, dtype=torch.float32).view(shape)
-                      for c, sc in zip(ids, cols[5])}
         return ChunkIndex(user, manifest.version, path, layout.dtype,
                           (layout.layers, layout.kv_heads, layout.head_dim),
                           int(manifest.kv["slab_offset"]),
                           {c: (o, n, d) for c, o, n, d in zip(ids, offsets, lengths, digests)},
-                          {c: tuple(t) for c, t in zip(ids, tokens)}, scales)
+                          {c: tuple(t) for c, t in zip(ids, tokens)},
+                          None if scales is None else dict(zip(ids, scales.unbind(0))))
+
+    @staticmethod
+    def buffer_bytes(index: ChunkIndex, chunks: list[str]) -> int:
+        """The room :meth:`read` needs in ``out`` for ``chunks``: their rows and, when
+        rows are whole blocks, the slack that lets it align them with the file."""
+        rb = index.row_bytes
+        return index.tokens(chunks) * rb + (ALIGN if rb % ALIGN == 0 else 0)
 
     def read(self, index: ChunkIndex, chunks: list[str], out: torch.Tensor) -> torch.Tensor:
         """The chunks' rows, in ``chunks`` order, read into ``out`` (host uint8 with room
         for them) and verified: a ``[T, 2, L, H, D]`` view of ``out`` in the stored dtype.
+        With :meth:`buffer_bytes` of room and rows a multiple of :data:`ALIGN` bytes (an
+        8B model's 64 or 128 KiB), the view starts where every chunk's destination
+        agrees with its file offset modulo :data:`ALIGN`, so ``O_DIRECT`` reads the rows
+        straight into it instead of through a bounce buffer and a copy (1.15 -> 1.65
+        GB/s for 50 facts of an fp8 8B user on this repo's CPU machine).
         :class:`ChecksumError` when a chunk's bytes differ from its digest. A read that
         fails (the file gone, a short read, a checksum) drops ``index`` from the cache:
         the version may have been written again (a repair publish, a rollback racing
@@ -172,6 +182,10 @@ class FactReader:
         total = index.tokens(chunks)
         if out.numel() < total * rb:
             raise ValueError(f"{total * rb} bytes do not fit the {out.numel()}-byte buffer")
+        shift = (index.slab_offset - out.data_ptr()) % ALIGN if rb % ALIGN == 0 else 0
+        if out.numel() < shift + total * rb:
+            shift = 0  # no room to align: each chunk goes through the bounce buffer
+        out = out[shift:]
         mv = memoryview(out.numpy()).cast("B")
 
         def one(chunk: str, at: int) -> None:
@@ -204,6 +218,36 @@ class FactReader:
             self.bytes_read += total * rb
         layers, heads, dim = index.shape
         return out[:total * rb].view(torch_dtype(index.dtype)).view(total, 2, layers, heads, dim)
+
+
+def _index_columns(batch: pa.RecordBatch, layout: kv_schema.KVLayout, path: str
+                   ) -> tuple[list[str], list[int], list[int], list[list[int]], list[int],
+                              torch.Tensor | None]:
+    """The index columns as Python lists (token ids per chunk) and the fp8 scales as one
+    float32 tensor ``[C, 2, L, H]`` (None: unscaled). Read from the Arrow buffers: a
+    first read of a user's index happens on every cold request of a user not read before,
+    inside the engine's process, where converting each value to a Python object (and each
+    chunk's scales to a tensor of its own) held the GIL for ~40 ms a 400-fact user."""
+    names = kv_schema.index_columns(layout)
+    if any(batch.column(c).null_count for c in names):
+        raise CorruptArtifact(f"{path}: null values in the chunk index")
+    ids = batch.column("chunk_id").to_pylist()
+    offsets = batch.column("offset").to_numpy().tolist()
+    lengths = batch.column("length").to_numpy().tolist()
+    digests = batch.column("digest").to_numpy().tolist()
+    token_col = batch.column("token_ids")
+    bounds = token_col.offsets.to_numpy()
+    flat = token_col.flatten().to_numpy().tolist()  # the values of the list slices only
+    start = int(bounds[0])
+    tokens = [flat[int(a) - start:int(b) - start] for a, b in zip(bounds[:-1], bounds[1:])]
+    scales = None
+    if layout.quantized:
+        values = batch.column("scales")
+        while pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type):
+            values = values.flatten()
+        shape = (len(ids), 2, layout.layers, layout.kv_heads)
+        scales = torch.from_numpy(values.to_numpy().astype(np.float32, copy=True)).view(shape)
+    return ids, offsets, lengths, tokens, digests, scales
 
 
 def _layout(schema: pa.Schema, path: str, manifest: Manifest, model_fp: str

@@ -65,6 +65,35 @@ def test_direct_io_reads_the_same_rows_around_the_page_cache(local_store):
     assert read_counts()[reader]["bytes"] - before == out.numel()
 
 
+def test_direct_io_aligns_rows_of_whole_blocks_with_the_file(local_store):
+    """Rows of a multiple of 4 KiB (an 8B model's): given ``buffer_bytes`` of room, the
+    rows start where each chunk's destination agrees with its file offset modulo 4 KiB
+    (so ``O_DIRECT`` reads them in place), and are the rows the page-cache reader reads;
+    without the slack they are read into the buffer's start, as before."""
+    from dataclasses import replace
+
+    from inferscale.artifacts.direct_io import ALIGN
+
+    memory, facts, lineage = make_inputs("dana", 9, dtype=torch.float32, head_dim=256)
+    r = publish(local_store, "dana", memory, facts, lineage, embeddings=False)
+    plain = FactReader(local_store, FP)
+    direct = FactReader(replace(local_store, direct_io=True), FP, workers=3)
+    index = direct.index("dana", r.version)
+    assert index.row_bytes % ALIGN == 0 and index.slab_offset % ALIGN  # the case at hand
+    picked = [list(index.rows)[i] for i in (7, 0, 3, 9)]
+    want = plain.read(index, picked, torch.empty(index.tokens(picked) * index.row_bytes,
+                                                 dtype=torch.uint8)).clone()
+    for skew in (0, 1, 2048, ALIGN - 1):  # wherever the buffer starts
+        room = torch.empty(direct.buffer_bytes(index, picked) + ALIGN, dtype=torch.uint8)
+        out = room[skew:skew + direct.buffer_bytes(index, picked)]
+        rows = direct.read(index, picked, out)
+        assert torch.equal(rows, want)
+        assert (rows.data_ptr() - index.slab_offset) % ALIGN == 0
+    tight = torch.empty(index.tokens(picked) * index.row_bytes, dtype=torch.uint8)
+    rows = direct.read(index, picked, tight)
+    assert torch.equal(rows, want) and rows.data_ptr() == tight.data_ptr()
+
+
 def test_fp8_chunks_come_with_their_verified_scales(store):
     """An fp8 version's facts read alone: the rows as stored and each chunk's scales from
     the index, which the manifest's index digest covers (a changed scale is refused)."""
