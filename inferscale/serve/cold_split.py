@@ -15,11 +15,12 @@ compute.
 engine starts computing the request, ``c`` the engine's seconds per computed prompt token,
 ``ρ`` how congested prefill is (below), ``B`` the storage bandwidth (bytes/s, aggregate
 while busy), ``Q`` the bytes of reads already queued ahead, ``b`` the bytes per memory
-token and ``D`` the fixed cost of an asynchronous load (the request is scheduled a step
-after its read is handed over), the request loads the largest ``n`` (whole leading
-chunks, ``T(n)`` tokens) with::
+token, ``o`` a read's time besides its rows (the version's chunk index, staging memory,
+checking and placing the rows) and ``D`` the fixed cost of an asynchronous load (the
+request is scheduled a step after its read is handed over), the request loads the
+largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
 
-    max((Q + T(n) b) / B, W) + D <= W + c T(n) / (1 - ρ)
+    max(o + (Q + T(n) b) / B, W) + D <= W + c T(n) / (1 - ρ)
 
 A computed token costs its own time ``c`` and, when prefill is congested, the time it
 makes the requests behind it wait: in a single-server queue at utilization ``ρ``, work
@@ -34,7 +35,7 @@ read never hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s 
 was ever loaded and the GPU saturated at about the peer's goodput over the share of
 requests in storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
 form an interval, so: storage faster per token than the priced compute loads everything
-once that pays for ``D``; a congested engine loads more; slow or busy storage (small
+once that pays for ``o + D``; a congested engine loads more; slow or busy storage (small
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
 may take ``deadline_factor * (W + c T / (1 - ρ))`` from its start before it is given up
 and the tokens recomputed.
@@ -45,10 +46,16 @@ requests that did not wait for a read (theirs includes the read), decaying to th
 while nothing finishes, and 0 while vLLM's latest scheduler stats (at most
 ``queue_fresh_s`` old) say no request waits: a past burst's queue times outlive the queue
 in the average, and on an H100 reads chosen to hide in such a stale wait were the slowest
-answers of the step after a warm-up burst; ``c`` the slope of a windowed least-squares
-fit of vLLM's ``prefill_time`` against the tokens each request computed (prompt less
-cached), pulled towards the prior by ``prior_sxx`` (so a window of near-equal prompts
-keeps the prior; the intercept, the fixed part, is reported apart); ``ρ`` the larger of
+answers of the step after a warm-up burst; ``c`` what a prompt token adds to a busy
+engine step (the scheduler's fit of step times against the prompt tokens they scheduled,
+:class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the largest over ranks), and
+until that fit has spread enough steps the slope of a windowed least-squares fit of
+vLLM's ``prefill_time`` against the tokens each request computed (prompt less cached),
+pulled towards the prior by ``prior_sxx`` (so a window of near-equal prompts keeps the
+prior; the intercept, the fixed part, is reported apart): a request's prefill time is
+its step's, shared with the others, so this second fit read ~18 us a token on an H100
+where the steps said ~33 (``benchmarks/results/load-h100-llama31-8b-run4-u200.json``),
+and the split prefilled a saturated engine's cold requests; ``ρ`` the larger of
 the share of recent time in which the running requests had prompt tokens left after a
 step, so that a request arriving would wait for the token budget, and the share of time
 prefill takes: the prompt tokens scheduled per second times ``c`` (the scheduler's
@@ -56,7 +63,9 @@ prefill takes: the prompt tokens scheduled per second times ``c`` (the scheduler
 ``busy_tau_s`` since it was reported; under an 8,192-token budget steps rarely leave
 tokens over, so the first alone read ~0 on an H100 prefilling ~0.4 of the time); ``B`` a
 moving average of the workers' bytes read per second of reader busy time (the slowest
-rank); ``Q`` the workers' bytes not read yet, drained at ``B`` since they reported; ``D``
+rank); ``o`` a moving average of the workers' seconds per read outside the rows (the
+slowest rank: a user's first read includes its chunk index); ``Q`` the workers' bytes
+not read yet, drained at ``B`` since they reported; ``D``
 = ``overhead_steps`` busy engine steps (the workers' moving average). Nothing here
 touches the engine: the server (:mod:`inferscale.serve.server`) feeds it and applies the
 split.
@@ -126,8 +135,9 @@ class ColdSplitConfig:
 
 @dataclass(frozen=True)
 class Estimates:
-    """What the rule reads: ``W``, ``c``, ``B``, ``Q``, ``D`` and ``ρ`` (see the module
-    doc), and the fixed part of a request's prefill time (reported only)."""
+    """What the rule reads: ``W``, ``c``, ``B``, ``Q``, ``D``, ``ρ`` and ``o`` (see the
+    module doc), and the fixed part of a request's prefill time and the requests' own
+    fit of ``c`` (reported only)."""
 
     wait_s: float
     compute_s_per_token: float
@@ -136,6 +146,8 @@ class Estimates:
     overhead_s: float
     fixed_s: float = 0.0
     prefill_busy: float = 0.0  # ρ, already capped
+    read_overhead_s: float = 0.0  # o: a read's time besides its rows
+    request_fit_s_per_token: float | None = None  # the requests' fit of c (reported only)
 
     @property
     def priced_s_per_token(self) -> float:
@@ -146,7 +158,10 @@ class Estimates:
         return {"wait_ms": self.wait_s * 1e3, "compute_us_per_token":
                 self.compute_s_per_token * 1e6, "bandwidth_bytes_per_s": self.bandwidth,
                 "queued_bytes": self.queued_bytes, "overhead_ms": self.overhead_s * 1e3,
-                "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy}
+                "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy,
+                "read_overhead_ms": self.read_overhead_s * 1e3,
+                "request_fit_us_per_token": None if self.request_fit_s_per_token is None
+                else self.request_fit_s_per_token * 1e6}
 
 
 @dataclass(frozen=True)
@@ -181,7 +196,7 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
     w, c, d = est.wait_s, est.priced_s_per_token, est.overhead_s
 
     def read_s(tokens: int) -> float:
-        return (est.queued_bytes + tokens * row_bytes) / est.bandwidth \
+        return est.read_overhead_s + (est.queued_bytes + tokens * row_bytes) / est.bandwidth \
             if est.bandwidth > 0 else math.inf
 
     if pinned is not None:
@@ -201,7 +216,8 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
 
 
 class LoadEstimator:
-    """``W``, ``c``, ``B``, ``Q`` and ``D`` from what the engine reports (module doc).
+    """``W``, ``c``, ``ρ``, ``B``, ``Q``, ``o`` and ``D`` from what the engine reports
+    (module doc).
 
     vLLM's per-request stats (:meth:`engine_stats`) and whether each request waited for a
     read (:meth:`request_read`, from the connector's answer) arrive separately; a request
@@ -220,6 +236,9 @@ class LoadEstimator:
         self._queued: dict[int, float] = {}
         self._step: dict[int, float] = {}
         self._busy: dict[int, tuple[float, float, float]] = {}  # rank -> share, tokens/s, when
+        self._token_s: dict[int, float] = {}  # rank -> a prompt token's seconds in a step
+        self._timed: dict[int, tuple[int, float]] = {}  # rank -> reads timed, overhead s
+        self._read_overhead: dict[int, float] = {}  # rank -> moving average per read
         self.storage_at: float | None = None  # when the workers last reported
 
     # ------------------------------------------------------------------ requests
@@ -290,9 +309,10 @@ class LoadEstimator:
 
     def storage(self, reports: list[dict], now: float | None = None) -> None:
         """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
-        storage_stats`, one per rank: cumulative ``bytes`` and ``busy_s``,
-        ``queued_bytes``, ``step_s``, ``prefill_busy``, ``prefill_tokens_per_s`` and their
-        age ``prefill_busy_age_s``."""
+        storage_stats`, one per rank: cumulative ``bytes``, ``busy_s``, ``reads_timed``
+        and ``overhead_s``, ``queued_bytes``, ``step_s``, ``prefill_busy``,
+        ``prefill_tokens_per_s`` and their age ``prefill_busy_age_s``, and
+        ``prefill_token_s`` (0: not known yet)."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -305,6 +325,17 @@ class LoadEstimator:
                 old = self._bandwidth.get(rank)
                 self._bandwidth[rank] = sample if old is None else (1 - a) * old + a * sample
             self._queued[rank] = float(r["queued_bytes"])
+            if r.get("reads_timed") is not None:
+                timed, spent = int(r["reads_timed"]), float(r.get("overhead_s") or 0.0)
+                before = self._timed.get(rank)
+                self._timed[rank] = (timed, spent)
+                if before is not None and timed > before[0]:
+                    sample = max(0.0, spent - before[1]) / (timed - before[0])
+                    old = self._read_overhead.get(rank)
+                    self._read_overhead[rank] = sample if old is None else \
+                        (1 - a) * old + a * sample
+            if r.get("prefill_token_s"):
+                self._token_s[rank] = max(0.0, float(r["prefill_token_s"]))
             if r.get("step_s") is not None:
                 self._step[rank] = float(r["step_s"])
             if r.get("prefill_busy") is not None:
@@ -324,11 +355,13 @@ class LoadEstimator:
         if self.storage_at is not None:  # drained at the bandwidth since reported
             queued = max(0.0, queued - bandwidth * (now - self.storage_at))
         step = max(self._step.values(), default=cfg.step_prior_s)
-        c, fixed = self._fit(now)
+        fit, fixed = self._fit(now)
+        c = max(self._token_s.values(), default=0.0) or fit  # the steps' fit once it has one
         busy = max((max(b, rate * c) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
                     for b, rate, at in self._busy.values()), default=0.0)
         return Estimates(self._wait_now(now), c, bandwidth, queued,
-                         cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap))
+                         cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
+                         max(self._read_overhead.values(), default=0.0), fit)
 
 
 def _bound(pending: OrderedDict, most: int = 4096) -> None:

@@ -60,6 +60,7 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_facts_total{rank,tier}           injected facts by source tier (gpu|host|storage)
     storage_read_bytes_total{rank}, fetch_seconds{rank}, fetch_failures_total{rank}
                                             reads of facts from storage for requests
+    fetch_phase_seconds_total{rank,phase}   their time by phase: index, stage, rows, place
     prefetches_total{rank,outcome}          reads started ahead of their requests: started,
                                             adopted, dropped, resident (not started)
     cold_requests_total                     kv requests whose user was in neither tier
@@ -70,7 +71,7 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     cold_split_estimate{quantity}           its other estimates: wait_seconds (W),
                                             compute_seconds_per_token (c), overhead_seconds
                                             (D), queued_bytes (Q), fixed_seconds,
-                                            prefill_busy (ρ)
+                                            prefill_busy (ρ), read_overhead_seconds (o)
 
 """
 
@@ -170,6 +171,10 @@ class WorkerCollector:
         yield family(CounterMetricFamily, "storage_read_bytes", "Bytes of facts read from "
                      "storage for requests (users in neither tier)",
                      lambda s: [([], s["fetch"]["bytes"])] if "fetch" in s else [])
+        yield family(CounterMetricFamily, "fetch_phase_seconds", "Time of the successful "
+                     "reads of facts from storage by phase (index, stage, rows, place)",
+                     lambda s: [([k], v) for k, v in s.get("fetch", {}).get(
+                         "phase_seconds", {}).items()], ("rank", "phase"))
         yield family(CounterMetricFamily, "fetch_failures", "Reads of facts from storage that "
                      "failed or timed out (the request was recomputed)",
                      lambda s: [([], s["fetch"]["failures"])] if "fetch" in s else [])
@@ -248,7 +253,8 @@ class EstimateCollector:
         for name, v in (("wait_seconds", est.wait_s),
                         ("compute_seconds_per_token", est.compute_s_per_token),
                         ("overhead_seconds", est.overhead_s), ("queued_bytes", est.queued_bytes),
-                        ("fixed_seconds", est.fixed_s), ("prefill_busy", est.prefill_busy)):
+                        ("fixed_seconds", est.fixed_s), ("prefill_busy", est.prefill_busy),
+                        ("read_overhead_seconds", est.read_overhead_s)):
             fam.add_metric([name], v)
         yield fam
 

@@ -46,6 +46,9 @@ from inferscale.vllm_plugin.metadata import FetchSpec
 
 FETCH_BUCKETS_S = geometric(0.001, 30.0, 1.5)
 PREFETCH_OUTCOMES = ("started", "adopted", "dropped", "resident")
+# a read's phases: the version's chunk index (cached after a user's first read), host
+# staging memory, the rows from storage, their check and copy into device staging
+PHASES = ("index", "stage", "rows", "place")
 
 Key = tuple[str, str, tuple[str, ...]]  # user, version, chunks
 
@@ -89,6 +92,10 @@ class StorageReads:
         # the reader's busy time (at least one read of rows in progress), for bandwidth
         self._busy = threading.Lock()
         self._active, self._busy_since, self.busy_s, self.busy_bytes = 0, 0.0, 0.0, 0
+        # seconds of the successful reads by phase (PHASES), and how many: where a read's
+        # time goes besides the rows, and the fixed part the split adds to bytes / B
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self.timed_reads = 0
 
     # ------------------------------------------------------------------ starting reads
 
@@ -146,15 +153,19 @@ class StorageReads:
     def stats(self) -> dict:
         """Cumulative bytes of rows read and seconds the reader was busy (the server's
         bandwidth estimate takes their deltas), bytes not read yet of the reads started
-        or waiting, and the prefetches by outcome."""
+        or waiting, the prefetches by outcome, and the successful reads timed with their
+        seconds outside the rows (``overhead_s``: index, staging, check and placing)."""
         now = time.monotonic()
         with self._busy:
             busy = self.busy_s + (now - self._busy_since if self._active else 0.0)
             nbytes = self.busy_bytes
+            overhead = sum(v for k, v in self.phase_s.items() if k != "rows")
+            timed = self.timed_reads
         reads = [*self._running.values(), *(r for v in self._prefetched.values() for r in v)]
         return {"bytes": nbytes, "busy_s": busy,
                 "queued_bytes": sum(r.nbytes for r in reads if not r.future.done()),
-                "prefetch": dict(self.prefetches)}
+                "prefetch": dict(self.prefetches), "reads_timed": timed,
+                "overhead_s": overhead}
 
     # ------------------------------------------------------------------ handing over
 
@@ -225,6 +236,7 @@ class StorageReads:
                deadline: float) -> Fetched:
         if self.reader is None:
             raise RuntimeError("the connector has no artifact_root to read facts from")
+        t0 = time.perf_counter()
         index = self.reader.index(user, version)
         chunks = list(chunks)
         self._row_bytes = index.row_bytes
@@ -234,10 +246,14 @@ class StorageReads:
             n = index.rows[c][1]
             offsets[c] = (at, n)
             at += n
-        host = self.store.staging(nbytes, max(0.0, deadline - time.monotonic()), "host")
+        t1 = time.perf_counter()
+        host = self.store.staging(self.reader.buffer_bytes(index, chunks),
+                                  max(0.0, deadline - time.monotonic()), "host")
         try:
+            t2 = time.perf_counter()
             with self._reading(nbytes):
                 rows = self.reader.read(index, chunks, host.data)  # [T, 2, L, H, D], stored
+            t3 = time.perf_counter()
             # the read's rows as a transient resident: fp8 scales by chunk, in read order
             resident = Resident(user, version, self.fingerprint, rows, offsets,
                                 {c: index.token_ids[c] for c in chunks}, tier="storage",
@@ -257,6 +273,11 @@ class StorageReads:
             self.store.release(host)
         resident.scales = self.store.kept_scales(resident)
         resident.slab, resident.region = slab, dev
+        with self._busy:
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2,
+                                               time.perf_counter() - t3)):
+                self.phase_s[phase] += seconds
+            self.timed_reads += 1
         return Fetched(None, resident, nbytes=nbytes)
 
     @contextmanager

@@ -120,5 +120,6 @@ class InferScaleWorkerExtension:
                 "facts_by_tier": dict(worker.facts_by_tier),
                 "fetch": {**worker.fetches.latency.snapshot(), "reads": worker.fetches.reads,
                           "failures": worker.fetches.failures,
-                          "bytes": worker.fetches.bytes_read},
+                          "bytes": worker.fetches.bytes_read,
+                          "phase_seconds": dict(worker.fetches.phase_s)},
                 "prefetch": dict(worker.fetches.prefetches)}

@@ -496,3 +496,48 @@ def test_congested_prefill_is_measured_on_the_engine(engine_env):
     est = LoadEstimator()
     est.storage([stats])
     assert est.estimates().prefill_busy > 0.0
+
+
+@given(lengths_st, row_st, estimates(), st.floats(0.0, 0.5))
+def test_a_costlier_read_never_loads_more(lengths, row, e, extra):
+    """A read's time besides its rows (``o``) only adds to the read side."""
+    more = dataclasses.replace(e, read_overhead_s=e.read_overhead_s + extra)
+    assert split(lengths, row, more).chunks <= split(lengths, row, e).chunks
+
+
+def test_the_steps_price_a_token_and_the_reads_their_overhead():
+    """The workers' step fit (``prefill_token_s``) is ``c`` once reported, the requests'
+    own fit kept beside it; ``o`` is the moving average of the reads' seconds outside
+    their rows, per read timed, from the slowest rank."""
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0, compute_prior_s=2e-5))
+    base = {"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.007,
+            "reads_timed": 0, "overhead_s": 0.0}
+    est.storage([{**base, "tp_rank": 0}, {**base, "tp_rank": 1}], now=0.0)
+    e = est.estimates(now=0.0)
+    assert (e.compute_s_per_token, e.read_overhead_s) == (2e-5, 0.0)  # priors
+    est.storage([{**base, "tp_rank": 0, "prefill_token_s": 3.3e-5, "reads_timed": 4,
+                  "overhead_s": 0.08},
+                 {**base, "tp_rank": 1, "prefill_token_s": 3.1e-5, "reads_timed": 2,
+                  "overhead_s": 0.06}], now=1.0)
+    e = est.estimates(now=1.0)
+    assert e.compute_s_per_token == 3.3e-5 and e.request_fit_s_per_token == 2e-5
+    assert e.read_overhead_s == pytest.approx(0.03)  # rank 1: 60 ms over 2 reads
+    assert e.info()["read_overhead_ms"] == pytest.approx(30.0)
+    assert e.info()["request_fit_us_per_token"] == pytest.approx(20.0)
+
+
+def test_the_fourth_h100_run_numbers():
+    """Issue 30's fourth H100 run, 200 users (``load-h100-llama31-8b-run4-u200.json``): the
+    steps cost ~33 us a prompt token; the engine scheduled ~3,000 / 11,700 / 20,400 prompt
+    tokens a second at 7 / 21 / 35 rps; fp8 rows of 64 KiB read at 1.84 GB/s; ~2,300
+    memory tokens a cold request; D ~10 ms. Priced with the steps' c, a cold request at
+    7 rps prefills (its read, ~80 ms of rows, would be the slower) and at 35 rps, where
+    prefill takes two thirds of the time, it loads; the requests' own fit (~18 us), which
+    the split used in that run, prefilled at 35 rps too and saturated the engine."""
+    lengths = [100] + [45] * 49
+    at = dict(wait_s=0.0, bandwidth=1.84e9, queued_bytes=0.0, overhead_s=0.010,
+              read_overhead_s=0.010)
+    for rate, tokens_per_s, c, loads in ((7, 3_000, 33e-6, False), (35, 20_400, 33e-6, True),
+                                         (35, 20_400, 18e-6, False)):
+        e = Estimates(compute_s_per_token=c, prefill_busy=min(0.9, tokens_per_s * c), **at)
+        assert (split(lengths, 65_536, e).chunks > 0) == loads, (rate, c)

@@ -106,6 +106,34 @@ def test_token_rate_counts_prompt_tokens_scheduled_not_decodes_or_past_the_promp
     assert c.token_rate == pytest.approx(2000 / 0.5 * (1 - math.exp(-0.5)) * math.exp(-10))
 
 
+def test_token_cost_is_the_slope_of_step_times_over_their_prompt_tokens():
+    """Busy steps of 6.3 ms plus 33 us a prompt token (the H100's, issue 30's fourth
+    run), prompts of varied sizes between decode-only steps: ``token_s`` and ``base_s``
+    are the line's, once enough steps spread; until then, or while every step schedules
+    the same tokens (no slope to tell), ``token_s`` stays 0 (not known)."""
+    b = PrefillBacklog(tau_s=1.0, fit_tau_s=30.0, min_steps=32)
+    sizes = [0, 2400, 0, 300, 0, 0, 1200, 5000, 0, 150]
+    t, prev = 0.0, None
+    for i in range(200):
+        n = sizes[i % len(sizes)]
+        new = [request(f"r{i}", n)] if n else []
+        b.step(output(new=new, cached=[("d", 10)], scheduled={**({f"r{i}": n} if n else {}),
+                                                                "d": 1}), prev, now=t)
+        prev = 6.3e-3 + 33e-6 * n  # this step's time, reported with the next one
+        t += prev
+        if i < 31:
+            assert b.token_s == 0.0
+    assert b.token_s == pytest.approx(33e-6, rel=1e-6)
+    assert b.base_s == pytest.approx(6.3e-3, rel=1e-6)
+    flat = PrefillBacklog(min_steps=2)
+    t = 0.0
+    for i in range(50):
+        flat.step(output(new=[request(f"r{i}", 500)], scheduled={f"r{i}": 500}),
+                  0.02 if i else None, now=t)
+        t += 0.02
+    assert flat.token_s == 0.0
+
+
 @given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 9000),
                           st.floats(0.0, 1.0, allow_nan=False),
                           st.floats(1e-4, 2.0, allow_nan=False)), max_size=30))
@@ -125,3 +153,8 @@ def test_bad_settings_are_refused():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError):
             PrefillBacklog(tau_s=bad)
+        with pytest.raises(ValueError):
+            PrefillBacklog(fit_tau_s=bad)
+    for bad in ({"min_steps": 1}, {"min_spread": 0.0}):
+        with pytest.raises(ValueError):
+            PrefillBacklog(**bad)

@@ -17,7 +17,7 @@ from inferscale.artifacts.publish import publish
 from inferscale.hydrate.fact_reader import FactReader
 from inferscale.hydrate.slab import hydrate
 from inferscale.hydrate.store import ResidentStore
-from inferscale.vllm_plugin.storage_reads import StorageReads
+from inferscale.vllm_plugin.storage_reads import PHASES, StorageReads
 from inferscale.vllm_plugin.metadata import FetchSpec
 
 FP = "fp-test"
@@ -60,6 +60,11 @@ def test_a_read_gives_the_chunks_in_the_engine_dtype_and_layout(local_store):
     assert got.resident.slab.permute(1, 2, 0, 3, 4).is_contiguous()  # CPU: layer-major
     assert got.nbytes == sum(whole.chunk(c).numel() * 2 for c in chunks)
     assert fetches.reads == 1 and fetches.bytes_read == got.nbytes
+    stats = fetches.stats()  # the read's phases: the rows apart from the rest (o)
+    assert stats["reads_timed"] == 1 and set(fetches.phase_s) == set(PHASES)
+    assert all(s >= 0 for s in fetches.phase_s.values()) and fetches.phase_s["rows"] > 0
+    assert stats["overhead_s"] == pytest.approx(
+        sum(s for k, s in fetches.phase_s.items() if k != "rows"))
     store.release(got.resident.region)
     assert store._staging_used == {"host": 0, "gpu": 0}
 

@@ -145,8 +145,9 @@ def cold_decisions(ok: list[dict]) -> dict | None:
     """What the compute-or-load split saw when it decided the step's cold requests (the
     estimates each answer's ``cold.split`` carries, taken before the request ran, unlike
     the scrape's ``metrics.cold.estimates_at_end``): how many, their facts loaded and
-    computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait
-    and storage bandwidth; None when no answer reports a split."""
+    computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait,
+    compute per token (the one used, and the requests' own fit), storage bandwidth and
+    a read's overhead; None when no answer reports a split."""
     cold = [r["cold"] for r in ok if isinstance(r.get("cold"), dict)]
     splits = [c["split"] for c in cold if isinstance(c.get("split"), dict)]
     if not cold:
@@ -162,7 +163,9 @@ def cold_decisions(ok: list[dict]) -> dict | None:
             "requests_loading": sum(int(c.get("facts_loaded") or 0) > 0 for c in cold),
             "prefill_busy": stat("prefill_busy"), "wait_ms": stat("wait_ms"),
             "compute_us_per_token": stat("compute_us_per_token"),
-            "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s")}
+            "request_fit_us_per_token": stat("request_fit_us_per_token"),
+            "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s"),
+            "read_overhead_ms": stat("read_overhead_ms")}
 
 
 def machine() -> dict:
@@ -321,8 +324,13 @@ def progress(result: dict) -> list[str]:
         cold = r.get("cold_decisions")
         if cold:
             busy = cold.get("prefill_busy") or {}
+            c = (cold.get("compute_us_per_token") or {}).get("p50")
             step += (f" cold {cold['requests']}: facts loaded/computed {cold['facts_loaded']}/"
-                     f"{cold['facts_computed']}, rho p50/max {busy.get('p50')}/{busy.get('max')}")
+                     f"{cold['facts_computed']}, rho p50/max {busy.get('p50')}/{busy.get('max')}"
+                     f", c p50 {c} us")
+        phases = (r.get("metrics") or {}).get("fetch_phase_ms_per_read")
+        if phases:
+            step += " read ms " + "/".join(f"{k} {v}" for k, v in phases.items())
         by = r.get("latency_by_source") or {}
         slowest = max(by, key=lambda k: by[k].get("ttft_p99_ms") or 0.0, default=None)
         if slowest is not None:

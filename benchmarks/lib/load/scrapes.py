@@ -6,7 +6,9 @@ again once it drained; :func:`step_metrics` turns the two into what changed:
 
 - counters: reloads and failures, promotions declined, seconds reloads yielded to
   requests' reads, fallbacks by reason, preemptions, the connector's time
-  per side, injected facts by the tier they were read from, bytes read from storage;
+  per side, injected facts by the tier they were read from, bytes read from storage and
+  those reads' mean time per read by phase (``fetch_phase_ms_per_read``: the chunk index,
+  staging memory, the rows, checking and placing them);
 - the compute-or-load split (``cold``): requests of users in neither tier, their facts
   loaded and computed, bytes read, and the split's estimates at the step's end;
 - histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
@@ -175,6 +177,11 @@ def step_metrics(before: dict, after: dict) -> dict:
         if d["connector_seconds"] is not None and steps else None)
     d["memory_facts"] = by_label("inferscale_memory_facts_total", "tier")
     d["storage_read_bytes"] = moved("inferscale_storage_read_bytes_total")
+    phases = by_label("inferscale_fetch_phase_seconds_total", "phase")
+    reads = (d["histograms"]["storage_fetch"] or {}).get("count")
+    d["fetch_phase_ms_per_read"] = (
+        {phase: round(s / reads * 1e3, 3) for phase, s in phases.items()}
+        if phases is not None and reads else None)
     d["cold"] = cold_split(before, after, moved, by_label)
     return d
 

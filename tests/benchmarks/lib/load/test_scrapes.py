@@ -197,3 +197,37 @@ def test_each_step_reports_the_event_loop_lag():
               "inferscale_gc_pauses_total{{generation=\"1\"}} {}\n")
     moved = loop_lag(parse(stalls.format(1, 2, 0)), parse(stalls.format(3, 4, 1)))
     assert (moved["loop_stalls"], moved["gc_pauses"]) == (2, 3)
+
+
+def _fetch_families(reads: int, phases: dict[str, float]) -> str:
+    """The worker's fetch histogram and its phase counter, as the server renders them."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    class Families:
+        def collect(self):
+            hist = HistogramMetricFamily("inferscale_fetch_seconds", "reads", labels=["rank"])
+            hist.add_metric(["0"], [("0.1", reads), ("+Inf", reads)], sum_value=reads * 0.08)
+            yield hist
+            c = CounterMetricFamily("inferscale_fetch_phase_seconds", "phases",
+                                    labels=["rank", "phase"])
+            for phase, s in phases.items():
+                c.add_metric(["0", phase], s)
+            yield c
+
+    return _rendered(Families())
+
+
+def test_each_step_reports_a_reads_time_by_phase():
+    """The step's reads (the fetch histogram's count) and their phases' seconds: the mean
+    per read of each phase; None from a server without the counter or without reads."""
+    before = _fetch_families(10, {"index": 0.1, "stage": 0.0, "rows": 0.9, "place": 0.05})
+    after = _fetch_families(14, {"index": 0.14, "stage": 0.002, "rows": 1.3, "place": 0.07})
+    m = step_metrics(parse(before), parse(after))
+    assert m["fetch_phase_ms_per_read"] == {"index": pytest.approx(10.0),
+                                           "stage": pytest.approx(0.5),
+                                           "rows": pytest.approx(100.0),
+                                           "place": pytest.approx(5.0)}
+    assert step_metrics(parse(after), parse(after))["fetch_phase_ms_per_read"] is None
+    data = Path(__file__).parents[2] / "data"
+    plain = parse((data / "load-scrape-cpu-end.prom").read_text())
+    assert step_metrics(plain, plain)["fetch_phase_ms_per_read"] is None
