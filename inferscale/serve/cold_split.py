@@ -47,7 +47,7 @@ while nothing finishes, and 0 while vLLM's latest scheduler stats (at most
 ``queue_fresh_s`` old) say no request waits: a past burst's queue times outlive the queue
 in the average, and on an H100 reads chosen to hide in such a stale wait were the slowest
 answers of the step after a warm-up burst; ``c`` what a prompt token adds to a busy
-engine step (the scheduler's fit of step times against the prompt tokens they scheduled,
+engine step (the scheduler's fit of step times against the prompt tokens scheduled,
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the largest over ranks), and
 until that fit has spread enough steps the slope of a windowed least-squares fit of
 vLLM's ``prefill_time`` against the tokens each request computed (prompt less cached),

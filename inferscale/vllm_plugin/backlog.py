@@ -20,10 +20,13 @@ of recent wall time (the same ``tau_s``): times the seconds a computed token cos
 is the share of time spent prefilling, the utilization by the queue's own definition
 (λ x service time). The split takes the larger of the two.
 
-What a prompt token costs is measured here too (``token_s``): the slope of a least-squares
-fit of each busy step's wall time against the prompt tokens it scheduled (exponentially
-forgetting with ``fit_tau_s``), once the steps spread enough (``min_steps``, ``min_spread``
-tokens of standard deviation). A request's own prefill time fitted against its tokens
+What a prompt token costs is measured here too (``token_s``): a least-squares fit of the
+wall time between the scheduler's calls against the prompt tokens of the last two steps
+scheduled (exponentially forgetting with ``fit_tau_s``), once the steps spread enough
+(``min_steps``, ``min_spread`` tokens of standard deviation), the two slopes summed.
+Two, because under vLLM's asynchronous scheduling (on by default on CUDA) a step is
+scheduled while the one before it runs, so the time between two calls is the earlier
+step's; without it (the CPU) it is the later one's; the other slope fits ~0. A request's own prefill time fitted against its tokens
 (what the split used alone before) reads about half of it under load, since a request's
 prefill time is its step's, shared with the others in it: on an H100 at 7-35 requests/s
 the steps gave ~6.3 ms plus ~33 us a prompt token, the requests' fit ~18 us
@@ -48,8 +51,11 @@ class PrefillBacklog:
             raise ValueError("need tau_s > 0, fit_tau_s > 0, min_steps >= 2, min_spread > 0")
         self.tau_s, self.fit_tau_s = tau_s, fit_tau_s
         self.min_steps, self.min_spread = min_steps, min_spread
-        self._sums = [0.0] * 5  # decayed weight, x, y, x^2, xy of (prompt tokens, step s)
+        # decayed sums of 1, x1, x2, y, x1^2, x2^2, x1 x2, x1 y, x2 y: x1, x2 the prompt
+        # tokens of the last two steps scheduled, y the seconds since the last call
+        self._sums = [0.0] * 9
         self._count = 0  # steps fitted
+        self._before: int | None = None  # prompt tokens of the step before the last
         self.token_s = 0.0  # seconds a prompt token adds to a busy step; 0: not known yet
         self.base_s = 0.0  # a busy step's seconds without prompt tokens (the intercept)
         self._prompt: dict[str, int] = {}  # request id -> prompt tokens
@@ -76,8 +82,9 @@ class PrefillBacklog:
             decay = math.exp(-dt / self.tau_s)
             self.busy = self.busy * decay + (congested / dt) * (1 - decay)
             self.token_rate = self.token_rate * decay + (self._scheduled / dt) * (1 - decay)
-            if previous_s is not None:
-                self._fit_step(self._scheduled, previous_s, dt)
+            if previous_s is not None and self._before is not None:
+                self._fit_step(self._scheduled, self._before, previous_s, dt)
+        self._before = self._scheduled if previous_s is not None else None  # a busy chain
         self._at = now
         self._scheduled = 0
         counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
@@ -103,20 +110,26 @@ class PrefillBacklog:
             self.finished(req_id)
         self._behind = bool(self._left)
 
-    def _fit_step(self, tokens: int, seconds: float, dt: float) -> None:
-        """One busy step of ``tokens`` prompt tokens that took ``seconds``, ``dt`` after
-        the last: the fit's sums forget with ``fit_tau_s``; ``token_s`` and ``base_s``
-        follow once the steps are many and spread enough to tell the slope."""
+    def _fit_step(self, last: int, before: int, seconds: float, dt: float) -> None:
+        """``seconds`` between the last two calls, ``dt`` after the one before, with
+        ``last`` and ``before`` prompt tokens in the last two steps scheduled: the sums
+        forget with ``fit_tau_s``; ``token_s`` (the slopes summed) and ``base_s`` follow
+        once the steps are many and spread enough, and not in lockstep, to tell them."""
         keep = math.exp(-dt / self.fit_tau_s)
-        x, y = float(tokens), float(seconds)
-        self._sums = [v * keep + add for v, add in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        a, b, y = float(last), float(before), float(seconds)
+        self._sums = [v * keep + add for v, add in zip(
+            self._sums, (1.0, a, b, y, a * a, b * b, a * b, a * y, b * y))]
         self._count += 1
-        w, sx, sy, sxx, sxy = self._sums
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if self._count >= self.min_steps and var >= self.min_spread ** 2:
-            self.token_s = max(0.0, (sxy / w - mx * my) / var)
-            self.base_s = max(0.0, my - self.token_s * mx)
+        w, sa, sb, sy, saa, sbb, sab, say, sby = (v / self._sums[0] for v in self._sums)
+        vaa, vbb, vab = saa - sa * sa, sbb - sb * sb, sab - sa * sb
+        cay, cby = say - sa * sy, sby - sb * sy
+        det = vaa * vbb - vab * vab
+        spread = self.min_spread ** 2
+        if self._count >= self.min_steps and vaa >= spread and vbb >= spread \
+                and det >= 0.25 * vaa * vbb:
+            ka, kb = (cay * vbb - cby * vab) / det, (cby * vaa - cay * vab) / det
+            self.token_s = max(0.0, ka + kb)
+            self.base_s = max(0.0, sy - ka * sa - kb * sb)
 
     def finished(self, req_id: str) -> None:
         self._prompt.pop(req_id, None)

@@ -106,22 +106,29 @@ def test_token_rate_counts_prompt_tokens_scheduled_not_decodes_or_past_the_promp
     assert c.token_rate == pytest.approx(2000 / 0.5 * (1 - math.exp(-0.5)) * math.exp(-10))
 
 
-def test_token_cost_is_the_slope_of_step_times_over_their_prompt_tokens():
+@pytest.mark.parametrize("lag", [0, 1])
+def test_token_cost_is_the_slope_of_step_times_over_their_prompt_tokens(lag):
     """Busy steps of 6.3 ms plus 33 us a prompt token (the H100's, issue 30's fourth
-    run), prompts of varied sizes between decode-only steps: ``token_s`` and ``base_s``
-    are the line's, once enough steps spread; until then, or while every step schedules
-    the same tokens (no slope to tell), ``token_s`` stays 0 (not known)."""
+    run), prompts of varied sizes between decode-only steps, timed between the
+    scheduler's calls: the step just scheduled (``lag`` 0, synchronous scheduling) or the
+    one before it (``lag`` 1: vLLM's asynchronous scheduling schedules a step while the
+    one before runs). ``token_s`` and ``base_s`` are the line's either way, once enough
+    steps spread; until then, or while every step schedules the same tokens (no slope to
+    tell), ``token_s`` stays 0 (not known)."""
     b = PrefillBacklog(tau_s=1.0, fit_tau_s=30.0, min_steps=32)
-    sizes = [0, 2400, 0, 300, 0, 0, 1200, 5000, 0, 150]
+    sizes = [0, 2400, 0, 300, 0, 0, 1200, 5000, 0, 150, 700, 0, 2400]
+    scheduled: list[int] = []
     t, prev = 0.0, None
     for i in range(200):
         n = sizes[i % len(sizes)]
         new = [request(f"r{i}", n)] if n else []
         b.step(output(new=new, cached=[("d", 10)], scheduled={**({f"r{i}": n} if n else {}),
                                                                 "d": 1}), prev, now=t)
-        prev = 6.3e-3 + 33e-6 * n  # this step's time, reported with the next one
+        scheduled.append(n)
+        timed = scheduled[-1 - lag] if len(scheduled) > lag else 0
+        prev = 6.3e-3 + 33e-6 * timed  # the interval until the next call
         t += prev
-        if i < 31:
+        if i < 32:
             assert b.token_s == 0.0
     assert b.token_s == pytest.approx(33e-6, rel=1e-6)
     assert b.base_s == pytest.approx(6.3e-3, rel=1e-6)
@@ -139,14 +146,15 @@ def test_token_cost_is_the_slope_of_step_times_over_their_prompt_tokens():
                           st.floats(1e-4, 2.0, allow_nan=False)), max_size=30))
 def test_busy_stays_a_share_whatever_the_steps(steps):
     """Hostile schedules (more scheduled than the prompt, zero-length steps, idle gaps):
-    ``busy`` stays in [0, 1] and tokens left are never negative."""
-    b = PrefillBacklog(tau_s=0.5)
+    ``busy`` stays in [0, 1], tokens left are never negative, the token cost finite."""
+    b = PrefillBacklog(tau_s=0.5, min_steps=2, min_spread=1.0)
     t = 0.0
     for i, (prompt, n, dur, gap) in enumerate(steps):
         t += gap
         b.step(output(new=[request(f"r{i}", prompt)], scheduled={f"r{i}": n}),
                dur if i else None, now=t)
         assert 0.0 <= b.busy <= 1.0 and b.tokens >= 0 and b.token_rate >= 0.0
+        assert 0.0 <= b.token_s < math.inf and 0.0 <= b.base_s < math.inf
 
 
 def test_bad_settings_are_refused():
