@@ -167,8 +167,9 @@ class FactReader:
         With :meth:`buffer_bytes` of room and rows a multiple of :data:`ALIGN` bytes (an
         8B model's 64 or 128 KiB), the view starts where every chunk's destination
         agrees with its file offset modulo :data:`ALIGN`, so ``O_DIRECT`` reads the rows
-        straight into it instead of through a bounce buffer and a copy (1.15 -> 1.65
-        GB/s for 50 facts of an fp8 8B user on this repo's CPU machine).
+        straight into it instead of through a bounce buffer and a copy (50 fp8 facts of
+        an 8B user on this repo's CPU machine: 1.56 -> 1.65 GB/s p50, the raw reads 1.84;
+        ``benchmarks/results/fact-reads-cpu.json``).
         :class:`ChecksumError` when a chunk's bytes differ from its digest. A read that
         fails (the file gone, a short read, a checksum) drops ``index`` from the cache:
         the version may have been written again (a repair publish, a rollback racing
@@ -227,7 +228,8 @@ def _index_columns(batch: pa.RecordBatch, layout: kv_schema.KVLayout, path: str
     float32 tensor ``[C, 2, L, H]`` (None: unscaled). Read from the Arrow buffers: a
     first read of a user's index happens on every cold request of a user not read before,
     inside the engine's process, where converting each value to a Python object (and each
-    chunk's scales to a tensor of its own) held the GIL for ~40 ms a 400-fact user."""
+    chunk's scales to a tensor of its own) held the GIL for 31 ms a 400-fact user (now 8;
+    ``benchmarks/results/fact-reads-before-cpu.json``, ``fact-reads-cpu.json``)."""
     names = kv_schema.index_columns(layout)
     if any(batch.column(c).null_count for c in names):
         raise CorruptArtifact(f"{path}: null values in the chunk index")
