@@ -26,9 +26,10 @@ scheduled (exponentially forgetting with ``fit_tau_s``), once the steps spread e
 (``min_steps``, ``min_spread`` tokens of standard deviation), the two slopes summed.
 Two, because under vLLM's asynchronous scheduling (on by default on CUDA) a step is
 scheduled while the one before it runs, so the time between two calls is the earlier
-step's; without it (the CPU) it is the later one's; the other slope fits ~0. A request's own prefill time fitted against its tokens
-(what the split used alone before) reads about half of it under load, since a request's
-prefill time is its step's, shared with the others in it: on an H100 at 7-35 requests/s
+step's; without it (the CPU) it is the later one's; the other slope fits ~0. A request's
+own prefill time fitted against its tokens (what the split used alone before) reads about
+half of it under load, since a request's prefill time is its step's, shared with the
+others in it: on an H100 at 7-35 requests/s
 the steps gave ~6.3 ms plus ~33 us a prompt token, the requests' fit ~18 us
 (``benchmarks/results/load-h100-llama31-8b-run4-u200.json``, its scrapes), and the
 utilization ``token_rate x c`` read 0.3 where prefill took two thirds of the time.
@@ -120,7 +121,7 @@ class PrefillBacklog:
         self._sums = [v * keep + add for v, add in zip(
             self._sums, (1.0, a, b, y, a * a, b * b, a * b, a * y, b * y))]
         self._count += 1
-        w, sa, sb, sy, saa, sbb, sab, say, sby = (v / self._sums[0] for v in self._sums)
+        _, sa, sb, sy, saa, sbb, sab, say, sby = (v / self._sums[0] for v in self._sums)
         vaa, vbb, vab = saa - sa * sa, sbb - sb * sb, sab - sa * sb
         cay, cby = say - sa * sy, sby - sb * sy
         det = vaa * vbb - vab * vab
