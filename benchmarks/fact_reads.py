@@ -46,9 +46,9 @@ from inferscale.settings import offline_environment
 offline_environment()
 
 from benchmarks.lib.results import command_line, cpu_device, write_result  # noqa: E402
+from inferscale.artifacts.direct_io import ALIGN  # noqa: E402
 
 FP = "fact-reads-shape"  # the model fingerprint the user is published under
-ALIGN = 4096
 
 
 def build(args) -> tuple[object, str, str]:

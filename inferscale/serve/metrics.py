@@ -171,8 +171,8 @@ class WorkerCollector:
         yield family(CounterMetricFamily, "storage_read_bytes", "Bytes of facts read from "
                      "storage for requests (users in neither tier)",
                      lambda s: [([], s["fetch"]["bytes"])] if "fetch" in s else [])
-        yield family(CounterMetricFamily, "fetch_phase_seconds", "Time of the successful "
-                     "reads of facts from storage by phase (index, stage, rows, place)",
+        yield family(CounterMetricFamily, "fetch_phase_seconds", "Time of the reads of facts "
+                     "handed over (fetch_seconds' reads) by phase: index, stage, rows, place",
                      lambda s: [([k], v) for k, v in s.get("fetch", {}).get(
                          "phase_seconds", {}).items()], ("rank", "phase"))
         yield family(CounterMetricFamily, "fetch_failures", "Reads of facts from storage that "

@@ -62,6 +62,7 @@ class Fetched:
     resident: Resident | None = None
     error: str | None = None
     nbytes: int = 0  # read from storage
+    phases: tuple[float, ...] = ()  # seconds by PHASES
 
 
 @dataclass
@@ -92,8 +93,9 @@ class StorageReads:
         # the reader's busy time (at least one read of rows in progress), for bandwidth
         self._busy = threading.Lock()
         self._active, self._busy_since, self.busy_s, self.busy_bytes = 0, 0.0, 0.0, 0
-        # seconds of the successful reads by phase (PHASES), and how many: where a read's
-        # time goes besides the rows, and the fixed part the split adds to bytes / B
+        # seconds of the reads handed over by phase (PHASES), and how many (those the
+        # latency histogram counts): where a read's time goes besides the rows, and the
+        # fixed part the split adds to bytes / B
         self.phase_s = dict.fromkeys(PHASES, 0.0)
         self.timed_reads = 0
 
@@ -153,7 +155,7 @@ class StorageReads:
     def stats(self) -> dict:
         """Cumulative bytes of rows read and seconds the reader was busy (the server's
         bandwidth estimate takes their deltas), bytes not read yet of the reads started
-        or waiting, the prefetches by outcome, and the successful reads timed with their
+        or waiting, the prefetches by outcome, and the reads handed over with their
         seconds outside the rows (``overhead_s``: index, staging, check and placing)."""
         now = time.monotonic()
         with self._busy:
@@ -199,6 +201,10 @@ class StorageReads:
                 self.reads += 1
                 self.bytes_read += got.nbytes
                 self.latency.observe(now - read.started)
+                with self._busy:
+                    for phase, seconds in zip(PHASES, got.phases):
+                        self.phase_s[phase] += seconds
+                    self.timed_reads += 1
             elif got.error != "cancelled":
                 self.failures += 1
             out.append(got)
@@ -273,12 +279,8 @@ class StorageReads:
             self.store.release(host)
         resident.scales = self.store.kept_scales(resident)
         resident.slab, resident.region = slab, dev
-        with self._busy:
-            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2,
-                                               time.perf_counter() - t3)):
-                self.phase_s[phase] += seconds
-            self.timed_reads += 1
-        return Fetched(None, resident, nbytes=nbytes)
+        return Fetched(None, resident, nbytes=nbytes,
+                       phases=(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
 
     @contextmanager
     def _reading(self, nbytes: int) -> Iterator[None]:

@@ -287,3 +287,30 @@ def test_a_kv_file_that_disagrees_with_its_manifest_is_refused(published):
         **m.__dict__, "kv": {**m.kv, "kv_heads": 4, "head_dim": 4}}).to_json())
     with pytest.raises(CorruptArtifact, match="disagrees with the manifest"):
         FactReader(store, FP).index("dana", r.version)
+
+
+def test_the_index_columns_from_arrow_buffers_refuse_nulls_and_honour_slices():
+    """The index read from the Arrow buffers: token ids of a sliced list column (its
+    offsets do not start at 0) come out per chunk, the scales one tensor per chunk in
+    order; a null anywhere in the index is a damaged file, not a crash."""
+    from inferscale.hydrate.fact_reader import _index_columns
+    from storage_schemas import kv as kv_schema
+
+    lay = kv_schema.KVLayout(dtype="float8_e4m3fn", layers=2, kv_heads=1, head_dim=4,
+                             tokens=5, model_fingerprint=FP)
+    tokens = pa.array([[9, 9], [1, 2], [3, 4, 5]], pa.list_(pa.int32())).slice(1)
+    scales = pa.array([[0.5, 1.0, 1.5, 2.0], [2.5, 3.0, 3.5, 4.0]], pa.list_(pa.float32(), 4))
+
+    def batch(digest):
+        return pa.RecordBatch.from_pydict({
+            "chunk_id": ["prefix", "f1"], "offset": pa.array([0, 2], pa.int64()),
+            "length": pa.array([2, 3], pa.int32()), "token_ids": tokens,
+            "digest": pa.array(digest, pa.uint64()), "scales": scales})
+
+    ids, offsets, lengths, toks, digests, sc = _index_columns(batch([7, 2**64 - 1]), lay, "p")
+    assert (ids, offsets, lengths, toks, digests) == (
+        ["prefix", "f1"], [0, 2], [2, 3], [[1, 2], [3, 4, 5]], [7, 2**64 - 1])
+    assert sc.shape == (2, 2, 2, 1) and sc.dtype == torch.float32
+    assert sc[1].flatten().tolist() == [2.5, 3.0, 3.5, 4.0]
+    with pytest.raises(CorruptArtifact, match="null"):
+        _index_columns(batch([7, None]), lay, "p")

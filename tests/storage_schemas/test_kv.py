@@ -202,3 +202,40 @@ def test_the_scales_the_audit_found():
     with pytest.raises(kv.KVFormatError, match="float16"):
         kv.check_scales(pa.array([147.0], pa.float32()), 65504.0, "float16")
     kv.check_scales(pa.array([100.0], pa.float32()), 65504.0, "float16")
+
+
+def _struct_digest(ids, offsets, lengths, tokens, digests, scales=None) -> str:
+    """The digest's definition in its first form (``struct`` over Python values): what
+    manifests written before the numpy form hold."""
+    import struct
+
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for i, cid in enumerate(ids):
+        h.update(cid.encode() + b"\0")
+        h.update(struct.pack("<qqQq", offsets[i], lengths[i], digests[i], len(tokens[i])))
+        h.update(struct.pack(f"<{len(tokens[i])}i", *tokens[i]))
+        if scales is not None:
+            h.update(struct.pack(f"<{len(scales[i])}f", *scales[i]))
+    return h.hexdigest()
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(-2**31, 2**31 - 1), max_size=6),
+                          st.integers(0, 2**64 - 1),
+                          st.lists(st.floats(2.0 ** -100, 2.0 ** 100, width=32), min_size=2, max_size=2)),
+                min_size=1, max_size=5), st.booleans())
+def test_index_digest_is_the_same_from_lists_and_arrays(rows, scaled):
+    """A reader hashes the index from numpy arrays, the writer from lists: both give the
+    digest's first (struct) form, so manifests written before still verify."""
+    ids = [f"c{i}" for i in range(len(rows))]
+    tokens = [r[0] for r in rows]
+    lengths = [len(t) for t in tokens]
+    offsets = [sum(lengths[:i]) for i in range(len(rows))]
+    digests = [r[1] for r in rows]
+    scales = [r[2] for r in rows] if scaled else None
+    want = _struct_digest(ids, offsets, lengths, tokens, digests, scales)
+    assert kv.index_digest(ids, offsets, lengths, tokens, digests, scales) == want
+    arrays = kv.index_digest(ids, offsets, lengths, [np.asarray(t, np.int32) for t in tokens],
+                             digests, np.asarray(scales, np.float32) if scaled else None)
+    assert arrays == want

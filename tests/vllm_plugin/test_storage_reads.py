@@ -139,6 +139,9 @@ def test_a_cancelled_read_returns_its_memory(local_store):
     (got,) = wait_done(fetches)
     assert got.error == "cancelled" and got.resident is None and fetches.failures == 0
     assert store._staging_used == {"host": 0, "gpu": 0}
+    # timed like the latency histogram: only the reads handed over count
+    assert fetches.latency.snapshot()["sum"] == 0 and fetches.timed_reads == 0
+    assert fetches.stats()["overhead_s"] == 0.0
 
 
 def test_a_read_larger_than_the_staging_reserve_fails(local_store):
