@@ -58,10 +58,12 @@ where the steps said ~33 (``benchmarks/results/load-h100-llama31-8b-run4-u200.js
 and the split prefilled a saturated engine's cold requests; ``ρ`` the larger of
 the share of recent time in which the running requests had prompt tokens left after a
 step, so that a request arriving would wait for the token budget, and the share of time
-prefill takes: the prompt tokens scheduled per second times ``c`` (the scheduler's
+prefill takes: the prompt tokens scheduled per second times ``c``, plus the bases of the
+steps that scheduled them (the scheduler's
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the busiest rank, decaying with
 ``busy_tau_s`` since it was reported; under an 8,192-token budget steps rarely leave
-tokens over, so the first alone read ~0 on an H100 prefilling ~0.4 of the time); ``B`` a
+tokens over, so the first alone read ~0 on an H100 prefilling ~0.4 of the time, and
+without the bases the second read ~0.5 where the engine was saturated); ``B`` a
 moving average of the workers' bytes read per second of reader busy time (the slowest
 rank); ``o`` a moving average of the workers' seconds per read outside the rows (the
 slowest rank: a user's first read includes its chunk index); ``Q`` the workers' bytes
@@ -311,8 +313,8 @@ class LoadEstimator:
         """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
         storage_stats`, one per rank: cumulative ``bytes``, ``busy_s``, ``reads_timed``
         and ``overhead_s``, ``queued_bytes``, ``step_s``, ``prefill_busy``,
-        ``prefill_tokens_per_s`` and their age ``prefill_busy_age_s``, and
-        ``prefill_token_s`` (0: not known yet)."""
+        ``prefill_tokens_per_s``, ``prefill_base_share`` and their age
+        ``prefill_busy_age_s``, and ``prefill_token_s`` (0: not known yet)."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -341,8 +343,10 @@ class LoadEstimator:
             if r.get("prefill_busy") is not None:
                 age = max(0.0, float(r.get("prefill_busy_age_s") or 0.0))
                 rate = float(r.get("prefill_tokens_per_s") or 0.0)
+                base = float(r.get("prefill_base_share") or 0.0)
                 self._busy[rank] = (min(1.0, max(0.0, float(r["prefill_busy"]))),
-                                    rate if 0.0 < rate < math.inf else 0.0, now - age)
+                                    rate if 0.0 < rate < math.inf else 0.0,
+                                    min(1.0, base) if 0.0 < base else 0.0, now - age)
         self.storage_at = now
 
     # ------------------------------------------------------------------ now
@@ -357,8 +361,8 @@ class LoadEstimator:
         step = max(self._step.values(), default=cfg.step_prior_s)
         fit, fixed = self._fit(now)
         c = max(self._token_s.values(), default=0.0) or fit  # the steps' fit once it has one
-        busy = max((max(b, rate * c) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
-                    for b, rate, at in self._busy.values()), default=0.0)
+        busy = max((max(b, rate * c + base) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
+                    for b, rate, base, at in self._busy.values()), default=0.0)
         return Estimates(self._wait_now(now), c, bandwidth, queued,
                          cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
                          max(self._read_overhead.values(), default=0.0), fit)

@@ -18,7 +18,12 @@ in the split (:mod:`inferscale.serve.cold_split`). Under a large budget (8,192 t
 is far from idle, so it also keeps ``token_rate``, the prompt tokens scheduled per second
 of recent wall time (the same ``tau_s``): times the seconds a computed token costs, that
 is the share of time spent prefilling, the utilization by the queue's own definition
-(λ x service time). The split takes the larger of the two.
+(λ x service time), with the base of the steps that carry prompt tokens (``base_s``
+each, ``step_rate`` of them a second) counted in: on an H100 at 25 requests/s over 2,000
+users the steps' ~6 ms bases filled a quarter of the time on top of the prompt tokens'
+half, the engine was saturated and ``token_rate x c`` alone still read ~0.5
+(``benchmarks/results/load-h100-llama31-8b-run5-u2000.json``, its scrapes), so no cold
+request loaded (:attr:`base_share`). The split takes the larger of the two.
 
 What a prompt token costs is measured here too (``token_s``): a least-squares fit of the
 wall time between the scheduler's calls against the prompt tokens of the last two steps
@@ -66,6 +71,7 @@ class PrefillBacklog:
         self._scheduled = 0  # prompt tokens the last step scheduled (computed since then)
         self.busy = 0.0
         self.token_rate = 0.0  # prompt tokens scheduled per second, recent
+        self.step_rate = 0.0  # steps that scheduled prompt tokens, per second, recent
 
     @property
     def tokens(self) -> int:
@@ -83,6 +89,7 @@ class PrefillBacklog:
             decay = math.exp(-dt / self.tau_s)
             self.busy = self.busy * decay + (congested / dt) * (1 - decay)
             self.token_rate = self.token_rate * decay + (self._scheduled / dt) * (1 - decay)
+            self.step_rate = self.step_rate * decay + (bool(self._scheduled) / dt) * (1 - decay)
             if previous_s is not None and self._before is not None:
                 self._fit_step(self._scheduled, self._before, previous_s, dt)
         self._before = self._scheduled if previous_s is not None else None  # a busy chain
@@ -110,6 +117,13 @@ class PrefillBacklog:
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             self.finished(req_id)
         self._behind = bool(self._left)
+
+    @property
+    def base_share(self) -> float:
+        """The share of recent time spent in the bases of steps that scheduled prompt
+        tokens (``step_rate x base_s``; 0 until the fit knows ``base_s``): added to
+        ``token_rate x c``, the share of time prefill takes."""
+        return self.step_rate * self.base_s
 
     def _fit_step(self, last: int, before: int, seconds: float, dt: float) -> None:
         """``seconds`` between the last two calls, ``dt`` after the one before, with

@@ -101,7 +101,7 @@ class ConnectorWorker:
         # for /metrics: busy engine steps (timed by the scheduler), injection (GPU time)
         self.step_time = Histogram()
         self.step_s: float | None = None  # moving average of the busy steps
-        self.prefill_busy = (0.0, 0.0, 0.0, time.monotonic())  # backlog.py's, and when
+        self.prefill_busy = (0.0, 0.0, 0.0, 0.0, time.monotonic())  # backlog.py's, and when
         self.kernel_time = Histogram()
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
@@ -187,10 +187,10 @@ class ConnectorWorker:
 
     def storage_stats(self) -> dict:
         """For the compute-or-load split (the keys: :meth:`LoadEstimator.storage`)."""
-        busy, rate, token_s, at = self.prefill_busy
+        busy, rate, token_s, base, at = self.prefill_busy
         return {**self.fetches.stats(), "step_s": self.step_s, "prefill_busy": busy,
                 "prefill_tokens_per_s": rate, "prefill_busy_age_s": time.monotonic() - at,
-                "prefill_token_s": token_s, "tp_rank": self.tp_rank}
+                "prefill_token_s": token_s, "prefill_base_share": base, "tp_rank": self.tp_rank}
 
     def status(self) -> dict:
         store, heads = self.store, self.heads
@@ -228,7 +228,7 @@ class ConnectorWorker:
         self.hook_seconds["scheduler"] += meta.scheduler_seconds
         self.promotions_declined += meta.promotions_declined
         self.prefill_busy = (meta.prefill_busy, meta.prefill_tokens_per_s,
-                             meta.prefill_token_s, time.monotonic())
+                             meta.prefill_token_s, meta.prefill_base_share, time.monotonic())
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
             self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds

@@ -311,10 +311,17 @@ def test_congestion_comes_from_the_busiest_rank_and_fades_with_its_age():
     rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.7, "prefill_tokens_per_s": 2e4,
                    "prefill_busy_age_s": 0.0}], now=3.0)
     assert rate.estimates(now=3.0).prefill_busy == pytest.approx(0.7)  # the larger
+    # plus the bases of the steps that scheduled those tokens
+    rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.0, "prefill_tokens_per_s": 2e4,
+                   "prefill_base_share": 0.25, "prefill_busy_age_s": 0.0}], now=3.5)
+    assert rate.estimates(now=3.5).prefill_busy == pytest.approx(0.75)
     for hostile in (float("nan"), float("inf"), -5e4):
         rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.0,
                        "prefill_tokens_per_s": hostile, "prefill_busy_age_s": 0.0}], now=4.0)
         assert rate.estimates(now=4.0).prefill_busy == 0.0, hostile
+        rate.storage([{**base, "tp_rank": 0, "prefill_busy": 0.0,
+                       "prefill_base_share": hostile, "prefill_busy_age_s": 0.0}], now=4.0)
+        assert 0.0 <= rate.estimates(now=4.0).prefill_busy <= 0.9, hostile
     # hostile reports (a negative or NaN share, an age from the future) never price
     # compute below its own time nor above the cap
     for busy, age in ((-0.5, 0.0), (float("nan"), 0.0), (0.5, -3.0), (0.5, float("nan"))):
@@ -541,3 +548,24 @@ def test_the_fourth_h100_run_numbers():
                                          (35, 20_400, 18e-6, False)):
         e = Estimates(compute_s_per_token=c, prefill_busy=min(0.9, tokens_per_s * c), **at)
         assert (split(lengths, 65_536, e).chunks > 0) == loads, (rate, c)
+
+
+def test_the_fifth_h100_run_numbers():
+    """Issue 30's fifth H100 run (``load-h100-llama31-8b-run5-u{200,2000}.json``, their
+    scrapes): the split's c read ~21 us; the engine computed ~2,700 / 17,000 / 30,300
+    prompt tokens a second at 5 / 15 / 25 rps (200 / 2,000 / 2,000 users) in at most 5 /
+    15 / 41 steps a second that scheduled prompt tokens (a request's prompt fits one step;
+    at 25 rps, 41 steps a second in all), of ~6.3 ms of base each; fp8 rows of
+    64 KiB at 2.05 GB/s, o ~44 ms, D ~2 steps of ~25 ms. Tokens times c alone read ~0.65
+    at 25 rps, where the engine was saturated (steps back to back, the p50 TTFT 189 ms),
+    and every cold request was computed; with the steps' bases a cold request loads
+    there, and still prefills at 5 and 15 rps, where computing is the faster."""
+    lengths = [100] + [48] * 49
+    at = dict(wait_s=0.0, bandwidth=2.05e9, queued_bytes=0.0, overhead_s=0.05,
+              read_overhead_s=0.044, compute_s_per_token=21e-6)
+    for tokens_per_s, steps_per_s, with_bases, loads in (
+            (2_700, 5, True, False), (17_000, 15, True, False),
+            (30_300, 41, False, False), (30_300, 41, True, True)):
+        rho = tokens_per_s * 21e-6 + (steps_per_s * 6.3e-3 if with_bases else 0.0)
+        e = Estimates(prefill_busy=min(0.9, rho), **at)
+        assert (split(lengths, 65_536, e).chunks > 0) == loads, (tokens_per_s, with_bases)

@@ -141,6 +141,30 @@ def test_token_cost_is_the_slope_of_step_times_over_their_prompt_tokens(lag):
     assert flat.token_s == 0.0
 
 
+def test_base_share_counts_the_bases_of_steps_that_schedule_prompt_tokens():
+    """Steps of 6.3 ms plus 33 us a prompt token, every other one scheduling a 150-token
+    prompt beside a decode: once the fit knows the base, ``base_share`` is the steps with
+    prompt tokens per second times it (~half the time here, ~0.3 of it in their bases);
+    decode-only steps count in neither, and an idle engine lets it fade."""
+    b = PrefillBacklog(tau_s=1.0, fit_tau_s=30.0, min_steps=8, min_spread=16.0)
+    assert b.base_share == 0.0
+    t, prev, sizes = 0.0, None, [150, 0, 250, 0, 50, 0]
+    for i in range(600):
+        n = sizes[i % len(sizes)]
+        new = [request(f"r{i}", n)] if n else []
+        b.step(output(new=new, cached=[("d", 10)], scheduled={**({f"r{i}": n} if n else {}),
+                                                                "d": 1}), prev, now=t)
+        prev = 6.3e-3 + 33e-6 * n
+        t += prev
+    assert b.base_s == pytest.approx(6.3e-3, rel=1e-6)
+    per_cycle = 6 * 6.3e-3 + 33e-6 * 450  # three steps with prompt tokens a cycle
+    assert b.step_rate == pytest.approx(3 / per_cycle, rel=0.05)
+    assert b.base_share == pytest.approx(3 * 6.3e-3 / per_cycle, rel=0.05)
+    assert b.token_rate * b.token_s + b.base_share < 1.0
+    b.step(output(), None, now=t + 10.0)  # idle since
+    assert b.base_share < 1e-3
+
+
 @given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 9000),
                           st.floats(0.0, 1.0, allow_nan=False),
                           st.floats(1e-4, 2.0, allow_nan=False)), max_size=30))
@@ -155,6 +179,7 @@ def test_busy_stays_a_share_whatever_the_steps(steps):
                dur if i else None, now=t)
         assert 0.0 <= b.busy <= 1.0 and b.tokens >= 0 and b.token_rate >= 0.0
         assert 0.0 <= b.token_s < math.inf and 0.0 <= b.base_s < math.inf
+        assert 0.0 <= b.step_rate < math.inf and 0.0 <= b.base_share < math.inf
 
 
 def test_bad_settings_are_refused():

@@ -60,10 +60,12 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     before = rpc("inferscale_storage_stats")
     assert set(before) == {"bytes", "busy_s", "queued_bytes", "prefetch", "step_s",
                            "prefill_busy", "prefill_tokens_per_s", "prefill_busy_age_s",
-                           "prefill_token_s", "reads_timed", "overhead_s", "tp_rank"}
+                           "prefill_token_s", "prefill_base_share", "reads_timed",
+                           "overhead_s", "tp_rank"}
     # the engine ran steps before: the scheduler's congestion came with their metadata
     assert 0.0 <= before["prefill_busy"] <= 1.0 and before["prefill_busy_age_s"] >= 0.0
     assert before["prefill_tokens_per_s"] >= 0.0  # prompt tokens a second (backlog.py)
+    assert 0.0 <= before["prefill_base_share"] <= 1.0  # the steps' bases (same)
     got = rpc("inferscale_prefetch", "ext-user", version, ["prefix"], 0.01, 4096)
     assert (got["resident"], got["started"]) == (False, True)
     assert got["prefetch"]["started"] == before["prefetch"]["started"] + 1
