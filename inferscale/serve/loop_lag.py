@@ -68,7 +68,10 @@ class LoopLagProbe:
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """Probing a loop that runs: a loop stopped or closed without :meth:`stop` (a
+        test's server thread at exit) leaves its task pending, and is not."""
+        task = self._task
+        return task is not None and not task.done() and task.get_loop().is_running()
 
     def stop(self) -> None:
         """Stop probing (from the loop's thread, or once its loop has closed)."""

@@ -5,6 +5,7 @@ callback shows as one long sample, an idle one as short ones; the server's histo
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -151,6 +152,36 @@ def test_a_probe_whose_loop_ended_unstopped_reports_nothing_more():
     probe._gc("stop", {"generation": 2})
     assert events == []
     probe.stop()
+    assert probe._gc not in gc.callbacks
+
+
+def test_a_probe_whose_loop_stopped_with_its_task_pending_reports_nothing():
+    """A loop that stops without cancelling the probe's task (a server thread's loop at
+    interpreter exit): the task stays pending, yet the probe is not running and its
+    collector callback stays silent (it used to log each exit-time collection into
+    closed streams)."""
+    events: list = []
+    probe = LoopLagProbe(lambda _: None, interval_s=0.005, stall_s=0.02,
+                         on_stall=lambda *a: events.append(a), on_gc=lambda *a: events.append(a))
+    loop = asyncio.new_event_loop()
+
+    async def main():
+        probe.start()
+        await asyncio.sleep(0.03)
+        return probe.running
+
+    try:
+        assert loop.run_until_complete(main())
+        assert probe._task is not None and not probe._task.done()  # pending, loop stopped
+        assert not probe.running
+        probe._gc("start", {"generation": 2})
+        time.sleep(0.03)
+        probe._gc("stop", {"generation": 2})
+        time.sleep(0.03)  # the watchdog's turn too
+        assert events == []
+    finally:
+        probe.stop()
+        loop.close()
     assert probe._gc not in gc.callbacks
 
 
