@@ -56,6 +56,7 @@ class Timings:
     retrieve: float | None = None
     compose: float | None = None
     memory: float | None = None  # the memory lookup, retrieval and composition together
+    lookup: float | None = None  # the memory lookup alone (a first load reads storage)
     engine_ttft: float | None = None
     query_to_first_token: float | None = None
 

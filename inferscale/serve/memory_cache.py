@@ -33,7 +33,8 @@ on every request:
   within ``miss_wait_s`` (lookups are booked in arrival order), else it is shed at once:
   answered without memory (fallback ``shed``), nothing read or remembered. Users of an
   API key (a closed set: no flood of ids can come through them) are never rate-limited.
-  All of it is counted (:meth:`MemoryCache.stats`, in ``/metrics``).
+  All of it is counted (:meth:`MemoryCache.stats`, in ``/metrics``), and first loads
+  are timed by phase (waiting for a load thread, LATEST, the version, the hand-back).
 - **Pins**: an admin hydrate of an explicit version pins the user to it (no refresh)
   until a hydrate of ``"latest"`` or an eviction.
 
@@ -58,6 +59,8 @@ from inferscale.serve.user_memory import UserMemory
 from inferscale.vllm_plugin.failures import Fallback
 
 log = logging.getLogger("inferscale.serve")
+# a first load's phases (:meth:`MemoryCache.stats`' ``load_seconds``)
+LOAD_PHASES = ("queued", "latest", "read", "handback")
 
 
 class MemoryFallbackReason(StrEnum):
@@ -158,6 +161,9 @@ class MemoryCache:
         self._stats = {"storage_lookups": 0, "lookups_limited": 0, "lookups_delayed": 0,
                        "load_failures": 0, "negative_evictions": 0}
         self._refused: dict[str, int] = {}  # reason -> versions refused
+        # first loads' seconds by phase (summed): waiting for a load thread, reading
+        # LATEST, reading the version, and the event loop taking each result back
+        self._load_s = dict.fromkeys(LOAD_PHASES, 0.0)
         self._pool = ThreadPoolExecutor(self.config.load_threads,
                                         thread_name_prefix="inferscale-load")
 
@@ -227,11 +233,11 @@ class MemoryCache:
         version = pinned
         try:
             if version is None:
-                version = await self._run(self.latest, user)
+                version = await self._timed("latest", self.latest, user)
                 if version is None:  # nothing published: no memory, checked again later
                     self._put(user, _Entry(None, checked))
                     return Lookup(None)
-            memory = await self._run(self.read, user, version)
+            memory = await self._timed("read", self.read, user, version)
         except MemoryRefused as exc:
             why = self._refuse(user, exc)
             self._put(user, _Entry(None, checked, refused=exc.version, fallback=why))
@@ -325,9 +331,11 @@ class MemoryCache:
     def stats(self) -> dict[str, Any]:
         """Counters since start (``/metrics``): users and bytes held, entries without
         memory and their evictions, storage lookups of uncached users, those the rate
-        limit shed and those it delayed, failed loads, versions refused by reason."""
+        limit shed and those it delayed, failed loads, versions refused by reason, and
+        the first loads' seconds by phase (:data:`LOAD_PHASES`)."""
         return {**self._stats, "users": len(self._entries), "bytes": self._bytes,
-                "negative_entries": len(self._negative), "refused": dict(self._refused)}
+                "negative_entries": len(self._negative), "refused": dict(self._refused),
+                "load_seconds": dict(self._load_s)}
 
     @property
     def nbytes(self) -> int:
@@ -374,3 +382,23 @@ class MemoryCache:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`_run`, its time split into ``queued`` (for a load thread), ``phase``
+        (on it) and ``handback`` (the loop taking the result back), summed per phase."""
+        t0, span = time.perf_counter(), []
+
+        def call() -> Any:
+            span.append(time.perf_counter())
+            try:
+                return fn(*args)
+            finally:
+                span.append(time.perf_counter())
+
+        try:
+            return await self._run(call)
+        finally:
+            if len(span) == 2:
+                self._load_s["queued"] += span[0] - t0
+                self._load_s[phase] += span[1] - span[0]
+                self._load_s["handback"] += max(0.0, time.perf_counter() - span[1])

@@ -47,6 +47,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     memory_lookups_delayed_total            such lookups that waited for their turn
     memory_load_failures_total              loads that failed (tried again after a back-off)
     memory_refused_total{reason}            versions refused at load (embedding_dim, layout)
+    memory_load_seconds_total{phase}        first loads' time: queued | latest | read |
+                                            handback (memory_cache.LOAD_PHASES)
     resident_users{rank,tier}, resident_bytes{rank,tier}, tier_budget_bytes{rank,tier}
     worker_loaded_tokens_total{rank}        tokens written into the paged cache
     worker_load_failures_total{rank}        loads refused or failed (recomputed)
@@ -234,6 +236,13 @@ class CacheCollector:
         for reason in sorted({*REFUSAL_REASONS, *stats["refused"]}):
             refused.add_metric([reason], stats["refused"].get(reason, 0))
         yield refused
+        load = CounterMetricFamily("inferscale_memory_load_seconds", "First loads of users' "
+                                   "memory: seconds queued for a load thread, reading LATEST, "
+                                   "reading the version, handing the result back",
+                                   labels=["phase"])
+        for phase, seconds in stats["load_seconds"].items():
+            load.add_metric([phase], seconds)
+        yield load
 
 
 class EstimateCollector:

@@ -212,6 +212,7 @@ class MemoryServer:
         user = request.user
         found = await self.memories.lookup(user, request.shed) if user is not None \
             else Lookup(None)
+        looked_up = time.perf_counter()
         # off the event loop, which streams every other request's tokens: embedding the
         # question and reading the top-k back from the GPU wait for the device
         p = await asyncio.get_running_loop().run_in_executor(
@@ -224,6 +225,7 @@ class MemoryServer:
             p.ref = replace(p.ref, cold_chunks=p.split.chunks,
                             read_deadline_s=p.split.deadline_s)
         p.info.timings_ms.memory = (time.perf_counter() - t0) * 1e3
+        p.info.timings_ms.lookup = (looked_up - t0) * 1e3
         limit, max_tokens = self.max_model_len, request.max_tokens or self.max_tokens
         if limit is not None and len(p.ids) + max_tokens > limit:
             raise PromptTooLong(f"the prompt is {len(p.ids)} tokens; with max_tokens "

@@ -378,6 +378,11 @@ def test_facts_of_another_embedding_dimension_are_refused_at_load(local_store, s
     assert server.metrics.registry.get_sample_value(
         "inferscale_memory_refused_total", {"reason": "embedding_dim"}) == 1
     assert any("384" in r.getMessage() and v1[:12] in r.getMessage() for r in caplog.records)
+    # the first request's lookup read the version (refused or not, its time is counted)
+    assert server.metrics.registry.get_sample_value(
+        "inferscale_memory_load_seconds_total", {"phase": "read"}) > 0.0
+    t = [i["timings_ms"] for i in infos]
+    assert all(0.0 <= x["lookup"] <= x["memory"] for x in t)
 
 
 @pytest.mark.parametrize("layout", [{"memory_order": "random"}, {"text_tail": -1},
@@ -435,3 +440,36 @@ def test_held_token_ids_leave_the_collectors_view(local_store):
     assert mem.token_ids.tokens == sum(map(len, facts.column("token_ids").to_pylist()))
     assert not gc.is_tracked(mem.fact_ids) and not gc.is_tracked(mem.texts)
     assert mem.fact_ids == tuple(facts.column("fact_id").to_pylist())
+
+
+def test_first_loads_are_timed_by_phase(local_store):
+    """A first load's time by phase: waiting for the one load thread behind another
+    user's slow read (``queued``), LATEST, the version (``read``); hits add nothing."""
+    import time
+
+    publish(local_store, "ann", 1)
+    publish(local_store, "bob", 2)
+    memories, reader = cache(local_store, load_threads=1)
+    read = reader.read
+
+    def slow_read(user: str, version: str) -> UserMemory:
+        time.sleep(0.2)
+        return read(user, version)
+
+    memories.read = slow_read
+    assert memories.stats()["load_seconds"] == dict.fromkeys(
+        ("queued", "latest", "read", "handback"), 0.0)
+
+    async def main():
+        await asyncio.gather(memories.get("ann"), memories.get("bob"))
+        before = memories.stats()["load_seconds"]
+        await memories.get("ann")  # a hit: no load
+        return before
+
+    before = asyncio.run(main())
+    spent = memories.stats()["load_seconds"]
+    assert spent == before
+    assert spent["read"] >= 0.4  # two reads of 0.2 s on the thread
+    assert spent["queued"] >= 0.15  # one of them waited behind the other's read
+    assert spent["latest"] > 0.0 and spent["handback"] >= 0.0
+    assert memories.stats()["storage_lookups"] == 2

@@ -105,6 +105,7 @@ class Load:
                 rec.update(q2ft_ms=timings["query_to_first_token"],
                            engine_ttft_ms=timings["engine_ttft"],
                            memory_ms=timings.get("memory"),  # lookup, retrieval, composition
+                           lookup_ms=timings.get("lookup"),  # the lookup alone
                            injected=info.get("injected_tokens", 0),
                            fallback_reason=info.get("fallback_reason"),
                            facts_by_tier=info.get("facts_by_tier"),

@@ -81,6 +81,7 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
     q2ft = [r["q2ft_ms"] for r in ok if "q2ft_ms" in r]  # InferScale's server reports them
     engine = [r["engine_ttft_ms"] for r in ok if "engine_ttft_ms" in r]
     memory = [r["memory_ms"] for r in ok if r.get("memory_ms") is not None]
+    lookup = [r["lookup_ms"] for r in ok if r.get("lookup_ms") is not None]
     span = (max(r["end"] for r in ok) - min(r["sent"] for r in records)) if ok else math.nan
     tokens = sum(r["tokens"] for r in ok)
     reasons: dict[str, int] = {}
@@ -101,6 +102,7 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
         # reads its facts table), the question embedded, the top-k, the prompt composed
         "memory_p50_ms": finite(percentile(memory, 50)),
         "memory_p99_ms": finite(percentile(memory, 99)),
+        "lookup_p99_ms": finite(percentile(lookup, 99)),  # of it, the lookup alone
         "e2e_p50_ms": finite(percentile(e2e, 50)), "e2e_p99_ms": finite(percentile(e2e, 99)),
         "output_tokens_per_s": finite(tokens / span) if span and span > 0 else None,
         "achieved_rate": finite(len(records) / max(1e-9, max(r["scheduled"] for r in records))),
@@ -127,7 +129,8 @@ def latency_by_source(ok: list[dict]) -> dict | None:
     """Which requests set the step's tail: per :func:`served_from` class (``none``: all
     memory prefilled, as a cold request's computed split is) the requests and their TTFT
     p50/p99 (over a class of fewer than 100 requests the p99 is about its largest), the
-    server's memory phase p99 and the engine's TTFT p99; None without any."""
+    server's memory phase p99 (and of it the lookup's: a user's first load reads its
+    facts from storage) and the engine's TTFT p99; None without any."""
     groups: dict[str, list[dict]] = {}
     for r in ok:
         groups.setdefault(served_from(r.get("facts_by_tier")), []).append(r)
@@ -137,6 +140,7 @@ def latency_by_source(ok: list[dict]) -> dict | None:
 
     return {src: {"requests": len(rs), "ttft_p50_ms": p(rs, "ttft_ms", 50),
                   "ttft_p99_ms": p(rs, "ttft_ms", 99), "memory_p99_ms": p(rs, "memory_ms", 99),
+                  "lookup_p99_ms": p(rs, "lookup_ms", 99),
                   "engine_ttft_p99_ms": p(rs, "engine_ttft_ms", 99)}
             for src, rs in sorted(groups.items())} or None
 
@@ -331,6 +335,9 @@ def progress(result: dict) -> list[str]:
         phases = (r.get("metrics") or {}).get("fetch_phase_ms_per_read")
         if phases:
             step += " read ms " + "/".join(f"{k} {v}" for k, v in phases.items())
+        loads = (r.get("metrics") or {}).get("memory_load_ms_per_lookup")
+        if loads:
+            step += " first loads ms " + "/".join(f"{k} {v}" for k, v in loads.items())
         by = r.get("latency_by_source") or {}
         slowest = max(by, key=lambda k: by[k].get("ttft_p99_ms") or 0.0, default=None)
         if slowest is not None:

@@ -8,7 +8,9 @@ again once it drained; :func:`step_metrics` turns the two into what changed:
   requests' reads, fallbacks by reason, preemptions, the connector's time
   per side, injected facts by the tier they were read from, bytes read from storage and
   those reads' mean time per read by phase (``fetch_phase_ms_per_read``: the chunk index,
-  staging memory, the rows, checking and placing them);
+  staging memory, the rows, checking and placing them), and the server's first loads of
+  users' memory, mean time per storage lookup by phase (``memory_load_ms_per_lookup``:
+  queued for a load thread, LATEST, the version, the hand-back to the event loop);
 - the compute-or-load split (``cold``): requests of users in neither tier, their facts
   loaded and computed, bytes read, and the split's estimates at the step's end;
 - histograms (bucket counts subtracted, summed over every label but ``le``): count, mean,
@@ -182,6 +184,11 @@ def step_metrics(before: dict, after: dict) -> dict:
     d["fetch_phase_ms_per_read"] = (
         {phase: round(s / reads * 1e3, 3) for phase, s in phases.items()}
         if phases is not None and reads else None)
+    loads = by_label("inferscale_memory_load_seconds_total", "phase")
+    lookups = moved("inferscale_memory_storage_lookups_total")
+    d["memory_load_ms_per_lookup"] = (
+        {phase: round(s / lookups * 1e3, 3) for phase, s in loads.items()}
+        if loads is not None and lookups else None)
     d["cold"] = cold_split(before, after, moved, by_label)
     return d
 

@@ -29,7 +29,8 @@ def _records(ttfts, error_at=None):
             r["error"] = "APIConnectionError: refused"
         else:
             r.update(ttft_ms=t, e2e_ms=t + 100, end=100.0 + i * 0.5 + (t + 100) / 1e3, tokens=8,
-                     q2ft_ms=t - 2, engine_ttft_ms=t - 5, memory_ms=t / 10, injected=100,
+                     q2ft_ms=t - 2, engine_ttft_ms=t - 5, memory_ms=t / 10,
+                     lookup_ms=t / 20, injected=100,
                      memory_tokens=120,
                      fallback_reason="not_resident" if i == 0 else None)
         out.append(r)
@@ -43,6 +44,7 @@ def test_step_summary_and_goodput():
     assert ok["fallbacks"] == {"not_resident": 1} and ok["injected_share"] == 1.0
     # the server's time before the engine (memory lookup, retrieval, composition)
     assert (ok["memory_p50_ms"], ok["memory_p99_ms"]) == (6.5, pytest.approx(7.97))
+    assert ok["lookup_p99_ms"] == pytest.approx(7.97 / 2, abs=0.01)  # the lookup alone
     assert ok["output_tokens_per_s"] == pytest.approx(32 / (1.5 + 0.18), rel=1e-3)
     failed = goodput.step_summary(_records([50.0] * 4, error_at=2), "prompt", 4.0,
                                      objective_ms=100)
@@ -84,6 +86,7 @@ def test_step_counts_requests_over_the_objective_and_memory_sources():
     by = row["latency_by_source"]
     assert set(by) == {"gpu", "storage", "none"} and by["none"]["ttft_p99_ms"] == 300.0
     assert by["storage"]["ttft_p99_ms"] == 90.0 and by["storage"]["memory_p99_ms"] == 9.0
+    assert by["storage"]["lookup_p99_ms"] == 4.5
     assert by["gpu"]["requests"] == 1 and by["gpu"]["engine_ttft_p99_ms"] == 45.0
     line = goodput.progress({"users": 8, "rows": [row]})[1]
     assert "tail: none (1 requests, p99 300.0 ms)" in line

@@ -231,3 +231,39 @@ def test_each_step_reports_a_reads_time_by_phase():
     data = Path(__file__).parents[2] / "data"
     plain = parse((data / "load-scrape-cpu-end.prom").read_text())
     assert step_metrics(plain, plain)["fetch_phase_ms_per_read"] is None
+
+
+def _lookup_families(lookups: int, phases: dict[str, float]) -> str:
+    """The memory cache's storage lookups and first loads' phases, as the server renders
+    them."""
+    from prometheus_client.core import CounterMetricFamily
+
+    class Families:
+        def collect(self):
+            yield CounterMetricFamily("inferscale_memory_storage_lookups", "lookups",
+                                      value=lookups)
+            c = CounterMetricFamily("inferscale_memory_load_seconds", "phases",
+                                    labels=["phase"])
+            for phase, s in phases.items():
+                c.add_metric([phase], s)
+            yield c
+
+    return _rendered(Families())
+
+
+def test_each_step_reports_first_memory_loads_by_phase():
+    """The step's storage lookups (users the server held nothing for) and their phases'
+    seconds: the mean per lookup; None without lookups or from a server without it."""
+    before = _lookup_families(10, {"queued": 0.0, "latest": 0.01, "read": 0.05,
+                                   "handback": 0.001})
+    after = _lookup_families(30, {"queued": 0.2, "latest": 0.03, "read": 0.65,
+                                  "handback": 0.021})
+    m = step_metrics(parse(before), parse(after))
+    assert m["memory_load_ms_per_lookup"] == {"queued": pytest.approx(10.0),
+                                              "latest": pytest.approx(1.0),
+                                              "read": pytest.approx(30.0),
+                                              "handback": pytest.approx(1.0)}
+    assert step_metrics(parse(after), parse(after))["memory_load_ms_per_lookup"] is None
+    data = Path(__file__).parents[2] / "data"
+    plain = parse((data / "load-scrape-cpu-end.prom").read_text())
+    assert step_metrics(plain, plain)["memory_load_ms_per_lookup"] is None
