@@ -65,13 +65,15 @@ def build(args) -> tuple[object, str, str]:
 
     work = Path(args.workdir)
     key = {"facts": args.facts, "shape": args.shape, "dtype": args.dtype,
+           "tokenizer": args.tokenizer,
            "conversations": [str(Path(c).resolve()) for c in args.conversations]}
     store = StoreConfig(root=str(work / "store"), direct_io=not args.no_direct_io)
     marker = work / "user.json"
     if marker.exists() and json.loads(marker.read_text()).get("key") == key:
         got = json.loads(marker.read_text())
         return store, got["user"], got["version"]
-    tok = AutoTokenizer.from_pretrained(str(resolve_checkpoint("embedded", Settings().home)))
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or str(
+        resolve_checkpoint("embedded", Settings().home)))
     rng = np.random.default_rng(0)  # the embeddings are never read here
     pool, emb = U.pool_turns(args.conversations, tok,
                              lambda texts: rng.random((len(texts), 8), dtype=np.float32))
@@ -171,6 +173,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the model's KV shape (default Llama-3.1-8B's)")
     ap.add_argument("--dtype", default="float8_e4m3fn",
                     choices=["float8_e4m3fn", "bfloat16", "float16", "float32"])
+    ap.add_argument("--tokenizer", help="a tokenizer directory (default: the embedded "
+                    "SmolLM2's, converted from its GGUF; the GPU staging's LEAN=1 has only "
+                    "the tokenizer files)")
     ap.add_argument("--k", type=int, default=50, help="facts a request reads")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--threads", type=int, default=8, help="the reader's threads")

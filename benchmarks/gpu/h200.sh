@@ -39,6 +39,8 @@
 #   then bash benchmarks/gpu/h200.sh load 420   (a call of its own: install takes ~1 min)
 #   then bash benchmarks/gpu/h200.sh load-poll 570, again until it prints FINISHED
 # On an H100 the results are named load-h100-* / peer-h100-* and the gpu tier is 20 GiB.
+# `fact-reads` (~1 min, before `load`: the disk to itself) times one request's reads of
+# facts as the worker does them -> fact-reads-<card>.json.
 # `load` prints the estimate first (`load-estimate` alone); the sequence: the peer (stock
 # vllm serve, ~7 min with the users' setup), then users 24, 200, 2000 in one server
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
@@ -380,6 +382,12 @@ case "${1:-}" in
       tests/vllm_plugin/test_storage_reads.py tests/benchmarks/test_inject_kernel.py \
       tests/serve/test_retrieval.py -k "cuda or CUDA or gpu or prewarm"  # ~4 min: 6 Triton compiles for the fp8 kernel cases
     ;;
+  fact-reads)  # issue 30: one request's facts read as the serving worker reads them (the
+    # chunk index, then 50 facts bounced, in place and raw), O_DIRECT on this machine's disk
+    run fact-reads-$CARD 300 python -m benchmarks.fact_reads --conversations $CONVS \
+      --tokenizer "$SMOL" --workdir /tmp/fact-reads --samples 10 --label "$CARD" \
+      --out "$OUT/fact-reads-$CARD.json"
+    ;;
   encode-hydrate)
     run encode-h200 300 python -m benchmarks.encode --model llama-3.1-8b-shape --device cuda \
       --conversation $D/conv-26.json --tokenizer "$SMOL" --out "$OUT/encode-h200.json"
@@ -483,7 +491,7 @@ print({k: v for k, v in s.items() if "fp8" in k or "default" in k})' \
     exit $rc
     ;;
   *) echo "usage: $0 prepare | receive I | install | quality | injection | ttft-default |" \
-          "equivalence | tests | encode-hydrate | retrieval | ttft-llama | ttft-qwen |" \
+          "equivalence | tests | fact-reads | encode-hydrate | retrieval | ttft-llama | ttft-qwen |" \
           "fp8 quality|ttft|equivalence | load [S] | load-poll [S] | load-estimate |" \
           "peer [S] | load-tail0 [S] | load-stop | tp2 [equivalence|ttft]"
      exit 2 ;;

@@ -33,3 +33,24 @@ def test_a_tiny_run_times_the_index_and_each_way_of_reading(tmp_path, conversati
 def test_bad_settings_are_refused(tmp_path, bad):
     with pytest.raises(SystemExit):
         fact_reads.parse(["--workdir", str(tmp_path), *bad])
+
+
+def test_a_tokenizer_directory_can_be_named(tmp_path, conversations):
+    """``--tokenizer``: the GPU staging's LEAN=1 has the tokenizer files alone (no GGUF to
+    convert): a directory of them serves, and the result is the same kind."""
+    import shutil
+
+    from inferscale.models import TOKENIZER_FILES, resolve_checkpoint
+    from inferscale.settings import Settings
+
+    ckpt = resolve_checkpoint("embedded", Settings().home)
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).exists():
+            shutil.copy(ckpt / name, tok / name)
+    result = fact_reads.main(["--conversations", *conversations, "--facts", "6", "--shape",
+                              "2", "2", "256", "--dtype", "float32", "--k", "2",
+                              "--samples", "1", "--threads", "1", "--tokenizer", str(tok),
+                              "--workdir", str(tmp_path / "work")])
+    assert result["rows"][0]["chunks"] == 6 and "--tokenizer" in result["command"]
