@@ -217,22 +217,6 @@ def _fetch_families(reads: int, phases: dict[str, float]) -> str:
     return _rendered(Families())
 
 
-def test_each_step_reports_a_reads_time_by_phase():
-    """The step's reads (the fetch histogram's count) and their phases' seconds: the mean
-    per read of each phase; None from a server without the counter or without reads."""
-    before = _fetch_families(10, {"index": 0.1, "stage": 0.0, "rows": 0.9, "place": 0.05})
-    after = _fetch_families(14, {"index": 0.14, "stage": 0.002, "rows": 1.3, "place": 0.07})
-    m = step_metrics(parse(before), parse(after))
-    assert m["fetch_phase_ms_per_read"] == {"index": pytest.approx(10.0),
-                                           "stage": pytest.approx(0.5),
-                                           "rows": pytest.approx(100.0),
-                                           "place": pytest.approx(5.0)}
-    assert step_metrics(parse(after), parse(after))["fetch_phase_ms_per_read"] is None
-    data = Path(__file__).parents[2] / "data"
-    plain = parse((data / "load-scrape-cpu-end.prom").read_text())
-    assert step_metrics(plain, plain)["fetch_phase_ms_per_read"] is None
-
-
 def _lookup_families(lookups: int, phases: dict[str, float]) -> str:
     """The memory cache's storage lookups and first loads' phases, as the server renders
     them."""
@@ -251,19 +235,24 @@ def _lookup_families(lookups: int, phases: dict[str, float]) -> str:
     return _rendered(Families())
 
 
-def test_each_step_reports_first_memory_loads_by_phase():
-    """The step's storage lookups (users the server held nothing for) and their phases'
-    seconds: the mean per lookup; None without lookups or from a server without it."""
-    before = _lookup_families(10, {"queued": 0.0, "latest": 0.01, "read": 0.05,
-                                   "handback": 0.001})
-    after = _lookup_families(30, {"queued": 0.2, "latest": 0.03, "read": 0.65,
-                                  "handback": 0.021})
-    m = step_metrics(parse(before), parse(after))
-    assert m["memory_load_ms_per_lookup"] == {"queued": pytest.approx(10.0),
-                                              "latest": pytest.approx(1.0),
-                                              "read": pytest.approx(30.0),
-                                              "handback": pytest.approx(1.0)}
-    assert step_metrics(parse(after), parse(after))["memory_load_ms_per_lookup"] is None
+@pytest.mark.parametrize("families, key, before, after, expected", [
+    # the step's reads from storage (the fetch histogram's count) by phase, per read
+    (_fetch_families, "fetch_phase_ms_per_read",
+     (10, {"index": 0.1, "stage": 0.0, "rows": 0.9, "place": 0.05}),
+     (14, {"index": 0.14, "stage": 0.002, "rows": 1.3, "place": 0.07}),
+     {"index": 10.0, "stage": 0.5, "rows": 100.0, "place": 5.0}),
+    # the step's first loads of users' memory (storage lookups) by phase, per lookup
+    (_lookup_families, "memory_load_ms_per_lookup",
+     (10, {"queued": 0.0, "latest": 0.01, "read": 0.05, "handback": 0.001}),
+     (30, {"queued": 0.2, "latest": 0.03, "read": 0.65, "handback": 0.021}),
+     {"queued": 10.0, "latest": 1.0, "read": 30.0, "handback": 1.0}),
+])
+def test_each_step_reports_a_mean_per_event_by_phase(families, key, before, after, expected):
+    """The step's events and their phases' seconds: the mean per event of each phase;
+    None without events in the step or from a server without the counter."""
+    m = step_metrics(parse(families(*before)), parse(families(*after)))
+    assert m[key] == {k: pytest.approx(v) for k, v in expected.items()}
+    assert step_metrics(parse(families(*after)), parse(families(*after)))[key] is None
     data = Path(__file__).parents[2] / "data"
     plain = parse((data / "load-scrape-cpu-end.prom").read_text())
-    assert step_metrics(plain, plain)["memory_load_ms_per_lookup"] is None
+    assert step_metrics(plain, plain)[key] is None
