@@ -163,13 +163,6 @@ class LocalBlobs(Blobs):
         _fsync_dir(os.path.dirname(path))
         return Written(w.n, w.h.hexdigest(), result, w.watched_at)
 
-    def open_read(self, path: str) -> Any:
-        if self.config.direct_io:
-            from inferscale.artifacts.direct_io import open_direct
-
-            return open_direct(path)
-        return open(path, "rb")
-
     def _range_reader(self, path: str):
         if self.config.direct_io:
             from inferscale.artifacts.direct_io import DirectFile

@@ -27,14 +27,14 @@ concurrent reader of the same pages may have found them there). Never is bypass 
 that was not had. :func:`read_counts` counts files, reads and bytes per reader in this
 process (the serving worker's status reports them).
 
-:class:`DirectRaw` is a seekable raw file over a :class:`DirectFile`, for readers that
-want a file object (Arrow's reader of a kv file's footer and index columns).
+Readers that want a file object (Arrow's reader of a kv file's footer and index columns)
+get one over :meth:`DirectFile.read` from the store
+(:class:`~inferscale.artifacts.blob_base.WindowedFile`).
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import mmap
 import os
 import threading
@@ -208,49 +208,6 @@ class DirectFile:
                 counts = _COUNTS[reader or self.reader]
                 counts[what] += k
                 counts["bytes"] += nbytes
-
-
-class DirectRaw(io.RawIOBase):
-    """A seekable, readable raw file over :class:`DirectFile` (wrap it in
-    ``io.BufferedReader`` for small reads: each raw read is at least one aligned block)."""
-
-    def __init__(self, path: str, direct: bool = True):
-        super().__init__()
-        self.file = DirectFile(path, direct)
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(memoryview(b).cast("B")), self.file.size - self.pos))
-        if n:
-            self.file.read(self.pos, n, b)
-            self.pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.file.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self.pos = base + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def close(self) -> None:
-        if not self.closed:
-            self.file.close()
-        super().close()
-
-
-def open_direct(path: str, buffer_size: int = 1 << 16) -> io.BufferedReader:
-    """A buffered binary file object reading ``path`` around the page cache."""
-    return io.BufferedReader(DirectRaw(path), buffer_size=buffer_size)
 
 
 _COUNTS: dict[str, dict[str, int]] = {r: {"files": 0, "reads": 0, "bytes": 0} for r in READERS}

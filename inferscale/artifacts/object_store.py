@@ -186,10 +186,6 @@ class FsspecBlobs(Blobs):
         f.close()
         return Written(w.n, w.h.hexdigest(), result, w.watched_at)
 
-    def open_read(self, path: str) -> Any:
-        # small blocks: the reads are a footer, metadata and a few small columns
-        return self.fs.open(path, "rb", block_size=1 << 16, cache_type="readahead")
-
     def _range_reader(self, path: str):
         def read(offset: int, n: int, into: memoryview | None) -> Any:
             data = self.fs.cat_file(path, start=offset, end=offset + n)

@@ -19,8 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from inferscale.artifacts.blob_base import WindowedFile
 from inferscale.artifacts.direct_io import (
-    ALIGN, DIRECT, FALLBACK, DirectFile, open_direct, read_counts, supports_direct_io,
+    ALIGN, DIRECT, FALLBACK, DirectFile, read_counts, supports_direct_io,
 )
 from inferscale.artifacts.layout import InvalidStoreConfig, StoreConfig, TruncatedArtifact
 
@@ -127,7 +128,7 @@ def test_direct_reads_leave_the_page_cache_empty(tmp_path):
     with DirectFile(path) as f:
         f.read(1000, 3 << 20)  # unaligned: through the bounce buffer
         f.read(0, 4 << 20, memoryview(mmap.mmap(-1, 4 << 20)))  # straight into memory
-        with open_direct(path) as raw:
+        with WindowedFile(f.read, lambda: None, f.size) as raw:  # as a store's open_read
             raw.seek(5000)
             raw.read(100_000)
     assert _cached_pages(path) == 0
@@ -155,7 +156,9 @@ def test_a_filesystem_without_o_direct_falls_back_and_says_so():
 
 
 def test_the_raw_file_seeks_and_reads_like_a_file(data_file):
-    with open_direct(data_file) as f, open(data_file, "rb") as plain:
+    direct = DirectFile(data_file)
+    with WindowedFile(direct.read, direct.close, direct.size, window=8192, tail=1024) as f, \
+            open(data_file, "rb") as plain:
         for offset, whence, n in [(0, io.SEEK_SET, 10), (12_345, io.SEEK_SET, 70_000),
                                   (-5, io.SEEK_END, 100), (-300, io.SEEK_CUR, 250)]:
             assert f.seek(offset, whence) == plain.seek(offset, whence)
