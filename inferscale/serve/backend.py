@@ -56,9 +56,9 @@ class Timings:
     retrieve: float | None = None
     compose: float | None = None
     memory: float | None = None  # the memory lookup, retrieval and composition together
-    lookup: float | None = None  # the memory lookup alone (a first load reads storage)
     engine_ttft: float | None = None
     query_to_first_token: float | None = None
+    lookup: float | None = None  # of ``memory``, the lookup alone (a first load reads storage)
 
     def to_json(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)

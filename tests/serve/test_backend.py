@@ -76,7 +76,8 @@ def test_an_answer_without_memory_says_so_in_the_old_keys():
 
 def test_an_injected_answer_has_every_key_it_had():
     info = AnswerInfo("ann", "kv", ["f1", "f2"], "v" * 32, memory_tokens=40,
-                      text_tail_tokens=7, timings_ms=Timings(1.0, 2.0, 3.0, 4.0, 5.0, 6.0),
+                      text_tail_tokens=7,
+                      timings_ms=Timings(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, lookup=0.5),
                       fallback=Fallback(FallbackReason.STALE_VERSION, "stale version (...)"),
                       replica={"slot": 1, "home": 0}, injected_tokens=0, cached_tokens=3,
                       completion_tokens=8, facts_by_tier={"storage": 1}, storage_bytes=4096,
@@ -88,7 +89,8 @@ def test_an_injected_answer_has_every_key_it_had():
                         "replica", "injected_tokens", "cached_tokens", "completion_tokens",
                         "facts_by_tier", "storage_bytes", "cold"}
     assert out["timings_ms"] == {"embed": 1.0, "retrieve": 2.0, "compose": 3.0, "memory": 4.0,
-                                 "engine_ttft": 5.0, "query_to_first_token": 6.0}
+                                 "engine_ttft": 5.0, "query_to_first_token": 6.0,
+                                 "lookup": 0.5}
     assert (out["fallback"], out["fallback_reason"]) == ("stale version (...)", "stale_version")
     assert out["injected_tokens"] == 0  # a zero is said, not left out
 
