@@ -184,10 +184,11 @@ class Blobs:
                      watch: int | None = None) -> Written: raise NotImplementedError
     def _range_reader(self, path: str) -> tuple[Callable[[int, int, Any], Any], Callable[[], None]]:
         raise NotImplementedError
-    def open_read(self, path: str) -> WindowedFile:
+    def open_read(self, path: str, size: int | None = None) -> WindowedFile:
         """A seekable binary file object for small random reads (a file's footer, its
-        metadata and a few columns), read in windows (:class:`WindowedFile`)."""
-        size = self.size(path)
+        metadata and a few columns), read in windows (:class:`WindowedFile`); ``size``:
+        the file's, when the caller has just checked it (not asked again: on S3 a HEAD)."""
+        size = self.size(path) if size is None else size
         if size is None:
             raise FileNotFoundError(path)
         read, close = self._range_reader(path)

@@ -124,7 +124,7 @@ class FactReader:
         check_geometry(manifest, self.geometry)
         check_size(loc, manifest, KV_FILE)
         path = data_path(loc, manifest, KV_FILE)
-        with loc.blobs.open_read(path) as f:
+        with loc.blobs.open_read(path, manifest.files[KV_FILE].bytes) as f:  # size checked
             reader = pa.ipc.open_file(pa.PythonFile(f, mode="r"))
             names = reader.schema.names
             layout = _layout(reader.schema, path, manifest, self.model_fp)

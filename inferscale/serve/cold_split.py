@@ -346,7 +346,8 @@ class LoadEstimator:
                 base = float(r.get("prefill_base_share") or 0.0)
                 self._busy[rank] = (min(1.0, max(0.0, float(r["prefill_busy"]))),
                                     rate if 0.0 < rate < math.inf else 0.0,
-                                    min(1.0, base) if 0.0 < base else 0.0, now - age)
+                                    min(1.0, base) if 0.0 < base < math.inf else 0.0,
+                                    now - age)
         self.storage_at = now
 
     # ------------------------------------------------------------------ now

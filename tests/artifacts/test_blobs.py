@@ -139,3 +139,16 @@ def test_a_direct_io_store_reads_every_local_file_around_the_page_cache(tmp_path
     blobs.replace(path, DATA[:1000])
     with pytest.raises(TruncatedArtifact):
         blobs.read_into(path, 5000, np.zeros(5000, dtype=np.uint8), part_bytes=4096)
+
+
+def test_open_read_takes_a_size_checked_before(tmp_path, monkeypatch):
+    """A caller that has just checked a file's size (the chunk index, against its
+    manifest) hands it over: the store is not asked again (on S3 that is a HEAD)."""
+    from inferscale.artifacts.layout import StoreConfig
+
+    blobs = open_blobs(StoreConfig(str(tmp_path / "root")))
+    path = blobs.join("v", "kv.arrow")
+    blobs.replace(path, DATA)
+    monkeypatch.setattr(blobs, "size", lambda p: pytest.fail("the size was asked again"))
+    with blobs.open_read(path, len(DATA)) as f:
+        assert f.seek(-10, 2) == len(DATA) - 10 and f.read() == DATA[-10:]

@@ -221,7 +221,8 @@ def test_the_index_read_touches_a_few_kilobytes(local_store, monkeypatch):
     from inferscale.artifacts.blobs import LocalBlobs
 
     orig = LocalBlobs.open_read
-    monkeypatch.setattr(LocalBlobs, "open_read", lambda self, p: Counting(orig(self, p)))
+    monkeypatch.setattr(LocalBlobs, "open_read",
+                        lambda self, p, *size: Counting(orig(self, p, *size)))
     index = FactReader(local_store, FP).index("erin", r.version)
     assert len(index.rows) == 41 and 0 < sum(reads) < size / 20, (sum(reads), size)
     assert pa.ipc.open_file(path).num_record_batches == 1
