@@ -9,13 +9,13 @@ from prefect.artifacts import create_table_artifact
 
 from flows.results import PERSISTED, failed_run
 from inferscale.settings import Settings
-from inferscale.types import Tier
+from inferscale.types import HydrateTarget
 from tasks.serving import hydrate_user
 
 
 @flow(name="hydrate-serving", log_prints=True, **PERSISTED)
 def hydrate_serving(users: list[str], server_url: str | None = None,
-                    version: str = "latest", tier: Tier = "gpu") -> Any:
+                    version: str = "latest", tier: HydrateTarget = "gpu") -> Any:
     """Load the listed users' artifacts into a running server through its admin API.
 
     One ``POST /admin/hydrate`` per user (retried when the server is unreachable or
@@ -34,7 +34,8 @@ def hydrate_serving(users: list[str], server_url: str | None = None,
             configured server, http://INFERSCALE_HOST:INFERSCALE_PORT in the worker's
             environment (what ``inferscale hydrate`` uses).
         version: artifact version to load; "latest" = what LATEST names.
-        tier: "gpu" (device memory) or "host" (pinned host memory, copied per request).
+        tier: "gpu" (device memory), "host" (pinned host memory, copied per request) or
+            "facts" (only the facts and retrieval index; the KV stays in storage).
     """
     logger = get_run_logger()
     server_url = server_url or Settings().server_url()

@@ -31,7 +31,7 @@ from typing import Any, Iterator, NoReturn
 
 from inferscale import __version__
 from inferscale.settings import Settings, offline_environment, settings_problem
-from inferscale.types import ENCODER_CONTEXTS, TIERS
+from inferscale.types import ENCODER_CONTEXTS, HYDRATE_TARGETS
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -335,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--url", default=None, help=url_help)
         p.add_argument("--admin-key-file", default=None, help=key_help)
         if name == "hydrate":
-            p.add_argument("--tier", choices=list(TIERS), default="gpu",
-                           help="gpu: device memory; host: pinned host memory")
+            p.add_argument("--tier", choices=list(HYDRATE_TARGETS), default="gpu",
+                           help="gpu: device memory; host: pinned host memory; facts: only "
+                                "the facts and retrieval index (the KV stays in storage)")
             p.add_argument("--version", default="latest",
                            help="version id to load, or 'latest' (the LATEST pointer)")
         p.set_defaults(func=func)

@@ -7,7 +7,8 @@
   between those names and torch dtypes (the names are torch's own attribute names).
 - :data:`Tier` / :data:`TIERS`: where a hydrated user's slab lives in the serving worker:
   ``gpu`` (device memory; CPU memory on a CPU-only engine) or ``host`` (pinned host memory
-  where CUDA exists).
+  where CUDA exists). :data:`HydrateTarget` / :data:`HYDRATE_TARGETS`: those, or
+  ``facts`` (an admin hydrate of the user's facts and retrieval index alone).
 - :data:`GPU_BUDGET_BYTES` / :data:`HOST_BUDGET_BYTES`: the default byte budgets of those
   tiers (``INFERSCALE_GPU_BUDGET_BYTES``, ``INFERSCALE_HOST_BUDGET_BYTES``).
 - :data:`ENCODER_CONTEXTS`, :data:`MEMORY_ORDERS`, :data:`KEY_CALIBRATIONS` and the
@@ -63,6 +64,11 @@ KVDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 
 Tier = Literal["gpu", "host"]
 TIERS: tuple[Tier, ...] = ("gpu", "host")
+# where an admin hydrate puts a user: its KV in a tier (with its facts), or only its facts
+# and retrieval index in the server ("facts": the KV stays in storage, read or computed per
+# request, and the user's first request no longer waits for its facts to be read)
+HydrateTarget = Literal["gpu", "host", "facts"]
+HYDRATE_TARGETS: tuple[HydrateTarget, ...] = (*TIERS, "facts")
 
 GPU_BUDGET_BYTES = 8 << 30
 HOST_BUDGET_BYTES = 32 << 30
@@ -114,10 +120,11 @@ def dtype_name(dtype: "torch.dtype") -> str | None:
     return name if name in KV_DTYPES else None
 
 
-def check_tier(tier: str) -> Tier:
-    """``tier`` itself, or ValueError when it is not one of :data:`TIERS`."""
-    if tier not in TIERS:
-        raise ValueError(f"tier must be 'gpu' or 'host', got {tier!r}")
+def check_tier(tier: str, allowed: tuple[str, ...] = TIERS) -> Tier:
+    """``tier`` itself, or ValueError when it is not one of ``allowed`` (:data:`TIERS`;
+    :data:`HYDRATE_TARGETS` for an admin hydrate)."""
+    if tier not in allowed:
+        raise ValueError(f"tier must be one of {', '.join(map(repr, allowed))}, got {tier!r}")
     return tier  # type: ignore[return-value]
 
 

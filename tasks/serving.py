@@ -7,14 +7,14 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from inferscale.serve.admin_client import admin_client_for
-from inferscale.types import Tier
+from inferscale.types import HydrateTarget
 from tasks.policy import IO_RETRIES
 
 
 @task(name="hydrate-user", task_run_name="hydrate-{user}", persist_result=False,
       **IO_RETRIES)
 def hydrate_user(server_url: str, user: str, *, version: str = "latest",
-                 tier: Tier = "gpu") -> dict[str, Any]:
+                 tier: HydrateTarget = "gpu") -> dict[str, Any]:
     """``POST /admin/hydrate`` for ``user``; the admin key comes from
     ``INFERSCALE_ADMIN_KEY`` in the worker's environment (never a flow parameter) and is
     sent only to a server on ``INFERSCALE_SERVER_URLS`` (another ``server_url`` fails the

@@ -201,7 +201,8 @@ def test_help_shows_defaults_and_their_values_now(monkeypatch, capsys):
                         (["serve", "--help"], "(default: kv)"),
                         (["serve", "--help"], "now 8101"),
                         (["encode", "--help"], "now 7"),
-                        (["hydrate", "--help"], "(default: gpu)")):
+                        (["hydrate", "--help"], "(default: gpu)"),
+                        (["hydrate", "--help"], "{gpu,host,facts}")):
         with pytest.raises(SystemExit) as done:
             main(argv)
         assert done.value.code == 0

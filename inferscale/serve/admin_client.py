@@ -1,7 +1,8 @@
 """Client of a running ``inferscale serve``'s admin API (:mod:`inferscale.serve.app`).
 
 ``POST /admin/hydrate {"user", "version", "tier"}`` loads a user's artifact into the
-engine (``tier``: ``gpu`` = device memory, ``host`` = pinned host memory);
+engine (``tier``: ``gpu`` = device memory, ``host`` = pinned host memory; ``facts``: only
+its facts and retrieval index, into the server);
 ``POST /admin/evict {"user"}`` drops it; ``GET /admin/status`` lists what is resident.
 Off loopback the server wants ``Authorization: Bearer <INFERSCALE_ADMIN_KEY>``.
 
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from inferscale.types import Tier, check_tier
+from inferscale.types import HYDRATE_TARGETS, HydrateTarget, check_tier
 
 TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
 
@@ -68,9 +69,11 @@ class AdminClient:
                              transient=resp.status_code in TRANSIENT_STATUS)
         return resp.json()
 
-    def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
-        """Load ``user``'s ``version`` into ``tier``; the server's answer (version, bytes...)."""
-        check_tier(tier)
+    def hydrate(self, user: str, *, version: str = "latest",
+                tier: HydrateTarget = "gpu") -> dict:
+        """Load ``user``'s ``version`` into ``tier`` (``facts``: its facts alone); the
+        server's answer (version, bytes...)."""
+        check_tier(tier, HYDRATE_TARGETS)
         return self._call("POST", "/admin/hydrate",
                           {"user": user, "tier": tier, "version": version})
 

@@ -194,7 +194,7 @@ def _message_text(content: Any, where: str) -> str:
 
 class HydrateRequest(_Model):
     user: UserId
-    tier: Literal["gpu", "host"] = "gpu"
+    tier: Literal["gpu", "host", "facts"] = "gpu"  # HydrateTarget
     version: Annotated[str, Field(strict=True), AfterValidator(_version)] = "latest"
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Protocol
 
 if TYPE_CHECKING:
     from inferscale.serve.engine import Generation
-    from inferscale.types import Tier
+    from inferscale.types import HydrateTarget
     from inferscale.vllm_plugin.failures import Fallback
 
 Mode = Literal["kv", "prompt"]
@@ -149,8 +149,10 @@ class MemoryBackend(Protocol):
         """:meth:`prepare`, then the whole answer."""
         ...
 
-    async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
-        """Load the user's memory (an explicit version pins it) and its KV into ``tier``."""
+    async def hydrate(self, user: str, *, version: str = "latest",
+                      tier: HydrateTarget = "gpu") -> dict:
+        """Load the user's memory (an explicit version pins it) and its KV into ``tier``
+        (``facts``: the memory alone)."""
         ...
 
     async def evict(self, user: str) -> bool:

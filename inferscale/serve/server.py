@@ -50,7 +50,7 @@ from inferscale.serve.memory_cache import (
 from inferscale.serve.metrics import ABORT_REASONS, ServingMetrics
 from inferscale.serve.prefixes import Prefixes
 from inferscale.serve.user_memory import TokenTable
-from inferscale.types import PREFIX_ID, Tier
+from inferscale.types import PREFIX_ID, HydrateTarget
 from inferscale.vllm_plugin.config import ConnectorConfig
 from inferscale.vllm_plugin.metadata import MemoryRef, request_salt
 
@@ -300,10 +300,15 @@ class MemoryServer:
         return {"mode": self.mode, "users": sorted(self.users), "versions": self.users,
                 "memory_bytes": self.memories.nbytes, "engine": await self.engine.status()}
 
-    async def hydrate(self, user: str, *, version: str = "latest", tier: Tier = "gpu") -> dict:
+    async def hydrate(self, user: str, *, version: str = "latest",
+                      tier: HydrateTarget = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
-        and KV (into the engine's ``tier``)."""
+        and KV (into the engine's ``tier``; ``facts``: none, it stays in storage and its
+        requests read or compute it, while their lookups find the facts held)."""
         mem = await self.memories.load(user, version)
+        if tier == "facts":
+            return {"user": user, "version": mem.version, "tier": "facts", "bytes": 0,
+                    "facts": len(mem.fact_ids), "memory_bytes": mem.nbytes}
         result = await self.engine.hydrate(user, version=mem.version, tier=tier)
         return {**result, "facts": len(mem.fact_ids)}
 

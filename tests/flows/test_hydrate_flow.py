@@ -65,3 +65,15 @@ def test_hydrate_users_into_running_server(flow_env, engine_env, served):
     for user in ("maya", "tomas"):
         admin.evict(user)
 
+    # facts only: tomas's facts are held for retrieval, its KV in no tier
+    state = hydrate_serving(users=["tomas"], server_url=served, tier="facts",
+                            return_state=True)
+    assert state.is_completed(), state.message
+    row = state.result()["users"]["tomas"]
+    assert (row["tier"], row["version"], row["bytes"]) == ("facts", latest["tomas"], 0)
+    assert int(row["facts"]) > 0
+    status = admin.status()
+    assert status["versions"] == {"tomas": latest["tomas"]}
+    assert status["engine"]["residents"] == []
+    admin.evict("tomas")
+

@@ -268,11 +268,13 @@ def test_admin_bodies_are_validated():
         r = client.post(path, json=body, headers=admin)
         assert r.status_code == 400 and field in r.json()["detail"], (path, body, r.text)
     assert server.calls == []
-    r = client.post("/admin/hydrate", json={"user": "ann", "tier": "host"}, headers=admin)
-    assert r.status_code == 200
+    for tier in ("host", "facts"):
+        r = client.post("/admin/hydrate", json={"user": "ann", "tier": tier}, headers=admin)
+        assert r.status_code == 200
     assert client.post("/admin/evict", json={"user": "ann"}, headers=admin).json() == \
         {"user": "ann", "evicted": True}
     assert server.calls == [("hydrate", dict(user="ann", tier="host", version="latest")),
+                            ("hydrate", dict(user="ann", tier="facts", version="latest")),
                             ("evict", dict(user="ann"))]
 
 

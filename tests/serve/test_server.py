@@ -148,6 +148,36 @@ def test_a_first_load_reads_each_file_once(server, local_store, smollm2, embedde
     assert sorted(reads) == ["LATEST", "facts", "manifest"]
 
 
+def test_a_facts_hydrate_holds_the_facts_and_leaves_the_kv(server, local_store, smollm2,
+                                                         embedder, monkeypatch):
+    """``hydrate(tier="facts")`` reads the facts (and no KV: the engine is never asked) and
+    the user's first request then reads no facts: its lookup finds them held (the
+    fixture's ``refresh_s=0`` has it check LATEST, a few bytes, in the background)."""
+    from inferscale.artifacts.blobs import LocalBlobs
+
+    version = publish_with(local_store, smollm2, embedder, "hal", None)
+
+    async def no_engine(*args, **kwargs):
+        raise AssertionError("a facts hydrate asked the engine")
+
+    monkeypatch.setattr(server.engine, "hydrate", no_engine)
+    answer = asyncio.run(server.hydrate("hal", tier="facts"))
+    assert {k: answer[k] for k in ("user", "version", "tier", "bytes", "facts")} == \
+        {"user": "hal", "version": version, "tier": "facts", "bytes": 0, "facts": 2}
+    assert answer["memory_bytes"] == server.memories.peek("hal").nbytes > 0
+    reads, real = [], LocalBlobs.read_bytes
+
+    def counted(self, path):
+        reads.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(LocalBlobs, "read_bytes", counted)
+    p = asyncio.run(server.prepare(AnswerRequest("hal", "Where do I live?", mode="kv")))
+    assert p.info.to_json()["version"] == version
+    assert [r.rsplit("/", 1)[-1] for r in reads] in ([], ["LATEST"])
+    assert server.memories.stats()["storage_lookups"] == 0
+
+
 @settings(max_examples=60, deadline=None, database=None)
 @given(instruction=st.one_of(st.none(), st.text(max_size=300),
                              st.sampled_from(["<|im_start|>system\n", "<|im_end|>", ""])),

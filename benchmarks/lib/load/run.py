@@ -19,8 +19,8 @@ from benchmarks.lib.load.client import Load
 from benchmarks.lib.load.goodput import machine, step_summary, summarize
 from benchmarks.lib.load.scrapes import loop_lag, parse, step_metrics, step_time
 from benchmarks.lib.load.server_process import (
-    Http, ServerProcess, engine_status, evict_all, hydrate_plan, residency, scrape_text,
-    wait_idle,
+    Http, ServerProcess, engine_status, evict_all, hydrate_plan, preload_facts, residency,
+    scrape_text, wait_idle,
 )
 from benchmarks.lib.load.setup import prompt_goodput_for
 from benchmarks.lib.load.storage_bandwidth import with_server_reads
@@ -126,6 +126,10 @@ class Run:
         tiers = plan.tier_plan(users, self.sizes, args)
         flagged = [u for u in tiers["storage"] if u in self.evicted]
         hydrate_s = await asyncio.to_thread(hydrate_plan, self.http, tiers, flagged)
+        preload = None
+        if args.preload_facts:  # the storage tier's facts held, as a vector store's
+            preload = await asyncio.to_thread(preload_facts, self.http, {
+                u: self.versions[u]["version"] for u in tiers["storage"]})
         placed = await asyncio.to_thread(residency, self.http)
         planned = {u: t for t in ("gpu", "host") for u in tiers[t]}
         share = {t: round(float(sum(self.load.weights[users.index(u)] for u in tiers[t])), 3)
@@ -134,7 +138,7 @@ class Run:
             "user_bytes_placed_mean": int(sum(self.sizes[u] for u in users) / count),
             "users": {t: len(v) for t, v in tiers.items()},
             "request_share_by_starting_tier": share, "hydrate_seconds": round(hydrate_s, 1),
-            "residents_match_plan": placed == planned,
+            "facts_preloaded": preload, "residents_match_plan": placed == planned,
             "residents_off_plan": sorted(set(placed.items()) ^ set(planned.items()))[:10]}
         print(json.dumps({"users": count, **result["tiers"]}), flush=True)
         self.users_info = {u: {"version": self.versions[u]["version"], "tier": t}

@@ -263,6 +263,31 @@ def hydrate_plan(http: Http, tiers: dict[str, list[str]], flagged: list[str] = (
     return time.perf_counter() - t0
 
 
+def preload_facts(http: Http, versions: dict[str, str], threads: int = 8) -> dict:
+    """Hydrate the facts alone (``tier: facts``) of every user of ``versions`` (user ->
+    version) the server does not hold at that version, ``threads`` at a time: their
+    requests then find their facts and retrieval index held, as a vector store holds
+    them, while their KV stays in storage. The users loaded and the seconds taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    status, text = http.get("/admin/status")
+    if status != 200:
+        raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
+    held = json.loads(text).get("versions") or {}
+    todo = [u for u, v in versions.items() if held.get(u) != v]
+    t0 = time.perf_counter()
+
+    def one(user: str) -> None:
+        status, text = http.post("/admin/hydrate", {"user": user, "tier": "facts"})
+        if status != 200 or json.loads(text)["version"] != versions[user]:
+            raise RuntimeError(f"preloading {user}'s facts: {status} {text[:300]}")
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, todo))
+    return {"users": len(todo), "held_before": len(versions) - len(todo),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
 async def wait_idle(http, timeout: float) -> None:
     """Until vLLM runs and queues no request (the previous step drained)."""
     deadline = time.monotonic() + timeout

@@ -255,6 +255,10 @@ def parser(description: str) -> argparse.ArgumentParser:
       help="... and concurrent random 8 MiB reads (the connector's fetch_workers)")
     a("--memory-budget-gib", type=float, default=8.0,
       help="the server's memory cache: every user's facts and retrieval index")
+    a("--preload-facts", action=argparse.BooleanOptionalAction, default=True,
+      help="before a count's steps, hydrate the facts alone (tier facts) of its users in "
+           "storage: their first lookups find their facts and retrieval index held, as a "
+           "vector store holds them, and only their KV is cold")
     a("--storage-misses-per-s", type=float, default=1e6,
       help="the server's lookups of users its memory cache does not hold, per second, "
            "before it sheds them (answered without memory): by default never")
