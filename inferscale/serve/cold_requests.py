@@ -1,8 +1,10 @@
 """The server's side of the compute-or-load split (:mod:`inferscale.serve.cold_split`).
 
 :class:`ColdRequests` decides each ``kv`` request's split at composition, from the
-estimates of now (vLLM's stats of finished requests, and the workers' storage statistics,
-read at most every ``poll_s``); asks the workers to start reading the split's chunks
+estimates of now (vLLM's stats of finished requests, the workers' storage statistics,
+read at most every ``poll_s``, and the prefill this server handed the engine that is
+still ahead: :class:`~inferscale.serve.prefill_queue.PrefillQueue`, which every request
+enters when it is handed over and leaves at its first token); asks the workers to start reading the split's chunks
 before the engine sees the request (the ``inferscale_prefetch`` RPC, sent ahead of it on
 the same socket), unless the user was in a tier when last seen; and, once the request
 has finished, feeds the estimator, remembers where the user was found, and reports a
@@ -19,6 +21,7 @@ from collections import OrderedDict
 from inferscale.serve.backend import AnswerInfo
 from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
 from inferscale.serve.engine import Generation, MemoryEngine
+from inferscale.serve.prefill_queue import PrefillQueue
 from inferscale.vllm_plugin.metadata import MemoryRef
 
 log = logging.getLogger("inferscale.serve")
@@ -33,6 +36,7 @@ class ColdRequests:
         self.estimator = LoadEstimator(self.config)
         self._poll: asyncio.Future | None = None  # the workers' storage statistics
         self._resident: OrderedDict[str, bool] = OrderedDict()  # user -> last seen in a tier
+        self.queue = PrefillQueue()  # prefill handed to the engine, not come back yet
 
     @property
     def on(self) -> bool:
@@ -49,8 +53,27 @@ class ColdRequests:
             self._poll = asyncio.ensure_future(engine.storage_stats())
             self._poll.add_done_callback(self._storage_stats)
         pinned = self.config.pinned_chunks if self.config.mode == "pinned" else None
-        return split(lengths, row_bytes, self.estimator.estimates(),
+        return split(lengths, row_bytes, self.estimator.estimates(ahead_s=self.queue.ahead()),
                      self.config.deadline_factor, pinned)
+
+    def handed_over(self, prompt_tokens: int, ref: MemoryRef | None, s: Split | None) -> int:
+        """Enter a request handed to the engine in the prefill queue with its predicted
+        prefill: a busy step plus ``c`` a token it computes (its prompt less the memory a
+        tier or the split's read gives it; a user neither answered nor hydrated yet counts
+        as in storage, as for the prefetch); the handle for :meth:`came_back`."""
+        injected = 0
+        if ref is not None:
+            if self._resident.get(ref.user):
+                injected = sum(ref.lengths)
+            elif s is not None:
+                injected = s.tokens
+        est = self.estimator.estimates()
+        return self.queue.submit(
+            est.step_s + est.compute_s_per_token * max(0, prompt_tokens - injected))
+
+    def came_back(self, handle: int) -> None:
+        """The request's first token came, or it ended without one."""
+        self.queue.done(handle)
 
     def _storage_stats(self, done: asyncio.Future) -> list[dict] | None:
         if done.cancelled() or done.exception() is not None:
@@ -74,11 +97,13 @@ class ColdRequests:
         def done(t: asyncio.Future) -> None:
             stats = self._storage_stats(t)
             if stats:
-                self._seen(ref.user, all(r.get("resident") for r in stats))
+                self.seen(ref.user, all(r.get("resident") for r in stats))
 
         task.add_done_callback(done)
 
-    def _seen(self, user: str, resident: bool) -> None:
+    def seen(self, user: str, resident: bool) -> None:
+        """Where ``user`` was found (an answer) or put (an admin hydrate or eviction): in a
+        tier or not."""
         self._resident[user] = resident
         self._resident.move_to_end(user)
         while len(self._resident) > REMEMBERED:
@@ -93,9 +118,9 @@ class ColdRequests:
         if ref is None:
             return
         if cold is not None:
-            self._seen(ref.user, False)
+            self.seen(ref.user, False)
             info.cold = {"facts_loaded": cold.loaded, "facts_computed": cold.computed,
                          "bytes_read": gen.reply.storage_bytes,
                          "split": s.info() if s else None}
         elif tiers.get("gpu") or tiers.get("host"):
-            self._seen(ref.user, True)
+            self.seen(ref.user, True)

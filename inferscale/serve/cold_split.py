@@ -46,7 +46,10 @@ requests that did not wait for a read (theirs includes the read), decaying to th
 while nothing finishes, and 0 while vLLM's latest scheduler stats (at most
 ``queue_fresh_s`` old) say no request waits: a past burst's queue times outlive the queue
 in the average, and on an H100 reads chosen to hide in such a stale wait were the slowest
-answers of the step after a warm-up burst; ``c`` what a prompt token adds to a busy
+answers of the step after a warm-up burst; and at least the prefill the server itself
+handed the engine that is still ahead (:class:`~inferscale.serve.prefill_queue.
+PrefillQueue`): a request arriving during another's long prefill step waits out the
+rest of it, a wait vLLM's counts never show; ``c`` what a prompt token adds to a busy
 engine step (the scheduler's fit of step times against the prompt tokens scheduled,
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the largest over ranks), and
 until that fit has spread enough steps the slope of a windowed least-squares fit of
@@ -150,6 +153,8 @@ class Estimates:
     prefill_busy: float = 0.0  # ρ, already capped
     read_overhead_s: float = 0.0  # o: a read's time besides its rows
     request_fit_s_per_token: float | None = None  # the requests' fit of c (reported only)
+    step_s: float = 0.0  # a busy engine step (a request's prefill costs one besides c T)
+    prefill_ahead_s: float = 0.0  # the server's own prefill queue ahead (in wait_s)
 
     @property
     def priced_s_per_token(self) -> float:
@@ -162,6 +167,7 @@ class Estimates:
                 "queued_bytes": self.queued_bytes, "overhead_ms": self.overhead_s * 1e3,
                 "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy,
                 "read_overhead_ms": self.read_overhead_s * 1e3,
+                "step_ms": self.step_s * 1e3, "prefill_ahead_ms": self.prefill_ahead_s * 1e3,
                 "request_fit_us_per_token": None if self.request_fit_s_per_token is None
                 else self.request_fit_s_per_token * 1e6}
 
@@ -352,7 +358,11 @@ class LoadEstimator:
 
     # ------------------------------------------------------------------ now
 
-    def estimates(self, now: float | None = None) -> Estimates:
+    def estimates(self, now: float | None = None, ahead_s: float = 0.0) -> Estimates:
+        """The estimates of now; ``ahead_s``: the prefill the server handed the engine
+        that is still ahead (:class:`~inferscale.serve.prefill_queue.PrefillQueue`), a
+        floor of ``W``: a request arriving during a long prefill step waits for it
+        though vLLM reports nothing waiting."""
         now = time.monotonic() if now is None else now
         cfg = self.config
         bandwidth = min(self._bandwidth.values(), default=cfg.bandwidth_prior)
@@ -364,9 +374,10 @@ class LoadEstimator:
         c = max(self._token_s.values(), default=0.0) or fit  # the steps' fit once it has one
         busy = max((max(b, rate * c + base) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
                     for b, rate, base, at in self._busy.values()), default=0.0)
-        return Estimates(self._wait_now(now), c, bandwidth, queued,
+        ahead_s = ahead_s if 0.0 < ahead_s < math.inf else 0.0
+        return Estimates(max(self._wait_now(now), ahead_s), c, bandwidth, queued,
                          cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
-                         max(self._read_overhead.values(), default=0.0), fit)
+                         max(self._read_overhead.values(), default=0.0), fit, step, ahead_s)
 
 
 def _bound(pending: OrderedDict, most: int = 4096) -> None:

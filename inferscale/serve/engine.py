@@ -285,6 +285,12 @@ class MemoryEngine:
         return _combined(results, {"bytes": sum(r["bytes"] for r in results),
                                    "seconds": max(r["seconds"] for r in results)})
 
+    async def prime_index(self, user: str, version: str) -> bool:
+        """Have every worker read ``user``'s ``version`` chunk index into its cache, in the
+        background (a hydrate of the user's facts alone); whether every rank started."""
+        return all(await self.llm.collective_rpc("inferscale_prime_index",
+                                                 args=(user, version)))
+
     async def evict(self, user: str) -> bool:
         """Drop ``user`` on every rank; True if any rank held it."""
         removed = await self.llm.collective_rpc("inferscale_evict", args=(user,))

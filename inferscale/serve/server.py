@@ -246,6 +246,7 @@ class MemoryServer:
         first = gen = None
         progress = Progress()
         p, request = prepared, prepared.request
+        queued = self.cold.handed_over(len(p.ids), p.ref, p.split)
         try:
             await self.cold.prefetch(self.engine, p.ref, p.split)
             async with aclosing(self.engine.generate_stream(
@@ -258,10 +259,13 @@ class MemoryServer:
                         continue
                     if first is None:
                         first = time.perf_counter()
+                        self.cold.came_back(queued)
                     yield item
         except (asyncio.CancelledError, GeneratorExit) as exc:
             self._aborted(p, exc, progress.tokens)
             raise
+        finally:
+            self.cold.came_back(queued)
         assert gen is not None
         info, reply = p.info, gen.reply
         info.timings_ms.engine_ttft = gen.ttft_s * 1e3
@@ -304,16 +308,22 @@ class MemoryServer:
                       tier: HydrateTarget = "gpu") -> dict:
         """Load ``user``'s facts (for retrieval; an explicit version pins the user to it)
         and KV (into the engine's ``tier``; ``facts``: none, it stays in storage and its
-        requests read or compute it, while their lookups find the facts held)."""
+        requests read or compute it, while their lookups find the facts held and, in
+        ``kv`` mode, the workers its chunk index: ``index_primed``)."""
         mem = await self.memories.load(user, version)
         if tier == "facts":
+            primed = self.mode == "kv" and self.engine is not None and \
+                await self.engine.prime_index(user, mem.version)
             return {"user": user, "version": mem.version, "tier": "facts", "bytes": 0,
-                    "facts": len(mem.fact_ids), "memory_bytes": mem.nbytes}
+                    "facts": len(mem.fact_ids), "memory_bytes": mem.nbytes,
+                    "index_primed": primed}
         result = await self.engine.hydrate(user, version=mem.version, tier=tier)
+        self.cold.seen(user, True)
         return {**result, "facts": len(mem.fact_ids)}
 
     async def evict(self, user: str) -> bool:
         self.memories.drop(user)
+        self.cold.seen(user, False)
         return await self.engine.evict(user)
 
     async def render_metrics(self) -> bytes:

@@ -93,10 +93,11 @@ class ConnectorWorker:
             self.store, config.model_fingerprint, config.artifact_root, config.storage_options,
             config.reload_workers, config.reload_bytes_per_s, direct_io=config.direct_io,
             yield_to=lambda: self.fetches.busy)
-        reader = FactReader(config.store(), config.model_fingerprint, config.fetch_workers,
-                            geometry=self.geometry) if config.artifact_root else None
+        reader = None if not config.artifact_root else FactReader(
+            config.store(), config.model_fingerprint, config.fetch_workers, config.index_cache,
+            geometry=self.geometry)
         self.fetches = StorageReads(self.store, reader, config.model_fingerprint,
-                               config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
+                                    config.fetch_timeout_s, keep_s=config.prefetch_keep_s)
         self._received: set[str] = set()  # reads reported finished this step
         # for /metrics: busy engine steps (timed by the scheduler), injection (GPU time)
         self.step_time = Histogram()
@@ -177,13 +178,12 @@ class ConnectorWorker:
         worker holds that version of the user (its own store decides) or has no store to
         read from; then :meth:`storage_stats` with ``resident`` and ``started``."""
         held = self.store.held(user)
-        resident = held is not None and held.version == version
+        resident, started = held is not None and held.version == version, False
         if resident:
             self.fetches.prefetches["resident"] += 1
-        elif self.fetches.reader is not None:
+        elif started := self.fetches.reader is not None:
             self.fetches.prefetch(user, version, chunks, deadline_s, nbytes)
-        return {**self.storage_stats(), "resident": resident,
-                "started": not resident and self.fetches.reader is not None}
+        return {**self.storage_stats(), "resident": resident, "started": started}
 
     def storage_stats(self) -> dict:
         """For the compute-or-load split (the keys: :meth:`LoadEstimator.storage`)."""

@@ -88,6 +88,11 @@ class InferScaleWorkerExtension:
         the user; returns this worker's storage statistics."""
         return connector_worker().prefetch(user, version, list(chunks), deadline_s, nbytes)
 
+    def inferscale_prime_index(self, user: str, version: str) -> bool:
+        """Start reading ``user``'s ``version`` chunk index into this worker's cache (an
+        admin hydrate of the user's facts alone); False without a store to read from."""
+        return connector_worker().fetches.prime(user, version)
+
     def inferscale_storage_stats(self) -> dict:
         """This worker's storage statistics for the server's compute-or-load split."""
         return connector_worker().storage_stats()

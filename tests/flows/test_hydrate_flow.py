@@ -75,5 +75,6 @@ def test_hydrate_users_into_running_server(flow_env, engine_env, served):
     status = admin.status()
     assert status["versions"] == {"tomas": latest["tomas"]}
     assert status["engine"]["residents"] == []
+    assert admin.hydrate("tomas", tier="facts")["index_primed"] is True  # on every worker
     admin.evict("tomas")
 

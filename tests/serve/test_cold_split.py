@@ -569,3 +569,63 @@ def test_the_fifth_h100_run_numbers():
         rho = tokens_per_s * 21e-6 + (steps_per_s * 6.3e-3 if with_bases else 0.0)
         e = Estimates(prefill_busy=min(0.9, rho), **at)
         assert (split(lengths, 65_536, e).chunks > 0) == loads, (tokens_per_s, with_bases)
+
+
+def test_the_prefill_ahead_is_a_floor_of_the_wait():
+    """While vLLM's fresh stats say nothing waits, W is 0, yet a request arriving during
+    another's long prefill step waits for the rest of it: the server's own prefill queue
+    (``ahead_s``) is a floor of W; a larger average wins; a non-finite or negative one
+    counts as none."""
+    est = LoadEstimator(ColdSplitConfig(alpha=1.0))
+    est.queue(0, at=0.0)
+    assert est.estimates(now=0.1).wait_s == 0.0
+    e = est.estimates(now=0.1, ahead_s=0.04)
+    assert (e.wait_s, e.prefill_ahead_s, e.info()["prefill_ahead_ms"]) == (0.04, 0.04, 40.0)
+    for bad in (math.inf, math.nan, -1.0):
+        assert est.estimates(now=0.1, ahead_s=bad).wait_s == 0.0
+    est.observe(0.3, 0.01, 100, read=False, now=2.0)  # requests waited 0.3 s of late
+    assert est.estimates(now=2.0, ahead_s=0.04).wait_s == pytest.approx(0.3)
+
+
+def test_a_cold_request_behind_another_loads_during_its_prefill():
+    """The fifth H100 run's 5 rps (c 21 us, fp8 rows of 64 KiB at 2.05 GB/s, steps of
+    ~7.7 ms: D ~12 ms, ρ ~0.1): a cold request arriving alone prefills everything; one
+    arriving 10 ms into another cold request's ~60 ms prefill reads its facts during the
+    50 ms it waits, once a read's overhead is the chunk index held (~5.5 ms: staging and
+    placing) rather than read (~44 ms, which leaves nothing worth loading)."""
+    lengths = [100] + [48] * 49
+    at = dict(bandwidth=2.05e9, queued_bytes=0.0, overhead_s=1.5 * 7.7e-3,
+              compute_s_per_token=21e-6, prefill_busy=0.1)
+    for o, ahead, loads in ((5.5e-3, 0.0, False), (5.5e-3, 0.05, True),
+                            (44e-3, 0.05, False)):
+        s = split(lengths, 65_536, Estimates(wait_s=ahead, read_overhead_s=o, **at))
+        assert (s.chunks > 0) == loads, (o, ahead)
+        if loads:  # its first token no later than computing it all behind the other
+            assert s.read_s + at["overhead_s"] <= ahead + 21e-6 / 0.9 * sum(lengths)
+
+
+def test_a_request_enters_the_prefill_queue_with_what_it_computes():
+    """ColdRequests.handed_over: a busy step plus c a computed token: all of its prompt
+    for a user in storage (or never seen), its prompt less the memory for a resident
+    (an admin hydrate says so), less the split's tokens for a cold user whose split
+    reads; a prompt-mode request computes everything; each leaves at its first token."""
+    from inferscale.serve.cold_requests import ColdRequests
+    from inferscale.vllm_plugin.metadata import MemoryRef
+
+    cold = ColdRequests(ColdSplitConfig(compute_prior_s=20e-6, step_prior_s=0.01))
+    ref = MemoryRef("ann", "a" * 32, ("prefix", "f1", "f2"), (100, 900, 1000))
+    s = split([100, 900, 1000], 65_536, Estimates(0.0, 20e-6, 1e12, 0.0, 0.0))
+    assert s.tokens == 2000  # storage faster than compute: all of it read
+    ahead = []
+    for resident, split_ in ((None, None), (True, None), (False, s), (False, None)):
+        if resident is not None:
+            cold.seen("ann", resident)
+        h = cold.handed_over(2_100, ref, split_)
+        ahead.append(cold.queue.ahead())
+        cold.came_back(h)
+        assert cold.queue.ahead() == 0.0 and len(cold.queue) == 0
+    h = cold.handed_over(2_100, None, None)
+    ahead.append(cold.queue.ahead())
+    cold.came_back(h)
+    full, less = 0.01 + 20e-6 * 2_100, 0.01 + 20e-6 * 100
+    assert ahead == pytest.approx([full, less, less, full, full], abs=1e-3)

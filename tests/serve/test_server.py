@@ -150,7 +150,8 @@ def test_a_first_load_reads_each_file_once(server, local_store, smollm2, embedde
 
 def test_a_facts_hydrate_holds_the_facts_and_leaves_the_kv(server, local_store, smollm2,
                                                          embedder, monkeypatch):
-    """``hydrate(tier="facts")`` reads the facts (and no KV: the engine is never asked) and
+    """``hydrate(tier="facts")`` reads the facts (and no KV: the engine is only asked to
+    prime the workers' chunk index) and
     the user's first request then reads no facts: its lookup finds them held (the
     fixture's ``refresh_s=0`` has it check LATEST, a few bytes, in the background)."""
     from inferscale.artifacts.blobs import LocalBlobs
@@ -160,10 +161,20 @@ def test_a_facts_hydrate_holds_the_facts_and_leaves_the_kv(server, local_store, 
     async def no_engine(*args, **kwargs):
         raise AssertionError("a facts hydrate asked the engine")
 
+    primed = []
+
+    async def prime_index(user, v):  # the workers' RPC, which needs a running engine
+        primed.append((user, v))
+        return True
+
     monkeypatch.setattr(server.engine, "hydrate", no_engine)
+    monkeypatch.setattr(server.engine, "prime_index", prime_index)
     answer = asyncio.run(server.hydrate("hal", tier="facts"))
-    assert {k: answer[k] for k in ("user", "version", "tier", "bytes", "facts")} == \
-        {"user": "hal", "version": version, "tier": "facts", "bytes": 0, "facts": 2}
+    assert {k: answer[k] for k in ("user", "version", "tier", "bytes", "facts",
+                                   "index_primed")} == \
+        {"user": "hal", "version": version, "tier": "facts", "bytes": 0, "facts": 2,
+         "index_primed": True}
+    assert primed == [("hal", version)]
     assert answer["memory_bytes"] == server.memories.peek("hal").nbytes > 0
     reads, real = [], LocalBlobs.read_bytes
 

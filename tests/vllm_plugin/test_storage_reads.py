@@ -276,3 +276,32 @@ def test_a_read_without_time_left_fails_at_once(local_store):
     fetches.submit(s)
     (got,) = fetches.done()
     assert got.error == "no time left for a read" and fetches.reader.bytes_read == 0
+
+
+def test_a_primed_index_is_read_in_the_background_and_spares_the_first_read(
+        local_store, caplog):
+    """``prime`` (an admin hydrate of the user's facts alone) reads the version's chunk
+    index on a thread of its own: the user's first read then reads no index (its
+    ``index`` phase is the cache's lookup). A version that cannot be read is logged, not
+    raised: the request's own read reports it. Without a reader nothing is primed."""
+    store, fetches, whole, version = setup(local_store)
+    reads, real = [], fetches.reader._read_index
+
+    def counted(user, v):
+        reads.append((user, v))
+        return real(user, v)
+
+    fetches.reader._read_index = counted
+    assert fetches.prime("ann", version) is True
+    fetches._priming.shutdown(wait=True)
+    assert reads == [("ann", version)]
+    fetches.submit(spec(whole, version, ["prefix", list(whole.index)[3]]))
+    (got,) = wait_done(fetches)
+    assert got.error is None and reads == [("ann", version)]  # the index came cached
+    store.release(got.resident.region)
+
+    _, other, _, _ = setup(local_store)
+    other.prime("ann", "f" * 32)
+    other._priming.shutdown(wait=True)
+    assert "priming user ann version ffffffffffff's chunk index failed" in caplog.text
+    assert StorageReads(store, None, FP).prime("ann", version) is False

@@ -149,8 +149,9 @@ def cold_decisions(ok: list[dict]) -> dict | None:
     """What the compute-or-load split saw when it decided the step's cold requests (the
     estimates each answer's ``cold.split`` carries, taken before the request ran, unlike
     the scrape's ``metrics.cold.estimates_at_end``): how many, their facts loaded and
-    computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait,
-    compute per token (the one used, and the requests' own fit), storage bandwidth and
+    computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait
+    (and of it the server's own prefill queue ahead, ``prefill_ahead_ms``), compute per
+    token (the one used, and the requests' own fit), storage bandwidth and
     a read's overhead; None when no answer reports a split."""
     cold = [r["cold"] for r in ok if isinstance(r.get("cold"), dict)]
     splits = [c["split"] for c in cold if isinstance(c.get("split"), dict)]
@@ -166,6 +167,7 @@ def cold_decisions(ok: list[dict]) -> dict | None:
             "facts_computed": sum(int(c.get("facts_computed") or 0) for c in cold),
             "requests_loading": sum(int(c.get("facts_loaded") or 0) > 0 for c in cold),
             "prefill_busy": stat("prefill_busy"), "wait_ms": stat("wait_ms"),
+            "prefill_ahead_ms": stat("prefill_ahead_ms"),
             "compute_us_per_token": stat("compute_us_per_token"),
             "request_fit_us_per_token": stat("request_fit_us_per_token"),
             "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s"),

@@ -101,6 +101,8 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         # requests' reads of single facts, and for those facts on the device
         staging_bytes=int(args.staging_gib * GIB),
         device_staging_bytes=int(args.device_staging_gib * GIB),
+        # every preloaded user's chunk index kept (~1 MB each, fp8 at the Llama shape)
+        index_cache=max(256, *args.counts) if args.preload_facts else 256,
         direct_io=args.storage_direct_io)  # reads from storage bypass the page cache
     from benchmarks.lib.load.server_process import free_port
 
@@ -258,7 +260,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--preload-facts", action=argparse.BooleanOptionalAction, default=True,
       help="before a count's steps, hydrate the facts alone (tier facts) of its users in "
            "storage: their first lookups find their facts and retrieval index held, as a "
-           "vector store holds them, and only their KV is cold")
+           "vector store holds them, the workers their chunk index, and only their KV "
+           "is cold")
     a("--storage-misses-per-s", type=float, default=1e6,
       help="the server's lookups of users its memory cache does not hold, per second, "
            "before it sheds them (answered without memory): by default never")
