@@ -4,9 +4,10 @@
 estimates of now (vLLM's stats of finished requests, the workers' storage statistics,
 read at most every ``poll_s``, and the prefill this server handed the engine that is
 still ahead: :class:`~inferscale.serve.prefill_queue.PrefillQueue`, which every request
-enters when it is handed over and leaves at its first token); asks the workers to start reading the split's chunks
-before the engine sees the request (the ``inferscale_prefetch`` RPC, sent ahead of it on
-the same socket), unless the user was in a tier when last seen; and, once the request
+enters when it is handed over and leaves at its first token); asks the workers to start
+reading the split's chunks before the engine sees the request (the ``inferscale_prefetch``
+RPC, sent ahead of it on the same socket), unless the user was in a tier when last seen
+(an answer, or the server's own hydrate or eviction, says); and, once the request
 has finished, feeds the estimator, remembers where the user was found, and reports a
 cold request's split in its answer. Event-loop thread only.
 """

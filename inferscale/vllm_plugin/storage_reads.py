@@ -48,7 +48,7 @@ from inferscale.hydrate.store import ResidentStore
 from inferscale.stats import Histogram, geometric
 from inferscale.vllm_plugin.metadata import FetchSpec
 
-log = logging.getLogger("inferscale.vllm_plugin")
+log = logging.getLogger("vllm.inferscale.connector")  # printed in every engine process
 FETCH_BUCKETS_S = geometric(0.001, 30.0, 1.5)
 PREFETCH_OUTCOMES = ("started", "adopted", "dropped", "resident")
 # a read's phases: the version's chunk index (cached after a user's first read), host
