@@ -89,6 +89,7 @@ class StorageReads:
         self.timeout_s, self.keep_s = timeout_s, keep_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inferscale-fetches")
         self._priming = ThreadPoolExecutor(1, thread_name_prefix="inferscale-index")
+        self.priming = self.primed = 0  # chunk indexes being primed, and primed (or failed)
         self._running: dict[str, _Read] = {}  # request id -> its read
         self._prefetched: dict[Key, list[_Read]] = {}  # not adopted yet, oldest first
         self._cancelled: set[str] = set()
@@ -108,9 +109,11 @@ class StorageReads:
     # ------------------------------------------------------------------ starting reads
 
     def status(self) -> dict:
-        """Reads done and failed, bytes read, reads pending, prefetches by outcome."""
+        """Reads done and failed, bytes read, reads pending, prefetches by outcome, chunk
+        indexes being primed and primed."""
         return {"reads": self.reads, "failures": self.failures, "bytes": self.bytes_read,
-                "pending": self.pending, "prefetches": dict(self.prefetches)}
+                "pending": self.pending, "prefetches": dict(self.prefetches),
+                "priming": self.priming, "primed": self.primed}
 
     def prefetch(self, user: str, version: str, chunks: list[str], deadline_s: float,
                  nbytes: int = 0) -> None:
@@ -135,7 +138,12 @@ class StorageReads:
             except Exception as exc:  # noqa: BLE001 - the request's own read reports it
                 log.warning("priming user %s version %s's chunk index failed: %s: %s",
                             user, version[:12], type(exc).__name__, exc)
+            finally:
+                with self._busy:
+                    self.priming, self.primed = self.priming - 1, self.primed + 1
 
+        with self._busy:
+            self.priming += 1
         self._priming.submit(read)
         return True
 

@@ -295,6 +295,7 @@ def test_a_primed_index_is_read_in_the_background_and_spares_the_first_read(
     assert fetches.prime("ann", version) is True
     fetches._priming.shutdown(wait=True)
     assert reads == [("ann", version)]
+    assert (fetches.status()["priming"], fetches.status()["primed"]) == (0, 1)
     fetches.submit(spec(whole, version, ["prefix", list(whole.index)[3]]))
     (got,) = wait_done(fetches)
     assert got.error is None and reads == [("ann", version)]  # the index came cached

@@ -263,11 +263,14 @@ def hydrate_plan(http: Http, tiers: dict[str, list[str]], flagged: list[str] = (
     return time.perf_counter() - t0
 
 
-def preload_facts(http: Http, versions: dict[str, str], threads: int = 8) -> dict:
+def preload_facts(http: Http, versions: dict[str, str], threads: int = 8,
+                  timeout_s: float = 600) -> dict:
     """Hydrate the facts alone (``tier: facts``) of every user of ``versions`` (user ->
     version) the server does not hold at that version, ``threads`` at a time: their
     requests then find their facts and retrieval index held, as a vector store holds
-    them, while their KV stays in storage. The users loaded and the seconds taken."""
+    them, while their KV stays in storage; then wait (at most ``timeout_s``) until the
+    workers have read the chunk indexes those hydrates primed. The users loaded, the
+    seconds taken, and of them the wait for the indexes."""
     from concurrent.futures import ThreadPoolExecutor
 
     status, text = http.get("/admin/status")
@@ -284,8 +287,18 @@ def preload_facts(http: Http, versions: dict[str, str], threads: int = 8) -> dic
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, todo))
+    t1 = time.perf_counter()
+    while (left := _priming(http)) and time.perf_counter() < t1 + timeout_s:
+        time.sleep(0.5)
     return {"users": len(todo), "held_before": len(versions) - len(todo),
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "seconds": round(time.perf_counter() - t0, 1),
+            "index_wait_seconds": round(time.perf_counter() - t1, 1), "indexes_left": left}
+
+
+def _priming(http: Http) -> int:
+    """Chunk indexes the workers (every rank) are still priming."""
+    engine = engine_status(http)
+    return sum(r.get("fetches", {}).get("priming", 0) for r in engine.get("ranks", [engine]))
 
 
 async def wait_idle(http, timeout: float) -> None:
