@@ -120,7 +120,7 @@ def dtype_name(dtype: "torch.dtype") -> str | None:
     return name if name in KV_DTYPES else None
 
 
-def check_tier(tier: str, allowed: tuple[str, ...] = TIERS) -> Tier:
+def check_tier(tier: str, allowed: tuple[str, ...] = TIERS) -> str:
     """``tier`` itself, or ValueError when it is not one of ``allowed`` (:data:`TIERS`;
     :data:`HYDRATE_TARGETS` for an admin hydrate)."""
     if tier not in allowed:
