@@ -175,13 +175,14 @@ EOF
 # steps after TOTAL_S seconds (default 1320: 22 minutes).
 LOAD_OUT=${LOAD_OUT:-/tmp/load-out}
 # The card names the results; an H100 (78 GiB) cannot hold the 64 GiB gpu tier beside the
-# model (16 GB) and vLLM's 24 GiB, so its gpu tier defaults to 20 GiB (and its rates start
-# one step lower: an H100's prefill may not meet the objective at 5 rps).
+# model (16 GB) and vLLM's 24 GiB, so its gpu tier defaults to 20 GiB. Rates start at 4
+# rps on either card: stock vLLM missed 5 rps on an H100 and, on 2026-12-06, on an H200
+# (p99 270 ms; peer-h200-llama31-8b-at5.json), so a peer run starting at 5 had no goodput.
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 \
   && echo h100 || echo h200)}
 LOAD_NAME=${LOAD_NAME:-load-$CARD-llama31-8b}
 PEER_NAME=${PEER_NAME:-peer-$CARD-llama31-8b}
-[ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20} && RATES=${RATES:-4 5 6 7 8 10}
+[ "$CARD" = h100 ] && GPU_GIB=${GPU_GIB:-20}
 # benchmarks.ttft's vLLM share of the GPU (0.85 by default) leaves an H100 too little for
 # the gpu tier beside it (the fp8 TTFT run ran out of memory there at 0.85; 0.6 ran)
 TTFT_UTIL=$([ "$CARD" = h100 ] && echo "--gpu-memory-utilization ${TTFT_GPU_UTIL:-0.6}")
@@ -191,7 +192,7 @@ MEMORY_DTYPE=${MEMORY_DTYPE:-float8_e4m3fn}  # the encoder's CUDA default since 
 load_args() {  # the flags every H200 load run shares (no spaces in these paths)
   echo --model llama-3.1-8b-shape --tokenizer "$SMOL" --embedder "$D/minilm" \
     --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
-    --objective-ms 250 --rates ${RATES:-5 6 7 8 10} --requests ${REQUESTS:-400} \
+    --objective-ms 250 --rates ${RATES:-4 5 6 7 8 10} --requests ${REQUESTS:-400} \
     --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
     --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
