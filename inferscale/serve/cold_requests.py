@@ -8,8 +8,9 @@ enters when it is handed over and leaves at its first token); asks the workers t
 reading the split's chunks before the engine sees the request (the ``inferscale_prefetch``
 RPC, sent ahead of it on the same socket), unless the user was in a tier when last seen
 (an answer, or the server's own hydrate or eviction, says); and, once the request
-has finished, feeds the estimator, remembers where the user was found, and reports a
-cold request's split in its answer. Event-loop thread only.
+has finished, feeds the estimator (a cold request also with its split's branch, for what
+loads cost beyond the rule: :mod:`inferscale.serve.load_excess`), remembers where the
+user was found, and reports a cold request's split in its answer. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from collections import OrderedDict
 
 from inferscale.serve.backend import AnswerInfo
-from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
+from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, branch, split
 from inferscale.serve.engine import Generation, MemoryEngine
 from inferscale.serve.prefill_queue import PrefillQueue
 from inferscale.vllm_plugin.metadata import MemoryRef
@@ -115,7 +116,8 @@ class ColdRequests:
         """Feed the estimator and the residency guess; report a cold request's split in
         its answer's ``info``."""
         cold, tiers = gen.reply.cold, gen.reply.facts_by_tier
-        self.estimator.request_read(gen.request_id, bool(cold and cold.read))
+        self.estimator.request_read(gen.request_id, bool(cold and cold.read),
+                                    branch(s) if cold is not None and s is not None else None)
         if ref is None:
             return
         if cold is not None:

@@ -20,7 +20,7 @@ checking and placing the rows) and ``D`` the fixed cost of an asynchronous load 
 request is scheduled a step after its read is handed over), the request loads the
 largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
 
-    max(o + (Q + T(n) b) / B, W) + D <= W + c T(n) / (1 - ρ)
+    max(o + (Q + T(n) b) / B, W) + D + E <= W + c T(n) / (1 - ρ)
 
 A computed token costs its own time ``c`` and, when prefill is congested, the time it
 makes the requests behind it wait: in a single-server queue at utilization ``ρ``, work
@@ -38,7 +38,8 @@ form an interval, so: storage faster per token than the priced compute loads eve
 once that pays for ``o + D``; a congested engine loads more; slow or busy storage (small
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
 may take ``deadline_factor * (W + c T / (1 - ρ))`` from its start before it is given up
-and the tokens recomputed.
+and the tokens recomputed. ``E``: what loads cost lately beyond this formula, against
+computing (:mod:`inferscale.serve.load_excess`; 0 until measured).
 
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
@@ -81,8 +82,10 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from inferscale.serve.load_excess import ExcessConfig, LoadExcess
 
 MODES = ("off", "auto", "pinned")
 
@@ -112,6 +115,7 @@ class ColdSplitConfig:
     alpha: float = 0.2  # weight of a new sample in the moving averages of W and B
     poll_s: float = 0.5  # the workers' storage statistics are read at most this often
     queue_fresh_s: float = 1.0  # vLLM's waiting count older than this is not used
+    excess: ExcessConfig = field(default_factory=ExcessConfig)  # E (load_excess.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -155,6 +159,7 @@ class Estimates:
     request_fit_s_per_token: float | None = None  # the requests' fit of c (reported only)
     step_s: float = 0.0  # a busy engine step (a request's prefill costs one besides c T)
     prefill_ahead_s: float = 0.0  # the server's own prefill queue ahead (in wait_s)
+    load_excess_s: float = 0.0  # E: what loads cost lately beyond the formula
 
     @property
     def priced_s_per_token(self) -> float:
@@ -168,6 +173,7 @@ class Estimates:
                 "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy,
                 "read_overhead_ms": self.read_overhead_s * 1e3,
                 "step_ms": self.step_s * 1e3, "prefill_ahead_ms": self.prefill_ahead_s * 1e3,
+                "load_excess_ms": self.load_excess_s * 1e3,
                 "request_fit_us_per_token": None if self.request_fit_s_per_token is None
                 else self.request_fit_s_per_token * 1e6}
 
@@ -201,7 +207,7 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
     ``pinned`` chunks."""
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
-    w, c, d = est.wait_s, est.priced_s_per_token, est.overhead_s
+    w, c, d = est.wait_s, est.priced_s_per_token, est.overhead_s + est.load_excess_s
 
     def read_s(tokens: int) -> float:
         return est.read_overhead_s + (est.queued_bytes + tokens * row_bytes) / est.bandwidth \
@@ -213,7 +219,7 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
         n, total = 0, 0
         for k, length in enumerate(lengths, 1):
             total += length
-            # max(R, W) + D <= W + c T / (1 - ρ), written so rounding keeps it monotonic
+            # max(R, W) + D + E <= W + c T / (1 - ρ), written so rounding keeps it monotonic
             if max(read_s(total) - w, 0.0) + d <= c * total:
                 n = k
     tokens = sum(lengths[:n])
@@ -229,7 +235,8 @@ class LoadEstimator:
 
     vLLM's per-request stats (:meth:`engine_stats`) and whether each request waited for a
     read (:meth:`request_read`, from the connector's answer) arrive separately; a request
-    counts once both have. Not thread-safe: the server calls it from its event loop."""
+    counts once both have (a cold one also as a residual of its branch for ``E``). Not
+    thread-safe: the server calls it from its event loop."""
 
     def __init__(self, config: ColdSplitConfig | None = None):
         self.config = config or ColdSplitConfig()
@@ -238,7 +245,8 @@ class LoadEstimator:
         self._wait_at = 0.0
         self._waiting: tuple[int, float] | None = None  # vLLM's waiting requests, when
         self._stats: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
-        self._reads: OrderedDict[str, bool] = OrderedDict()
+        self._reads: OrderedDict[str, tuple[bool, Branch | None]] = OrderedDict()
+        self.excess = LoadExcess(self.config.excess)
         self._last: dict[int, tuple[float, float]] = {}  # rank -> bytes, busy seconds
         self._bandwidth: dict[int, float] = {}
         self._queued: dict[int, float] = {}
@@ -261,16 +269,24 @@ class LoadEstimator:
             self._join(rid, now)
         _bound(self._stats)
 
-    def request_read(self, request_id: str, read: bool, now: float | None = None) -> None:
-        """Whether request ``request_id`` waited for a read from storage."""
-        self._reads[request_id] = read
+    def request_read(self, request_id: str, read: bool, branch: Branch | None = None,
+                     now: float | None = None) -> None:
+        """Whether request ``request_id`` waited for a read from storage; for a cold
+        request its split's ``branch``: whether it loaded, and the rule's prediction
+        besides its computed tokens (:func:`branch`)."""
+        self._reads[request_id] = (read, branch)
         self._join(request_id, now)
         _bound(self._reads)
 
     def _join(self, rid: str, now: float | None) -> None:
         if rid in self._stats and rid in self._reads:
             queued, prefill, computed = self._stats.pop(rid)
-            self.observe(queued, prefill, computed, self._reads.pop(rid), now)
+            read, b = self._reads.pop(rid)
+            now = time.monotonic() if now is None else now
+            self.observe(queued, prefill, computed, read, now)
+            if b is not None and queued >= 0 and prefill >= 0:
+                residual = queued + prefill - b[1] - self._compute_s(now) * computed
+                self.excess.observe(b[0], residual, now)
 
     def observe(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
                 now: float | None = None) -> None:
@@ -371,13 +387,31 @@ class LoadEstimator:
             queued = max(0.0, queued - bandwidth * (now - self.storage_at))
         step = max(self._step.values(), default=cfg.step_prior_s)
         fit, fixed = self._fit(now)
-        c = max(self._token_s.values(), default=0.0) or fit  # the steps' fit once it has one
+        c = self._compute_s(now, fit)
         busy = max((max(b, rate * c + base) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
                     for b, rate, base, at in self._busy.values()), default=0.0)
         ahead_s = ahead_s if 0.0 < ahead_s < math.inf else 0.0
         return Estimates(max(self._wait_now(now), ahead_s), c, bandwidth, queued,
                          cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
-                         max(self._read_overhead.values(), default=0.0), fit, step, ahead_s)
+                         max(self._read_overhead.values(), default=0.0), fit, step, ahead_s,
+                         self.excess.excess(now))
+
+    def _compute_s(self, now: float, fit: float | None = None) -> float:
+        """``c``: the steps' fit once it has one, else the requests' (:meth:`_fit`)."""
+        return max(self._token_s.values(), default=0.0) or \
+            (self._fit(now)[0] if fit is None else fit)
+
+
+Branch = tuple[bool, float]  # a cold request loaded; the rule's seconds besides c T
+
+
+def branch(s: Split) -> Branch:
+    """What the rule predicted for split ``s`` besides its computed tokens: loading,
+    ``max(R, W) + D``; computing everything, ``W``."""
+    e = s.estimates
+    if s.chunks:
+        return True, max(s.read_s, e.wait_s) + e.overhead_s
+    return False, e.wait_s
 
 
 def _bound(pending: OrderedDict, most: int = 4096) -> None:

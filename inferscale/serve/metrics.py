@@ -73,7 +73,8 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
     cold_split_estimate{quantity}           its other estimates: wait_seconds (W),
                                             compute_seconds_per_token (c), overhead_seconds
                                             (D), queued_bytes (Q), fixed_seconds,
-                                            prefill_busy (ρ), read_overhead_seconds (o)
+                                            prefill_busy (ρ), read_overhead_seconds (o),
+                                            load_excess_seconds (E)
 
 """
 
@@ -263,7 +264,8 @@ class EstimateCollector:
                         ("compute_seconds_per_token", est.compute_s_per_token),
                         ("overhead_seconds", est.overhead_s), ("queued_bytes", est.queued_bytes),
                         ("fixed_seconds", est.fixed_s), ("prefill_busy", est.prefill_busy),
-                        ("read_overhead_seconds", est.read_overhead_s)):
+                        ("read_overhead_seconds", est.read_overhead_s),
+                        ("load_excess_seconds", est.load_excess_s)):
             fam.add_metric([name], v)
         yield fam
 

@@ -151,8 +151,9 @@ def cold_decisions(ok: list[dict]) -> dict | None:
     the scrape's ``metrics.cold.estimates_at_end``): how many, their facts loaded and
     computed, and the median and largest congestion ``ρ`` (``prefill_busy``), queue wait
     (and of it the server's own prefill queue ahead, ``prefill_ahead_ms``), compute per
-    token (the one used, and the requests' own fit), storage bandwidth and
-    a read's overhead; None when no answer reports a split."""
+    token (the one used, and the requests' own fit), storage bandwidth,
+    a read's overhead and what loads cost lately beyond the rule (``load_excess_ms``);
+    None when no answer reports a split."""
     cold = [r["cold"] for r in ok if isinstance(r.get("cold"), dict)]
     splits = [c["split"] for c in cold if isinstance(c.get("split"), dict)]
     if not cold:
@@ -171,7 +172,8 @@ def cold_decisions(ok: list[dict]) -> dict | None:
             "compute_us_per_token": stat("compute_us_per_token"),
             "request_fit_us_per_token": stat("request_fit_us_per_token"),
             "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s"),
-            "read_overhead_ms": stat("read_overhead_ms")}
+            "read_overhead_ms": stat("read_overhead_ms"),
+            "load_excess_ms": stat("load_excess_ms")}
 
 
 def machine() -> dict:

@@ -1,0 +1,128 @@
+"""What loads cost beyond the rule (``inferscale.serve.load_excess``): the excess from
+both branches' residuals, never negative, fading without loads; the estimator and the
+server's cold requests feeding it; the rule loading less by it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferscale.serve.backend import AnswerInfo
+from inferscale.serve.cold_requests import ColdRequests
+from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, branch, split
+from inferscale.serve.engine import Generation
+from inferscale.serve.load_excess import ExcessConfig, LoadExcess, quantile
+from inferscale.vllm_plugin.metadata import ColdSplit, MemoryReply, MemoryRef
+
+residuals = st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=1, max_size=40)
+
+# The H200 run's 2,000 users at 5 rps (load-h200-llama31-8b-u2000.json): fp8 rows of
+# 64 KiB at ~1.19 GB/s, o ~4 ms, D ~7 ms, c ~20.7 us, ρ ~0.09, a cold request's 50 facts
+# (~2,450 memory tokens) arriving during another's prefill (W up to ~60 ms).
+LENGTHS = [100] + [48] * 49
+H200 = dict(wait_s=0.06, compute_s_per_token=20.7e-6, bandwidth=1.19e9, queued_bytes=0.0,
+            overhead_s=7.3e-3, read_overhead_s=4e-3, prefill_busy=0.09)
+
+
+@given(residuals, st.floats(0, 1))
+def test_the_quantile_is_numpys(xs, q):
+    assert quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), abs=1e-9)
+
+
+@given(residuals, residuals, st.floats(0, 1e4))
+def test_the_excess_is_never_negative_and_only_fades(loaded, computed, later):
+    ex = LoadExcess(ExcessConfig(min_samples=1))
+    for r in computed:
+        ex.observe(False, r, now=0.0)
+    for r in loaded:
+        ex.observe(True, r, now=0.0)
+    e0 = ex.excess(now=0.0)
+    assert e0 >= 0.0
+    assert e0 == pytest.approx(max(0.0, quantile(loaded[-32:], 0.9)
+                                   - quantile(computed[-32:], 0.9)))
+    assert 0.0 <= ex.excess(now=later) <= e0
+    assert ex.excess(now=60.0) == pytest.approx(e0 / 2)
+
+
+def test_nothing_until_both_branches_have_samples():
+    ex = LoadExcess(ExcessConfig(min_samples=3))
+    for i in range(3):
+        assert ex.excess(now=0.0) == 0.0
+        ex.observe(True, 0.1, now=0.0)
+    assert ex.excess(now=0.0) == 0.0  # no computed request yet
+    for _ in range(3):
+        ex.observe(False, 0.0, now=0.0)
+    ex.observe(False, float("nan"), now=0.0)  # dropped
+    assert ex.counts() == (3, 3)
+    assert ex.excess(now=0.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("bad", [dict(window=0), dict(min_samples=0),
+                                 dict(window=2, min_samples=3), dict(quantile=1.5),
+                                 dict(half_life_s=0.0)])
+def test_bad_configs_are_refused(bad):
+    with pytest.raises(ValueError):
+        ExcessConfig(**bad)
+
+
+def test_the_h200_run_loads_nothing_once_loads_came_late():
+    """At the margin the rule predicts a tie, so the H200 run's loaders (about 20 facts
+    read during another's prefill) took p50 171 ms against computed p99 99 ms. With
+    those loaders ~80 ms later than predicted beyond the computed ones, nothing is loaded
+    at 5 rps; a saturated engine (ρ at its cap) still loads."""
+    base = split(LENGTHS, 65_536, Estimates(**H200))
+    assert 10 <= base.chunks < len(LENGTHS)
+    late = Estimates(**{**H200, "load_excess_s": 0.08})
+    assert split(LENGTHS, 65_536, late).chunks == 0
+    assert split(LENGTHS, 65_536, Estimates(**{**H200, "load_excess_s": 0.08,
+                                                  "prefill_busy": 0.9})).chunks > 0
+    assert late.info()["load_excess_ms"] == pytest.approx(80.0)
+
+
+def test_the_estimator_measures_the_excess_from_finished_requests():
+    """vLLM's stats and the split's branch join per request: loaders 90 ms later than
+    ``max(R, W) + D + c T`` and computed requests 10 ms later than ``W + c T`` give E ~80
+    ms, and the split then loads nothing; requests without a branch (resident users)
+    add no residual."""
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=20e-6, prior_sxx=1e18))
+    c = 20e-6
+    for i in range(6):
+        loaded = i % 2 == 0
+        computed = 1_300 if loaded else 2_500
+        base = 0.07 if loaded else 0.0
+        late = 0.09 if loaded else 0.01
+        est.engine_stats([{"request_id": f"r{i}", "queued_s": 0.0,
+                           "prefill_s": base + c * computed + late,
+                           "prompt_tokens": 2_600, "cached_tokens": 2_600 - computed}],
+                         now=float(i))
+        est.request_read(f"r{i}", loaded, (loaded, base), now=float(i))
+    est.engine_stats([{"request_id": "warm", "queued_s": 0.0, "prefill_s": 0.5,
+                       "prompt_tokens": 100, "cached_tokens": 0}], now=6.0)
+    est.request_read("warm", False, None, now=6.0)
+    assert est.excess.counts() == (3, 3)
+    e = est.estimates(now=6.0)
+    assert e.load_excess_s == pytest.approx(0.08 * 0.5 ** (2 / 60), abs=1e-6)  # last at 4
+    assert est.estimates(now=4.0 + 60.0).load_excess_s == pytest.approx(0.04, abs=1e-6)
+
+
+def test_a_finished_cold_request_gives_its_branch():
+    """ColdRequests.finished hands the estimator the split's branch for a cold request
+    (loading: ``max(R, W) + D``; computing: ``W``) and none for a resident one."""
+    s_load = split(LENGTHS, 65_536, Estimates(**H200))
+    s_none = split(LENGTHS, 65_536, Estimates(**{**H200, "load_excess_s": 1.0}))
+    assert branch(s_load) == (True, pytest.approx(max(s_load.read_s, 0.06) + 7.3e-3))
+    assert branch(s_none) == (False, 0.06)
+    cold = ColdRequests(ColdSplitConfig(excess=ExcessConfig(min_samples=1)))
+    ref = MemoryRef("ann", "a" * 32, tuple(f"f{i}" for i in range(50)), tuple(LENGTHS))
+    for rid, s, reply in (
+            ("a", s_load, MemoryReply(cold=ColdSplit(s_load.chunks - 1, 50 - s_load.chunks,
+                                                     read=True))),
+            ("b", s_none, MemoryReply(cold=ColdSplit(0, 49))),
+            ("c", None, MemoryReply(facts_by_tier={"gpu": 49}))):
+        gen = Generation([1], "x", 0.1, 2_600, 0, "stop", reply, request_id=rid)
+        cold.estimator.engine_stats([{"request_id": rid, "queued_s": 0.0, "prefill_s": 0.3,
+                                      "prompt_tokens": 2_600, "cached_tokens": 0}], now=0.0)
+        cold.finished(ref, s, gen, AnswerInfo("ann", "kv"))
+    assert cold.estimator.excess.counts() == (1, 1)
