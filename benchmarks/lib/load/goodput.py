@@ -1,6 +1,6 @@
 """The load benchmark's statistics (``benchmarks.load``): per step (one mode at one
 arrival rate) the latency percentiles, throughput, fallbacks and memory sources of its
-requests, and per mode the goodput: the highest rate whose p99 TTFT met the objective,
+requests (and its slowest few, with what each cold one's split saw), and per mode the goodput: the highest rate whose p99 TTFT met the objective,
 before the first rate that missed it (a request that failed or did not finish counts as
 missing it). ``python -m benchmarks.lib.load.goodput RESULT.json ...`` prints a run's
 progress.
@@ -121,8 +121,38 @@ def step_summary(records: list[dict], mode: str, rate: float, objective_ms: floa
         "memory_check": memory_check(records, users),
         "cold_decisions": cold_decisions(ok),
         "latency_by_source": latency_by_source(ok) if mode == "kv" else None,
+        "slowest": slowest(records),
         "meets_objective": bool(p99 <= objective_ms),
     }
+
+
+SPLIT_KEYS = ("chunks", "read_ms", "compute_ms", "wait_ms", "prefill_ahead_ms", "overhead_ms",
+              "load_excess_ms", "prefill_busy", "deadline_ms")
+
+
+def slowest(records: list[dict], n: int = 5) -> list[dict]:
+    """The step's ``n`` slowest requests by TTFT (a failed one first), each with when it
+    was scheduled in the step, its TTFT, the engine's and the server's memory time, where
+    its memory came from and, for a user in no tier, its split and the estimates behind
+    it: a p99 of 400 requests is its fourth slowest, so these are the ones that set it."""
+    def key(r: dict) -> float:
+        return math.inf if "error" in r else r.get("ttft_ms", math.inf)
+
+    out = []
+    for r in sorted(records, key=key, reverse=True)[:n]:
+        row = {"at_s": round(r["scheduled"], 3), "ttft_ms": finite(key(r)),
+               **{k: r[k] for k in ("engine_ttft_ms", "memory_ms", "fallback_reason",
+                                    "storage_bytes", "error") if r.get(k) is not None}}
+        if "facts_by_tier" in r:
+            row["served_from"] = served_from(r.get("facts_by_tier"))
+        cold = r.get("cold")
+        if isinstance(cold, dict):
+            split = cold.get("split") if isinstance(cold.get("split"), dict) else {}
+            row["cold"] = {"facts_loaded": cold.get("facts_loaded"),
+                           "facts_computed": cold.get("facts_computed"),
+                           **{k: split[k] for k in SPLIT_KEYS if split.get(k) is not None}}
+        out.append(row)
+    return out
 
 
 def latency_by_source(ok: list[dict]) -> dict | None:

@@ -218,3 +218,21 @@ def test_summary_against_the_peer():
     assert own["goodput_peer_rps"] == 6 and own["peer"]["first_miss_rps"] == 8
     lines = goodput.progress({"users": 24, "rows": rows, "summary": s})
     assert "goodput_vs_peer 5.0" in lines[-1]
+
+
+def test_the_slowest_requests_come_with_their_splits():
+    """A step keeps its five slowest answers (a failed one first), each with when it was
+    scheduled, where its memory came from and a cold one's split: the requests that set
+    its p99."""
+    recs = _records([50.0, 300.0, 70.0, 80.0, 60.0, 90.0, 40.0], error_at=6)
+    recs[1].update(facts_by_tier={"gpu": 0, "host": 0, "storage": 20}, storage_bytes=7e7,
+                   cold={"facts_loaded": 20, "facts_computed": 30,
+                         "split": {"chunks": 21, "read_ms": 60.0, "wait_ms": 55.0,
+                                   "load_excess_ms": 0.0, "bandwidth_bytes_per_s": 1e9}})
+    got = goodput.step_summary(recs, "kv", 2.0, objective_ms=100)["slowest"]
+    assert [r["ttft_ms"] for r in got] == [None, 300.0, 90.0, 80.0, 70.0]
+    assert got[0]["error"].startswith("APIConnectionError") and got[0]["at_s"] == 3.0
+    assert got[1]["served_from"] == "storage" and got[1]["storage_bytes"] == 7e7
+    assert got[1]["cold"] == {"facts_loaded": 20, "facts_computed": 30, "chunks": 21,
+                              "read_ms": 60.0, "wait_ms": 55.0, "load_excess_ms": 0.0}
+    assert "cold" not in got[2] and got[2]["engine_ttft_ms"] == 85.0
