@@ -3,7 +3,9 @@
 :func:`map_and_hash` maps a file copy-on-write and hashes it in order, part by part,
 while a helper thread populates the next few parts (``MADV_POPULATE_READ``, Linux >=
 5.14; plain page faults elsewhere), so the disk read and the checksum overlap and the
-hash pass is the read. The mapping is the page cache: nothing is copied, and writing into
+hash pass is the read. The helper stays at most ``ahead`` parts ahead of the hash, so
+while ``read_part`` holds the hash back (a throttled reload) at most that many parts are
+read meanwhile. The mapping is the page cache: nothing is copied, and writing into
 it copies pages, never the file. Artifacts are immutable and gc only unlinks, so a
 mapping stays valid. Used to read whole kv files: a version's slab for serving
 (:func:`inferscale.hydrate.slab.hydrate`) and for reuse by its next version
@@ -25,11 +27,18 @@ import xxhash
 from inferscale.artifacts.layout import TruncatedArtifact
 
 
+_PREFETCH_PARTS = 4
+
+
 def map_and_hash(path: str, size: int, part_bytes: int = 32 << 20,
-                 read_part: Callable[[int], None] | None = None) -> tuple[np.ndarray, str]:
+                 read_part: Callable[[int], None] | None = None,
+                 ahead: int = _PREFETCH_PARTS) -> tuple[np.ndarray, str]:
     """``path`` (``size`` bytes, else :class:`TruncatedArtifact`) mapped privately, as a
     uint8 array, and its xxh3-128 hex digest, hashed in parts of ``part_bytes`` in order
-    (module docstring); ``read_part(nbytes)`` is called after each part."""
+    (module docstring); ``read_part(nbytes)`` is called after each part; ``ahead``: parts
+    populated ahead of the hash (>= 1)."""
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
     fd = os.open(path, os.O_RDONLY)
     try:
         actual = os.fstat(fd).st_size
@@ -45,7 +54,7 @@ def map_and_hash(path: str, size: int, part_bytes: int = 32 << 20,
     part = max(mmap.PAGESIZE, part_bytes // mmap.PAGESIZE * mmap.PAGESIZE)
     offsets = range(0, size, part)
     ready = [threading.Event() for _ in offsets]
-    room = threading.Semaphore(_PREFETCH_PARTS)
+    room = threading.Semaphore(ahead)
     stop = threading.Event()
     populate = _populate()
 
@@ -81,7 +90,6 @@ def map_and_hash(path: str, size: int, part_bytes: int = 32 << 20,
     return arr, h.hexdigest()
 
 
-_PREFETCH_PARTS = 4
 _MADV_POPULATE_READ = 22  # linux/mman.h, Linux >= 5.14
 
 

@@ -12,7 +12,12 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
   workers do not hold, or a newer version of one they do); it runs on a small thread
   pool (``reload_workers``), one per (user, version) at a time, and a failure is kept
   for :meth:`ResidentLoader.take_failures` (the worker reports it to the scheduler, which
-  backs off before ordering it again).
+  backs off before ordering it again). Each reads parts of ``reload_part_bytes`` one at
+  a time (an admin hydration: 32 MiB, 4 at once on local disk), so a request's read of
+  facts queues behind at most ``reload_workers x reload_part_bytes`` of reload I/O: the
+  throttle's pause stops only new parts, and on an H200 (~1.2 GB/s disk) up to 2 reloads
+  x 4 x 32 MiB already in flight made requests' fact reads take 191 ms p99, some past
+  their deadline.
 
 Both check the slab's geometry (the model's, the store's ``geometry``) and size, from
 the manifest alone, before any byte of ``kv.arrow`` is read (``hydrate(geometry=...)``,
@@ -53,7 +58,8 @@ class Throttle:
     it: a reader calls :meth:`take` after each part and sleeps when it is ahead. With
     ``yield_to``, it also waits while ``yield_to()`` is true (reads more urgent than its
     own are in progress), at most ``max_yield_s`` per part, so a background reload never
-    starves them and never stops."""
+    starves them and never stops (the parts already being read go on: the loader keeps
+    them small)."""
 
     def __init__(self, bytes_per_s: int = 0, yield_to: Callable[[], bool] | None = None,
                  max_yield_s: float = 0.25):
@@ -84,17 +90,22 @@ class ResidentLoader:
     """Puts verified artifact versions into ``store`` for a model ``model_fingerprint``;
     ``artifact_root``/``storage_options``/``direct_io`` name the artifact store and how it
     is read (:class:`~inferscale.artifacts.layout.StoreConfig`; an empty root: none, so
-    only slabs handed to :meth:`put` can be loaded)."""
+    only slabs handed to :meth:`put` can be loaded); ``reload_part_bytes``: the parts a
+    background reload reads, one at a time (module docstring)."""
 
     def __init__(self, store: ResidentStore, model_fingerprint: str, artifact_root: str = "",
                  storage_options: dict | None = None, reload_workers: int = 2,
                  reload_bytes_per_s: int = 0, *, direct_io: bool = False,
-                 yield_to: Callable[[], bool] | None = None):
+                 yield_to: Callable[[], bool] | None = None,
+                 reload_part_bytes: int = 8 << 20):
+        if reload_part_bytes < 1:
+            raise ValueError(f"reload_part_bytes must be > 0, got {reload_part_bytes}")
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.artifact_root = artifact_root
         self.storage_options = dict(storage_options or {})
         self.direct_io = direct_io
+        self.reload_part_bytes = reload_part_bytes
         self.admin_evicted: set[str] = set()
         self.reloads = 0  # background reloads that succeeded
         self.reload_failures = 0  # background reloads that failed (refusals included)
@@ -121,17 +132,19 @@ class ResidentLoader:
         return admit
 
     def read(self, user: str, version: str, tier: str = "host",
-             throttle: Throttle | None = None) -> Resident:
+             throttle: Throttle | None = None, *, part_bytes: int = 32 << 20,
+             workers: int | None = None) -> Resident:
         """``user``'s artifact ``version`` (or ``"latest"``) from the artifact store, in
         host memory, refused before reading when it fits no budget ``tier`` may use; the
-        store moves it to the tier asked for."""
+        store moves it to the tier asked for. ``part_bytes``, ``workers``: the read's
+        parts and how many at once (:func:`~inferscale.hydrate.slab.hydrate`'s)."""
         if not self.artifact_root:
             raise RuntimeError("the connector has no artifact_root to hydrate from")
         store = StoreConfig(self.artifact_root, dict(self.storage_options),
                             direct_io=self.direct_io)
         return hydrate(store, user, self.model_fingerprint, version, tier="host",
                        geometry=self.store.geometry, admit=self.admission(tier),
-                       staging=self.store,
+                       staging=self.store, part_bytes=part_bytes, workers=workers,
                        on_part=throttle.take if throttle is not None else None)
 
     def put(self, resident: Resident, tier: str) -> Resident:
@@ -176,7 +189,9 @@ class ResidentLoader:
         t0 = time.perf_counter()
         try:
             if self.store.get(user, version) is None:
-                resident = self.read(user, version, tier, self.throttle)
+                # one part in flight per reload (module docstring)
+                resident = self.read(user, version, tier, self.throttle,
+                                     part_bytes=self.reload_part_bytes, workers=1)
                 if user in self.admin_evicted:
                     raise RuntimeError("evicted by an admin since the reload was ordered")
                 self.put(resident, tier)

@@ -118,7 +118,11 @@ def hydrate(store: StoreConfig, user: str, model_fp: str, version: str = "latest
     read into (the serving worker: no memory is allocated, pinned or not; the returned
     resident holds that region, which ``staging.put`` adopts or gives back); otherwise
     a fresh host buffer, pinned where CUDA exists. ``on_part(nbytes)``: called after
-    each part is read (a bandwidth throttle).
+    each part is read (a bandwidth throttle). ``part_bytes``, ``workers``: the parts
+    the file is read in and how many are read at once (parallel reads, default 4 on
+    local disk, 8 on S3; on the memory-mapped path, parts populated ahead of the hash):
+    a background reload reads small parts one at a time, so little of its I/O is queued
+    ahead of a request's reads.
     """
     check_tier(tier)
     dev = torch.device(device) if device is not None else torch.device(
@@ -182,7 +186,7 @@ def _read(loc: Location, path: str, size: int, tier: str, dev: torch.device, use
     READS["kv_files"] += 1
     READS["kv_bytes"] += size
     if use_mmap:
-        mapped, digest = map_and_hash(path, size, part_bytes, read_part)
+        mapped, digest = map_and_hash(path, size, part_bytes, read_part, ahead=workers)
         return torch.from_numpy(mapped), None, digest
     cuda = dev.type == "cuda"
     host = region.data[:size] if region is not None else \

@@ -41,6 +41,9 @@ class ConnectorConfig:
     # background reloads share this read bandwidth (0: no bound), a fraction of a disk's
     # (1.1-2.1 GB/s on the H100/H200 machines) so requests' own reads keep the rest
     reload_bytes_per_s: int = 512 << 20
+    # and read in parts of this size, one at a time each, so a request's read of facts
+    # queues behind at most reload_workers x reload_part_bytes of their I/O on the disk
+    reload_part_bytes: int = 8 << 20
     # a miss promotes its user (a whole-user reload) only when the user's requests, each
     # weighing half per promote_half_life_s of age, are >= promote_min_requests and above
     # the least-asked resident's, once the tiers are full (promotion.py)
@@ -74,6 +77,8 @@ class ConnectorConfig:
             raise ValueError("byte budgets must be >= 0")
         if self.reload_workers < 1:
             raise ValueError(f"reload_workers must be >= 1, got {self.reload_workers}")
+        if self.reload_part_bytes < 1:
+            raise ValueError(f"reload_part_bytes must be > 0, got {self.reload_part_bytes}")
         if not 0 <= self.reload_backoff_s <= self.reload_backoff_max_s:
             raise ValueError("need 0 <= reload_backoff_s <= reload_backoff_max_s")
         for name in ("reload_bytes_per_s", "fetch_tokens", "staging_bytes",

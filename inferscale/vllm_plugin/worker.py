@@ -92,7 +92,7 @@ class ConnectorWorker:
         self.loader = ResidentLoader(  # its reloads wait while requests' facts are read
             self.store, config.model_fingerprint, config.artifact_root, config.storage_options,
             config.reload_workers, config.reload_bytes_per_s, direct_io=config.direct_io,
-            yield_to=lambda: self.fetches.busy)
+            yield_to=lambda: self.fetches.busy, reload_part_bytes=config.reload_part_bytes)
         reader = None if not config.artifact_root else FactReader(
             config.store(), config.model_fingerprint, config.fetch_workers, config.index_cache,
             geometry=self.geometry)

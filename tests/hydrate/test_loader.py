@@ -3,6 +3,7 @@ background reloads and their failures, admin evictions, fingerprint checks."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from builders import expected_slab, make_inputs
 from inferscale.artifacts.publish import publish
-from inferscale.hydrate.loader import ResidentLoader
+from inferscale.hydrate.loader import ResidentLoader, Throttle
 from inferscale.hydrate.store import ResidentStore
 
 FP = "fp-test"
@@ -216,3 +217,105 @@ def test_a_reload_is_held_back_at_most_max_yield_per_part():
     throttle.take(1)  # returns though the requests' reads never end
     throttle.take(1)
     assert throttle.yielded_s >= 0.1
+
+
+class _Reads:
+    """The real reads of kv.arrow as they run (wrapped, not replaced): their lengths, how
+    many started and how many ran at once at most."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lengths: list[int] = []
+        self.active = self.most = 0
+
+    def wrap(self, read):
+        def counted(*args):  # (offset, n, into) of a range read; (address, n) of a populate
+            with self.lock:
+                self.lengths.append(args[1])
+                self.active += 1
+                self.most = max(self.most, self.active)
+            try:
+                return read(*args)
+            finally:
+                with self.lock:
+                    self.active -= 1
+        return counted
+
+
+class _Yielding(Throttle):
+    """The reloads' throttle while requests' reads of facts never end: it pauses every
+    part (``max_yield_s``) and notes, after each pause, how many parts past the ones it
+    was handed the reload had started reading meanwhile."""
+
+    def __init__(self, reads: _Reads):
+        super().__init__(0, yield_to=lambda: True, max_yield_s=0.02)
+        self.reads, self.parts, self.read_ahead = reads, [], []
+
+    def take(self, nbytes: int) -> None:
+        super().take(nbytes)
+        self.parts.append(nbytes)
+        self.read_ahead.append(len(self.reads.lengths) - len(self.parts))
+
+
+@pytest.mark.parametrize("path", ["mapped", "direct", "s3"])
+def test_a_reload_reads_small_parts_one_at_a_time_an_admin_load_large_ones(
+        path, request, monkeypatch):
+    """A background reload reads ``reload_part_bytes`` parts, one at a time, and while its
+    throttle pauses for requests' reads at most the next part is read; so at most
+    ``reload_workers x reload_part_bytes`` of reload I/O is queued ahead of a request's
+    read. An admin load of the same user reads it in one 32 MiB-sized part. Whichever way
+    the store is read: memory-mapped (a local store, no CUDA), ``O_DIRECT``, S3."""
+    from dataclasses import replace
+
+    from inferscale.artifacts import mapped_file
+    from inferscale.artifacts.blobs import LocalBlobs, Location
+    from inferscale.artifacts.object_store import FsspecBlobs
+    from inferscale.artifacts.read import manifest_at
+
+    store = request.getfixturevalue("s3_store" if path == "s3" else "local_store")
+    store = replace(store, direct_io=path == "direct")
+    memory, facts, lineage = make_inputs("ann", 12, layers=4, heads=4, head_dim=32)
+    version = publish(store, "ann", memory, facts, lineage, embeddings=False).version
+    size = manifest_at(Location(store, "ann", FP), version).files["kv.arrow"].bytes
+    part = 16 << 10
+    assert size > 4 * part  # several parts
+
+    reads = _Reads()
+    if path == "mapped":
+        import mmap
+
+        import numpy as np
+
+        populate, page = mapped_file._populate(), mmap.mmap(-1, mmap.PAGESIZE)
+        if populate is None or not populate(np.frombuffer(page, np.uint8).ctypes.data,
+                                            mmap.PAGESIZE):  # Linux < 5.14, other OSes
+            pytest.skip("no MADV_POPULATE_READ here: the mapped read has no reads to count")
+        monkeypatch.setattr(mapped_file, "_populate", lambda: reads.wrap(populate))
+    else:
+        for blobs in (LocalBlobs, FsspecBlobs):
+            def range_reader(self, file, real=blobs._range_reader):
+                read, close = real(self, file)
+                return reads.wrap(read), close
+            monkeypatch.setattr(blobs, "_range_reader", range_reader)
+    loader = ResidentLoader(ResidentStore("cpu", 1 << 30, 1 << 30), FP, store.root,
+                            store.storage_options, direct_io=store.direct_io,
+                            reload_part_bytes=part)
+    assert torch.equal(loader.load("ann", version, "host").slab, expected_slab(memory))
+    assert reads.lengths == [size]  # an admin load: one part (32 MiB) holds the file
+
+    loader.store.evict("ann")
+    reads.lengths.clear()
+    loader.throttle = throttle = _Yielding(reads)
+    loader.reload_in_background("ann", version, "host")
+    _wait(lambda: loader.reloads == 1)
+    assert torch.equal(loader.store.get("ann", version).slab, expected_slab(memory))
+    assert loader.take_failures() == []
+    assert throttle.parts == [min(part, size - o) for o in range(0, size, part)]
+    assert reads.lengths == throttle.parts  # each part read once, in order
+    assert reads.most == 1  # one part in flight
+    assert max(throttle.read_ahead) <= 1  # the next part at most, while it paused
+
+
+def test_a_reload_part_size_must_be_positive():
+    with pytest.raises(ValueError, match="reload_part_bytes"):
+        ResidentLoader(ResidentStore("cpu", 1 << 20, 1 << 20), FP, reload_part_bytes=0)

@@ -63,6 +63,8 @@ def test_settings_round_trip_through_the_extra_config():
     ({"model_fingerprint": "fp", "promote_min_requests": -1}, "promote_min_requests"),
     ({"model_fingerprint": "fp", "promote_min_requests": float("nan")}, "promote_min_requests"),
     ({"model_fingerprint": "fp", "promote_min_requests": "2"}, "not supported"),
+    ({"model_fingerprint": "fp", "reload_part_bytes": 0}, "reload_part_bytes"),
+    ({"model_fingerprint": "fp", "reload_part_bytes": -1}, "reload_part_bytes"),
 ])
 def test_bad_settings_are_refused(extra, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -97,6 +99,25 @@ def test_direct_io_travels_from_the_settings_to_every_store_the_worker_reads(
     assert worker.fetches.reader.store == store
     with pytest.raises(ValueError, match="direct_io"):
         ConnectorConfig.from_extra_config({**extra, "direct_io": "yes"})
+
+
+def test_the_reloads_part_size_reaches_the_worker_s_loader():
+    """``reload_part_bytes`` travels through the extra config to the loader, which reads
+    every background reload in parts of that size (tests/hydrate/test_loader.py)."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from inferscale.models import embedded_checkpoint
+    from inferscale.settings import Settings
+    from inferscale.vllm_plugin.worker import ConnectorWorker
+
+    assert ConnectorConfig("fp").reload_part_bytes == 8 << 20
+    extra = kv_transfer_config(ConnectorConfig(
+        "fp", reload_part_bytes=1 << 20, staging_bytes=1 << 20,
+        device_staging_bytes=1 << 20))["kv_connector_extra_config"]
+    checkpoint = embedded_checkpoint(Settings().home)
+    vllm_config = VllmConfig(model_config=ModelConfig(model=str(checkpoint), dtype="float32"))
+    worker = ConnectorWorker(ConnectorConfig.from_extra_config(extra), vllm_config)
+    assert worker.loader.reload_part_bytes == 1 << 20
 
 
 def test_the_serving_docs_list_every_connector_setting():
