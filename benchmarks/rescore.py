@@ -32,6 +32,20 @@ from benchmarks.lib.load.setup import PEER_MUST_MATCH
 SAME = (*PEER_MUST_MATCH, "device", "memory_dtype")
 
 
+def checked(name: str, result: object) -> dict:
+    """``result`` if it is a load result (a JSON object with a list of rows), else
+    ValueError naming ``name``."""
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list) \
+            or not all(isinstance(r, dict) for r in result["rows"]):
+        raise ValueError(f"{name} is not a load result (no list of rows)")
+    return result
+
+
+def mismatches(a: dict, b: dict, keys: tuple[str, ...]) -> list[str]:
+    """``key a-value vs b-value`` for each of ``keys`` the two results differ in."""
+    return [f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
 def merge_peers(peers: list[tuple[str, dict]], command: str) -> dict:
     """One peer result from ``(name, result)`` peer runs of one device and settings: the
     first run's fields, every run's rows (by rate) and the summary of them all."""
@@ -40,16 +54,18 @@ def merge_peers(peers: list[tuple[str, dict]], command: str) -> dict:
     first_name, first = peers[0]
     rows: list[dict] = []
     for name, p in peers:
-        if "peer" not in p.get("modes", ()):
+        checked(name, p)
+        if "peer" not in (p.get("modes") or ()):
             raise ValueError(f"{name} is not a peer run (modes {p.get('modes')})")
-        differ = [k for k in SAME if p.get(k) != first.get(k)]
-        if p["user_counts"][:1] != first["user_counts"][:1]:  # the peer runs the first
-            differ.append("user_counts")
+        differ = mismatches(p, first, SAME)
+        if (p.get("user_counts") or [])[:1] != (first.get("user_counts") or [])[:1]:
+            differ.append("user_counts")  # the peer runs on the first count only
         if differ:
             raise ValueError(f"{name} ran under other settings than {first_name}: "
-                             + ", ".join(f"{k} {p.get(k)!r} vs {first.get(k)!r}"
-                                         for k in differ))
+                             + ", ".join(differ))
         rows += [r for r in p["rows"] if r.get("mode") == "peer"]
+    if not rows:
+        raise ValueError("no peer steps in these runs")
     rates = [r["rate"] for r in rows]
     if len(set(rates)) != len(rates):
         raise ValueError(f"a rate ran twice in these peer runs ({sorted(rates)}): "
@@ -65,13 +81,9 @@ def rescore(load: dict, peer: dict, peer_name: str, command: str) -> dict:
     """``load`` (one user count's result) with its summary recomputed from its rows
     against ``peer`` (a peer result, e.g. :func:`merge_peers`'); the prompt baseline as
     the run had it."""
-    differ = [k for k in PEER_MUST_MATCH if load.get(k) != peer.get(k)]
-    if load.get("device") != peer.get("device"):
-        differ.append("device")
+    differ = mismatches(peer, checked("the load result", load), (*PEER_MUST_MATCH, "device"))
     if differ:
-        raise ValueError(f"the peer {peer_name} ran under other settings: "
-                         + ", ".join(f"{k} {peer.get(k)!r} vs {load.get(k)!r}"
-                                     for k in differ))
+        raise ValueError(f"the peer {peer_name} ran under other settings: " + ", ".join(differ))
     own = peer["summary"]["peer"]
     source = f"{peer_name}: {peer.get('command', '')}"
     args = SimpleNamespace(modes=tuple(load["modes"]), objective_ms=load["objective_ms"],
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = merge_peers(peers, command)
         loads = [(f.name, rescore(json.loads(f.read_text()), peer, args.peer_out.name,
                                   command)) for f in args.loads]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"rescore: {exc}", file=sys.stderr)
         return 2
     args.peer_out.write_text(json.dumps(peer, indent=2) + "\n")

@@ -16,8 +16,8 @@ puts it into the :class:`~inferscale.hydrate.resident.ResidentStore` tier asked 
   a time (an admin hydration: 32 MiB, 4 at once on local disk), so a request's read of
   facts queues behind at most ``reload_workers x reload_part_bytes`` of reload I/O: the
   throttle's pause stops only new parts, and on an H200 (~1.2 GB/s disk) up to 2 reloads
-  x 4 x 32 MiB already in flight made requests' fact reads take 191 ms p99, some past
-  their deadline.
+  x 4 x 32 MiB already in flight made requests' fact reads take up to ~190 ms (11
+  reads at 2,000 users, 5 rps), some past their deadline.
 
 Both check the slab's geometry (the model's, the store's ``geometry``) and size, from
 the manifest alone, before any byte of ``kv.arrow`` is read (``hydrate(geometry=...)``,

@@ -6,9 +6,9 @@ computing are predicted to tie. Errors of the estimates then all land on the loa
 requests: a read queued behind other reads on the disk, a read that ends just after a
 step began (the request waits for the next), the step the load is handed over in. On an
 H200 with 2,000 users (``benchmarks/results/load-h200-llama31-8b-u2000.json``, 5 rps)
-the 11 requests that loaded were predicted at most as slow as computing (~75-110 ms)
-and took p50 171 ms, p99 237 ms, while the cold requests that computed took p99 99 ms:
-the step's p99 was the loaders'.
+the 11 requests that loaded, each predicted no slower than computing everything, took
+p50 171 ms and 237 ms at most (p99 of 11), while the 127 cold requests that computed
+took p99 99 ms: the step's p99 was the loaders'.
 
 So the server measures the error: each finished cold request's engine time to its first
 token (vLLM's queued plus prefill time) less what the rule's formula predicts for its

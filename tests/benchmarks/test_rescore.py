@@ -85,3 +85,18 @@ def test_cli_writes_both_and_never_overwrites_its_inputs(tmp_path, capsys):
     assert "goodput_vs_peer 2.5" in capsys.readouterr().out
     assert rescore.main(["--peers", str(a), str(a), "--peer-out", str(out / "q.json")]) == 2
     assert not (out / "q.json").exists()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{\"rows\": 3}", "{\"rows\": [1]}", "not json",
+                                     "{\"modes\": [\"peer\"], \"rows\": []}", ""])
+def test_hostile_files_end_in_a_message_and_write_nothing(tmp_path, capsys, content):
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    bad.write_text(content)
+    good.write_text(json.dumps(peer_run({4: 236.6})))
+    out = tmp_path / "out"
+    out.mkdir()
+    for peers, loads in (([bad], []), ([good], [bad]), ([bad, good], [])):
+        assert rescore.main(["--peers", *map(str, peers), "--peer-out", str(out / "p.json"),
+                             "--out-dir", str(out), *map(str, loads)]) == 2
+        assert list(out.iterdir()) == []
+        assert capsys.readouterr().err.startswith("rescore: ")
