@@ -45,7 +45,8 @@
 # vllm serve, ~7 min with the users' setup), then users 24, 200, 2000 in one server
 # (~14 min), stopping new steps after TOTAL_S (1320 s). Results come back with each poll:
 # peer-h200-llama31-8b.json, load-h200-llama31-8b-u{24,200,2000}.json, load-progress.txt,
-# load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER,
+# load-logs.tgz. (RATES, MULTIPLIERS, REQUESTS, USER_COUNTS, TOTAL_S, DEADLINE_PEER, GPU_GIB,
+# HOST_GIB (the tiers), KV_GIB (vLLM's own KV cache in the InferScale server; 24),
 # MEMORY_DTYPE=bfloat16 (users' KV stored bf16; default fp8, the encoder's CUDA default
 # since issue 31: half the bytes), PEER=0 (no peer run; PEER_RESULT names an earlier peer file of
 # this card, e.g. benchmarks/results/peer-h100-llama31-8b.json, or PEER_G its goodput), PROMPT_G=G (no
@@ -194,7 +195,7 @@ load_args() {  # the flags every H200 load run shares (no spaces in these paths)
     --conversations $CONVS --groups 8 --facts 400 --top-k 50 --max-tokens 32 \
     --objective-ms 250 --rates ${RATES:-4 5 6 7 8 10} --requests ${REQUESTS:-400} \
     --kv-rate-multipliers ${MULTIPLIERS:-3 5 8} --gpu-budget-gib ${GPU_GIB:-64} \
-    --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib 24 --warmup-requests ${WARMUP:-64} \
+    --host-budget-gib ${HOST_GIB:-64} --staging-gib 8 --device-staging-gib 4 --kv-cache-gib ${KV_GIB:-24} --warmup-requests ${WARMUP:-64} \
     --warmup-rate ${WARMUP_RATE:-64} --drain-s 20 --settle-s 1 --start-timeout-s 300 \
     --estimate-setup-s 60 --estimate-start-s 150 --memory-dtype $MEMORY_DTYPE \
     --estimate-user-gib ${USER_GIB:-2.49} \
