@@ -221,8 +221,13 @@ def machine() -> dict:
 
 
 def goodput(rows: list[dict], mode: str, rates: list[float] | None = None) -> dict:
-    """The highest rate whose p99 TTFT met the objective, before the first that did not."""
+    """The highest rate whose p99 TTFT met the objective, before the first that did not;
+    None when ``mode`` ran no step (not 0: a scenario the deadline stopped before its first
+    step measured nothing)."""
     mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["rate"])
+    if not mine:
+        return {"goodput_rps": None, "first_miss_rps": None, "lower_bound": False,
+                "below_lowest_rate": False}
     best, failed_at = 0.0, None
     for r in mine:
         if not r["meets_objective"]:
@@ -248,11 +253,11 @@ def step_times(rows: list[dict]) -> dict:
     return out
 
 
-def step_ratio_below(rows: list[dict], goodput_rps: float) -> dict:
+def step_ratio_below(rows: list[dict], goodput_rps: float | None) -> dict:
     """KV's largest engine step-time p99 / p50 at the rates below its goodput (reported,
     not a target: stock vLLM's own prefix-cached steps have the same shape); None when
     no such rate ran or the server does not export step times."""
-    below = [r for r in rows if r["mode"] == "kv" and r["rate"] < goodput_rps]
+    below = [r for r in rows if r["mode"] == "kv" and r["rate"] < (goodput_rps or 0.0)]
     ratios = [r.get("step_p99_over_p50") for r in below]
     known = bool(below) and all(x is not None for x in ratios)
     return {"kv_step_p99_over_p50_max_below_goodput": max(ratios) if known else None,
@@ -284,7 +289,7 @@ def versus(kv: dict, base: dict, base_rps: float | None, name: str) -> dict:
     when a goodput is only bounded (``goodput_vs_<name>_is``) or, when the baseline missed
     at its lowest rate, the bound above (``goodput_vs_<name>_above``)."""
     out: dict = {f"goodput_vs_{name}": round(kv["goodput_rps"] / base_rps, 2)
-                 if base_rps else None}
+                 if base_rps and kv["goodput_rps"] is not None else None}
     if base_rps and kv["goodput_rps"]:
         kind = {(False, False): "measured", (True, False): "a lower bound",
                 (False, True): "an upper bound", (True, True): "unbounded"}
@@ -352,6 +357,9 @@ def progress(result: dict) -> list[str]:
     the objective, and the step times; then the summary's goodputs."""
     lines = [f"users {result.get('users')}: {len(result.get('rows', []))} steps"
              + (" (finished)" if "total_seconds" in result else " (running)")]
+    for sk in result.get("skipped_steps", []):
+        lines.append(f"  {sk['mode']:>6} {sk['rate']:>7g} rps: SKIPPED, needs {sk['needs_s']} s, "
+                     f"{sk['left_s']} s were left before --deadline-s")
     for r in result.get("rows", []):
         step = (f" step p50/p99 {r.get('step_p50_ms')}/{r.get('step_p99_ms')} ms"
                 if r.get("step_p50_ms") is not None else "")

@@ -61,12 +61,15 @@ class Run:
         text = await asyncio.to_thread(scrape_text, self.http)
         return text, parse(text)
 
-    async def step(self, count: int, mode: str, rate: float) -> dict | None:
-        """One measured step, or None when it could not end before the deadline."""
+    async def step(self, count: int, mode: str, rate: float) -> dict:
+        """One measured step, or ``{"skipped": ...}`` (what it needed, what was left) when
+        it could not end before the deadline."""
         args = self.args
         schedule = self.load.schedule(rate, seed=count * 100_003 + round(rate * 1000))
-        if schedule[-1][0] + args.drain_s > self.left_s():
-            return None
+        needs, left = schedule[-1][0] + args.drain_s, self.left_s()
+        if needs > left:
+            return {"skipped": {"mode": mode, "rate": rate, "needs_s": round(needs, 1),
+                                "left_s": round(max(left, 0.0), 1)}}
         text0, before = await self.scrape()
         load_at_start = os.getloadavg()[0]
         prof = None
@@ -165,9 +168,11 @@ class Run:
         while (nxt := plan.next_step(history, args, given)) is not None:
             mode, rate = nxt
             row = await self.step(count, mode, rate)
-            if row is None:
+            if "skipped" in row:  # ends this mode: its rates rise only past steps that met
                 history.append((mode, rate, None))
                 result["stopped_by_deadline"] = True
+                result.setdefault("skipped_steps", []).append(row["skipped"])
+                print(json.dumps({"users": count, **row}), flush=True)
                 continue
             rows.append(row)
             history.append((mode, rate, row["meets_objective"]))

@@ -290,7 +290,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--request-timeout-s", type=float, default=600.0)
     a("--start-timeout-s", type=float, default=900.0)
     a("--deadline-s", type=float, default=6 * 3600.0,
-      help="start no step that could end after this many seconds of the run")
+      help="start no step that could end after this many seconds of the run (its "
+           "arrivals and --drain-s; one that would not is listed in skipped_steps and "
+           "ends its mode; a scenario with no step has no goodput: null, not 0)")
     a("--workdir", default=None)
     a("--server-log", default=None)
     a("--out", "--out-pattern", dest="out", default=None,
@@ -384,6 +386,8 @@ def read_peer_result(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--peer-result or --peer-goodput, not both")
     try:
         peer = json.loads(Path(args.peer_result).read_text())
+        if peer["summary"]["goodput_peer_rps"] is None:
+            raise ValueError("its run measured no step (stopped by its deadline?)")
         args.peer_goodput = float(peer["summary"]["goodput_peer_rps"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         ap.error(f"--peer-result {args.peer_result}: no peer goodput in it ({exc})")

@@ -236,3 +236,22 @@ def test_the_slowest_requests_come_with_their_splits():
     assert got[1]["cold"] == {"facts_loaded": 20, "facts_computed": 30, "chunks": 21,
                               "read_ms": 60.0, "wait_ms": 55.0, "load_excess_ms": 0.0}
     assert "cold" not in got[2] and got[2]["engine_ttft_ms"] == 85.0
+
+
+def test_a_scenario_the_deadline_stopped_before_any_step_has_no_goodput():
+    """Not 0 rps and 0x the peer: nothing was measured, and the progress lines say which
+    step was skipped and why."""
+    assert goodput.goodput([], "kv")["goodput_rps"] is None
+    s = goodput.summarize([], load_args(peer_goodput=4.0), prompt_goodput=7.0)
+    assert s["goodput_kv_rps"] is None
+    assert s["goodput_vs_peer"] is None and s["goodput_vs_prompt"] is None
+    assert s["kv_p99_ttft_at_peer_goodput_ms"] is None
+    assert s["kv_step_p99_over_p50_max_below_goodput"] is None
+    skipped = {"mode": "kv", "rate": 4.0, "needs_s": 120.0, "left_s": 52.3}
+    lines = goodput.progress({"users": 2000, "rows": [], "summary": s,
+                              "skipped_steps": [skipped], "total_seconds": 300.0})
+    assert lines[0] == "users 2000: 0 steps (finished)"
+    assert "SKIPPED, needs 120.0 s, 52.3 s were left" in lines[1]
+    assert "goodput_kv_rps None" in lines[-1]
+    own = goodput.summarize([], load_args(modes=["peer"]))
+    assert own["goodput_peer_rps"] is None

@@ -47,6 +47,9 @@ def test_the_peer_result_is_read_and_refused_under_other_settings(tmp_path, conv
     path.write_text(json.dumps({"summary": {}}))
     with pytest.raises(SystemExit):
         resolve("--peer-result", str(path))
+    path.write_text(json.dumps({**peer, "summary": {"goodput_peer_rps": None}}))
+    with pytest.raises(SystemExit):  # its run measured no step: no goodput, not 0
+        resolve("--peer-result", str(path))
     with pytest.raises(SystemExit):  # the peer run itself takes no peer goodput
         resolve("--peer", "--peer-goodput", "3")
     assert resolve("--peer").modes == ["peer"]
