@@ -186,7 +186,7 @@ async def _serve_and_ask(settings: Settings, n_questions: int, max_tokens: int) 
     finally:
         web.should_exit = True
         await serving
-        server.engine.shutdown()
+        server.close()  # stops the loop-lag probe first: no stall logged for the shutdown
     if not_injected:  # the demo's point is answers from injected memory: say it failed
         print("\ninferscale-demo: KV answers prefilled instead of injected:\n  "
               + "\n  ".join(not_injected), file=sys.stderr)
