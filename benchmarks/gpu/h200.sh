@@ -230,11 +230,13 @@ load_peer_run() {  # (1) stock vllm serve -> $PEER_NAME.json (users built in /tm
 load_main() {  # (2) InferScale's server over the user counts, KV at multiples of the peer's
   # goodput ($1: seconds left for it)
   cd "$repo"
-  local peer=
-  if [ -f "$LOAD_OUT/$PEER_NAME.json" ] && python3 -c 'import json, sys
-sys.exit(json.load(open(sys.argv[1]))["summary"]["goodput_peer_rps"] is None)' \
-      "$LOAD_OUT/$PEER_NAME.json" 2>/dev/null; then  # a peer that ran no step: not used
-    peer="--peer-result $LOAD_OUT/$PEER_NAME.json"
+  local peer= own="$LOAD_OUT/$PEER_NAME.json"
+  if [ -f "$own" ] && ! python3 -c 'import json, sys
+sys.exit(json.load(open(sys.argv[1]))["summary"]["goodput_peer_rps"] is None)' "$own" 2>/dev/null
+  then  # --peer-result would refuse it and end the main run: go on without it
+    echo "$own has no peer goodput (its run measured no step): not used"; own=
+  fi
+  if [ -f "$own" ]; then peer="--peer-result $own"
   elif [ -n "${PEER_RESULT:-}" ]; then peer="--peer-result $PEER_RESULT"
   elif [ -n "${PEER_G:-}" ]; then peer="--peer-goodput $PEER_G"
   else echo "no peer result (and no PEER_G): KV at multiples of the prompt mode's goodput"; fi
