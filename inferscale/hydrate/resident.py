@@ -248,3 +248,6 @@ class StoreEvent:
     version: str
     resident: Resident | None = None
     for_room: bool = False  # removed to make room for another user (a budget's drop)
+    # added, and the host tier (where users are dropped) has no room left for another
+    # user of this one's size: the next reload drops someone
+    full: bool = False

@@ -306,7 +306,7 @@ class ResidentStore:
             self._lru[resident.user] = resident
             if old is None or old.version != resident.version:
                 self._events.append(StoreEvent("add", resident.user, resident.version,
-                                               resident))
+                                               resident, full=self._over("host", resident.nbytes)))
 
     def _free(self, r: Resident) -> None:
         """Give back ``r``'s tier memory (under the lock: ``r.last_use`` is final)."""

@@ -45,10 +45,11 @@ class ConnectorConfig:
     # queues behind at most reload_workers x reload_part_bytes of their I/O on the disk
     reload_part_bytes: int = 8 << 20
     # a miss promotes its user (a whole-user reload) only when the user's requests, each
-    # weighing half per promote_half_life_s of age, are >= promote_min_requests and above
-    # the least-asked resident's, once the tiers are full (promotion.py)
+    # weighing half per promote_half_life_s of age, are >= promote_min_requests and exceed
+    # the least-asked resident's by promote_margin, once the tiers are full (promotion.py)
     promote_half_life_s: float = 300.0
     promote_min_requests: float = 1.5  # 1.5: a second request within a half-life
+    promote_margin: float = 1.0  # one request more than the least-asked resident
     # a request of a user in neither tier: its facts are read from storage for it, at most
     # this many tokens at a time over all requests (0: such requests prefill instead)
     fetch_tokens: int = 65536
@@ -85,8 +86,10 @@ class ConnectorConfig:
                      "device_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if not self.promote_half_life_s > 0 or not self.promote_min_requests >= 0:
-            raise ValueError("need promote_half_life_s > 0 and promote_min_requests >= 0")
+        if not self.promote_half_life_s > 0 or not self.promote_min_requests >= 0 \
+                or not self.promote_margin >= 0:
+            raise ValueError("need promote_half_life_s > 0, promote_min_requests >= 0 and "
+                             "promote_margin >= 0")
         if self.fetch_workers < 1 or self.index_cache < 1 or self.fetch_timeout_s <= 0 \
                 or self.prefetch_keep_s < 0:
             raise ValueError("fetch_workers and index_cache must be >= 1, fetch_timeout_s "

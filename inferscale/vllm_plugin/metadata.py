@@ -251,10 +251,12 @@ class ResidentInfo:
 
 @dataclass(frozen=True)
 class ResidentAdded:
-    """Tensor-parallel rank ``rank`` holds ``info``'s (user, version) now."""
+    """Tensor-parallel rank ``rank`` holds ``info``'s (user, version) now; ``full``: its
+    host tier has no room left for another user of this one's size (promotion.py)."""
 
     rank: int
     info: ResidentInfo
+    full: bool = False
 
 
 @dataclass(frozen=True)

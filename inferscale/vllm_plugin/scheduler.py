@@ -22,8 +22,8 @@ externally available when
   prefills them (the server's compute-or-load split; 0 chunks: no fallback). Meanwhile
   the whole user is reloaded in the background, so its later requests find it resident,
   when the promotion rule admits it (:mod:`~inferscale.vllm_plugin.promotion`: every miss
-  while the tiers have room, then only users asked for more than the least-asked
-  resident).
+  while the tiers have room, then only users asked for a request more than the
+  least-asked resident).
 
 Otherwise it returns 0 and the request prefills (the reason is logged and returned); so
 does a request whose load the workers reported failed (vLLM recomputes its blocks and
@@ -378,6 +378,7 @@ class ConnectorScheduler:
                 continue
             info = change.info
             held[info.user] = info  # a rank holds one version per user
+            self.reloads.added(info.user, change.full)
             if self._resident(info.user, info.version) is not None:  # every rank holds it
                 self.reloads.held(info.user, info.version)
         self.reloads.failed(report.failed_reloads)

@@ -38,6 +38,18 @@ def test_gpu_overflow_demotes_lru_to_host_and_host_overflow_evicts():
     assert store.used("gpu") <= 2 * size and store.used("host") <= 2 * size
 
 
+def test_an_add_says_when_the_host_tier_has_no_room_for_another_user_of_its_size():
+    """What turns the scheduler's promotion rule on before any drop: the serving task
+    fills the budgets at start."""
+    size = nbytes(make_resident("x"))
+    store = ResidentStore("cpu", gpu_budget_bytes=4 * size, host_budget_bytes=2 * size)
+    store.put(make_resident("a"), "gpu")
+    store.put(make_resident("b"), "host")
+    store.put(make_resident("c"), "host")
+    assert [(e.user, e.full) for e in store.take_events()] == [
+        ("a", False), ("b", False), ("c", True)]
+
+
 def test_new_version_replaces_old_and_is_reported_in_order():
     store = ResidentStore("cpu", 1 << 20, 1 << 20)
     store.put(make_resident("u", "v1"))

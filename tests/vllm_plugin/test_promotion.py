@@ -1,6 +1,7 @@
 """Which misses promote their user (``inferscale.vllm_plugin.promotion``): every miss
-while the tiers have room; once a resident was dropped for room, only users asked for at
-least ``min_requests`` times and more often than the least-asked resident. Counts decay."""
+while the tiers have room; once they are full, only users asked for at least
+``min_requests`` times and ``margin`` more than the least-asked resident, a resident
+counting at least ``min_requests`` from when it became resident. Counts decay."""
 
 from __future__ import annotations
 
@@ -55,7 +56,41 @@ def test_old_interest_loses_to_recent_interest():
         p.seen("old", now=0.0)  # 4 requests long ago: 0.5 after 30 s
     p.dropped()
     p.seen("new", now=30.0)
+    assert not p.admit("new", ["old"], now=30.0)  # 1 < 0.5 + the margin of 1
+    p.seen("new", now=30.0)
     assert p.admit("new", ["old"], now=30.0)
+
+
+def test_a_new_resident_counts_the_admission_threshold():
+    """A placed user (never asked for yet) is not displaced by a miss asked for twice, but
+    is by one asked for three times; its own count decays from min_requests."""
+    p = Promotions(half_life_s=100.0, min_requests=1.5)
+    p.resident("placed", now=0.0)
+    p.dropped()
+    for _ in range(2):
+        p.seen("ann", now=0.0)
+    assert not p.admit("ann", ["placed"], now=0.0)  # 2 < 1.5 + 1
+    p.seen("ann", now=0.0)
+    assert p.admit("ann", ["placed"], now=0.0)  # 3 >= 2.5
+    assert p.count("placed", now=100.0) == pytest.approx(0.75)
+    p.seen("bob", now=0.0)
+    p.seen("bob", now=0.0)
+    p.seen("bob", now=0.0)
+    p.resident("bob", now=0.0)  # already asked for more: kept
+    assert p.count("bob", now=0.0) == pytest.approx(3.0)
+
+
+def test_the_margin_is_one_request_by_default_and_zero_keeps_the_strict_rule():
+    for margin, admitted in ((1.0, False), (0.0, True)):
+        p = Promotions(min_requests=1.5, margin=margin)
+        p.dropped()
+        p.resident("res", now=0.0)
+        p.seen("ann", now=0.0)
+        p.seen("ann", now=0.0)
+        assert p.admit("ann", ["res"], now=0.0) is admitted  # 2 against 1.5
+    p = Promotions(min_requests=0, margin=0.0)
+    p.dropped()
+    assert not p.admit("nobody", ["res"], now=0.0)  # 0 is not more than 0
 
 
 def test_the_counts_are_bounded():
@@ -65,7 +100,8 @@ def test_the_counts_are_bounded():
     assert p.count("u0", now=10.0) == 0.0 and p.count("u9", now=10.0) > 0
 
 
-@pytest.mark.parametrize("kw", [{"half_life_s": 0}, {"min_requests": -1}, {"max_users": 0}])
+@pytest.mark.parametrize("kw", [{"half_life_s": 0}, {"min_requests": -1}, {"max_users": 0},
+                                {"margin": -1}, {"margin": float("nan")}])
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         Promotions(**kw)

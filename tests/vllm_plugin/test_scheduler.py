@@ -149,6 +149,20 @@ def test_what_cannot_be_read_from_storage_prefills(ref, why):
     assert s.request_finished(req, [])[1]["inferscale"]["fallback"] == why
 
 
+def test_a_full_host_tier_reported_at_placement_turns_admission_on_before_any_drop():
+    """The serving task places users up to the budgets: the worker's add that leaves no
+    room makes the first miss of a user asked for once a declined promotion, and the
+    placed user counts promote_min_requests (promotion.py)."""
+    s = sched()
+    placed = ResidentInfo("bob", "v1", FP, {"prefix": PREFIX, "f1": FACT})
+    s.update_connector_output(KVOutput(ResidencyReport([ResidentAdded(0, placed, True)])))
+    assert s.reloads.promotions.full
+    assert s.reloads.promotions.count("bob") == pytest.approx(1.5, rel=1e-3)
+    req = request("r", REF, PROMPT)  # ann: in no tier, asked once
+    s.get_num_new_matched_tokens(req, 0)
+    assert s.reloads.take() == ([], 1)
+
+
 def test_reads_are_off_without_a_store_or_budget():
     for s in (ConnectorScheduler(ConnectorConfig(FP), BS), sched(fetch_tokens=0)):
         assert s.get_num_new_matched_tokens(request("r", REF, PROMPT), 0) == (0, False)
