@@ -305,8 +305,8 @@ class ResidentStore:
                 self._free(old)
             self._lru[resident.user] = resident
             if old is None or old.version != resident.version:
-                self._events.append(StoreEvent("add", resident.user, resident.version,
-                                               resident, full=self._over("host", resident.nbytes)))
+                self._events.append(StoreEvent("add", resident.user, resident.version, resident,
+                                               full=self._over("host", resident.nbytes)))
 
     def _free(self, r: Resident) -> None:
         """Give back ``r``'s tier memory (under the lock: ``r.last_use`` is final)."""

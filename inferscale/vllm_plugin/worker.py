@@ -414,7 +414,7 @@ class ConnectorWorker:
         if not events and not failed and not loads and not sources:
             return None
         rank = self.tp_rank  # only rank 0 sends token ids (every rank reads the same)
-        changes = [ResidentAdded(rank, ResidentInfo.of(e.resident, with_tokens=rank == 0),
-                                 e.full) if e.op == "add" else ResidentRemoved(rank, e.user, e.version, e.for_room)
+        changes = [ResidentAdded(rank, ResidentInfo.of(e.resident, with_tokens=rank == 0), e.full)
+                   if e.op == "add" else ResidentRemoved(rank, e.user, e.version, e.for_room)
                    for e in events]
         return ResidencyReport(changes, [FailedReload(*f) for f in failed], loads, sources)

