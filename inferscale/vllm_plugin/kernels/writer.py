@@ -17,8 +17,8 @@ one kernel does it all in a single pass, reading each needed slab row once:
   :mod:`~inferscale.vllm_plugin.kernels.cpu_jit`) over (layer, block tile); rotation with
   the same rounding as vLLM-CPU's rotary op (fused multiply-adds, or on AVX2 machines each
   product rounded: the self-check keeps the one that matches), so float32 keys are
-  bit-identical to the prefill path. CPU slabs are kept layer-major (:mod:`inferscale.hydrate.resident`)
-  so that each thread streams one layer's rows.
+  bit-identical to the prefill path. CPU slabs are kept layer-major
+  (:mod:`inferscale.hydrate.resident`) so that each thread streams one layer's rows.
 
 Owned by the connector's worker half: :meth:`FusedWriter.build` runs once when the
 model is attached (``inferscale_attach``) and checks the kernel against the backend's own
