@@ -224,7 +224,9 @@ def test_host_and_device_tiers_give_identical_outputs(engine_env, embedder):
 
 
 def test_more_users_than_the_budget_holds(engine_env, embedder):
-    """LRU demotion/eviction under byte budgets, background reloads, every request answered."""
+    """LRU demotion/eviction under byte budgets, background reloads, every request answered.
+    The two users dropped at hydration are asked for three times as often as the others,
+    so the promotion rule (a request more than the least-asked resident) reloads them."""
     tok = engine_env.model.tokenizer
     users = {}
     for i in range(6):
@@ -247,19 +249,20 @@ def test_more_users_than_the_budget_holds(engine_env, embedder):
 
         async def rounds():
             out = []
-            for r in range(4):
-                out += await asyncio.gather(*(one(r * 6 + i) for i in range(6)))
+            for r in range(4):  # load-0 and load-1 (dropped first) twice more a round
+                out += await asyncio.gather(*(one(r * 6 + i) for i in range(6)),
+                                            *(one(j) for j in (0, 0, 5, 5)))
                 await asyncio.sleep(2.0)  # background reloads land between rounds
             return out
 
         results = engine_env.loop.run(rounds())
-        assert len(results) == 24 and all(o.finish_reason for _, o in results)
+        assert len(results) == 40 and all(o.finish_reason for _, o in results)
         status = engine_env.loop.run(engine_env.engine.status())
         assert status["reloads"] > 0
         assert status["used"]["gpu"] <= 2 * size and status["used"]["host"] <= 2 * size
         assert len(status["residents"]) <= 4
         injected = sum(o.reply.injected_tokens > 0 for _, o in results)
-        assert injected > 0 and injected < 24  # some from memory, some refused and reloaded
+        assert injected > 0 and injected < 40  # some from memory, some refused and reloaded
     finally:
         engine_env.loop.run(engine_env.engine.set_budgets(GPU_BUDGET_BYTES, HOST_BUDGET_BYTES))
 
@@ -418,8 +421,9 @@ def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, em
     """The audit's attack: an artifact published under the serving model's fingerprint
     with its K/V regrouped as ``[30 layers, 6 heads, 32 dims]`` (SmolLM2 is ``[30, 3, 64]``:
     the same bytes per token; its publisher claimed that geometry). Admin hydration
-    refuses it from its manifest; a request naming it (which orders a background reload
-    and a read of its facts from storage) is prefilled with the reason, while another
+    refuses it from its manifest; a request naming it over the user's resident honest
+    version (``supersedes``: it orders a background reload and a read of its facts from
+    storage, whatever the promotion rule says) is prefilled with the reason, while another
     user's request in the same steps gets exactly its greedy answer, in every round
     (before, the forged rows were written through the cache's strides into the
     neighbour's blocks and its answer changed in 3 rounds of 3)."""
@@ -438,6 +442,8 @@ def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, em
         engine_env.loop.run(engine_env.engine.hydrate("forger", version=forged, tier="gpu"))
     version, nb_table = publish_user(engine_env, embedder, "neighbour", FACTS)
     engine_env.loop.run(engine_env.engine.hydrate("neighbour", version=version, tier="gpu"))
+    honest, _ = publish_user(engine_env, embedder, "forger", FACTS)
+    engine_env.loop.run(engine_env.engine.hydrate("forger", version=honest, tier="gpu"))
     nb_ids, nb_chunks = memory_prompt(tok, nb_table, "Where does Melanie live?")
     nb_ref = MemoryRef("neighbour", version, nb_chunks)
     f_ids, f_chunks = memory_prompt(tok, table, "What is Caroline allergic to?")
@@ -469,8 +475,9 @@ def test_a_forged_geometry_is_refused_and_its_neighbour_unchanged(engine_env, em
         status1 = engine_env.loop.run(engine_env.engine.status())
     finally:
         engine_env.loop.run(engine_env.engine.evict("neighbour"))
+        engine_env.loop.run(engine_env.engine.evict("forger"))
     assert any("not the serving model's" in fb for fb in fallbacks), fallbacks
-    assert "forger" not in {r["user"] for r in status1["residents"]}
+    assert forged not in {r["version"] for r in status1["residents"]}
     assert status1["fetches"]["failures"] > status0["fetches"]["failures"]
     assert status1["reload_failures"] > status0["reload_failures"]
     assert "GeometryMismatch" in engine_env.log.read_text(errors="replace")
