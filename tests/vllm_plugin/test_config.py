@@ -63,6 +63,9 @@ def test_settings_round_trip_through_the_extra_config():
     ({"model_fingerprint": "fp", "promote_min_requests": -1}, "promote_min_requests"),
     ({"model_fingerprint": "fp", "promote_min_requests": float("nan")}, "promote_min_requests"),
     ({"model_fingerprint": "fp", "promote_min_requests": "2"}, "not supported"),
+    ({"model_fingerprint": "fp", "promote_margin": -1}, "promote_margin"),
+    ({"model_fingerprint": "fp", "promote_margin": float("nan")}, "promote_margin"),
+    ({"model_fingerprint": "fp", "promote_margin": "1"}, "not supported"),
     ({"model_fingerprint": "fp", "reload_part_bytes": 0}, "reload_part_bytes"),
     ({"model_fingerprint": "fp", "reload_part_bytes": -1}, "reload_part_bytes"),
 ])
