@@ -2,7 +2,7 @@
 
 - :mod:`inferscale.serve.engine`: :class:`~inferscale.serve.engine.MemoryEngine`, one
   ``AsyncLLM`` with the connector; generation with injected memory, admin calls through
-  the engine's collective RPC;
+  the engine's collective RPC; its output text decoded by :mod:`inferscale.serve.detokenize`;
 - :mod:`inferscale.serve.retrieval`: query embedding and exact top-k over a user's facts;
 - :mod:`inferscale.serve.memory_cache`: the server's per-user facts and indexes
   (:mod:`inferscale.serve.user_memory`), kept fresh and bounded (its rate limit:

@@ -23,6 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from inferscale.serve.detokenize import TextStream, backend_of
 from inferscale.types import Tier
 from inferscale.vllm_plugin.config import WORKER_EXTENSION, ConnectorConfig, kv_transfer_config
 from inferscale.vllm_plugin.metadata import MemoryRef, MemoryReply
@@ -205,6 +206,7 @@ class MemoryEngine:
         self.config = config
         self.llm = None
         self._ids = itertools.count()
+        self._text = None  # the tokenizer the server decodes outputs with (detokenize.py)
 
     async def start(self) -> "MemoryEngine":
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -216,6 +218,7 @@ class MemoryEngine:
                                                  usage_context=serving_usage_context(),
                                                  stat_loggers=[_prompt_token_counter()])
         await self.llm.collective_rpc("inferscale_attach")
+        self._text = backend_of(self.llm.tokenizer)
         return self
 
     def scheduler_limits(self) -> dict:
@@ -349,7 +352,8 @@ class MemoryEngine:
         extra = {"kv_transfer_params": memory.to_params()} if memory else None
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                 ignore_eos=ignore_eos, extra_args=extra,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA,
+                                detokenize=self._text is None)
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
         salt = memory.cache_salt() if memory else cache_salt
         if salt:
@@ -378,6 +382,7 @@ class MemoryEngine:
         reply = MemoryReply()
         rid = f"is-{next(self._ids)}"
         progress = progress or Progress()
+        decode = TextStream(self._text, prompt_ids).step if self._text is not None else None
         async with aclosing(self.stream(prompt_ids, memory, max_tokens=max_tokens,
                                         temperature=temperature, ignore_eos=ignore_eos,
                                         cache_salt=cache_salt, request_id=rid)) as outs:
@@ -387,13 +392,14 @@ class MemoryEngine:
                     ttft = time.perf_counter() - start
                 tokens.extend(comp.token_ids)
                 progress.tokens = len(tokens)
-                text += comp.text
+                piece = decode(comp.token_ids) if decode else comp.text
+                text += piece
                 cached = out.num_cached_tokens or cached
                 finish = comp.finish_reason or finish
                 if out.kv_transfer_params:  # the finished request's reply
                     reply = MemoryReply.from_params(out.kv_transfer_params)
                 if comp.token_ids:
-                    yield comp.text
+                    yield piece
         yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,

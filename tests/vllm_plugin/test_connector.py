@@ -130,6 +130,8 @@ def test_isolation_200_interleaved_concurrent_requests(engine_env, secret_users)
         other = SECRETS["bob" if user == "ann" else "ann"]
         assert other not in out.text.upper(), (user, out.text)
         own += SECRETS[user] in out.text.upper()
+        # the server decodes the text itself (serve/detokenize.py), as vLLM would
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
         assert out.reply.fallback is None
         # memory came from this user's injection or this user's salted prefix cache
         assert out.cached_tokens >= out.reply.injected_tokens
