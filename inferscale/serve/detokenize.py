@@ -6,10 +6,10 @@ token that adds none (a partial UTF-8 character, a skipped special token, an id 
 tokenizer does not know) leaves it untrimmed, and the next step decodes the whole prompt
 again. A memory prompt is ~2,700 ids, so each such token costs ~0.35 ms of the API
 server's event loop, with the GIL held: 11 ms a request of 32 text-less tokens on this
-project's CPU machine (``tests/serve/test_detokenize.py`` measures it). Under load on
+project's CPU machine (``python -m benchmarks.detokenize``: 0.04 ms so). Under load on
 an H100 that work, all on the loop, delayed the retrieval of requests arriving in a burst
-by 50-130 ms (the 2,000-user run at 12 requests/s, benchmarks/README.md, "sixth run"; the
-``-shape`` models' dummy weights emit ids beyond the tokenizer's vocabulary).
+by 50-130 ms, most likely (the 2,000-user run at 12 requests/s, benchmarks/README.md,
+"sixth run"; the ``-shape`` models' dummy weights emit ids past the tokenizer's vocabulary).
 
 So the server asks vLLM for token ids only (``detokenize=False``) and decodes them here,
 priming the stream with the shortest suffix of 4 to 23 prompt ids that decodes without a

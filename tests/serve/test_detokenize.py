@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from inferscale.serve.detokenize import MAX_SUFFIX, TextStream, backend_of, prime_ids
 
 TEXTS = ["Caroline went to the LGBTQ support group on 7 May 2023.",
-         "Melanie's kids: 🦄 naïve café — 東京 ✓", "<|im_start|>user\nWhat did I say?<|im_end|>"]
+         "Melanie's kids: 🦄 naïve café — 東京 ✓",
+         "<|im_start|>user\nWhat did I say?<|im_end|>"]
 
 
 @pytest.fixture(scope="module")
