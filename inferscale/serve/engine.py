@@ -344,8 +344,9 @@ class MemoryEngine:
                      max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,
                      cache_salt: str | None = None, request_id: str | None = None
                      ) -> AsyncIterator[Any]:
-        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``. Closing this generator
-        (or cancelling its reader) closes vLLM's at once, which aborts the request."""
+        """Yield vLLM ``RequestOutput`` deltas for ``prompt_ids``, their ids without text
+        once started (:meth:`generate_stream` decodes them). Closing this generator (or
+        cancelling its reader) closes vLLM's at once, which aborts the request."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
