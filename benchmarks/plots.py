@@ -167,6 +167,7 @@ def plot_locomo(path: Path, figures: Path) -> Path | None:
 
 
 LOAD_STYLE = {"prompt": ("prompt baseline", "o"), "kv": ("KV injection", "s")}
+BOUND = {"a lower bound": ">= ", "an upper bound": "<= "}  # a ratio's *_is, as a prefix
 
 
 def plot_load(path: Path, figures: Path) -> Path | None:
@@ -202,8 +203,7 @@ def plot_load(path: Path, figures: Path) -> Path | None:
     ax.legend(fontsize=7)
     title = f"{path.stem}: {data.get('users')} users, k={data.get('top_k')}"
     if ratio is not None:
-        bound = {"a lower bound": ">= ", "an upper bound": "<= "}.get(
-            summary.get("goodput_vs_prompt_is"), "")
+        bound = BOUND.get(summary.get("goodput_vs_prompt_is"), "")
         title += f", goodput vs prompt {bound}{ratio:g}"
     elif above is not None:
         title += f", goodput vs prompt > {above:g}"
@@ -243,7 +243,7 @@ def peer_of(family: str, results: Path, paths: list[Path] = ()) -> dict | None:
 def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> dict:
     """What the goodput-against-users figure draws: per user count (files without a
     variant) KV's goodput and whether it is a lower bound, the prompt mode's and whether
-    that file measured it itself; stock vLLM's goodput."""
+    that file measured it itself; stock vLLM's goodput and whether it is a lower bound."""
     base = [(u, d) for u, v, d in series if not v]
     summ = [d.get("summary") or {} for _, d in base]
     return {"users": [u for u, _ in base],
@@ -253,7 +253,9 @@ def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> di
             "prompt_measured_here": [not (s.get("prompt") or {}).get("given") for s in summ],
             "prompt_from_another_run": ["another run" in str((s.get("prompt") or {}).get("given"))
                                         for s in summ],
-            "peer": ((peer or {}).get("summary") or {}).get("goodput_peer_rps")}
+            "peer": ((peer or {}).get("summary") or {}).get("goodput_peer_rps"),
+            "peer_lower_bound": bool((((peer or {}).get("summary") or {}).get("peer") or {})
+                                     .get("lower_bound"))}
 
 
 def plot_goodput_users(family: str, paths: list[Path], figures: Path,
@@ -277,7 +279,8 @@ def plot_goodput_users(family: str, paths: list[Path], figures: Path,
                 markerfacecolor=line.get_color() if here else "none")
     if g["peer"] is not None:
         ax.axhline(g["peer"], color="black", ls=":", lw=1.4,
-                   label=f"stock vLLM (vllm serve): {g['peer']:g} rps")
+                   label=f"stock vLLM (vllm serve): {'>= ' * g['peer_lower_bound']}"
+                         f"{g['peer']:g} rps")
     ax.set_xscale("log")
     ax.set_xticks(users, [f"{u:,}" for u in users])
     ax.minorticks_off()
@@ -308,7 +311,8 @@ def plot_load_users(family: str, paths: list[Path], figures: Path,
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (users, variant, data) in enumerate(series):
         summary = data.get("summary") or {}
-        versus = next(((summary[f"goodput_vs_{b}"], what) for b, what in (
+        versus = next(((summary[f"goodput_vs_{b}"], what, BOUND.get(
+            summary.get(f"goodput_vs_{b}_is"), "")) for b, what in (
             ("peer", "stock vLLM"), ("prompt", "prompt")) if summary.get(f"goodput_vs_{b}")),
             None)
         for mode, (label, marker) in LOAD_STYLE.items():
@@ -317,7 +321,7 @@ def plot_load_users(family: str, paths: list[Path], figures: Path,
                 continue
             name = f"{users} users{variant.replace('-', ' ')}, {label}"
             if mode == "kv" and versus is not None:
-                name += f" (goodput x{versus[0]:g} vs {versus[1]})"
+                name += f" (goodput {versus[2]}x{versus[0]:g} vs {versus[1]})"
             ax.plot([r["rate"] for r in rows],
                     [r["ttft_p99_ms"] if r["ttft_p99_ms"] is not None else top for r in rows],
                     marker + ("-" if mode == "kv" else "--"), color=colours[i % len(colours)],

@@ -97,7 +97,11 @@ def test_goodput_against_users_with_stock_vllm(tmp_path):
     assert g == {"users": [24, 200, 2000], "kv": [32.0, 30.0, 18.0],
                  "kv_lower_bound": [True, False, False], "prompt": [4.0, 4.0, 4.0],
                  "prompt_measured_here": [True, False, False],
-                 "prompt_from_another_run": [False, False, False], "peer": 2.0}
+                 "prompt_from_another_run": [False, False, False], "peer": 2.0,
+                 "peer_lower_bound": False}
+    # a peer that met every rate it ran (a deadline cut it short) is a lower bound
+    bounded = {**peer, "summary": {"goodput_peer_rps": 2.0, "peer": {"lower_bound": True}}}
+    assert plots.goodput_series(plots._scenarios(paths), bounded)["peer_lower_bound"]
     assert plots.peer_of("load-h200-other", results) is None
     # a family run against an earlier peer file (--peer-result) draws that peer
     other = results / "load-h200-other-u200.json"
