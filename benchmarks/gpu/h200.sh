@@ -53,7 +53,9 @@
 # prompt-mode steps: KV only, against our prompt mode's goodput G measured before),
 # PROFILE=1 (py-spy), COLD_SPLIT=auto|off|pinned:N (how cold requests split between
 # storage and prefill), BATCHED=N (the server engine's max_num_batched_tokens; default
-# vllm serve's, 8192 here; the peer keeps vllm serve's) override.)
+# vllm serve's, 8192 here; the peer keeps vllm serve's), PEER_REUSE=1 (`peer` after a
+# run on this machine: its users, ~45 s at 2,000, instead of publishing them again)
+# override.)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -218,9 +220,11 @@ load_estimates() {  # what the sequence takes, printed before it starts
 
 load_peer_run() {  # (1) stock vllm serve -> $PEER_NAME.json (users built in /tmp/load-work)
   cd "$repo"
-  rm -rf /tmp/load-work
+  local reuse=
+  if [ "${PEER_REUSE:-0}" = 1 ] && [ -f /tmp/load-work/memory.json ]; then reuse=--reuse-memory
+  else rm -rf /tmp/load-work; fi
   echo "=== peer ($(date +%T))"
-  timeout $(( ${DEADLINE_PEER:-540} + 300 )) python -m benchmarks.load $(load_args) --peer \
+  timeout $(( ${DEADLINE_PEER:-540} + 300 )) python -m benchmarks.load $(load_args) --peer $reuse \
     --deadline-s ${DEADLINE_PEER:-540} --keep-scrapes "$LOAD_OUT/scrapes-peer" \
     --server-log "$LOAD_OUT/peer-server.log" --out "$LOAD_OUT/$PEER_NAME.json" \
     > "$LOAD_OUT/load-peer.log" 2>&1
