@@ -13,7 +13,10 @@ scrape sees it.
 What held it: with ``on_stall`` a watchdog thread checks the probe's heartbeat every
 ``stall_s / 4`` and, once per stall, when the loop has not woken for ``stall_s``, hands
 over how long so far and the loop thread's Python stack (``sys._current_frames``): a
-callback that computes shows itself there. A thread holding the GIL in C (a garbage
+callback that computes shows itself there. A stall the watchdog did not see (it looks
+every ``stall_s / 4``, so one of 100-125 ms was mostly missed, and a thread holding the
+GIL keeps it out) is reported by the probe itself once the loop wakes, with its whole
+length and no stack: every stall is counted once. A thread holding the GIL in C (a garbage
 collection among them) keeps the watchdog out too, so with ``on_gc`` every collection
 that takes ``stall_s`` or more is reported with its generation (``gc.callbacks``).
 """
@@ -48,6 +51,8 @@ class LoopLagProbe:
         self._beat: tuple[float, int] | None = None  # last wake-up, the loop's thread id
         self._stopped = threading.Event()  # the running watchdog's (one per start)
         self._gc_at: float | None = None
+        self._claim = threading.Lock()  # a stall is reported by the watchdog or the probe
+        self._reported: tuple[float, int] | None = None  # the heartbeat last reported
 
     def start(self) -> None:
         """Probe the running loop; a no-op while a probe runs there already (so every
@@ -88,24 +93,34 @@ class LoopLagProbe:
         me = threading.get_ident()
         while True:
             due = clock() + interval
-            self._beat = (due - interval, me)
+            self._beat = beat = (due - interval, me)
             await asyncio.sleep(interval)
-            self.observe(max(0.0, clock() - due))
+            lag = max(0.0, clock() - due)
+            self.observe(lag)
+            if self.on_stall is not None and lag >= self.stall_s and self._first(beat):
+                self.on_stall(lag, "")  # the watchdog missed it: no stack to give
+
+    def _first(self, beat: tuple[float, int]) -> bool:
+        """Whether ``beat``'s stall is reported by this caller (it was not yet)."""
+        with self._claim:
+            if self._reported == beat:
+                return False
+            self._reported = beat
+            return True
 
     def _watchdog(self, stopped: threading.Event) -> None:
-        reported = None  # the heartbeat whose stall was reported
         while not stopped.wait(self.stall_s / 4):
             if not self.running:  # its loop ended without stop()
                 return
             beat = self._beat
-            if beat is None or beat == reported:
+            if beat is None:
                 continue
             held = time.perf_counter() - beat[0] - self.interval_s
-            if held >= self.stall_s:
+            if held >= self.stall_s and self._reported != beat:
                 frame = sys._current_frames().get(beat[1])
                 stack = "".join(traceback.format_stack(frame, limit=12)) if frame else ""
-                reported = beat
-                self.on_stall(held, stack)
+                if self._first(beat):
+                    self.on_stall(held, stack)
 
     def _gc(self, phase: str, info: dict) -> None:
         if not self.running:  # its loop ended without stop(): stop() or start() removes it

@@ -354,12 +354,13 @@ class ServingMetrics:
         if estimator is not None:
             r.register(EstimateCollector(estimator))
 
-    def _stalled(self, seconds: float, stack: str) -> None:  # the probe's watchdog thread
+    def _stalled(self, seconds: float, stack: str) -> None:  # the watchdog, or the loop
         self.loop_stalls.inc()
         self._stalls = n = self._stalls + 1
         if n <= STALL_STACKS:
-            log.warning("event loop held for %.0f ms so far (stall %d; the first %d are "
-                        "logged), in:\n%s", seconds * 1e3, n, STALL_STACKS, stack)
+            log.warning("event loop held for %.0f ms%s (stall %d; the first %d are "
+                        "logged), in:\n%s", seconds * 1e3, " so far" if stack else "", n,
+                        STALL_STACKS, stack or "(not sampled: the watchdog did not see it)")
 
     def _gc_paused(self, seconds: float, generation: int) -> None:
         self.gc_pauses.labels(str(generation)).inc()

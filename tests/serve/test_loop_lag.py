@@ -108,6 +108,50 @@ def test_a_stall_is_reported_once_with_the_loops_stack():
     assert 0.05 <= held < 0.3 and "holds_the_loop_for_a_while" in stack
 
 
+def test_every_stall_is_counted_once_whether_the_watchdog_saw_it_or_not():
+    """Stalls just over ``stall_s``: the watchdog (looking every ``stall_s / 4``) sees some
+    and hands over their stacks; the probe reports the others when the loop wakes. Each
+    once."""
+    stalls: list[tuple[float, str]] = []
+    lags: list[float] = []
+
+    async def main():
+        probe = LoopLagProbe(lags.append, interval_s=0.005, stall_s=0.05,
+                             on_stall=lambda s, stack: stalls.append((s, stack)))
+        probe.start()
+        for _ in range(10):
+            await asyncio.sleep(0.03)
+            time.sleep(0.06)  # holds the loop
+        await asyncio.sleep(0.03)
+        probe.stop()
+
+    asyncio.run(main())
+    # one report per sample of a stall (a loaded machine may add a stall of its own)
+    assert len(stalls) == sum(lag >= 0.05 for lag in lags) >= 10
+    assert all(held >= 0.05 for held, _ in stalls)
+
+
+def test_a_stall_the_watchdog_never_saw_is_reported_by_the_probe():
+    stalls: list[tuple[float, str]] = []
+    lags: list[float] = []
+
+    async def main():
+        probe = LoopLagProbe(lags.append, interval_s=0.005, stall_s=0.05,
+                             on_stall=lambda s, stack: stalls.append((s, stack)))
+        probe._watchdog = lambda stopped: None  # a watchdog kept out (a thread in C)
+        probe.start()
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            time.sleep(0.08)
+            await asyncio.sleep(0.02)
+        probe.stop()
+
+    asyncio.run(main())
+    assert len(stalls) == sum(lag >= 0.05 for lag in lags) >= 3
+    assert all(stack == "" for _, stack in stalls)
+    assert sum(held >= 0.07 for held, _ in stalls) >= 3  # 80 ms less the probe's own 5
+
+
 def test_long_garbage_collections_are_reported():
     """``gc.callbacks`` time every collection; one of ``stall_s`` or more is reported
     with its generation, a short one is not, and a stopped probe stops listening."""
