@@ -1,8 +1,8 @@
 """The event loop's detokenization work per request: vLLM's whole-prompt priming against
 the server's short-suffix one (``inferscale.serve.detokenize``).
 
-Builds a memory-sized prompt (``--prompt-tokens`` ids of the embedded conversations, SmolLM2's real
-tokenizer) and decodes ``--outputs`` generated ids per request, ``--requests`` times,
+Builds a memory-sized prompt (``--prompt-tokens`` ids of the embedded conversations,
+SmolLM2's real tokenizer) and decodes ``--outputs`` generated ids per request, ``--requests`` times,
 three ways of output: ids that each add text, ids that add none (past the tokenizer's
 vocabulary, as the ``-shape`` models' dummy weights emit), and a mix. Each way is timed
 with the stream primed as vLLM 0.26 / 0.32 prime it (the whole prompt) and as the server

@@ -9,7 +9,8 @@ server's event loop, with the GIL held: 11 ms a request of 32 text-less tokens o
 project's CPU machine (``python -m benchmarks.detokenize``: 0.04 ms so). Under load on
 an H100 that work, all on the loop, delayed the retrieval of requests arriving in a burst
 by 50-130 ms, most likely (the 2,000-user run at 12 requests/s, benchmarks/README.md,
-"sixth run"; the ``-shape`` models' dummy weights emit ids past the tokenizer's vocabulary).
+"sixth run"; the ``-shape`` models' dummy weights emit ids past the tokenizer's vocabulary);
+decoded here, the loop's lag peaked at 2.5-25 ms in the next run ("seventh run").
 
 So the server asks vLLM for token ids only (``detokenize=False``) and decodes them here,
 priming the stream with the shortest suffix of 4 to 23 prompt ids that decodes without a
