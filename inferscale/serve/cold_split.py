@@ -53,28 +53,25 @@ PrefillQueue`): a request arriving during another's long prefill step waits out 
 rest of it, a wait vLLM's counts never show; ``c`` what a prompt token adds to a busy
 engine step (the scheduler's fit of step times against the prompt tokens scheduled,
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the largest over ranks), and
-until that fit has spread enough steps the slope of a windowed least-squares fit of
-vLLM's ``prefill_time`` against the tokens each request computed (prompt less cached),
-pulled towards the prior by ``prior_sxx`` (so a window of near-equal prompts keeps the
-prior; the intercept, the fixed part, is reported apart): a request's prefill time is
-its step's, shared with the others, so this second fit read ~18 us a token on an H100
-where the steps said ~33 (``benchmarks/results/load-h100-llama31-8b-run4-u200.json``),
-and the split prefilled a saturated engine's cold requests; ``ρ`` the larger of
-the share of recent time in which the running requests had prompt tokens left after a
-step, so that a request arriving would wait for the token budget, and the share of time
-prefill takes: the prompt tokens scheduled per second times ``c``, plus the bases of the
-steps that scheduled them (the scheduler's
-:class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the busiest rank, decaying with
-``busy_tau_s`` since it was reported; under an 8,192-token budget steps rarely leave
-tokens over, so the first alone read ~0 on an H100 prefilling ~0.4 of the time, and
-without the bases the second read ~0.5 where the engine was saturated); ``B`` a
-moving average of the workers' bytes read per second of reader busy time (the slowest
-rank); ``o`` a moving average of the workers' seconds per read outside the rows (the
-slowest rank: a user's first read includes its chunk index); ``Q`` the workers' bytes
-not read yet, drained at ``B`` since they reported; ``D``
-= ``overhead_steps`` busy engine steps (the workers' moving average). Nothing here
-touches the engine: the server (:mod:`inferscale.serve.server`) feeds it and applies the
-split.
+while no rank's fit is solved (recently) the slope of a windowed least-squares fit of
+vLLM's ``prefill_time`` against the tokens each request computed, pulled towards the
+prior by ``prior_sxx`` (the intercept, the fixed part, reported apart): a request's
+prefill time is its step's, shared with the others, so it read ~18 us a token on an
+H100 where the steps said ~33 (``benchmarks/results/load-h100-llama31-8b-run4-u200.json``);
+``ρ`` the larger of the share of recent time in which the running requests had prompt
+tokens left after a step, so that a request arriving would wait for the token budget,
+and the share of time prefill takes: the prompt tokens scheduled per second times ``c``,
+plus the bases of the steps that scheduled them and their requests' costs (the busiest
+rank's :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, decaying with ``busy_tau_s``
+since reported; under an 8,192-token budget steps rarely leave tokens over, so the first
+alone read ~0 on an H100 prefilling ~0.4 of the time, and without the bases the second
+read ~0.5 where the engine was saturated); ``B`` a moving average of the workers' bytes
+read per second of reader busy time (the slowest rank); ``o`` a moving average of the
+workers' seconds per read outside the rows (the slowest rank: a user's first read
+includes its chunk index); ``Q`` the workers' bytes not read yet, drained at ``B`` since
+they reported; ``D`` = ``overhead_steps`` busy engine steps (the workers' moving
+average). Nothing here touches the engine: the server (:mod:`inferscale.serve.server`)
+feeds it and applies the split.
 """
 
 from __future__ import annotations
@@ -336,7 +333,7 @@ class LoadEstimator:
         storage_stats`, one per rank: cumulative ``bytes``, ``busy_s``, ``reads_timed``
         and ``overhead_s``, ``queued_bytes``, ``step_s``, ``prefill_busy``,
         ``prefill_tokens_per_s``, ``prefill_base_share`` and their age
-        ``prefill_busy_age_s``, and ``prefill_token_s`` (0: not known yet)."""
+        ``prefill_busy_age_s``, and ``prefill_token_s`` (0: not known, or not any more)."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -358,8 +355,11 @@ class LoadEstimator:
                     old = self._read_overhead.get(rank)
                     self._read_overhead[rank] = sample if old is None else \
                         (1 - a) * old + a * sample
-            if r.get("prefill_token_s"):
-                self._token_s[rank] = max(0.0, float(r["prefill_token_s"]))
+            token_s = float(r.get("prefill_token_s") or 0.0)  # 0: not known (any more)
+            if 0.0 < token_s < math.inf:
+                self._token_s[rank] = token_s
+            elif "prefill_token_s" in r:
+                self._token_s.pop(rank, None)
             if r.get("step_s") is not None:
                 self._step[rank] = float(r["step_s"])
             if r.get("prefill_busy") is not None:

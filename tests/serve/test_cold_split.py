@@ -514,7 +514,8 @@ def test_a_costlier_read_never_loads_more(lengths, row, e, extra):
 
 def test_the_steps_price_a_token_and_the_reads_their_overhead():
     """The workers' step fit (``prefill_token_s``) is ``c`` once reported, the requests'
-    own fit kept beside it; ``o`` is the moving average of the reads' seconds outside
+    own fit kept beside it and ``c`` again once every rank reports its fit unknown (0:
+    stale); ``o`` is the moving average of the reads' seconds outside
     their rows, per read timed, from the slowest rank."""
     est = LoadEstimator(ColdSplitConfig(alpha=1.0, compute_prior_s=2e-5))
     base = {"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.007,
@@ -531,6 +532,12 @@ def test_the_steps_price_a_token_and_the_reads_their_overhead():
     assert e.read_overhead_s == pytest.approx(0.03)  # rank 1: 60 ms over 2 reads
     assert e.info()["read_overhead_ms"] == pytest.approx(30.0)
     assert e.info()["request_fit_us_per_token"] == pytest.approx(20.0)
+    est.storage([{**base, "tp_rank": 0, "prefill_token_s": 0.0},  # rank 0's fit went stale
+                 {**base, "tp_rank": 1, "prefill_token_s": 3.1e-5}], now=2.0)
+    assert est.estimates(now=2.0).compute_s_per_token == 3.1e-5
+    est.storage([{**base, "tp_rank": 0, "prefill_token_s": 0.0},
+                 {**base, "tp_rank": 1, "prefill_token_s": float("nan")}], now=3.0)
+    assert est.estimates(now=3.0).compute_s_per_token == 2e-5  # the requests' fit again
 
 
 def test_the_fourth_h100_run_numbers():
