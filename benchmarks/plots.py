@@ -246,6 +246,7 @@ def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> di
     that file measured it itself; stock vLLM's goodput and whether it is a lower bound."""
     base = [(u, d) for u, v, d in series if not v]
     summ = [d.get("summary") or {} for _, d in base]
+    peer_summary = (peer or {}).get("summary") or {}
     return {"users": [u for u, _ in base],
             "kv": [s.get("goodput_kv_rps") for s in summ],
             "kv_lower_bound": [bool((s.get("kv") or {}).get("lower_bound")) for s in summ],
@@ -253,9 +254,8 @@ def goodput_series(series: list[tuple[int, str, dict]], peer: dict | None) -> di
             "prompt_measured_here": [not (s.get("prompt") or {}).get("given") for s in summ],
             "prompt_from_another_run": ["another run" in str((s.get("prompt") or {}).get("given"))
                                         for s in summ],
-            "peer": ((peer or {}).get("summary") or {}).get("goodput_peer_rps"),
-            "peer_lower_bound": bool((((peer or {}).get("summary") or {}).get("peer") or {})
-                                     .get("lower_bound"))}
+            "peer": peer_summary.get("goodput_peer_rps"),
+            "peer_lower_bound": bool((peer_summary.get("peer") or {}).get("lower_bound"))}
 
 
 def plot_goodput_users(family: str, paths: list[Path], figures: Path,
