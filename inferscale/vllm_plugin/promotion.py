@@ -30,7 +30,10 @@ Replaying such arrivals against this class (``python -m benchmarks.promotion``: 
 16 + 51 placed users, least recently used dropped) kept 58.8 / 58.1% of requests in the
 tiers at 4 / 12 rps with 18 reloads in all, against 54.9 / 51.6% and 140 by the rule
 before (``benchmarks/results/promotion-replay-u2000-h100.json``).
-Until the tiers are full every miss is promoted: they have room.
+Until the tiers are full every miss is promoted: they have room. A resident removed for
+any other reason (an operator's eviction, an old version replaced) leaves room, so the
+tiers are not full from then until an addition or a drop says so again (a new version is
+reported removed-then-added: its addition's ``full`` decides).
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class Promotions:
         """A resident was dropped to make room for another, or the tiers have no room
         left for another user: the tiers are full."""
         self.full = True
+
+    def freed(self) -> None:
+        """A resident was removed, not for room (evicted, or its version replaced)."""
+        self.full = False
 
     def admit(self, user: str, residents: Iterable[str], now: float | None = None) -> bool:
         """Whether a miss of ``user`` should promote it, given the users resident now."""
@@ -177,6 +184,8 @@ class Reloads:
         """A rank no longer holds ``user``'s ``version`` (``for_room``: dropped for room)."""
         if for_room:
             self.promotions.dropped()
+        else:
+            self.promotions.freed()
         self._pending.discard((user, version))
 
     def held(self, user: str, version: str) -> None:

@@ -329,7 +329,8 @@ def test_split_fields_travel_and_are_checked():
 def test_misses_promote_until_a_resident_is_dropped_for_room_then_only_frequent_users():
     """A miss orders a whole-user reload while the tiers have room; once the workers report
     a resident dropped for room, a user asked for once does not displace one asked for
-    more (promotion.py); a user asked for more often than every resident does."""
+    more (promotion.py); a user asked for more often than every resident does; a resident
+    evicted leaves room again, a version replaced with no room left does not."""
     from vllm.v1.core.sched.output import SchedulerOutput
     from inferscale.vllm_plugin.metadata import ResidentRemoved
 
@@ -363,3 +364,11 @@ def test_misses_promote_until_a_resident_is_dropped_for_room_then_only_frequent_
                                                                         for_room=True)])))
     assert ask("r6", "eve") == ["eve"]  # twice, and nobody is resident now
     assert (s.reloads.promotions.admitted, s.reloads.promotions.declined) == (3, 3)
+    # a new version: removed, then added with no room left: still full
+    s.update_connector_output(KVOutput(ResidencyReport([
+        ResidentRemoved(0, "cy", "v1"), ResidentAdded(0, ResidentInfo(
+            "cy", "v2", FP, {"prefix": PREFIX, "f1": FACT}), full=True)])))
+    assert ask("r7", "fay") == []  # asked once
+    # an operator's eviction leaves room: a miss promotes again, until the tiers fill
+    s.update_connector_output(KVOutput(ResidencyReport([ResidentRemoved(0, "cy", "v2")])))
+    assert ask("r8", "gus") == ["gus"]  # asked once, and there is room
