@@ -44,34 +44,31 @@ computing (:mod:`inferscale.serve.load_excess`; 0 until measured).
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
 requests that did not wait for a read (theirs includes the read), decaying to the prior
-while nothing finishes, and 0 while vLLM's latest scheduler stats (at most
-``queue_fresh_s`` old) say no request waits: a past burst's queue times outlive the queue
-in the average, and on an H100 reads chosen to hide in such a stale wait were the slowest
-answers of the step after a warm-up burst; and at least the prefill the server itself
-handed the engine that is still ahead (:class:`~inferscale.serve.prefill_queue.
-PrefillQueue`): a request arriving during another's long prefill step waits out the
-rest of it, a wait vLLM's counts never show; ``c`` what a prompt token adds to a busy
-engine step (the scheduler's fit of step times against the prompt tokens scheduled,
+while nothing finishes, 0 while vLLM's latest scheduler stats (at most ``queue_fresh_s``
+old) say no request waits (on an H100 reads chosen to hide in a past burst's wait were
+the slowest answers of the step after a warm-up burst), and at least the prefill the
+server handed the engine that is still ahead
+(:class:`~inferscale.serve.prefill_queue.PrefillQueue`): a request arriving during
+another's long prefill step waits out the rest of it, a wait vLLM's counts never show;
+``c`` what a prompt token adds to a busy engine step (the scheduler's fit of step times,
 :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, the largest over ranks), and
 while no rank's fit is solved (recently) the slope of a windowed least-squares fit of
 vLLM's ``prefill_time`` against the tokens each request computed, pulled towards the
 prior by ``prior_sxx`` (the intercept, the fixed part, reported apart): a request's
 prefill time is its step's, shared with the others, so it read ~18 us a token on an
 H100 where the steps said ~33 (``benchmarks/results/load-h100-llama31-8b-run4-u200.json``);
-``ρ`` the larger of the share of recent time in which the running requests had prompt
-tokens left after a step, so that a request arriving would wait for the token budget,
-and the share of time prefill takes: the prompt tokens scheduled per second times ``c``,
-plus the bases of the steps that scheduled them and their requests' costs (the busiest
-rank's :class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, decaying with ``busy_tau_s``
-since reported; under an 8,192-token budget steps rarely leave tokens over, so the first
-alone read ~0 on an H100 prefilling ~0.4 of the time, and without the bases the second
-read ~0.5 where the engine was saturated); ``B`` a moving average of the workers' bytes
-read per second of reader busy time (the slowest rank); ``o`` a moving average of the
-workers' seconds per read outside the rows (the slowest rank: a user's first read
-includes its chunk index); ``Q`` the workers' bytes not read yet, drained at ``B`` since
-they reported; ``D`` = ``overhead_steps`` busy engine steps (the workers' moving
-average). Nothing here touches the engine: the server (:mod:`inferscale.serve.server`)
-feeds it and applies the split.
+``ρ`` the larger of the share of recent time in which a step left prompt tokens over (a
+request arriving would wait for the token budget) and prefill's share of time: prompt
+tokens scheduled per second times ``c``, plus the bases of the steps that scheduled them
+and their requests' own costs (the busiest rank's
+:class:`~inferscale.vllm_plugin.backlog.PrefillBacklog`, decaying with ``busy_tau_s``;
+on an H100 under an 8,192-token budget the first read ~0 while prefill took ~0.4 of the
+time, and without the bases the second ~0.5 on a saturated engine); ``B`` and ``o``
+moving averages of the workers' bytes read per second of reader busy time and seconds
+per read outside the rows (a user's first read includes its chunk index), the slowest
+rank's; ``Q`` the workers' bytes not read yet, drained at ``B`` since they reported;
+``D`` = ``overhead_steps`` busy engine steps (the workers' moving average). Nothing here
+touches the engine: the server (:mod:`inferscale.serve.server`) feeds it and applies it.
 """
 
 from __future__ import annotations
@@ -124,26 +121,24 @@ class ColdSplitConfig:
         for name in ("pinned_chunks", "wait_prior_s", "step_prior_s", "overhead_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.deadline_factor < 1 or self.window < 2 or not 0 < self.alpha <= 1:
-            raise ValueError("need deadline_factor >= 1, window >= 2, 0 < alpha <= 1")
-        if not 0 <= self.busy_cap < 1:
-            raise ValueError(f"busy_cap must be in [0, 1), got {self.busy_cap}")
+        if self.deadline_factor < 1 or self.window < 2 or not 0 < self.alpha <= 1 \
+                or not 0 <= self.busy_cap < 1:
+            raise ValueError("need deadline_factor >= 1, window >= 2, 0 < alpha <= 1 and "
+                             f"0 <= busy_cap < 1, got busy_cap={self.busy_cap}")
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "ColdSplitConfig":
-        return cls(mode=settings.cold_split, pinned_chunks=settings.cold_split_chunks,
-                   bandwidth_prior=settings.cold_bandwidth_prior,
-                   compute_prior_s=settings.cold_compute_prior_s,
-                   step_prior_s=settings.cold_step_prior_s,
-                   overhead_steps=settings.cold_overhead_steps,
-                   deadline_factor=settings.cold_deadline_factor)
+    def from_settings(cls, s: Any) -> "ColdSplitConfig":
+        return cls(mode=s.cold_split, pinned_chunks=s.cold_split_chunks,
+                   bandwidth_prior=s.cold_bandwidth_prior, compute_prior_s=s.cold_compute_prior_s,
+                   step_prior_s=s.cold_step_prior_s, overhead_steps=s.cold_overhead_steps,
+                   deadline_factor=s.cold_deadline_factor)
 
 
 @dataclass(frozen=True)
 class Estimates:
-    """What the rule reads: ``W``, ``c``, ``B``, ``Q``, ``D``, ``ρ`` and ``o`` (see the
-    module doc), and the fixed part of a request's prefill time and the requests' own
-    fit of ``c`` (reported only)."""
+    """What the rule reads: ``W``, ``c``, ``B``, ``Q``, ``D``, ``ρ`` and ``o`` (module
+    doc); reported only: the fixed part of a request's prefill time, the requests' own
+    fit of ``c``, and the step fit's base and a request's own cost beside ``c``."""
 
     wait_s: float
     compute_s_per_token: float
@@ -157,6 +152,8 @@ class Estimates:
     step_s: float = 0.0  # a busy engine step (a request's prefill costs one besides c T)
     prefill_ahead_s: float = 0.0  # the server's own prefill queue ahead (in wait_s)
     load_excess_s: float = 0.0  # E: what loads cost lately beyond the formula
+    step_base_s: float = 0.0
+    request_cost_s: float = 0.0
 
     @property
     def priced_s_per_token(self) -> float:
@@ -170,7 +167,8 @@ class Estimates:
                 "fixed_ms": self.fixed_s * 1e3, "prefill_busy": self.prefill_busy,
                 "read_overhead_ms": self.read_overhead_s * 1e3,
                 "step_ms": self.step_s * 1e3, "prefill_ahead_ms": self.prefill_ahead_s * 1e3,
-                "load_excess_ms": self.load_excess_s * 1e3,
+                "load_excess_ms": self.load_excess_s * 1e3, "step_base_ms":
+                self.step_base_s * 1e3, "request_cost_ms": self.request_cost_s * 1e3,
                 "request_fit_us_per_token": None if self.request_fit_s_per_token is None
                 else self.request_fit_s_per_token * 1e6}
 
@@ -249,7 +247,7 @@ class LoadEstimator:
         self._queued: dict[int, float] = {}
         self._step: dict[int, float] = {}
         self._busy: dict[int, tuple[float, float, float]] = {}  # rank -> share, tokens/s, when
-        self._token_s: dict[int, float] = {}  # rank -> a prompt token's seconds in a step
+        self._step_fit: dict[int, tuple[float, float, float]] = {}  # rank -> backlog.py's
         self._timed: dict[int, tuple[int, float]] = {}  # rank -> reads timed, overhead s
         self._read_overhead: dict[int, float] = {}  # rank -> moving average per read
         self.storage_at: float | None = None  # when the workers last reported
@@ -330,10 +328,10 @@ class LoadEstimator:
 
     def storage(self, reports: list[dict], now: float | None = None) -> None:
         """The workers' :meth:`~inferscale.vllm_plugin.worker.ConnectorWorker.
-        storage_stats`, one per rank: cumulative ``bytes``, ``busy_s``, ``reads_timed``
-        and ``overhead_s``, ``queued_bytes``, ``step_s``, ``prefill_busy``,
-        ``prefill_tokens_per_s``, ``prefill_base_share`` and their age
-        ``prefill_busy_age_s``, and ``prefill_token_s`` (0: not known, or not any more)."""
+        storage_stats`, one per rank: cumulative ``bytes``, ``busy_s``, ``reads_timed`` and
+        ``overhead_s``, ``queued_bytes``, ``step_s``, ``prefill_busy``, ``prefill_tokens_per_s``,
+        ``prefill_base_share`` and their age ``prefill_busy_age_s``; the step fit:
+        ``prefill_token_s`` (0: not known now), ``prefill_step_base_s``, ``prefill_request_s``."""
         now = time.monotonic() if now is None else now
         a = self.config.alpha
         for i, r in enumerate(reports):
@@ -355,11 +353,12 @@ class LoadEstimator:
                     old = self._read_overhead.get(rank)
                     self._read_overhead[rank] = sample if old is None else \
                         (1 - a) * old + a * sample
-            token_s = float(r.get("prefill_token_s") or 0.0)  # 0: not known (any more)
-            if 0.0 < token_s < math.inf:
-                self._token_s[rank] = token_s
+            fit = [float(r.get(k) or 0.0) for k in ("prefill_token_s", "prefill_step_base_s",
+                                                     "prefill_request_s")]  # 0: not known
+            if 0.0 < fit[0] < math.inf:
+                self._step_fit[rank] = tuple(v if 0.0 < v < math.inf else 0.0 for v in fit)
             elif "prefill_token_s" in r:
-                self._token_s.pop(rank, None)
+                self._step_fit.pop(rank, None)
             if r.get("step_s") is not None:
                 self._step[rank] = float(r["step_s"])
             if r.get("prefill_busy") is not None:
@@ -391,14 +390,15 @@ class LoadEstimator:
         busy = max((max(b, rate * c + base) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
                     for b, rate, base, at in self._busy.values()), default=0.0)
         ahead_s = ahead_s if 0.0 < ahead_s < math.inf else 0.0
+        _, base, request = max(self._step_fit.values(), default=(0.0, 0.0, 0.0))  # c's rank
         return Estimates(max(self._wait_now(now), ahead_s), c, bandwidth, queued,
                          cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
                          max(self._read_overhead.values(), default=0.0), fit, step, ahead_s,
-                         self.excess.excess(now))
+                         self.excess.excess(now), base, request)
 
     def _compute_s(self, now: float, fit: float | None = None) -> float:
         """``c``: the steps' fit once it has one, else the requests' (:meth:`_fit`)."""
-        return max(self._token_s.values(), default=0.0) or \
+        return max(self._step_fit.values(), default=(0.0,))[0] or \
             (self._fit(now)[0] if fit is None else fit)
 
 

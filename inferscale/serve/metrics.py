@@ -74,7 +74,9 @@ Names (all ``inferscale_*``; ``_total`` counters, ``_seconds`` histograms)::
                                             compute_seconds_per_token (c), overhead_seconds
                                             (D), queued_bytes (Q), fixed_seconds,
                                             prefill_busy (ρ), read_overhead_seconds (o),
-                                            load_excess_seconds (E)
+                                            load_excess_seconds (E); reported only: the
+                                            step fit's step_base_seconds and
+                                            request_cost_seconds (backlog.py)
 
 """
 
@@ -265,7 +267,9 @@ class EstimateCollector:
                         ("overhead_seconds", est.overhead_s), ("queued_bytes", est.queued_bytes),
                         ("fixed_seconds", est.fixed_s), ("prefill_busy", est.prefill_busy),
                         ("read_overhead_seconds", est.read_overhead_s),
-                        ("load_excess_seconds", est.load_excess_s)):
+                        ("load_excess_seconds", est.load_excess_s),
+                        ("step_base_seconds", est.step_base_s),
+                        ("request_cost_seconds", est.request_cost_s)):
             fam.add_metric([name], v)
         yield fam
 

@@ -24,7 +24,7 @@ each, ``step_rate`` of them a second) and their requests' own cost (``request_s`
 users the steps' ~6 ms bases filled a quarter of the time on top of the prompt tokens'
 half, the engine was saturated and ``token_rate x c`` alone still read ~0.5
 (``benchmarks/results/load-h100-llama31-8b-run5-u2000.json``, its scrapes), so no cold
-request loaded (:attr:`base_share`). The split takes the larger of the two.
+request loaded (:meth:`~PrefillBacklog.base_share`). The split takes the larger of the two.
 
 What a prompt token costs is measured here too (``token_s``): a least-squares fit of the
 wall time between the scheduler's calls against the prompt tokens of the last two steps
@@ -61,12 +61,23 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 RIDGE = 1e-3  # requests^2 added to the requests' variances in the fit (see _fit_step)
 SOLVE_EVERY = 4  # steps between solutions of the fit (~50 us each on a slow CPU)
+
+
+class StepFit(NamedTuple):
+    """What a busy step costs, by the fit (module doc); all 0 while not known."""
+
+    token_s: float  # seconds a prompt token adds to a busy step
+    base_s: float  # a busy step's seconds without prompt tokens
+    request_s: float  # seconds a request's prefill adds besides its tokens
+
+
+UNKNOWN = StepFit(0.0, 0.0, 0.0)
 
 
 class PrefillBacklog:
@@ -155,17 +166,16 @@ class PrefillBacklog:
         tokens and in their requests' own costs (``step_rate x base_s + request_rate x
         request_s``; 0 while the fit is not known): added to ``token_rate x c``, the
         share of time prefill takes."""
-        token_s, base_s = self.fitted(now)
-        return self.step_rate * base_s + self.request_rate * self.request_s if token_s or \
-            base_s else 0.0
+        fit = self.fitted(now)
+        return self.step_rate * fit.base_s + self.request_rate * fit.request_s
 
-    def fitted(self, now: float | None = None) -> tuple[float, float]:
-        """(``token_s``, ``base_s``) while the fit solved within the last ``fit_tau_s``,
-        else (0, 0): not known (module doc)."""
+    def fitted(self, now: float | None = None) -> StepFit:
+        """The fit while it solved within the last ``fit_tau_s``, else :data:`UNKNOWN`
+        (module doc)."""
         now = time.monotonic() if now is None else now
         if self._solved_at is None or now - self._solved_at > self.fit_tau_s:
-            return 0.0, 0.0
-        return self.token_s, self.base_s
+            return UNKNOWN
+        return StepFit(self.token_s, self.base_s, self.request_s)
 
     def _fit_step(self, last: tuple[int, int], before: tuple[int, int], seconds: float,
                   dt: float, now: float) -> None:

@@ -228,6 +228,8 @@ class InferScaleMetadata(KVConnectorMetadata):
     prefill_busy: float = 0.0  # share of recent time with prompt tokens left over (backlog.py)
     prefill_tokens_per_s: float = 0.0  # prompt tokens scheduled per second, recent (same)
     prefill_token_s: float = 0.0  # seconds a prompt token adds to a step; 0: unknown (same)
+    prefill_step_base_s: float = 0.0  # a busy step's seconds without prompt tokens (same)
+    prefill_request_s: float = 0.0  # what a request's prefill adds besides its tokens (same)
     prefill_base_share: float = 0.0  # share of time in prompt steps' bases and requests (same)
     scheduler_seconds: float = 0.0
     promotions_declined: int = 0  # misses that did not promote their user (promotion.py)

@@ -303,7 +303,8 @@ class ConnectorScheduler:
         meta.scheduler_errors = self.failures.count
         meta.step_seconds, self._steps = self._steps, []
         meta.prefill_busy, meta.prefill_tokens_per_s = self.backlog.busy, self.backlog.token_rate
-        meta.prefill_token_s = self.backlog.fitted(t0)[0]
+        meta.prefill_token_s, meta.prefill_step_base_s, meta.prefill_request_s = \
+            self.backlog.fitted(t0)
         meta.prefill_base_share = self.backlog.base_share(t0)
         self._hook_s += time.perf_counter() - t0
         meta.scheduler_seconds, self._hook_s = self._hook_s, 0.0

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger namespace, so its handlers print these in every engine process.
 log = logging.getLogger("vllm.inferscale.connector")
+PREFILL = ("prefill_busy", "prefill_tokens_per_s", "prefill_token_s", "prefill_base_share",
+           "prefill_step_base_s", "prefill_request_s")  # backlog.py's, for the split
 
 
 def worker_device(vllm_config: "VllmConfig") -> torch.device:
@@ -102,7 +104,7 @@ class ConnectorWorker:
         # for /metrics: busy engine steps (timed by the scheduler), injection (GPU time)
         self.step_time = Histogram()
         self.step_s: float | None = None  # moving average of the busy steps
-        self.prefill_busy = (0.0, 0.0, 0.0, 0.0, time.monotonic())  # backlog.py's, and when
+        self.prefill, self.prefill_at = dict.fromkeys(PREFILL, 0.0), time.monotonic()
         self.kernel_time = Histogram()
         self._kernel_events: list[tuple[Any, Any]] = []
         self.hook_seconds = {"scheduler": 0.0, "worker": 0.0}
@@ -187,10 +189,8 @@ class ConnectorWorker:
 
     def storage_stats(self) -> dict:
         """For the compute-or-load split (the keys: :meth:`LoadEstimator.storage`)."""
-        busy, rate, token_s, base, at = self.prefill_busy
-        return {**self.fetches.stats(), "step_s": self.step_s, "prefill_busy": busy,
-                "prefill_tokens_per_s": rate, "prefill_busy_age_s": time.monotonic() - at,
-                "prefill_token_s": token_s, "prefill_base_share": base, "tp_rank": self.tp_rank}
+        return {**self.fetches.stats(), "step_s": self.step_s, **self.prefill,
+                "prefill_busy_age_s": time.monotonic() - self.prefill_at, "tp_rank": self.tp_rank}
 
     def status(self) -> dict:
         store, heads = self.store, self.heads
@@ -227,8 +227,8 @@ class ConnectorWorker:
         self.scheduler_errors = meta.scheduler_errors
         self.hook_seconds["scheduler"] += meta.scheduler_seconds
         self.promotions_declined += meta.promotions_declined
-        self.prefill_busy = (meta.prefill_busy, meta.prefill_tokens_per_s,
-                             meta.prefill_token_s, meta.prefill_base_share, time.monotonic())
+        self.prefill = {k: getattr(meta, k) for k in PREFILL}
+        self.prefill_at = time.monotonic()
         for seconds in meta.step_seconds:
             self.step_time.observe(seconds)
             self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds

@@ -513,28 +513,35 @@ def test_a_costlier_read_never_loads_more(lengths, row, e, extra):
 
 
 def test_the_steps_price_a_token_and_the_reads_their_overhead():
-    """The workers' step fit (``prefill_token_s``) is ``c`` once reported, the requests'
-    own fit kept beside it and ``c`` again once every rank reports its fit unknown (0:
-    stale); ``o`` is the moving average of the reads' seconds outside
-    their rows, per read timed, from the slowest rank."""
+    """The workers' step fit (``prefill_token_s``) is ``c`` once reported, with its base
+    and request cost reported from the same rank, the requests' own fit kept beside it
+    and ``c`` again once every rank reports its fit unknown (0: stale); ``o`` is the
+    moving average of the reads' seconds outside their rows, per read timed, from the
+    slowest rank."""
     est = LoadEstimator(ColdSplitConfig(alpha=1.0, compute_prior_s=2e-5))
     base = {"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "step_s": 0.007,
             "reads_timed": 0, "overhead_s": 0.0}
     est.storage([{**base, "tp_rank": 0}, {**base, "tp_rank": 1}], now=0.0)
     e = est.estimates(now=0.0)
     assert (e.compute_s_per_token, e.read_overhead_s) == (2e-5, 0.0)  # priors
+    assert (e.step_base_s, e.request_cost_s) == (0.0, 0.0)  # not known
     est.storage([{**base, "tp_rank": 0, "prefill_token_s": 3.3e-5, "reads_timed": 4,
-                  "overhead_s": 0.08},
+                  "overhead_s": 0.08, "prefill_step_base_s": 6.3e-3, "prefill_request_s": 5e-3},
                  {**base, "tp_rank": 1, "prefill_token_s": 3.1e-5, "reads_timed": 2,
-                  "overhead_s": 0.06}], now=1.0)
+                  "overhead_s": 0.06, "prefill_step_base_s": 9e-3,
+                  "prefill_request_s": float("inf")}], now=1.0)
     e = est.estimates(now=1.0)
     assert e.compute_s_per_token == 3.3e-5 and e.request_fit_s_per_token == 2e-5
+    assert (e.step_base_s, e.request_cost_s) == (6.3e-3, 5e-3)  # rank 0's, as c
+    assert e.info()["request_cost_ms"] == pytest.approx(5.0)
     assert e.read_overhead_s == pytest.approx(0.03)  # rank 1: 60 ms over 2 reads
     assert e.info()["read_overhead_ms"] == pytest.approx(30.0)
     assert e.info()["request_fit_us_per_token"] == pytest.approx(20.0)
     est.storage([{**base, "tp_rank": 0, "prefill_token_s": 0.0},  # rank 0's fit went stale
                  {**base, "tp_rank": 1, "prefill_token_s": 3.1e-5}], now=2.0)
-    assert est.estimates(now=2.0).compute_s_per_token == 3.1e-5
+    e = est.estimates(now=2.0)
+    assert e.compute_s_per_token == 3.1e-5  # rank 1's, its infinite request cost not kept
+    assert (e.step_base_s, e.request_cost_s) == (0.0, 0.0)
     est.storage([{**base, "tp_rank": 0, "prefill_token_s": 0.0},
                  {**base, "tp_rank": 1, "prefill_token_s": float("nan")}], now=3.0)
     assert est.estimates(now=3.0).compute_s_per_token == 2e-5  # the requests' fit again

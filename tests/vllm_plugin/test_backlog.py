@@ -206,7 +206,7 @@ def test_the_fit_is_forgotten_once_the_steps_stop_solving_it():
     solved = t
     run(8000, [40], 33e-6)  # every step alike: no new slope, the old spread forgotten
     assert t - solved > 60.0
-    assert b.fitted(t) == (0.0, 0.0) and b.base_share(t) == 0.0
+    assert b.fitted(t) == (0.0, 0.0, 0.0) and b.base_share(t) == 0.0
     run(400, [0, 2400, 0, 300, 1200], 33e-6)
     assert b.fitted(t)[0] == pytest.approx(33e-6, rel=0.05)
 

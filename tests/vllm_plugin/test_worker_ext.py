@@ -60,7 +60,8 @@ def test_rpc_endpoints_on_the_engine_worker(engine_env):
     before = rpc("inferscale_storage_stats")
     assert set(before) == {"bytes", "busy_s", "queued_bytes", "prefetch", "step_s",
                            "prefill_busy", "prefill_tokens_per_s", "prefill_busy_age_s",
-                           "prefill_token_s", "prefill_base_share", "reads_timed",
+                           "prefill_token_s", "prefill_base_share", "prefill_step_base_s",
+                           "prefill_request_s", "reads_timed",
                            "overhead_s", "tp_rank"}
     # the engine ran steps before: the scheduler's congestion came with their metadata
     assert 0.0 <= before["prefill_busy"] <= 1.0 and before["prefill_busy_age_s"] >= 0.0

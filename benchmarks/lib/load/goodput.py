@@ -203,7 +203,8 @@ def cold_decisions(ok: list[dict]) -> dict | None:
             "request_fit_us_per_token": stat("request_fit_us_per_token"),
             "bandwidth_bytes_per_s": stat("bandwidth_bytes_per_s"),
             "read_overhead_ms": stat("read_overhead_ms"),
-            "load_excess_ms": stat("load_excess_ms")}
+            "load_excess_ms": stat("load_excess_ms"),
+            "step_base_ms": stat("step_base_ms"), "request_cost_ms": stat("request_cost_ms")}
 
 
 def machine() -> dict:

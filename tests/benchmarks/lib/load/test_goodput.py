@@ -101,7 +101,8 @@ def test_step_reports_what_the_split_saw_when_it_decided():
     def cold(loaded, busy, wait_ms):
         return {"facts_loaded": loaded, "facts_computed": 50 - loaded, "bytes_read": 0,
                 "split": {"chunks": loaded, "prefill_busy": busy, "wait_ms": wait_ms,
-                          "compute_us_per_token": 19.0, "bandwidth_bytes_per_s": 2e9}}
+                          "compute_us_per_token": 19.0, "bandwidth_bytes_per_s": 2e9,
+                          "request_cost_ms": 5.0 + loaded / 10}}
 
     recs[0]["cold"] = cold(0, 0.1, 0.0)
     recs[1]["cold"] = cold(20, 0.8, 4.0)
@@ -112,6 +113,8 @@ def test_step_reports_what_the_split_saw_when_it_decided():
             got["requests_loading"]) == (3, 20, 130, 1)
     assert got["prefill_busy"] == {"p50": pytest.approx(0.45), "max": 0.8}
     assert got["wait_ms"]["max"] == 4.0 and got["bandwidth_bytes_per_s"]["p50"] == 2e9
+    assert got["request_cost_ms"] == {"p50": pytest.approx(6.0), "max": 7.0}
+    assert got["step_base_ms"] is None  # no answer reported it (an older server)
 
 
 def _answers(users_asked, used):
