@@ -98,6 +98,17 @@ class LoopThread:
         return fut.result(timeout)
 
     def close(self) -> None:
+        """Cancel the tasks still on the loop (an engine's output handler, cancelled from
+        this thread by its shutdown, would otherwise be destroyed pending), then stop."""
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=5)
+
+        if self.thread.is_alive():
+            self.run(cancel_rest(), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
