@@ -21,7 +21,8 @@ import time
 from collections import OrderedDict
 
 from inferscale.serve.backend import AnswerInfo
-from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, branch, split
+from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
+from inferscale.serve.load_excess import branch
 from inferscale.serve.engine import Generation, MemoryEngine
 from inferscale.serve.prefill_queue import PrefillQueue
 from inferscale.vllm_plugin.metadata import MemoryRef

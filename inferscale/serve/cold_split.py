@@ -24,22 +24,22 @@ largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
 
 A computed token costs its own time ``c`` and, when prefill is congested, the time it
 makes the requests behind it wait: in a single-server queue at utilization ``ρ``, work
-``x`` added delays the later arrivals by ``x ρ / (1 - ρ)`` in all, so a token's whole
-cost is ``c / (1 - ρ)`` (``ρ`` capped at ``busy_cap``). An idle engine (``ρ = 0``) keeps
-the rule per request: the first token comes no later than if everything were prefilled
-(``W + c T``). A congested one gives prefill time to the others with every token loaded,
-at the request's own latency: under chunked prefill a request waiting for its read does
-not keep its place behind the running prefills (vLLM admits it after the read), so its
-read never hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured
-(~56 us) costs three times its computing (~19 us): without the congestion term nothing
-was ever loaded and the GPU saturated at about the peer's goodput over the share of
-requests in storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
+``x`` added delays the later arrivals by ``x ρ / (1 - ρ)`` in all, so a token's whole cost
+is ``c / (1 - ρ)`` (``ρ`` capped at ``busy_cap``). An idle engine (``ρ = 0``) keeps the
+rule per request: the first token comes no later than if everything were prefilled (``W +
+c T``). A congested one gives prefill time to the others with every token loaded, at the
+request's own latency: under chunked prefill a request waiting for its read does not keep
+its place behind the running prefills (vLLM admits it after the read), so its read never
+hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured (~56 us)
+costs three times its computing (~19 us): without the congestion term nothing was ever
+loaded and the GPU saturated at about the peer's goodput over the share of requests in
+storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
 form an interval, so: storage faster per token than the priced compute loads everything
 once that pays for ``o + D``; a congested engine loads more; slow or busy storage (small
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
 may take ``deadline_factor * (W + c T / (1 - ρ))`` from its start before it is given up
 and the tokens recomputed. ``E``: what loads cost lately beyond this formula, against
-computing (:mod:`inferscale.serve.load_excess`; 0 until measured).
+computing, at a ``ρ`` near today's (:mod:`inferscale.serve.load_excess`; 0 unmeasured).
 
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
@@ -79,7 +79,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from inferscale.serve.load_excess import ExcessConfig, LoadExcess
+from inferscale.serve.load_excess import Branch, ExcessConfig, LoadExcess
 
 MODES = ("off", "auto", "pinned")
 
@@ -280,8 +280,9 @@ class LoadEstimator:
             now = time.monotonic() if now is None else now
             self.observe(queued, prefill, computed, read, now)
             if b is not None and queued >= 0 and prefill >= 0:
-                residual = queued + prefill - b[1] - self._compute_s(now) * computed
-                self.excess.observe(b[0], residual, now)
+                c = self._compute_s(now)  # the residual's ρ: at its split or now, the larger
+                self.excess.observe(b[0], queued + prefill - b[1] - c * computed, now,
+                                    max(b[2], self._busy_now(now, c)))
 
     def observe(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
                 now: float | None = None) -> None:
@@ -387,31 +388,25 @@ class LoadEstimator:
         step = max(self._step.values(), default=cfg.step_prior_s)
         fit, fixed = self._fit(now)
         c = self._compute_s(now, fit)
-        busy = max((max(b, rate * c + base) * math.exp(-max(0.0, now - at) / cfg.busy_tau_s)
-                    for b, rate, base, at in self._busy.values()), default=0.0)
+        busy = self._busy_now(now, c)
         ahead_s = ahead_s if 0.0 < ahead_s < math.inf else 0.0
         _, base, request = max(self._step_fit.values(), default=(0.0, 0.0, 0.0))  # c's rank
         return Estimates(max(self._wait_now(now), ahead_s), c, bandwidth, queued,
-                         cfg.overhead_steps * step, fixed, min(busy, cfg.busy_cap),
+                         cfg.overhead_steps * step, fixed, busy,
                          max(self._read_overhead.values(), default=0.0), fit, step, ahead_s,
-                         self.excess.excess(now), base, request)
+                         self.excess.excess(now, busy), base, request)
+
+    def _busy_now(self, now: float, c: float) -> float:
+        """``ρ`` at ``now`` with ``c`` a token, capped."""
+        tau = self.config.busy_tau_s
+        return min(self.config.busy_cap, max(
+            (max(b, rate * c + base) * math.exp(-max(0.0, now - at) / tau)
+             for b, rate, base, at in self._busy.values()), default=0.0))
 
     def _compute_s(self, now: float, fit: float | None = None) -> float:
         """``c``: the steps' fit once it has one, else the requests' (:meth:`_fit`)."""
         return max(self._step_fit.values(), default=(0.0,))[0] or \
             (self._fit(now)[0] if fit is None else fit)
-
-
-Branch = tuple[bool, float]  # a cold request loaded; the rule's seconds besides c T
-
-
-def branch(s: Split) -> Branch:
-    """What the rule predicted for split ``s`` besides its computed tokens: loading,
-    ``max(R, W) + D``; computing everything, ``W``."""
-    e = s.estimates
-    if s.chunks:
-        return True, max(s.read_s, e.wait_s) + e.overhead_s
-    return False, e.wait_s
 
 
 def _bound(pending: OrderedDict, most: int = 4096) -> None:

@@ -20,6 +20,16 @@ branch has ``min_samples``; the rule adds ``E`` to a load's side. When loads sto
 ``E`` grows until few requests load; as no loaded request then finishes, ``E`` halves
 every ``half_life_s`` since the last one, so the split tries loading again when the
 storage may have become faster.
+
+**Per congestion.** Each residual keeps the prefill congestion ``ρ`` of its split or of
+its finish, the larger (a request decided at the quiet start of a burst finishes inside
+it), and ``E`` at ``ρ`` counts only residuals within ``busy_band`` of it: what loads cost
+in an overload says little about a quiet engine. On an H100 with 200 users
+(``benchmarks/results/load-h100-llama31-8b-run8-u200-refit.json``) the load benchmark's
+warm-up burst (64 requests at 64 rps, p50 TTFT 735 ms: 8 cold requests loaded, 6
+computed) left ``E`` at 326 ms; at 5 rps (ρ 0.07-0.2) the split then loaded nothing, and
+a burst of four cold requests, each computing all its facts behind the others, held the
+step's slowest answers (169-230 ms, a resident user's among them).
 """
 
 from __future__ import annotations
@@ -27,17 +37,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the split imports this module
+    from inferscale.serve.cold_split import Split
 
 
 @dataclass(frozen=True)
 class ExcessConfig:
     """``window`` residuals kept per branch, the ``quantile`` (0..1) compared, the
-    ``min_samples`` each branch needs, ``half_life_s`` of the decay without loads."""
+    ``min_samples`` each branch needs (within the band), ``half_life_s`` of the decay
+    without loads, ``busy_band``: how far from today's ``ρ`` a residual's may be."""
 
     window: int = 32
     quantile: float = 0.9
     min_samples: int = 3
     half_life_s: float = 60.0
+    busy_band: float = 0.25
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
@@ -46,6 +62,8 @@ class ExcessConfig:
             raise ValueError(f"quantile must be in [0, 1], got {self.quantile}")
         if not self.half_life_s > 0:
             raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
+        if not self.busy_band >= 0:
+            raise ValueError(f"busy_band must be >= 0, got {self.busy_band}")
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -63,32 +81,41 @@ class LoadExcess:
 
     def __init__(self, config: ExcessConfig | None = None):
         self.config = config or ExcessConfig()
-        self._loaded: deque[float] = deque(maxlen=self.config.window)
-        self._computed: deque[float] = deque(maxlen=self.config.window)
-        self._loaded_at: float | None = None  # when the last loaded request finished
+        # (ρ at the split, residual s, when it finished), the newest last
+        self._loaded: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
+        self._computed: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
 
-    def observe(self, loaded: bool, residual_s: float, now: float) -> None:
+    def observe(self, loaded: bool, residual_s: float, now: float, busy: float = 0.0) -> None:
         """One finished cold request: ``loaded`` whether its split read any chunk, its
-        ``residual_s`` (engine time to first token less the prediction); non-finite
-        residuals are dropped."""
-        if not math.isfinite(residual_s):
+        ``residual_s`` (engine time to first token less the prediction), ``busy`` the
+        ``ρ`` its split saw; non-finite residuals are dropped."""
+        if not math.isfinite(residual_s) or not math.isfinite(busy):
             return
-        if loaded:
-            self._loaded.append(residual_s)
-            self._loaded_at = now
-        else:
-            self._computed.append(residual_s)
+        (self._loaded if loaded else self._computed).append((busy, residual_s, now))
 
-    def excess(self, now: float) -> float:
-        """``E`` in seconds at ``now``: 0 until both branches have ``min_samples``."""
-        n = self.config.min_samples
-        if len(self._loaded) < n or len(self._computed) < n or self._loaded_at is None:
+    def excess(self, now: float, busy: float = 0.0) -> float:
+        """``E`` in seconds at ``now`` for a split at congestion ``busy``: 0 until both
+        branches have ``min_samples`` within ``busy_band`` of it."""
+        cfg = self.config
+        loaded = [s for s in self._loaded if abs(s[0] - busy) <= cfg.busy_band]
+        computed = [s[1] for s in self._computed if abs(s[0] - busy) <= cfg.busy_band]
+        if len(loaded) < cfg.min_samples or len(computed) < cfg.min_samples:
             return 0.0
-        q = self.config.quantile
-        e = quantile(list(self._loaded), q) - quantile(list(self._computed), q)
-        age = max(0.0, now - self._loaded_at)
-        return max(0.0, e) * 0.5 ** (age / self.config.half_life_s)
+        e = quantile([s[1] for s in loaded], cfg.quantile) - quantile(computed, cfg.quantile)
+        age = max(0.0, now - max(s[2] for s in loaded))
+        return max(0.0, e) * 0.5 ** (age / cfg.half_life_s)
 
     def counts(self) -> tuple[int, int]:
         """Residuals held: (loaded, computed)."""
         return len(self._loaded), len(self._computed)
+
+
+Branch = tuple[bool, float, float]  # loaded; the rule's seconds besides c T; ρ
+
+
+def branch(s: Split) -> Branch:
+    """What the rule predicted for split ``s`` besides its computed tokens (loading,
+    ``max(R, W) + D``; computing everything, ``W``) and the ``ρ`` it saw."""
+    e = s.estimates
+    predicted = max(s.read_s, e.wait_s) + e.overhead_s if s.chunks else e.wait_s
+    return bool(s.chunks), predicted, e.prefill_busy

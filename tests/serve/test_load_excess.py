@@ -1,6 +1,6 @@
 """What loads cost beyond the rule (``inferscale.serve.load_excess``): the excess from
-both branches' residuals, never negative, fading without loads; the estimator and the
-server's cold requests feeding it; the rule loading less by it."""
+both branches' residuals, never negative, fading without loads, counted per congestion;
+the estimator and the server's cold requests feeding it; the rule loading less by it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from inferscale.serve.backend import AnswerInfo
 from inferscale.serve.cold_requests import ColdRequests
-from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, branch, split
+from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
 from inferscale.serve.engine import Generation
-from inferscale.serve.load_excess import ExcessConfig, LoadExcess, quantile
+from inferscale.serve.load_excess import ExcessConfig, LoadExcess, branch, quantile
 from inferscale.vllm_plugin.metadata import ColdSplit, MemoryReply, MemoryRef
 
 residuals = st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=1, max_size=40)
@@ -59,9 +59,46 @@ def test_nothing_until_both_branches_have_samples():
     assert ex.excess(now=0.0) == pytest.approx(0.1)
 
 
+samples = st.lists(st.tuples(st.booleans(), st.floats(-1.0, 1.0), st.floats(0.0, 0.9)),
+                   max_size=80)
+
+
+@given(samples, st.floats(0.0, 0.9))
+def test_the_excess_counts_only_residuals_of_a_near_congestion(xs, busy):
+    """E at ``busy`` is what the residuals decided within ``busy_band`` of it alone give
+    (the newest ``window`` per branch)."""
+    cfg = ExcessConfig(min_samples=2)
+    ex, near = LoadExcess(cfg), LoadExcess(cfg)
+    for loaded, r, rho in xs:
+        ex.observe(loaded, r, now=0.0, busy=rho)
+    for loaded in (True, False):
+        kept = [(r, rho) for was, r, rho in xs if was == loaded][-cfg.window:]
+        for r, rho in kept:
+            if abs(rho - busy) <= cfg.busy_band:
+                near.observe(loaded, r, now=0.0, busy=busy)
+    assert ex.excess(0.0, busy) == pytest.approx(near.excess(0.0, busy))
+
+
+def test_an_overload_burst_does_not_price_loads_at_a_quiet_engine():
+    """The H100 run's warm-up (64 rps, ρ near its cap) left loaders ~330 ms later than
+    the computed requests; at 5 rps (ρ ~0.1) that says nothing, so E is 0 there until
+    requests decided there finish, and then theirs counts."""
+    ex = LoadExcess()
+    for i in range(8):
+        ex.observe(True, 0.40, now=float(i), busy=0.8)
+        ex.observe(False, 0.07, now=float(i), busy=0.75)
+    assert ex.excess(now=8.0, busy=0.8) == pytest.approx(0.33 * 0.5 ** (1 / 60))
+    assert ex.excess(now=8.0, busy=0.1) == 0.0
+    for i in range(3):
+        ex.observe(True, 0.03, now=9.0 + i, busy=0.1)
+        ex.observe(False, 0.01, now=9.0 + i, busy=0.12)
+    assert ex.excess(now=11.0, busy=0.1) == pytest.approx(0.02)
+    assert ex.excess(now=11.0, busy=0.8) > 0.3
+
+
 @pytest.mark.parametrize("bad", [dict(window=0), dict(min_samples=0),
                                  dict(window=2, min_samples=3), dict(quantile=1.5),
-                                 dict(half_life_s=0.0)])
+                                 dict(half_life_s=0.0), dict(busy_band=-0.1)])
 def test_bad_configs_are_refused(bad):
     with pytest.raises(ValueError):
         ExcessConfig(**bad)
@@ -97,7 +134,7 @@ def test_the_estimator_measures_the_excess_from_finished_requests():
                            "prefill_s": base + c * computed + late,
                            "prompt_tokens": 2_600, "cached_tokens": 2_600 - computed}],
                          now=float(i))
-        est.request_read(f"r{i}", loaded, (loaded, base), now=float(i))
+        est.request_read(f"r{i}", loaded, (loaded, base, 0.0), now=float(i))
     est.engine_stats([{"request_id": "warm", "queued_s": 0.0, "prefill_s": 0.5,
                        "prompt_tokens": 100, "cached_tokens": 0}], now=6.0)
     est.request_read("warm", False, None, now=6.0)
@@ -112,8 +149,8 @@ def test_a_finished_cold_request_gives_its_branch():
     (loading: ``max(R, W) + D``; computing: ``W``) and none for a resident one."""
     s_load = split(LENGTHS, 65_536, Estimates(**H200))
     s_none = split(LENGTHS, 65_536, Estimates(**{**H200, "load_excess_s": 1.0}))
-    assert branch(s_load) == (True, pytest.approx(max(s_load.read_s, 0.06) + 7.3e-3))
-    assert branch(s_none) == (False, 0.06)
+    assert branch(s_load) == (True, pytest.approx(max(s_load.read_s, 0.06) + 7.3e-3), 0.09)
+    assert branch(s_none) == (False, 0.06, 0.09)
     cold = ColdRequests(ColdSplitConfig(excess=ExcessConfig(min_samples=1)))
     ref = MemoryRef("ann", "a" * 32, tuple(f"f{i}" for i in range(50)), tuple(LENGTHS))
     for rid, s, reply in (
@@ -126,3 +163,21 @@ def test_a_finished_cold_request_gives_its_branch():
                                       "prompt_tokens": 2_600, "cached_tokens": 0}], now=0.0)
         cold.finished(ref, s, gen, AnswerInfo("ann", "kv"))
     assert cold.estimator.excess.counts() == (1, 1)
+
+
+def test_a_residual_counts_at_the_congestion_it_finished_in_when_larger():
+    """A cold request decided at a quiet start of a burst finishes inside it: its
+    residual counts at the larger ``ρ`` (the workers' report at its finish), so the
+    burst's residuals do not price loads at a quiet engine."""
+    est = LoadEstimator(ColdSplitConfig(compute_prior_s=20e-6, prior_sxx=1e18,
+                                        excess=ExcessConfig(min_samples=1)))
+    est.storage([{"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "prefill_busy": 0.8,
+                  "prefill_busy_age_s": 0.0}], now=0.0)
+    for rid, loaded, late in (("l", True, 0.4), ("c", False, 0.05)):
+        est.engine_stats([{"request_id": rid, "queued_s": late, "prefill_s": 0.0,
+                           "prompt_tokens": 100, "cached_tokens": 100}], now=0.0)
+        est.request_read(rid, loaded, (loaded, 0.0, 0.0), now=0.0)
+    assert est.excess.excess(0.0, busy=0.0) == 0.0
+    assert est.excess.excess(0.0, busy=0.8) == pytest.approx(0.35)
+    assert est.estimates(now=0.0).load_excess_s == pytest.approx(0.35)  # ρ 0.8 now
+    assert est.estimates(now=30.0).load_excess_s == 0.0  # ρ decayed: a quiet engine
