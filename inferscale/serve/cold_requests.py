@@ -22,13 +22,21 @@ from collections import OrderedDict
 
 from inferscale.serve.backend import AnswerInfo
 from inferscale.serve.cold_split import ColdSplitConfig, LoadEstimator, Split, split
-from inferscale.serve.load_excess import branch
 from inferscale.serve.engine import Generation, MemoryEngine
+from inferscale.serve.load_excess import Branch
 from inferscale.serve.prefill_queue import PrefillQueue
 from inferscale.vllm_plugin.metadata import MemoryRef
 
 log = logging.getLogger("inferscale.serve")
 REMEMBERED = 10_000  # users whose last known residency is kept (least recent dropped)
+
+
+def branch(s: Split) -> Branch:
+    """What the rule predicted for split ``s`` besides its computed tokens (loading,
+    ``max(R, W) + D``; computing everything, ``W``) and the ``ρ`` it saw."""
+    e = s.estimates
+    predicted = max(s.read_s, e.wait_s) + e.overhead_s if s.chunks else e.wait_s
+    return bool(s.chunks), predicted, e.prefill_busy
 
 
 class ColdRequests:

@@ -29,7 +29,10 @@ in an overload says little about a quiet engine. On an H100 with 200 users
 warm-up burst (64 requests at 64 rps, p50 TTFT 735 ms: 8 cold requests loaded, 6
 computed) left ``E`` at 326 ms; at 5 rps (ρ 0.07-0.2) the split then loaded nothing, and
 a burst of four cold requests, each computing all its facts behind the others, held the
-step's slowest answers (169-230 ms, a resident user's among them).
+step's slowest answers (169-230 ms, a resident user's among them). With the band the
+ninth run (``load-h100-llama31-8b-run9-u200.json``) still had ``E`` at 100-155 ms at
+5 rps, and 225-455 ms under a 2,048-token budget: residuals near that ``ρ`` held it (the
+warm-up's split ``ρ`` are not recorded), so the band does not decide that case.
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the split imports this module
-    from inferscale.serve.cold_split import Split
+# a finished cold request: loaded; the rule's seconds besides c T; the ρ it counts at
+Branch = tuple[bool, float, float]
 
 
 @dataclass(frozen=True)
@@ -109,13 +111,3 @@ class LoadExcess:
         """Residuals held: (loaded, computed)."""
         return len(self._loaded), len(self._computed)
 
-
-Branch = tuple[bool, float, float]  # loaded; the rule's seconds besides c T; ρ
-
-
-def branch(s: Split) -> Branch:
-    """What the rule predicted for split ``s`` besides its computed tokens (loading,
-    ``max(R, W) + D``; computing everything, ``W``) and the ``ρ`` it saw."""
-    e = s.estimates
-    predicted = max(s.read_s, e.wait_s) + e.overhead_s if s.chunks else e.wait_s
-    return bool(s.chunks), predicted, e.prefill_busy

@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inferscale.serve.backend import AnswerInfo
-from inferscale.serve.cold_requests import ColdRequests
+from inferscale.serve.cold_requests import ColdRequests, branch
 from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
 from inferscale.serve.engine import Generation
-from inferscale.serve.load_excess import ExcessConfig, LoadExcess, branch, quantile
+from inferscale.serve.load_excess import ExcessConfig, LoadExcess, quantile
 from inferscale.vllm_plugin.metadata import ColdSplit, MemoryReply, MemoryRef
 
 residuals = st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=1, max_size=40)
