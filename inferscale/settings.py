@@ -177,8 +177,8 @@ class Settings(BaseSettings):
     cudagraph_max_tokens: int = Field(default=1024, ge=1)
     max_num_batched_tokens: int | None = Field(
         default=None, ge=16, description="vLLM's token budget per engine step (default: "
-        "what `vllm serve` picks on this GPU, 8192 on an H100/H200): smaller steps bound "
-        "how long a long prefill holds the requests batched with it")
+        "2048, EngineConfig's; `vllm serve` picks 8192 on an H100/H200): smaller steps "
+        "bound how long a long prefill holds the requests batched with it")
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="vLLM tensor parallelism of the serving engine; must "
         "divide the model's KV heads (each worker holds and injects its share)")

@@ -53,7 +53,7 @@
 # prompt-mode steps: KV only, against our prompt mode's goodput G measured before),
 # PROFILE=1 (py-spy), COLD_SPLIT=auto|off|pinned:N (how cold requests split between
 # storage and prefill), BATCHED=N (the server engine's max_num_batched_tokens; default
-# vllm serve's, 8192 here; the peer keeps vllm serve's), PEER_REUSE=1 (`peer` after a
+# the server's 2048, vllm serve's 8192 here; the peer keeps vllm serve's), PEER_REUSE=1 (`peer` after a
 # run on this machine: its users, ~45 s at 2,000, instead of publishing them again)
 # override.)
 set -uo pipefail

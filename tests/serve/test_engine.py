@@ -51,10 +51,11 @@ def _limits(sched) -> tuple[int, int]:
     return sched.max_num_batched_tokens, sched.max_num_seqs
 
 
-def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
+def test_scheduling_defaults_are_vllm_serves_but_the_token_budget(tmp_path, smollm2):
     """vLLM picks max_num_batched_tokens and max_num_seqs by usage context; on the CPU at
     tensor_parallel_size 2 ``vllm serve`` gets 4096 and 256 where the engine context gets
-    2048 and 128 (on an H200: 8192 and 1024 against 2048 and 128)."""
+    2048 and 128 (on an H200: 8192 and 1024 against 2048 and 128). The server takes
+    ``vllm serve``'s max_num_seqs and its own token budget, 2048; None: vLLM's."""
     from inferscale.models import write_dummy_checkpoint
 
     tiny = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
@@ -63,12 +64,15 @@ def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
             "max_position_embeddings": 8192, "torch_dtype": "float32"}  # TP=2 splits its heads
     ckpt = str(write_dummy_checkpoint(tiny, smollm2.checkpoint, tmp_path / "m"))
     for tp in (1, 2):
-        ours = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
-                               max_model_len=2048, tensor_parallel_size=tp).vllm_config()
+        ours, stock = (EngineConfig.of(
+            model=ckpt, model_fingerprint="fp", load_format="dummy", max_model_len=2048,
+            tensor_parallel_size=tp, **budget).vllm_config().scheduler_config
+            for budget in ({}, {"max_num_batched_tokens": None}))
         serve = _vllm_serve_scheduler("--model", ckpt, "--load-format", "dummy",
                                       "--max-model-len", "2048", "--tensor-parallel-size",
                                       str(tp))
-        assert _limits(ours.scheduler_config) == _limits(serve)
+        assert _limits(ours) == (2048, serve.max_num_seqs)
+        assert _limits(stock) == _limits(serve)
     assert _limits(serve) == (4096, 256)  # the case that tells the usage contexts apart
     fixed = EngineConfig.of(model=ckpt, model_fingerprint="fp", load_format="dummy",
                             max_model_len=2048, max_num_seqs=7).vllm_config()
@@ -79,12 +83,14 @@ def test_scheduling_defaults_are_vllm_serves(tmp_path, smollm2):
 
 
 def test_running_engine_schedules_as_vllm_serve(engine_env):
-    """The real CPU engine's effective limits are what ``vllm serve`` picks here."""
+    """The real CPU engine's effective limits: ``vllm serve``'s max_num_seqs here and the
+    server's token budget (2048, also ``vllm serve``'s on this CPU)."""
     cfg = engine_env.engine.config
     limits = engine_env.engine.scheduler_limits()
     serve = _vllm_serve_scheduler("--model", cfg.model, "--max-model-len",
                                   str(cfg.max_model_len), "--dtype", cfg.dtype)
-    assert (limits["max_num_batched_tokens"], limits["max_num_seqs"]) == _limits(serve)
+    assert (limits["max_num_batched_tokens"], limits["max_num_seqs"]) == \
+        (cfg.max_num_batched_tokens, serve.max_num_seqs) == (2048, serve.max_num_seqs)
     assert limits["enable_prefix_caching"] is True
 
 
@@ -102,8 +108,8 @@ def test_serves_engine_follows_the_settings():
     assert not EngineConfig.from_settings(Settings(device="cpu", enforce_eager=False), "ckpt",
                                           connector).enforce_eager
     assert EngineConfig.from_settings(Settings(device="cpu"), "ckpt",
-                                      connector).max_num_batched_tokens is None  # vllm serve's
-    assert EngineConfig.from_settings(Settings(device="cpu", max_num_batched_tokens=2048),
-                                      "ckpt", connector).max_num_batched_tokens == 2048
+                                      connector).max_num_batched_tokens == 2048  # the server's
+    assert EngineConfig.from_settings(Settings(device="cpu", max_num_batched_tokens=8192),
+                                      "ckpt", connector).max_num_batched_tokens == 8192
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig.of(model="/m", model_fingerprint="fp", max_num_batched_tokens=8)

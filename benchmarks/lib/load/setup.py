@@ -93,7 +93,8 @@ def build_memory(args, work: Path, embedder, users: int) -> dict:
         model_fingerprint=fp, artifact_root=store.root, max_model_len=args.max_model_len,
         enforce_eager=not cuda if args.eager is None else args.eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        **({} if args.max_num_batched_tokens is None else
+           {"max_num_batched_tokens": args.max_num_batched_tokens}),
         kv_cache_memory_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         gpu_budget_bytes=int(args.gpu_budget_gib * GIB),
         host_budget_bytes=int(args.host_budget_gib * GIB),
@@ -271,8 +272,8 @@ def parser(description: str) -> argparse.ArgumentParser:
       help="vLLM's KV cache (default: CPU 3 GiB; CUDA: by utilization)")
     a("--max-model-len", type=int, default=4096)
     a("--max-num-batched-tokens", type=int, default=None,
-      help="the server engine's token budget per step (default: vllm serve's on this "
-           "GPU; the peer always runs vllm serve's)")
+      help="the server engine's token budget per step (default: the server's, 2048; "
+           "the peer always runs vllm serve's)")
     a("--eager", action=argparse.BooleanOptionalAction, default=None)
     a("--embedder", default="embedded")
     a("--tokenizer", default=None, help="tokenizer dir for the -shape models")
