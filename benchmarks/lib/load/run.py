@@ -114,9 +114,10 @@ class Run:
                     records = await self.load.step(mode, schedule)
                     s = step_summary(records, mode, args.warmup_rate, args.objective_ms,
                                      self.users_info)
+                    # the cold splits' estimates too: what the warm-up teaches the split
                     out[f"{mode}_{name}"] = {k: s[k] for k in (
                         "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
-                        "memory_check")}
+                        "memory_check", "cold_decisions", "slowest")}
                 await wait_idle(self.http, 60)
         return {"requests_per_mode": args.warmup_requests, "rate": args.warmup_rate,
                 "query_lengths_per_mode": len(lengths),
