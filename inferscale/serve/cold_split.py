@@ -24,16 +24,16 @@ largest ``n`` (whole leading chunks, ``T(n)`` tokens) with::
 
 A computed token costs its own time ``c`` and, when prefill is congested, the time it
 makes the requests behind it wait: in a single-server queue at utilization ``ρ``, work
-``x`` added delays the later arrivals by ``x ρ / (1 - ρ)`` in all, so a token's whole cost
-is ``c / (1 - ρ)`` (``ρ`` capped at ``busy_cap``). An idle engine (``ρ = 0``) keeps the
-rule per request: the first token comes no later than if everything were prefilled (``W +
-c T``). A congested one gives prefill time to the others with every token loaded, at the
-request's own latency: under chunked prefill a request waiting for its read does not keep
-its place behind the running prefills (vLLM admits it after the read), so its read never
-hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured (~56 us)
-costs three times its computing (~19 us): without the congestion term nothing was ever
-loaded and the GPU saturated at about the peer's goodput over the share of requests in
-storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
+``x`` added delays the later arrivals by ``x ρ / (1 - ρ)`` in all, so a token's whole
+cost is ``c / (1 - ρ)`` (``ρ`` capped at ``busy_cap``). An idle engine (``ρ = 0``) keeps
+the rule per request: the first token comes no later than if everything were prefilled
+(``W + c T``). A congested one gives prefill time to the others with every token loaded,
+at the request's own latency: under chunked prefill a request waiting for its read does
+not keep its place behind the running prefills (vLLM admits it after the read), so its
+read never hides in that wait, and on an H100 a bf16 token read at the 2.3 GB/s measured
+(~56 us) costs three times its computing (~19 us): without the congestion term nothing
+was ever loaded and the GPU saturated at about the peer's goodput over the share of
+requests in storage (``benchmarks/results/load-h100-llama31-8b-u200.json``). The feasible ``T``
 form an interval, so: storage faster per token than the priced compute loads everything
 once that pays for ``o + D``; a congested engine loads more; slow or busy storage (small
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read

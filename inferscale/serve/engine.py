@@ -124,8 +124,8 @@ class EngineConfig:
     def vllm_config(self):
         """vLLM's config for :meth:`engine_args`, with the scheduling defaults ``vllm
         serve`` picks on this platform (its usage context: :func:`~inferscale.vllm_plugin.
-        compat.serving_usage_context`), so that the server and stock vLLM are compared at
-        the same ``max_num_seqs`` (the token budget: ``max_num_batched_tokens``)."""
+        compat.serving_usage_context`): the server schedules as stock vLLM does there but
+        for its token budget per step (``max_num_batched_tokens``, 2048 by default)."""
         from inferscale.vllm_plugin.compat import serving_usage_context
 
         return self.engine_args().create_engine_config(serving_usage_context())

@@ -110,4 +110,3 @@ class LoadExcess:
     def counts(self) -> tuple[int, int]:
         """Residuals held: (loaded, computed)."""
         return len(self._loaded), len(self._computed)
-
