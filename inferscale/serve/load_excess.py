@@ -83,14 +83,15 @@ class LoadExcess:
 
     def __init__(self, config: ExcessConfig | None = None):
         self.config = config or ExcessConfig()
-        # (ρ at the split, residual s, when it finished), the newest last
+        # (ρ it counts at, residual s, when it finished), the newest last
         self._loaded: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
         self._computed: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
 
     def observe(self, loaded: bool, residual_s: float, now: float, busy: float = 0.0) -> None:
         """One finished cold request: ``loaded`` whether its split read any chunk, its
         ``residual_s`` (engine time to first token less the prediction), ``busy`` the
-        ``ρ`` its split saw; non-finite residuals are dropped."""
+        ``ρ`` it counts at (its split's or its finish's, the larger: the estimator's
+        choice); non-finite residuals are dropped."""
         if not math.isfinite(residual_s) or not math.isfinite(busy):
             return
         (self._loaded if loaded else self._computed).append((busy, residual_s, now))
