@@ -32,7 +32,11 @@ a burst of four cold requests, each computing all its facts behind the others, h
 step's slowest answers (169-230 ms, a resident user's among them). With the band the
 ninth run (``load-h100-llama31-8b-run9-u200.json``) still had ``E`` at 100-155 ms at
 5 rps, and 225-455 ms under a 2,048-token budget: residuals near that ``ρ`` held it (the
-warm-up's split ``ρ`` are not recorded), so the band does not decide that case.
+warm-up's split ``ρ`` are not recorded). Those loads were late for a reason of their own:
+the bandwidth estimate read up to 12 GB/s on a disk of ~1.7 (the workers' statistics
+counted a read's time before its bytes; fixed in
+:mod:`inferscale.vllm_plugin.storage_reads`), so reads were predicted several times
+faster than they ran, and ``E`` rightly priced that.
 """
 
 from __future__ import annotations

@@ -97,9 +97,11 @@ class StorageReads:
         self.reads = self.failures = self.bytes_read = 0
         self.prefetches = dict.fromkeys(PREFETCH_OUTCOMES, 0)
         self._row_bytes = 0  # of the last index read: sizes reads not started yet
-        # the reader's busy time (at least one read of rows in progress), for bandwidth
+        # the reader's busy time (at least one read of rows in progress) and its bytes, for
+        # bandwidth, both counted when a busy period ends (the open period's bytes apart)
         self._busy = threading.Lock()
         self._active, self._busy_since, self.busy_s, self.busy_bytes = 0, 0.0, 0.0, 0
+        self._period_bytes = 0
         # seconds of the reads handed over by phase (PHASES), and how many (those the
         # latency histogram counts): where a read's time goes besides the rows, and the
         # fixed part the split adds to bytes / B
@@ -185,14 +187,13 @@ class StorageReads:
         return len(self._running) + sum(len(v) for v in self._prefetched.values())
 
     def stats(self) -> dict:
-        """Cumulative bytes of rows read and seconds the reader was busy (the server's
-        bandwidth estimate takes their deltas), bytes not read yet of the reads started
-        or waiting, the prefetches by outcome, and the reads handed over with their
-        seconds outside the rows (``overhead_s``: index, staging, check and placing)."""
-        now = time.monotonic()
+        """Cumulative bytes of rows read and seconds the reader was busy, of its ended busy
+        periods (the server's bandwidth estimate takes their deltas), bytes not read yet
+        of the reads started or waiting, the prefetches by outcome, and the reads handed
+        over with their seconds outside the rows (``overhead_s``: index, staging, check
+        and placing)."""
         with self._busy:
-            busy = self.busy_s + (now - self._busy_since if self._active else 0.0)
-            nbytes = self.busy_bytes
+            busy, nbytes = self.busy_s, self.busy_bytes
             overhead = sum(v for k, v in self.phase_s.items() if k != "rows")
             timed = self.timed_reads
         reads = [*self._running.values(), *(r for v in self._prefetched.values() for r in v)]
@@ -316,8 +317,12 @@ class StorageReads:
 
     @contextmanager
     def _reading(self, nbytes: int) -> Iterator[None]:
-        """While rows are read the reader counts as busy (overlapping reads count once);
-        the bytes count once read."""
+        """While rows are read the reader counts as busy (overlapping reads count once).
+        A busy period's time and bytes count together when it ends: the statistics then
+        never hold a read's time without its bytes (a report in the middle of a read, as
+        every prefetch's answer is, made the next interval's bytes per second several
+        times the disk's: 12 GB/s on an H100 whose disk reads ~1.7,
+        ``benchmarks/results/load-h100-llama31-8b-run9-u200.json``)."""
         with self._busy:
             if not self._active:
                 self._busy_since = time.monotonic()
@@ -329,9 +334,11 @@ class StorageReads:
         finally:
             with self._busy:
                 self._active -= 1
+                self._period_bytes += nbytes if ok else 0
                 if not self._active:
                     self.busy_s += time.monotonic() - self._busy_since
-                self.busy_bytes += nbytes if ok else 0
+                    self.busy_bytes += self._period_bytes
+                    self._period_bytes = 0
 
 
 def _carries(spec: FetchSpec, resident: Resident) -> bool:

@@ -306,3 +306,22 @@ def test_a_primed_index_is_read_in_the_background_and_spares_the_first_read(
     other._priming.shutdown(wait=True)
     assert "priming user ann version ffffffffffff's chunk index failed" in caplog.text
     assert StorageReads(store, None, FP).prime("ann", version) is False
+
+
+def test_a_busy_period_counts_its_time_and_bytes_together(local_store):
+    """A report in the middle of reads holds neither their time nor their bytes: the
+    server's bandwidth, bytes over busy seconds between reports, never sees a read's
+    bytes over only the end of its time (overlapping reads: one period)."""
+    _, fetches, _, _ = setup(local_store)
+    first, second = fetches._reading(100), fetches._reading(50)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert (fetches.stats()["bytes"], fetches.stats()["busy_s"]) == (0, 0.0)  # still busy
+    second.__exit__(None, None, None)
+    stats = fetches.stats()
+    assert stats["bytes"] == 150 and stats["busy_s"] > 0
+    failed = fetches._reading(70)
+    failed.__enter__()
+    failed.__exit__(OSError, OSError("disk"), None)  # a failed read: its time, no bytes
+    assert fetches.stats()["bytes"] == 150 and fetches.stats()["busy_s"] > stats["busy_s"]
