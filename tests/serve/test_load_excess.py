@@ -55,6 +55,7 @@ def test_nothing_until_both_branches_have_samples():
     for _ in range(3):
         ex.observe(False, 0.0, now=0.0)
     ex.observe(False, float("nan"), now=0.0)  # dropped
+    ex.observe(True, 5.0, now=0.0, busy=float("nan"))  # dropped: no congestion to count at
     assert ex.counts() == (3, 3)
     assert ex.excess(now=0.0) == pytest.approx(0.1)
 
