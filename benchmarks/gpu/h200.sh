@@ -32,7 +32,7 @@
 # detached (setsid: they survive the call) writing under /tmp/load-out, and `load-poll`
 # waits for progress and brings back what is there. Issue 30, one H200 session held
 # back to back (~28 minutes; `LEAN=1 bash benchmarks/gpu/h200.sh prepare` here
-# first: .gpu-stage/p1..pN, 40 MiB parts since the tracked tree, ~20 MiB, travels too and
+# first: .gpu-stage/p1..pN, 36 MiB parts since the tracked tree, ~24 MiB, travels too and
 # a call carries at most 64 MiB), device calls of at most 10 minutes:
 #   1..N-1  bash benchmarks/gpu/h200.sh receive I                 (carry .gpu-stage/pI)
 #   N  bash benchmarks/gpu/h200.sh receive N && bash benchmarks/gpu/h200.sh install
@@ -59,7 +59,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-PART_MIB=${PART_MIB:-40}  # a part + the tracked tree (~20 MiB) <= 64 MiB a call
+PART_MIB=${PART_MIB:-36}  # a part + the tracked tree (~24 MiB) <= 64 MiB a call
 export PYTHONPATH=/tmp/site:$repo VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export INFERSCALE_HOME=/tmp/inferscale-home INFERSCALE_EMBEDDER=/tmp/data/minilm
