@@ -275,3 +275,18 @@ def test_test_files_it_runs_exist():
 @pytest.mark.parametrize("phase", ["prepare", "install", "load", "load-poll", "peer"])
 def test_usage_names_each_phase(phase):
     assert re.search(rf"^\s+{phase}\)", TEXT, re.M), f"h200.sh has no {phase} phase"
+
+
+def test_a_staged_part_and_the_tracked_tree_fit_one_device_call():
+    """Each staging call carries one part and the repository's tracked files, 64 MiB at
+    most: results committed after a run grow the tree, and the GPU machine refuses the
+    call (costing device time) once the two pass the limit."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
+    if files.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = sum((REPO / p).stat().st_size for p in files.stdout.decode().split("\0")
+                  if p and (REPO / p).is_file())
+    part_mib = int(re.search(r"^PART_MIB=\$\{PART_MIB:-(\d+)\}", TEXT, re.M).group(1))
+    margin = 1 << 20  # untracked files git does not ignore, in a working checkout
+    assert tracked + (part_mib << 20) + margin <= 64 << 20, (
+        f"tracked tree {tracked / 2**20:.1f} MiB + {part_mib} MiB parts: lower PART_MIB")
