@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -111,6 +112,15 @@ class ColdRequests:
                 self.seen(ref.user, all(r.get("resident") for r in stats))
 
         task.add_done_callback(done)
+
+    def status(self) -> dict:
+        """The split's estimates now and the residuals ``E`` stands on (``/admin/status``)."""
+        now = time.monotonic()
+        est = self.estimator.estimates(now, self.queue.ahead()).info()
+        return {"mode": self.config.mode,  # JSON has no inf: an unknown figure is None
+                "estimates": {k: v if v is None or math.isfinite(v) else None
+                              for k, v in est.items()},
+                "excess_residuals": self.estimator.excess.snapshot(now)}
 
     def seen(self, user: str, resident: bool) -> None:
         """Where ``user`` was found (an answer) or put (an admin hydrate or eviction): in a

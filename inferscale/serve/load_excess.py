@@ -112,6 +112,13 @@ class LoadExcess:
         age = max(0.0, now - max(s[2] for s in loaded))
         return max(0.0, e) * 0.5 ** (age / cfg.half_life_s)
 
+    def snapshot(self, now: float) -> dict:
+        """The residuals held, per branch, oldest first: ``[ρ, residual ms, age s]`` each
+        (``/admin/status``: what ``E`` stands on, for a run's record)."""
+        def rows(held: deque) -> list[list[float]]:
+            return [[round(b, 3), round(r * 1e3, 1), round(now - t, 1)] for b, r, t in held]
+        return {"loaded": rows(self._loaded), "computed": rows(self._computed)}
+
     def counts(self) -> tuple[int, int]:
         """Residuals held: (loaded, computed)."""
         return len(self._loaded), len(self._computed)

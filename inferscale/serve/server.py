@@ -299,10 +299,13 @@ class MemoryServer:
         raise RuntimeError("the answer finished without a result")
 
     async def status(self) -> dict:
-        """``/admin/status``: the mode, the users and versions held, their bytes, and
-        the engine's status (workers' residents, paths, counters)."""
+        """``/admin/status``: the mode, the users and versions held, their bytes, the
+        compute-or-load split's state (``kv`` mode) and the engine's status (workers'
+        residents, paths, counters)."""
+        split = self.cold.status() if self.mode == "kv" else None
         return {"mode": self.mode, "users": sorted(self.users), "versions": self.users,
-                "memory_bytes": self.memories.nbytes, "engine": await self.engine.status()}
+                "memory_bytes": self.memories.nbytes, "cold_split": split,
+                "engine": await self.engine.status()}
 
     async def hydrate(self, user: str, *, version: str = "latest",
                       tier: HydrateTarget = "gpu") -> dict:

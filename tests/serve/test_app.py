@@ -338,6 +338,7 @@ def test_openai_client_against_the_server(engine_env, embedder):
                                                                      "content": " "}])
         status = admin.get("/admin/status").json()
         assert {r["user"]: r["tier"] for r in status["engine"]["residents"]}["bob"] == "host"
+        assert set(status["cold_split"]["excess_residuals"]) == {"loaded", "computed"}
         assert admin.post("/admin/evict", json={"user": "ann"}).json()["evicted"] is True
 
 

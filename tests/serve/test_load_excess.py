@@ -182,3 +182,30 @@ def test_a_residual_counts_at_the_congestion_it_finished_in_when_larger():
     assert est.excess.excess(0.0, busy=0.8) == pytest.approx(0.35)
     assert est.estimates(now=0.0).load_excess_s == pytest.approx(0.35)  # ρ 0.8 now
     assert est.estimates(now=30.0).load_excess_s == 0.0  # ρ decayed: a quiet engine
+
+
+def test_the_residuals_are_reported_as_held():
+    """``snapshot`` (``/admin/status``'s record of what ``E`` stands on) gives each held
+    residual as ``[ρ, ms, age s]`` per branch, oldest first, within the window."""
+    ex = LoadExcess(ExcessConfig(window=2, min_samples=1))
+    ex.observe(True, 0.25, now=1.0, busy=0.5)
+    ex.observe(False, 0.01, now=2.0, busy=0.1)
+    ex.observe(True, float("nan"), now=2.5)  # dropped
+    ex.observe(True, 0.125, now=3.0, busy=0.0)
+    ex.observe(True, 0.05, now=4.0, busy=0.2)  # the window keeps the last two loaded
+    assert ex.snapshot(now=5.0) == {"loaded": [[0.0, 125.0, 2.0], [0.2, 50.0, 1.0]],
+                                    "computed": [[0.1, 10.0, 3.0]]}
+
+
+def test_the_split_state_is_reported_in_json():
+    """``ColdRequests.status``: the estimates of now (a non-finite one as None: the
+    admin answer is JSON) and the residuals, from a fresh estimator."""
+    import json
+
+    cold = ColdRequests(ColdSplitConfig(excess=ExcessConfig(min_samples=1)))
+    cold.estimator.excess.observe(True, 0.3, now=0.0, busy=0.2)
+    got = cold.status()
+    assert got["mode"] == cold.config.mode
+    assert got["excess_residuals"]["loaded"][0][:2] == [0.2, 300.0]
+    assert got["estimates"]["bandwidth_bytes_per_s"] == cold.config.bandwidth_prior
+    json.dumps(got, allow_nan=False)

@@ -20,7 +20,7 @@ from benchmarks.lib.load.goodput import machine, step_summary, summarize
 from benchmarks.lib.load.scrapes import loop_lag, parse, step_metrics, step_time
 from benchmarks.lib.load.server_process import (
     Http, ServerProcess, engine_status, evict_all, hydrate_plan, preload_facts, residency,
-    scrape_text, wait_idle,
+    scrape_text, split_state, wait_idle,
 )
 from benchmarks.lib.load.setup import prompt_goodput_for
 from benchmarks.lib.load.storage_bandwidth import with_server_reads
@@ -82,6 +82,8 @@ class Run:
         await wait_idle(self.http, 60)
         text1, after = await self.scrape()
         row["metrics"] = step_metrics(before, after)
+        if mode == "kv":  # what the split's E stood on at the step's end
+            row["split_state"] = await asyncio.to_thread(split_state, self.http)
         row.update(step_time(row["metrics"]), **loop_lag(before, after),
                    loadavg_1m_start=round(load_at_start, 2))
         if prof is not None:
@@ -119,6 +121,8 @@ class Run:
                         "requests", "completed", "over_objective", "ttft_p50_ms", "ttft_p99_ms",
                         "memory_check", "cold_decisions", "slowest")}
                 await wait_idle(self.http, 60)
+            if mode == "kv":  # what the warm-up left the split's E standing on
+                out[f"{mode}_split_state"] = await asyncio.to_thread(split_state, self.http)
         return {"requests_per_mode": args.warmup_requests, "rate": args.warmup_rate,
                 "query_lengths_per_mode": len(lengths),
                 "seconds": round(time.perf_counter() - t0, 1), "by_mode": out}

@@ -217,6 +217,15 @@ def engine_status(http: Http) -> dict:
     return json.loads(text)["engine"]
 
 
+def split_state(http: Http) -> dict | None:
+    """The compute-or-load split's estimates now and the residuals its ``E`` stands on
+    (``/admin/status``'s ``cold_split``; None in prompt mode)."""
+    status, text = http.get("/admin/status")
+    if status != 200:
+        raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
+    return json.loads(text).get("cold_split")
+
+
 def residency(http: Http) -> dict[str, str]:
     """user -> tier of every user a worker rank holds (``/admin/status``)."""
     engine = engine_status(http)
