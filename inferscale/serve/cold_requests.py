@@ -49,6 +49,9 @@ class ColdRequests:
         self._poll: asyncio.Future | None = None  # the workers' storage statistics
         self._resident: OrderedDict[str, bool] = OrderedDict()  # user -> last seen in a tier
         self.queue = PrefillQueue()  # prefill handed to the engine, not come back yet
+        # the same account of the reads asked for (seconds at B), by prefill handle
+        self.reads = PrefillQueue()
+        self._read_of: dict[int, int] = {}
 
     @property
     def on(self) -> bool:
@@ -65,27 +68,38 @@ class ColdRequests:
             self._poll = asyncio.ensure_future(engine.storage_stats())
             self._poll.add_done_callback(self._storage_stats)
         pinned = self.config.pinned_chunks if self.config.mode == "pinned" else None
-        return split(lengths, row_bytes, self.estimator.estimates(ahead_s=self.queue.ahead()),
-                     self.config.deadline_factor, pinned)
+        est = self.estimator.estimates(ahead_s=self.queue.ahead(),
+                                       reads_ahead_s=self.reads.ahead())
+        return split(lengths, row_bytes, est, self.config.deadline_factor, pinned)
 
     def handed_over(self, prompt_tokens: int, ref: MemoryRef | None, s: Split | None) -> int:
         """Enter a request handed to the engine in the prefill queue with its predicted
         prefill: a busy step plus ``c`` a token it computes (its prompt less the memory a
         tier or the split's read gives it; a user neither answered nor hydrated yet counts
-        as in storage, as for the prefetch); the handle for :meth:`came_back`."""
-        injected = 0
+        as in storage, as for the prefetch), and its split's read (what :meth:`prefetch`
+        asks for) in the read queue at ``B``; the handle for :meth:`came_back`."""
+        injected, read = 0, None
         if ref is not None:
             if self._resident.get(ref.user):
                 injected = sum(ref.lengths)
             elif s is not None:
                 injected = s.tokens
+                read = s.bytes if s.chunks else None
         est = self.estimator.estimates()
-        return self.queue.submit(
+        handle = self.queue.submit(
             est.step_s + est.compute_s_per_token * max(0, prompt_tokens - injected))
+        if read is not None:
+            self._read_of[handle] = self.reads.submit(est.read_overhead_s
+                                                      + read / est.bandwidth)
+        return handle
 
     def came_back(self, handle: int) -> None:
-        """The request's first token came, or it ended without one."""
+        """The request's first token came, or it ended without one (its read, if any,
+        is over: it was injected or given up)."""
         self.queue.done(handle)
+        read = self._read_of.pop(handle, None)
+        if read is not None:
+            self.reads.done(read)
 
     def _storage_stats(self, done: asyncio.Future) -> list[dict] | None:
         if done.cancelled() or done.exception() is not None:

@@ -66,7 +66,9 @@ on an H100 under an 8,192-token budget the first read ~0 while prefill took ~0.4
 time, and without the bases the second ~0.5 on a saturated engine); ``B`` and ``o``
 moving averages of the workers' bytes read per second of reader busy time and seconds
 per read outside the rows (a user's first read includes its chunk index), the slowest
-rank's; ``Q`` the workers' bytes not read yet, drained at ``B`` since they reported;
+rank's; ``Q`` the workers' bytes not read yet, drained at ``B`` since they reported, at
+least the reads the server itself asked for whose requests have not come back (a burst's
+prefetches are sent faster than the workers report: the warm-up's split saw none queued);
 ``D`` = ``overhead_steps`` busy engine steps (the workers' moving average). Nothing here
 touches the engine: the server (:mod:`inferscale.serve.server`) feeds it and applies it.
 """
@@ -374,17 +376,20 @@ class LoadEstimator:
 
     # ------------------------------------------------------------------ now
 
-    def estimates(self, now: float | None = None, ahead_s: float = 0.0) -> Estimates:
+    def estimates(self, now: float | None = None, ahead_s: float = 0.0,
+                  reads_ahead_s: float = 0.0) -> Estimates:
         """The estimates of now; ``ahead_s``: the prefill the server handed the engine
-        that is still ahead (:class:`~inferscale.serve.prefill_queue.PrefillQueue`), a
-        floor of ``W``: a request arriving during a long prefill step waits for it
-        though vLLM reports nothing waiting."""
+        still ahead (:class:`~inferscale.serve.prefill_queue.PrefillQueue`), a floor of
+        ``W`` (vLLM reports nothing waiting during a long step); ``reads_ahead_s``: the
+        reads the server asked for still ahead, in seconds at ``B`` (a floor of ``Q``)."""
         now = time.monotonic() if now is None else now
         cfg = self.config
         bandwidth = min(self._bandwidth.values(), default=cfg.bandwidth_prior)
         queued = max(self._queued.values(), default=0.0)
         if self.storage_at is not None:  # drained at the bandwidth since reported
             queued = max(0.0, queued - bandwidth * (now - self.storage_at))
+        if 0.0 < reads_ahead_s < math.inf:
+            queued = max(queued, reads_ahead_s * bandwidth)
         step = max(self._step.values(), default=cfg.step_prior_s)
         fit, fixed = self._fit(now)
         c = self._compute_s(now, fit)

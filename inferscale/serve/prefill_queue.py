@@ -9,7 +9,10 @@ keeps its own account: :class:`PrefillQueue` adds each request handed over with 
 predicted prefill seconds, moving a virtual finish time on by them (from now, when
 nothing was pending); when a request's first token comes (or it ends without one) its
 work is done, and what is still pending is counted again from then, so a prediction's
-error lasts only until the next first token. Event-loop thread only.
+error lasts only until the next first token. The server keeps a second one of the reads
+it asks the workers for (:mod:`inferscale.serve.cold_requests`, seconds at the storage
+bandwidth): a burst's prefetches go out faster than the workers report what is queued.
+Event-loop thread only.
 """
 
 from __future__ import annotations

@@ -643,3 +643,33 @@ def test_a_request_enters_the_prefill_queue_with_what_it_computes():
     cold.came_back(h)
     full, less = 0.01 + 20e-6 * 2_100, 0.01 + 20e-6 * 100
     assert ahead == pytest.approx([full, less, less, full, full], abs=1e-3)
+
+
+def test_a_burst_of_cold_requests_queues_its_reads_before_the_workers_report():
+    """The warm-up burst of the tenth H100 run: ten cold requests within a second split
+    their facts as if the disk were idle (the workers' ``Q`` comes with their reports,
+    polled), and their loads came ~240 ms late. The server counts the reads it asked
+    for: a second cold request's split sees the first one's bytes queued (at ``B``,
+    a floor of the workers' ``Q``) and loads less; once the first request's first token
+    comes its read is over."""
+    from inferscale.serve.cold_requests import ColdRequests
+    from inferscale.vllm_plugin.metadata import MemoryRef
+
+    cold = ColdRequests(ColdSplitConfig(compute_prior_s=20e-6, step_prior_s=0.01,
+                                        bandwidth_prior=1.3e9))
+    lengths = [100] + [48] * 49
+    ref = MemoryRef("ann", "a" * 32, tuple(f"f{i}" for i in range(50)), tuple(lengths))
+    quiet = cold.estimator.estimates(ahead_s=0.1)  # a wait to hide a read in
+    first = split(lengths, 65_536, quiet)
+    assert first.chunks > 0
+    h = cold.handed_over(2_600, ref, first)
+    assert cold.reads.ahead() == pytest.approx(first.bytes / 1.3e9, rel=1e-3)
+    behind = cold.estimator.estimates(ahead_s=0.1, reads_ahead_s=cold.reads.ahead())
+    assert behind.queued_bytes == pytest.approx(first.bytes, rel=1e-3)
+    assert split(lengths, 65_536, behind).chunks < first.chunks
+    cold.came_back(h)
+    assert cold.reads.ahead() == 0.0 and len(cold.reads) == 0
+    # the workers' own report stays the floor when it is larger
+    cold.estimator.storage([{"bytes": 0, "busy_s": 0.0, "queued_bytes": 5e8}], now=0.0)
+    assert cold.estimator.estimates(now=0.0, reads_ahead_s=0.1).queued_bytes == 5e8
+    assert cold.estimator.estimates(now=0.0, reads_ahead_s=1.0).queued_bytes == 1.3e9
