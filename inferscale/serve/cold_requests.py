@@ -130,7 +130,7 @@ class ColdRequests:
     def status(self) -> dict:
         """The split's estimates now and the residuals ``E`` stands on (``/admin/status``)."""
         now = time.monotonic()
-        est = self.estimator.estimates(now, self.queue.ahead()).info()
+        est = self.estimator.estimates(now, self.queue.ahead(), self.reads.ahead()).info()
         return {"mode": self.config.mode,  # JSON has no inf: an unknown figure is None
                 "estimates": {k: v if v is None or math.isfinite(v) else None
                               for k, v in est.items()},
