@@ -208,22 +208,24 @@ def worker_pids(server_pid: int) -> list[int]:
     return sorted(out)
 
 
-def engine_status(http: Http) -> dict:
-    """The workers' status (``/admin/status``'s ``engine``: rank 0's, every rank's under
-    ``ranks``)."""
+def admin_status(http: Http) -> dict:
+    """The server's ``/admin/status``; raises unless it answered 200."""
     status, text = http.get("/admin/status")
     if status != 200:
         raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
-    return json.loads(text)["engine"]
+    return json.loads(text)
+
+
+def engine_status(http: Http) -> dict:
+    """The workers' status (``/admin/status``'s ``engine``: rank 0's, every rank's under
+    ``ranks``)."""
+    return admin_status(http)["engine"]
 
 
 def split_state(http: Http) -> dict | None:
     """The compute-or-load split's estimates now and the residuals its ``E`` stands on
     (``/admin/status``'s ``cold_split``; None in prompt mode)."""
-    status, text = http.get("/admin/status")
-    if status != 200:
-        raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
-    return json.loads(text).get("cold_split")
+    return admin_status(http).get("cold_split")
 
 
 def residency(http: Http) -> dict[str, str]:
@@ -282,10 +284,7 @@ def preload_facts(http: Http, versions: dict[str, str], threads: int = 8,
     seconds taken, and of them the wait for the indexes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    status, text = http.get("/admin/status")
-    if status != 200:
-        raise RuntimeError(f"/admin/status answered {status}: {text[:300]}")
-    held = json.loads(text).get("versions") or {}
+    held = admin_status(http).get("versions") or {}
     todo = [u for u, v in versions.items() if held.get(u) != v]
     t0 = time.perf_counter()
 
