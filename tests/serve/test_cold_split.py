@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 from hypothesis import assume, given
@@ -642,7 +643,7 @@ def test_a_request_enters_the_prefill_queue_with_what_it_computes():
     ahead.append(cold.queue.ahead())
     cold.came_back(h)
     full, less = 0.01 + 20e-6 * 2_100, 0.01 + 20e-6 * 100
-    assert ahead == pytest.approx([full, less, less, full, full], abs=1e-3)
+    assert ahead == pytest.approx([full, less, less, full, full], abs=5e-3)  # drains in real time
 
 
 def test_a_burst_of_cold_requests_queues_its_reads_before_the_workers_report():
@@ -662,10 +663,14 @@ def test_a_burst_of_cold_requests_queues_its_reads_before_the_workers_report():
     quiet = cold.estimator.estimates(ahead_s=0.1)  # a wait to hide a read in
     first = split(lengths, 65_536, quiet)
     assert first.chunks > 0
+    # the read queue drains in real time: bound it by the seconds the test itself took
+    t0 = time.monotonic()
     h = cold.handed_over(2_600, ref, first)
-    assert cold.reads.ahead() == pytest.approx(first.bytes / 1.3e9, rel=1e-3)
-    behind = cold.estimator.estimates(ahead_s=0.1, reads_ahead_s=cold.reads.ahead())
-    assert behind.queued_bytes == pytest.approx(first.bytes, rel=1e-3)
+    ahead = cold.reads.ahead()
+    elapsed = time.monotonic() - t0
+    assert first.bytes / 1.3e9 - elapsed <= ahead <= first.bytes / 1.3e9
+    behind = cold.estimator.estimates(ahead_s=0.1, reads_ahead_s=ahead)
+    assert behind.queued_bytes == pytest.approx(ahead * 1.3e9)
     assert split(lengths, 65_536, behind).chunks < first.chunks
     cold.came_back(h)
     assert cold.reads.ahead() == 0.0 and len(cold.reads) == 0
