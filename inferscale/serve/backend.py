@@ -59,6 +59,11 @@ class Timings:
     engine_ttft: float | None = None
     query_to_first_token: float | None = None
     lookup: float | None = None  # of ``memory``, the lookup alone (a first load reads storage)
+    # of ``engine_ttft``, as the engine core timed them: queued until first scheduled (an
+    # asynchronous load of memory included), then its prefill; the rest is the engine's
+    # input and output processing and the hops between its processes
+    engine_queued: float | None = None
+    engine_prefill: float | None = None
 
     def to_json(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)

@@ -156,6 +156,7 @@ class Generation:
     finish_reason: str | None
     reply: MemoryReply = field(default_factory=MemoryReply)
     request_id: str = ""  # the engine's request id (its stats name it)
+    stages_s: tuple[float, float] | None = None  # engine core: queued, prefill (compat)
 
 
 @dataclass
@@ -378,13 +379,12 @@ class MemoryEngine:
         :class:`Generation` (timings, vLLM's counters, the connector's answer).
         ``progress`` (if given) counts the tokens as they come. Closing it early closes
         :meth:`stream` (the request is aborted)."""
+        from inferscale.vllm_plugin.compat import engine_stages
+
         start = time.perf_counter()
-        ttft = None
+        ttft = stages = None
         tokens: list[int] = []
-        text = ""
-        cached = 0
-        finish = None
-        reply = MemoryReply()
+        text, cached, finish, reply = "", 0, None, MemoryReply()
         rid = f"is-{next(self._ids)}"
         progress = progress or Progress()
         decode = TextStream(self._text, prompt_ids).step if self._text is not None else None
@@ -394,7 +394,7 @@ class MemoryEngine:
             async for out in outs:
                 comp = out.outputs[0]
                 if ttft is None and comp.token_ids:
-                    ttft = time.perf_counter() - start
+                    ttft, stages = time.perf_counter() - start, engine_stages(out)
                 tokens.extend(comp.token_ids)
                 progress.tokens = len(tokens)
                 piece = decode(comp.token_ids) if decode else comp.text
@@ -405,7 +405,8 @@ class MemoryEngine:
                     reply = MemoryReply.from_params(out.kv_transfer_params)
                 if comp.token_ids:
                     yield piece
-        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid)
+        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid,
+                         stages)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,
                        max_tokens: int = 64, temperature: float = 0.0, ignore_eos: bool = False,

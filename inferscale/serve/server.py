@@ -269,6 +269,9 @@ class MemoryServer:
         assert gen is not None
         info, reply = p.info, gen.reply
         info.timings_ms.engine_ttft = gen.ttft_s * 1e3
+        if gen.stages_s is not None:
+            info.timings_ms.engine_queued, info.timings_ms.engine_prefill = \
+                (s * 1e3 for s in gen.stages_s)
         info.timings_ms.query_to_first_token = ((first or started) - started) * 1e3
         info.injected_tokens, info.cached_tokens = reply.injected_tokens, gen.cached_tokens
         info.completion_tokens = len(gen.token_ids)

@@ -232,6 +232,20 @@ def prefill_stats(output: Any) -> dict | None:
     }
 
 
+def engine_stages(output: Any) -> tuple[float, float] | None:
+    """A request's seconds in the engine core by the first output that has its first token:
+    queued (to first scheduled, an asynchronous KV load included) and prefill (first
+    scheduled to first token), from the engine core's own timestamps
+    (``RequestOutput.metrics``, a ``RequestStateStats`` in vLLM 0.26 and 0.32; None
+    without stats or timestamps)."""
+    m = getattr(output, "metrics", None)
+    queued, scheduled, first = (getattr(m, k, 0.0) or 0.0
+                                for k in ("queued_ts", "scheduled_ts", "first_token_ts"))
+    if not (0.0 < queued <= scheduled <= first):
+        return None
+    return scheduled - queued, first - scheduled
+
+
 def finished_requests(iteration_stats: Any) -> list[dict]:
     """vLLM's stats of the requests that finished in an iteration (a stat logger's
     ``record``): ``request_id`` (the caller's, not vLLM's internal id), ``queued_s`` (queued

@@ -314,6 +314,10 @@ def test_openai_client_against_the_server(engine_env, embedder):
         assert "Pelican" in r.choices[0].message.content
         assert info["user"] == "ann" and info["injected_tokens"] > 0 and info["mode"] == "kv"
         assert r.usage.prompt_tokens_details.cached_tokens >= info["injected_tokens"]
+        # of the engine's TTFT, the engine core's own queue and prefill (its clock)
+        t = info["timings_ms"]
+        assert t["engine_queued"] >= 0 and t["engine_prefill"] > 0
+        assert t["engine_queued"] + t["engine_prefill"] <= t["engine_ttft"]
 
         # streaming, bob's key: bob's memory
         bob = openai.OpenAI(base_url=f"{url}/v1", api_key="key-bob")

@@ -16,7 +16,7 @@ import vllm
 from inferscale.encode.rope import RotaryTables, rotate_keys
 from inferscale.vllm_plugin.compat import (
     SUPPORTED, VLLM_VERSION, CacheLayout, attention_layers, block_ids_of, cache_layout,
-    find_rotary, kv_transfer_group, layer_index, prefill_stats, read_layer_kv,
+    engine_stages, find_rotary, kv_transfer_group, layer_index, prefill_stats, read_layer_kv,
     rotate_with_model, write_layer_kv,
 )
 from tests.vllm_plugin.cpu_attention import cpu_layers
@@ -105,6 +105,18 @@ def test_scheduler_output_and_prefill_counters():
     assert prefill_stats(types.SimpleNamespace(prefill_stats=stats)) == {
         "prompt": 40, "computed": 8, "local_cached": 2, "external": 30}
     assert prefill_stats(types.SimpleNamespace()) is None
+
+
+def test_engine_stages_from_the_request_outputs_stats():
+    """Queued and prefill seconds from vLLM's own per-request timestamps; none where the
+    engine kept no stats or has not scheduled the request (no first token yet)."""
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    stats = RequestStateStats(queued_ts=10.0, scheduled_ts=10.25, first_token_ts=10.75)
+    assert engine_stages(types.SimpleNamespace(metrics=stats)) == (0.25, 0.5)
+    assert engine_stages(types.SimpleNamespace(metrics=None)) is None
+    assert engine_stages(types.SimpleNamespace()) is None
+    assert engine_stages(types.SimpleNamespace(metrics=RequestStateStats(queued_ts=1.0))) is None
 
 
 def test_no_connector_outside_an_engine():

@@ -104,6 +104,9 @@ class Load:
                 timings = info["timings_ms"]
                 rec.update(q2ft_ms=timings["query_to_first_token"],
                            engine_ttft_ms=timings["engine_ttft"],
+                           # of it, the engine core's queue and prefill (when vLLM timed them)
+                           engine_queued_ms=timings.get("engine_queued"),
+                           engine_prefill_ms=timings.get("engine_prefill"),
                            memory_ms=timings.get("memory"),  # lookup, retrieval, composition
                            lookup_ms=timings.get("lookup"),  # the lookup alone
                            injected=info.get("injected_tokens", 0),

@@ -132,7 +132,8 @@ SPLIT_KEYS = ("chunks", "read_ms", "compute_ms", "wait_ms", "prefill_ahead_ms", 
 
 def slowest(records: list[dict], n: int = 5) -> list[dict]:
     """The step's ``n`` slowest requests by TTFT (a failed one first), each with when it
-    was scheduled in the step, its TTFT, the engine's and the server's memory time, where
+    was scheduled in the step, its TTFT, the engine's (of it, the engine core's queue and
+    prefill, as vLLM timed them) and the server's memory time, where
     its memory came from and, for a user in no tier, its split and the estimates behind
     it: a p99 of 400 requests is its fourth slowest, so these are the ones that set it."""
     def key(r: dict) -> float:
@@ -141,8 +142,9 @@ def slowest(records: list[dict], n: int = 5) -> list[dict]:
     out = []
     for r in sorted(records, key=key, reverse=True)[:n]:
         row = {"at_s": round(r["scheduled"], 3), "ttft_ms": finite(key(r)),
-               **{k: r[k] for k in ("engine_ttft_ms", "memory_ms", "fallback_reason",
-                                    "storage_bytes", "error") if r.get(k) is not None}}
+               **{k: r[k] for k in ("engine_ttft_ms", "engine_queued_ms", "engine_prefill_ms",
+                                    "memory_ms", "fallback_reason", "storage_bytes", "error")
+                  if r.get(k) is not None}}
         if "facts_by_tier" in r:
             row["served_from"] = served_from(r.get("facts_by_tier"))
         cold = r.get("cold")

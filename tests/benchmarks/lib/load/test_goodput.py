@@ -225,10 +225,11 @@ def test_summary_against_the_peer():
 
 def test_the_slowest_requests_come_with_their_splits():
     """A step keeps its five slowest answers (a failed one first), each with when it was
-    scheduled, where its memory came from and a cold one's split: the requests that set
-    its p99."""
+    scheduled, where its memory came from, the engine core's queue and prefill time and a
+    cold one's split: the requests that set its p99."""
     recs = _records([50.0, 300.0, 70.0, 80.0, 60.0, 90.0, 40.0], error_at=6)
     recs[1].update(facts_by_tier={"gpu": 0, "host": 0, "storage": 20}, storage_bytes=7e7,
+                   engine_queued_ms=61.0, engine_prefill_ms=180.0,
                    cold={"facts_loaded": 20, "facts_computed": 30,
                          "split": {"chunks": 21, "read_ms": 60.0, "wait_ms": 55.0,
                                    "load_excess_ms": 0.0, "bandwidth_bytes_per_s": 1e9}})
@@ -238,7 +239,9 @@ def test_the_slowest_requests_come_with_their_splits():
     assert got[1]["served_from"] == "storage" and got[1]["storage_bytes"] == 7e7
     assert got[1]["cold"] == {"facts_loaded": 20, "facts_computed": 30, "chunks": 21,
                               "read_ms": 60.0, "wait_ms": 55.0, "load_excess_ms": 0.0}
+    assert (got[1]["engine_queued_ms"], got[1]["engine_prefill_ms"]) == (61.0, 180.0)
     assert "cold" not in got[2] and got[2]["engine_ttft_ms"] == 85.0
+    assert "engine_queued_ms" not in got[2]  # not timed by vLLM: left out
 
 
 def test_a_scenario_the_deadline_stopped_before_any_step_has_no_goodput():
