@@ -9,7 +9,11 @@ as the server held them before issue 30's second H100 run (plain lists) and as
 tracking after one pass; token ids one int32 array per user:
 ``inferscale.serve.user_memory``), and times ``--repeats`` full collections of each
 (``gc.collect()``), reporting the median and the number of objects the collector
-tracks. Then (``--serving-imports``,
+tracks. The engine's process holds the same users' chunk indexes (``inferscale.hydrate.
+fact_reader.ChunkIndex``, an fp8 user's scales ``[C, 2, L, H]`` at ``--layers`` x
+``--kv-heads``): timed likewise with a tensor per chunk (before) and one per user (now),
+the imports' heap frozen first as vLLM's engine freezes its start-up heap.
+Then (``--serving-imports``,
 on by default) it imports what the server's process imports before it serves (vLLM's
 ``AsyncLLM``, torch, the server, the embedder's library, uvicorn) and times full
 collections again, before and after ``serve_app``'s ``freeze_startup_heap``: the pause
@@ -49,6 +53,27 @@ def held(users: list[dict]) -> list[UserMemory]:
     """The same users as the server holds them now."""
     return [UserMemory(f"user-{i}", "v", u["fact_ids"], u["texts"], u["token_ids"], None)
             for i, u in enumerate(users)]
+
+
+def chunk_indexes(users: int, facts: int, tokens: int, layers: int, heads: int,
+                  per_chunk: bool) -> list:
+    """The users' chunk indexes as the engine's fact reader holds them: their scales one
+    tensor per user (now), or, ``per_chunk``, a tensor per chunk (before). Imported here:
+    torch's objects would otherwise count in the server's forms, timed first."""
+    import torch
+
+    from inferscale.hydrate.fact_reader import ChunkIndex
+
+    out = []
+    for u in range(users):
+        ids = [f"u{u}-f{i}" for i in range(facts)]
+        scales = torch.ones(facts, 2, layers, heads)  # [C, 2, L, H]
+        index = ChunkIndex(f"user-{u}", "v", "kv.arrow", "float8_e4m3fn", (layers, heads, 128),
+                           0, {c: (i * tokens, tokens, i) for i, c in enumerate(ids)},
+                           {c: tuple(range(i, i + tokens)) for i, c in enumerate(ids)},
+                           None if per_chunk else scales)
+        out.append((index, dict(zip(ids, scales.unbind(0)))) if per_chunk else index)
+    return out
 
 
 def pause(repeats: int) -> dict:
@@ -92,32 +117,47 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--users", type=int, default=2000)
     ap.add_argument("--facts", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=40, help="token ids per fact")
+    ap.add_argument("--layers", type=int, default=32, help="the chunk indexes' scales")
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--serving-imports", action=argparse.BooleanOptionalAction, default=True,
                     help="also time collections with the server's imports, then frozen")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if min(args.users, args.facts, args.tokens, args.repeats) < 1:
-        ap.error("--users, --facts, --tokens and --repeats must be >= 1")
+    if min(args.users, args.facts, args.tokens, args.repeats, args.layers, args.kv_heads) < 1:
+        ap.error("--users, --facts, --tokens, --layers, --kv-heads and --repeats must be >= 1")
     rows = []
-    for form in ("lists", "user_memory"):
-        data = users_as_lists(args.users, args.facts, args.tokens)
+    for form in ("lists", "user_memory", "chunk_indexes_per_chunk", "chunk_indexes"):
+        engine = form.startswith("chunk_indexes")
+        if engine:  # vLLM's engine freezes its start-up heap; the indexes come after
+            chunk_indexes(1, 1, 1, 1, 1, per_chunk=False)  # torch imported before the freeze
+            gc.collect()
+            gc.freeze()
+            data = chunk_indexes(args.users, args.facts, args.tokens, args.layers,
+                                 args.kv_heads, per_chunk=form.endswith("per_chunk"))
+        else:
+            data = users_as_lists(args.users, args.facts, args.tokens)
         if form == "user_memory":
             data = held(data)
         rows.append({"form": form, **pause(args.repeats)})
         del data
+        if engine:
+            gc.unfreeze()
         print(rows[-1], flush=True)
     gc.collect()
-    lists, now = rows
+    lists, now, per_chunk, indexes = rows
     if args.serving_imports:
         rows += serving_rows(args.repeats)
-        for r in rows[2:]:
+        for r in rows[4:]:
             print(r, flush=True)
     summary = {"users": args.users, "facts": args.facts, "tokens": args.tokens,
+               "layers": args.layers, "kv_heads": args.kv_heads,
                **{f"{k}_{r['form']}": r[k] for r in rows
                   for k in ("full_collection_ms_median", "tracked_objects")}}
     summary["pause_ratio"] = round(lists["full_collection_ms_median"]
                                    / max(now["full_collection_ms_median"], 1e-3), 1)
+    summary["engine_pause_ratio"] = round(per_chunk["full_collection_ms_median"]
+                                          / max(indexes["full_collection_ms_median"], 1e-3), 1)
     return write_result({"command": command_line(__spec__.name, argv),
                          "device": cpu_device(),
                          "rows": rows, "summary": summary}, args.out)

@@ -47,7 +47,13 @@ class NotFetchable(ArtifactError):
 
 @dataclass(frozen=True)
 class ChunkIndex:
-    """Where each chunk of one version lies in its kv file, and its token ids."""
+    """Where each chunk of one version lies in its kv file, and its token ids.
+
+    An fp8 version's scales are one tensor, not one per chunk: the engine's process keeps
+    up to ``cached`` indexes (the load benchmark: all 2,000 users), and a tensor per chunk
+    was 400 objects a user that each full garbage collection of that process traversed,
+    every step in flight waiting (``benchmarks/results/gc-pause-cpu.json``). The dicts
+    hold only strings, ints and tuples of them, which the collector stops tracking."""
 
     user: str
     version: str
@@ -57,7 +63,10 @@ class ChunkIndex:
     slab_offset: int  # byte offset of row 0 in the file
     rows: dict[str, tuple[int, int, int]]  # chunk id -> (first row, rows, xxh3-64)
     token_ids: dict[str, tuple[int, ...]]
-    scales: dict[str, torch.Tensor] | None = None  # fp8: chunk id -> [2, L, H] float32
+    scales: torch.Tensor | None = None  # fp8: [C, 2, L, H] float32, in ``rows`` order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pos", {c: i for i, c in enumerate(self.rows)})
 
     @property
     def row_bytes(self) -> int:
@@ -71,7 +80,7 @@ class ChunkIndex:
         """The chunks' fp8 scales ``[len(chunks), 2, L, H]`` in that order (None: unscaled)."""
         if self.scales is None:
             return None
-        return torch.stack([self.scales[c] for c in chunks])
+        return self.scales[[self._pos[c] for c in chunks]]  # [k, 2, L, H], a copy
 
 
 class FactReader:
@@ -154,7 +163,7 @@ class FactReader:
                           int(manifest.kv["slab_offset"]),
                           {c: (o, n, d) for c, o, n, d in zip(ids, offsets, lengths, digests)},
                           {c: tuple(t) for c, t in zip(ids, tokens)},
-                          None if scales is None else dict(zip(ids, scales.unbind(0))))
+                          scales)
 
     @staticmethod
     def buffer_bytes(index: ChunkIndex, chunks: list[str]) -> int:
