@@ -60,8 +60,9 @@ class Timings:
     query_to_first_token: float | None = None
     lookup: float | None = None  # of ``memory``, the lookup alone (a first load reads storage)
     # of ``engine_ttft``, as the engine core timed them: queued until first scheduled (an
-    # asynchronous load of memory included), then its prefill; the rest is the engine's
-    # input and output processing and the hops between its processes
+    # asynchronous load of memory included), then its prefill; the rest is the hops
+    # between the engine's processes, its output processing and the wait for the step in
+    # progress when the request arrived (the engine core queues a request between steps)
     engine_queued: float | None = None
     engine_prefill: float | None = None
 
