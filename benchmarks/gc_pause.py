@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     for form in ("lists", "user_memory", "chunk_indexes_per_chunk", "chunk_indexes"):
         engine = form.startswith("chunk_indexes")
         if engine:  # vLLM's engine freezes its start-up heap; the indexes come after
-            chunk_indexes(1, 1, 1, 1, 1, per_chunk=False)  # torch imported before the freeze
+            importlib.import_module("inferscale.hydrate.fact_reader")  # torch too: frozen
             gc.collect()
             gc.freeze()
             data = chunk_indexes(args.users, args.facts, args.tokens, args.layers,
