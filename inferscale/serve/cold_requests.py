@@ -34,10 +34,10 @@ REMEMBERED = 10_000  # users whose last known residency is kept (least recent dr
 
 def branch(s: Split) -> Branch:
     """What the rule predicted for split ``s`` besides its computed tokens (loading,
-    ``max(R, W) + D``; computing everything, ``W``) and the ``ρ`` it saw."""
+    ``max(R, W) + D``; computing everything, ``W``), the ``ρ`` and the ``W`` it saw."""
     e = s.estimates
     predicted = max(s.read_s, e.wait_s) + e.overhead_s if s.chunks else e.wait_s
-    return bool(s.chunks), predicted, e.prefill_busy
+    return bool(s.chunks), predicted, e.prefill_busy, e.wait_s
 
 
 class ColdRequests:

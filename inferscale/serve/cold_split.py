@@ -39,7 +39,7 @@ once that pays for ``o + D``; a congested engine loads more; slow or busy storag
 ``B``, large ``Q``) loads less; ``n = 0`` prefills everything (no fallback). The read
 may take ``deadline_factor * (W + c T / (1 - ρ))`` from its start before it is given up
 and the tokens recomputed. ``E``: what loads cost lately beyond this formula, against
-computing, at a ``ρ`` near today's (:mod:`inferscale.serve.load_excess`; 0 unmeasured).
+computing, near today's ``ρ`` and ``W`` (:mod:`inferscale.serve.load_excess`; 0 unmeasured).
 
 **The estimates** (:class:`LoadEstimator`), all measured while serving, from priors
 before any data: ``W`` a moving average of vLLM's own ``queued_time`` of finished
@@ -284,7 +284,7 @@ class LoadEstimator:
             if b is not None and queued >= 0 and prefill >= 0:
                 c = self._compute_s(now)  # the residual's ρ: at its split or now, the larger
                 self.excess.observe(b[0], queued + prefill - b[1] - c * computed, now,
-                                    max(b[2], self._busy_now(now, c)))
+                                    max(b[2], self._busy_now(now, c)), b[3])
 
     def observe(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
                 now: float | None = None) -> None:
@@ -396,10 +396,10 @@ class LoadEstimator:
         busy = self._busy_now(now, c)
         ahead_s = ahead_s if 0.0 < ahead_s < math.inf else 0.0
         _, base, request = max(self._step_fit.values(), default=(0.0, 0.0, 0.0))  # c's rank
-        return Estimates(max(self._wait_now(now), ahead_s), c, bandwidth, queued,
-                         cfg.overhead_steps * step, fixed, busy,
+        wait = max(self._wait_now(now), ahead_s)
+        return Estimates(wait, c, bandwidth, queued, cfg.overhead_steps * step, fixed, busy,
                          max(self._read_overhead.values(), default=0.0), fit, step, ahead_s,
-                         self.excess.excess(now, busy), base, request)
+                         self.excess.excess(now, busy, wait), base, request)
 
     def _busy_now(self, now: float, c: float) -> float:
         """``ρ`` at ``now`` with ``c`` a token, capped."""

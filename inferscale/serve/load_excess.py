@@ -37,6 +37,20 @@ the bandwidth estimate read up to 12 GB/s on a disk of ~1.7 (the workers' statis
 counted a read's time before its bytes; fixed in
 :mod:`inferscale.vllm_plugin.storage_reads`), so reads were predicted several times
 faster than they ran, and ``E`` rightly priced that.
+
+**Per wait.** ``ρ`` alone did not tell a burst apart: the workers' congestion report lags
+a three-second burst, so the warm-up's residuals still counted at ``ρ`` 0.01-0.03. The
+eleventh H100 run (``benchmarks/results/load-h100-llama31-8b-run11-u200.json``) kept nine
+from the warm-up (64 requests at 64 rps; the cold ones' splits saw ``W`` p50 481 ms, up
+to 1,019), late by up to 385 ms, and ``E`` stood at 88-149 ms through the 5 rps step;
+its three slowest answers were cold requests that had 46-70 ms of prefill ahead, in
+which the rule would have read 820-1,540 of their ~2,500 tokens, and computed all (each
+214-219 ms; vLLM's queue and prefill 167-199 ms of it). At 2,000 users the second
+warm-up (``W`` p50 502 ms) held ``E`` at 115-226 ms the same way. A read hides in
+``W``, so what a load cost behind a second of prefill says little about one hidden in
+50 ms: a residual also keeps its split's ``W``, and ``E`` at ``W`` counts only residuals
+whose ``W'`` is within ``wait_ratio`` of it, up to ``wait_floor_s`` either way
+(``max(W, W') <= wait_ratio * min(W, W') + wait_floor_s``).
 """
 
 from __future__ import annotations
@@ -45,21 +59,25 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-# a finished cold request: loaded; the rule's seconds besides c T; the ρ it counts at
-Branch = tuple[bool, float, float]
+# a finished cold request: loaded; the rule's seconds besides c T; the ρ it counts at;
+# the W its split saw
+Branch = tuple[bool, float, float, float]
 
 
 @dataclass(frozen=True)
 class ExcessConfig:
     """``window`` residuals kept per branch, the ``quantile`` (0..1) compared, the
-    ``min_samples`` each branch needs (within the band), ``half_life_s`` of the decay
-    without loads, ``busy_band``: how far from today's ``ρ`` a residual's may be."""
+    ``min_samples`` each branch needs (within the bands), ``half_life_s`` of the decay
+    without loads, ``busy_band``: how far from today's ``ρ`` a residual's may be;
+    ``wait_ratio`` and ``wait_floor_s``: how far from today's ``W`` its split's may be."""
 
     window: int = 32
     quantile: float = 0.9
     min_samples: int = 3
     half_life_s: float = 60.0
     busy_band: float = 0.25
+    wait_ratio: float = 2.0
+    wait_floor_s: float = 0.025
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 1 <= self.min_samples <= self.window:
@@ -70,6 +88,16 @@ class ExcessConfig:
             raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
         if not self.busy_band >= 0:
             raise ValueError(f"busy_band must be >= 0, got {self.busy_band}")
+        if not (self.wait_ratio >= 1 and self.wait_floor_s >= 0):
+            raise ValueError("need wait_ratio >= 1 and wait_floor_s >= 0, got "
+                             f"{self.wait_ratio}, {self.wait_floor_s}")
+
+    def near(self, busy: float, wait_s: float, busy_at: float, wait_at: float) -> bool:
+        """Whether a residual at ``ρ`` ``busy_at`` and ``W`` ``wait_at`` counts for a split
+        at ``busy`` and ``wait_s`` (the bands, module doc)."""
+        lo, hi = sorted((max(0.0, wait_s), max(0.0, wait_at)))
+        return abs(busy_at - busy) <= self.busy_band and \
+            hi <= self.wait_ratio * lo + self.wait_floor_s
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -87,25 +115,28 @@ class LoadExcess:
 
     def __init__(self, config: ExcessConfig | None = None):
         self.config = config or ExcessConfig()
-        # (ρ it counts at, residual s, when it finished), the newest last
-        self._loaded: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
-        self._computed: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
+        # (ρ it counts at, residual s, when it finished, its split's W), the newest last
+        self._loaded: deque[tuple[float, float, float, float]] = \
+            deque(maxlen=self.config.window)
+        self._computed: deque[tuple[float, float, float, float]] = \
+            deque(maxlen=self.config.window)
 
-    def observe(self, loaded: bool, residual_s: float, now: float, busy: float = 0.0) -> None:
+    def observe(self, loaded: bool, residual_s: float, now: float, busy: float = 0.0,
+                wait_s: float = 0.0) -> None:
         """One finished cold request: ``loaded`` whether its split read any chunk, its
         ``residual_s`` (engine time to first token less the prediction), ``busy`` the
         ``ρ`` it counts at (its split's or its finish's, the larger: the estimator's
-        choice); non-finite residuals are dropped."""
-        if not math.isfinite(residual_s) or not math.isfinite(busy):
+        choice), ``wait_s`` its split's ``W``; non-finite residuals are dropped."""
+        if not all(map(math.isfinite, (residual_s, busy, wait_s))):
             return
-        (self._loaded if loaded else self._computed).append((busy, residual_s, now))
+        (self._loaded if loaded else self._computed).append((busy, residual_s, now, wait_s))
 
-    def excess(self, now: float, busy: float = 0.0) -> float:
-        """``E`` in seconds at ``now`` for a split at congestion ``busy``: 0 until both
-        branches have ``min_samples`` within ``busy_band`` of it."""
+    def excess(self, now: float, busy: float = 0.0, wait_s: float = 0.0) -> float:
+        """``E`` in seconds at ``now`` for a split at congestion ``busy`` and wait
+        ``wait_s``: 0 until both branches have ``min_samples`` within the bands of it."""
         cfg = self.config
-        loaded = [s for s in self._loaded if abs(s[0] - busy) <= cfg.busy_band]
-        computed = [s[1] for s in self._computed if abs(s[0] - busy) <= cfg.busy_band]
+        loaded = [s for s in self._loaded if cfg.near(busy, wait_s, s[0], s[3])]
+        computed = [s[1] for s in self._computed if cfg.near(busy, wait_s, s[0], s[3])]
         if len(loaded) < cfg.min_samples or len(computed) < cfg.min_samples:
             return 0.0
         e = quantile([s[1] for s in loaded], cfg.quantile) - quantile(computed, cfg.quantile)
@@ -113,10 +144,11 @@ class LoadExcess:
         return max(0.0, e) * 0.5 ** (age / cfg.half_life_s)
 
     def snapshot(self, now: float) -> dict:
-        """The residuals held, per branch, oldest first: ``[ρ, residual ms, age s]`` each
-        (``/admin/status``: what ``E`` stands on, for a run's record)."""
+        """The residuals held, per branch, oldest first: ``[ρ, residual ms, age s, W ms]``
+        each (``/admin/status``: what ``E`` stands on, for a run's record)."""
         def rows(held: deque) -> list[list[float]]:
-            return [[round(b, 3), round(r * 1e3, 1), round(now - t, 1)] for b, r, t in held]
+            return [[round(b, 3), round(r * 1e3, 1), round(now - t, 1), round(w * 1e3, 1)]
+                    for b, r, t, w in held]
         return {"loaded": rows(self._loaded), "computed": rows(self._computed)}
 
     def counts(self) -> tuple[int, int]:

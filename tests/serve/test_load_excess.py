@@ -1,5 +1,6 @@
 """What loads cost beyond the rule (``inferscale.serve.load_excess``): the excess from
-both branches' residuals, never negative, fading without loads, counted per congestion;
+both branches' residuals, never negative, fading without loads, counted per congestion
+and per wait;
 the estimator and the server's cold requests feeding it; the rule loading less by it."""
 
 from __future__ import annotations
@@ -97,9 +98,52 @@ def test_an_overload_burst_does_not_price_loads_at_a_quiet_engine():
     assert ex.excess(now=11.0, busy=0.8) > 0.3
 
 
+waits = st.lists(st.tuples(st.booleans(), st.floats(-1.0, 1.0), st.floats(0.0, 2.0)),
+                 max_size=80)
+
+
+@given(waits, st.floats(0.0, 2.0))
+def test_the_excess_counts_only_residuals_of_a_near_wait(xs, wait):
+    """E at ``W`` is what the residuals whose splits saw a ``W'`` within ``wait_ratio``
+    of it (up to ``wait_floor_s``) alone give, at one congestion."""
+    cfg = ExcessConfig(min_samples=2)
+    ex, near = LoadExcess(cfg), LoadExcess(cfg)
+    for loaded, r, w in xs:
+        ex.observe(loaded, r, now=0.0, wait_s=w)
+    for loaded in (True, False):
+        kept = [(r, w) for was, r, w in xs if was == loaded][-cfg.window:]
+        for r, w in kept:
+            lo, hi = sorted((w, wait))
+            if hi <= cfg.wait_ratio * lo + cfg.wait_floor_s:
+                near.observe(loaded, r, now=0.0, wait_s=wait)
+    assert ex.excess(0.0, wait_s=wait) == pytest.approx(near.excess(0.0, wait_s=wait))
+
+
+def test_a_burst_behind_a_second_of_prefill_does_not_price_a_read_hidden_in_50_ms():
+    """The eleventh H100 run (200 users): the warm-up's loaders, decided with 140-1,019
+    ms of prefill ahead but at ρ ~0.03 (the workers' report lags a burst), came up to
+    385 ms later than the computed requests; at 5 rps a cold request with 46 ms ahead
+    (ρ 0.09) then loaded nothing. Counted per wait, they price only splits with a wait
+    like theirs, and the 46 ms split reads a leading run."""
+    ex = LoadExcess()
+    for r, w in ((0.16, 0.14), (0.13, 0.3), (0.385, 0.48), (0.13, 0.6), (-0.1, 0.9),
+                 (0.2, 1.0)):
+        ex.observe(True, r, now=0.0, busy=0.03, wait_s=w)
+    for w in (0.0, 0.0, 0.01, 0.03, 0.05, 0.07, 0.4, 0.5, 0.7):
+        ex.observe(False, 0.035, now=0.0, busy=0.09, wait_s=w)
+    assert ex.excess(0.0, busy=0.09, wait_s=0.046) == 0.0  # no loader near 46 ms
+    assert ex.excess(0.0, busy=0.09, wait_s=0.5) > 0.1
+    est = {**H200, "wait_s": 0.046, "compute_s_per_token": 11e-6,
+           "bandwidth": 1.38e9, "overhead_s": 9.3e-3, "read_overhead_s": 6e-3}
+    assert split(LENGTHS, 65_536, Estimates(**est, load_excess_s=0.149)).chunks == 0
+    assert split(LENGTHS, 65_536, Estimates(
+        **est, load_excess_s=ex.excess(0.0, busy=0.09, wait_s=0.046))).chunks > 0
+
+
 @pytest.mark.parametrize("bad", [dict(window=0), dict(min_samples=0),
                                  dict(window=2, min_samples=3), dict(quantile=1.5),
-                                 dict(half_life_s=0.0), dict(busy_band=-0.1)])
+                                 dict(half_life_s=0.0), dict(busy_band=-0.1),
+                                 dict(wait_ratio=0.5), dict(wait_floor_s=-0.01)])
 def test_bad_configs_are_refused(bad):
     with pytest.raises(ValueError):
         ExcessConfig(**bad)
@@ -135,7 +179,7 @@ def test_the_estimator_measures_the_excess_from_finished_requests():
                            "prefill_s": base + c * computed + late,
                            "prompt_tokens": 2_600, "cached_tokens": 2_600 - computed}],
                          now=float(i))
-        est.request_read(f"r{i}", loaded, (loaded, base, 0.0), now=float(i))
+        est.request_read(f"r{i}", loaded, (loaded, base, 0.0, 0.0), now=float(i))
     est.engine_stats([{"request_id": "warm", "queued_s": 0.0, "prefill_s": 0.5,
                        "prompt_tokens": 100, "cached_tokens": 0}], now=6.0)
     est.request_read("warm", False, None, now=6.0)
@@ -150,8 +194,9 @@ def test_a_finished_cold_request_gives_its_branch():
     (loading: ``max(R, W) + D``; computing: ``W``) and none for a resident one."""
     s_load = split(LENGTHS, 65_536, Estimates(**H200))
     s_none = split(LENGTHS, 65_536, Estimates(**{**H200, "load_excess_s": 1.0}))
-    assert branch(s_load) == (True, pytest.approx(max(s_load.read_s, 0.06) + 7.3e-3), 0.09)
-    assert branch(s_none) == (False, 0.06, 0.09)
+    assert branch(s_load) == (True, pytest.approx(max(s_load.read_s, 0.06) + 7.3e-3), 0.09,
+                              0.06)
+    assert branch(s_none) == (False, 0.06, 0.09, 0.06)
     cold = ColdRequests(ColdSplitConfig(excess=ExcessConfig(min_samples=1)))
     ref = MemoryRef("ann", "a" * 32, tuple(f"f{i}" for i in range(50)), tuple(LENGTHS))
     for rid, s, reply in (
@@ -177,7 +222,7 @@ def test_a_residual_counts_at_the_congestion_it_finished_in_when_larger():
     for rid, loaded, late in (("l", True, 0.4), ("c", False, 0.05)):
         est.engine_stats([{"request_id": rid, "queued_s": late, "prefill_s": 0.0,
                            "prompt_tokens": 100, "cached_tokens": 100}], now=0.0)
-        est.request_read(rid, loaded, (loaded, 0.0, 0.0), now=0.0)
+        est.request_read(rid, loaded, (loaded, 0.0, 0.0, 0.0), now=0.0)
     assert est.excess.excess(0.0, busy=0.0) == 0.0
     assert est.excess.excess(0.0, busy=0.8) == pytest.approx(0.35)
     assert est.estimates(now=0.0).load_excess_s == pytest.approx(0.35)  # ρ 0.8 now
@@ -186,15 +231,17 @@ def test_a_residual_counts_at_the_congestion_it_finished_in_when_larger():
 
 def test_the_residuals_are_reported_as_held():
     """``snapshot`` (``/admin/status``'s record of what ``E`` stands on) gives each held
-    residual as ``[ρ, ms, age s]`` per branch, oldest first, within the window."""
+    residual as ``[ρ, ms, age s, W ms]`` per branch, oldest first, within the window."""
     ex = LoadExcess(ExcessConfig(window=2, min_samples=1))
     ex.observe(True, 0.25, now=1.0, busy=0.5)
-    ex.observe(False, 0.01, now=2.0, busy=0.1)
+    ex.observe(False, 0.01, now=2.0, busy=0.1, wait_s=0.03)
     ex.observe(True, float("nan"), now=2.5)  # dropped
+    ex.observe(True, 0.5, now=2.6, wait_s=float("inf"))  # dropped: no wait to count at
     ex.observe(True, 0.125, now=3.0, busy=0.0)
-    ex.observe(True, 0.05, now=4.0, busy=0.2)  # the window keeps the last two loaded
-    assert ex.snapshot(now=5.0) == {"loaded": [[0.0, 125.0, 2.0], [0.2, 50.0, 1.0]],
-                                    "computed": [[0.1, 10.0, 3.0]]}
+    ex.observe(True, 0.05, now=4.0, busy=0.2, wait_s=0.4)  # the window keeps the last two
+    assert ex.snapshot(now=5.0) == {"loaded": [[0.0, 125.0, 2.0, 0.0],
+                                               [0.2, 50.0, 1.0, 400.0]],
+                                    "computed": [[0.1, 10.0, 3.0, 30.0]]}
 
 
 def test_the_split_state_is_reported_in_json():
