@@ -61,24 +61,27 @@ def test_nothing_until_both_branches_have_samples():
     assert ex.excess(now=0.0) == pytest.approx(0.1)
 
 
-samples = st.lists(st.tuples(st.booleans(), st.floats(-1.0, 1.0), st.floats(0.0, 0.9)),
-                   max_size=80)
+samples = st.lists(st.tuples(st.booleans(), st.floats(-1.0, 1.0), st.floats(0.0, 0.9),
+                             st.floats(0.0, 2.0)), max_size=80)
 
 
-@given(samples, st.floats(0.0, 0.9))
-def test_the_excess_counts_only_residuals_of_a_near_congestion(xs, busy):
-    """E at ``busy`` is what the residuals decided within ``busy_band`` of it alone give
-    (the newest ``window`` per branch)."""
+@given(samples, st.floats(0.0, 0.9), st.floats(0.0, 2.0))
+def test_the_excess_counts_only_residuals_of_a_near_congestion_and_wait(xs, busy, wait):
+    """E at ``busy`` and ``wait`` is what the residuals decided within ``busy_band`` of
+    that ``ρ`` and, by their splits' ``W'``, within ``wait_ratio`` of that ``W`` (up to
+    ``wait_floor_s``) alone give (the newest ``window`` per branch)."""
     cfg = ExcessConfig(min_samples=2)
     ex, near = LoadExcess(cfg), LoadExcess(cfg)
-    for loaded, r, rho in xs:
-        ex.observe(loaded, r, now=0.0, busy=rho)
+    for loaded, r, rho, w in xs:
+        ex.observe(loaded, r, now=0.0, busy=rho, wait_s=w)
     for loaded in (True, False):
-        kept = [(r, rho) for was, r, rho in xs if was == loaded][-cfg.window:]
-        for r, rho in kept:
-            if abs(rho - busy) <= cfg.busy_band:
-                near.observe(loaded, r, now=0.0, busy=busy)
-    assert ex.excess(0.0, busy) == pytest.approx(near.excess(0.0, busy))
+        kept = [(r, rho, w) for was, r, rho, w in xs if was == loaded][-cfg.window:]
+        for r, rho, w in kept:
+            lo, hi = sorted((w, wait))
+            if abs(rho - busy) <= cfg.busy_band and \
+                    hi <= cfg.wait_ratio * lo + cfg.wait_floor_s:
+                near.observe(loaded, r, now=0.0, busy=busy, wait_s=wait)
+    assert ex.excess(0.0, busy, wait) == pytest.approx(near.excess(0.0, busy, wait))
 
 
 def test_an_overload_burst_does_not_price_loads_at_a_quiet_engine():
@@ -96,27 +99,6 @@ def test_an_overload_burst_does_not_price_loads_at_a_quiet_engine():
         ex.observe(False, 0.01, now=9.0 + i, busy=0.12)
     assert ex.excess(now=11.0, busy=0.1) == pytest.approx(0.02)
     assert ex.excess(now=11.0, busy=0.8) > 0.3
-
-
-waits = st.lists(st.tuples(st.booleans(), st.floats(-1.0, 1.0), st.floats(0.0, 2.0)),
-                 max_size=80)
-
-
-@given(waits, st.floats(0.0, 2.0))
-def test_the_excess_counts_only_residuals_of_a_near_wait(xs, wait):
-    """E at ``W`` is what the residuals whose splits saw a ``W'`` within ``wait_ratio``
-    of it (up to ``wait_floor_s``) alone give, at one congestion."""
-    cfg = ExcessConfig(min_samples=2)
-    ex, near = LoadExcess(cfg), LoadExcess(cfg)
-    for loaded, r, w in xs:
-        ex.observe(loaded, r, now=0.0, wait_s=w)
-    for loaded in (True, False):
-        kept = [(r, w) for was, r, w in xs if was == loaded][-cfg.window:]
-        for r, w in kept:
-            lo, hi = sorted((w, wait))
-            if hi <= cfg.wait_ratio * lo + cfg.wait_floor_s:
-                near.observe(loaded, r, now=0.0, wait_s=wait)
-    assert ex.excess(0.0, wait_s=wait) == pytest.approx(near.excess(0.0, wait_s=wait))
 
 
 def test_a_burst_behind_a_second_of_prefill_does_not_price_a_read_hidden_in_50_ms():
