@@ -8,7 +8,7 @@ again. A memory prompt is ~2,700 ids, so each such token costs ~0.35 ms of the A
 server's event loop, with the GIL held: 11 ms a request of 32 text-less tokens on this
 project's CPU machine (``python -m benchmarks.detokenize``: 0.04 ms so). Under load on
 an H100 that work, all on the loop, delayed the retrieval of requests arriving in a burst
-by 50-130 ms, most likely (the 2,000-user run at 12 requests/s, benchmarks/README.md,
+by 50-130 ms, most likely (the 2,000-user run at 12 requests/s, benchmarks/load-runs.md,
 "sixth run"; the ``-shape`` models' dummy weights emit ids past the tokenizer's vocabulary);
 decoded here, the loop's lag peaked at 2.5-25 ms in the next run ("seventh run").
 
