@@ -60,7 +60,6 @@ class ColdRequests:
     def split(self, engine: MemoryEngine, lengths: tuple[int, ...], row_bytes: int) -> Split:
         """The split of a request's memory chunks by the estimates of now (and ask the
         workers for fresh storage statistics when they are older than ``poll_s``)."""
-        self.estimator.engine_stats(engine.finished_stats())
         self.estimator.queue(*engine.waiting_now())
         at = self.estimator.storage_at
         if (self._poll is None or self._poll.done()) and \
@@ -146,11 +145,15 @@ class ColdRequests:
 
     def finished(self, ref: MemoryRef | None, s: Split | None, gen: Generation,
                  info: AnswerInfo) -> None:
-        """Feed the estimator and the residency guess; report a cold request's split in
-        its answer's ``info``."""
+        """Feed the estimator (vLLM's queue and prefill times of the request, when its
+        answer has them) and the residency guess; report a cold request's split in its
+        answer's ``info``."""
         cold, tiers = gen.reply.cold, gen.reply.facts_by_tier
-        self.estimator.request_read(gen.request_id, bool(cold and cold.read),
-                                    branch(s) if cold is not None and s is not None else None)
+        if gen.stages_s is not None:
+            self.estimator.finished(
+                *gen.stages_s, max(0, gen.prompt_tokens - gen.cached_tokens),
+                bool(cold and cold.read),
+                branch(s) if cold is not None and s is not None else None)
         if ref is None:
             return
         if cold is not None:

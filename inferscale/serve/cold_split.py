@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -228,12 +228,9 @@ def split(lengths: Sequence[int], row_bytes: int, est: Estimates,
 
 class LoadEstimator:
     """``W``, ``c``, ``ρ``, ``B``, ``Q``, ``o`` and ``D`` from what the engine reports
-    (module doc).
-
-    vLLM's per-request stats (:meth:`engine_stats`) and whether each request waited for a
-    read (:meth:`request_read`, from the connector's answer) arrive separately; a request
-    counts once both have (a cold one also as a residual of its branch for ``E``). Not
-    thread-safe: the server calls it from its event loop."""
+    (module doc): each answered request (:meth:`finished`) and the workers' storage
+    statistics (:meth:`storage`). Not thread-safe: the server calls it from its event
+    loop."""
 
     def __init__(self, config: ColdSplitConfig | None = None):
         self.config = config or ColdSplitConfig()
@@ -241,8 +238,6 @@ class LoadEstimator:
         self._wait: float | None = None
         self._wait_at = 0.0
         self._waiting: tuple[int, float] | None = None  # vLLM's waiting requests, when
-        self._stats: OrderedDict[str, tuple[float, float, int]] = OrderedDict()
-        self._reads: OrderedDict[str, tuple[bool, Branch | None]] = OrderedDict()
         self.excess = LoadExcess(self.config.excess)
         self._last: dict[int, tuple[float, float]] = {}  # rank -> bytes, busy seconds
         self._bandwidth: dict[int, float] = {}
@@ -256,35 +251,19 @@ class LoadEstimator:
 
     # ------------------------------------------------------------------ requests
 
-    def engine_stats(self, rows: list[dict], now: float | None = None) -> None:
-        """vLLM's stats of finished requests: ``request_id``, ``queued_s``, ``prefill_s``,
-        ``prompt_tokens``, ``cached_tokens``."""
-        for r in rows:
-            rid = r["request_id"]
-            computed = max(0, int(r["prompt_tokens"]) - int(r["cached_tokens"]))
-            self._stats[rid] = (float(r["queued_s"]), float(r["prefill_s"]), computed)
-            self._join(rid, now)
-        _bound(self._stats)
-
-    def request_read(self, request_id: str, read: bool, branch: Branch | None = None,
-                     now: float | None = None) -> None:
-        """Whether request ``request_id`` waited for a read from storage; for a cold
-        request its split's ``branch``: whether it loaded, and the rule's prediction
-        besides its computed tokens (:func:`branch`)."""
-        self._reads[request_id] = (read, branch)
-        self._join(request_id, now)
-        _bound(self._reads)
-
-    def _join(self, rid: str, now: float | None) -> None:
-        if rid in self._stats and rid in self._reads:
-            queued, prefill, computed = self._stats.pop(rid)
-            read, b = self._reads.pop(rid)
-            now = time.monotonic() if now is None else now
-            self.observe(queued, prefill, computed, read, now)
-            if b is not None and queued >= 0 and prefill >= 0:
-                c = self._compute_s(now)  # the residual's ρ: at its split or now, the larger
-                self.excess.observe(b[0], queued + prefill - b[1] - c * computed, now,
-                                    max(b[2], self._busy_now(now, c)), b[3])
+    def finished(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
+                 branch: Branch | None = None, now: float | None = None) -> None:
+        """One answered request by vLLM's own timestamps (its answer's
+        :attr:`~inferscale.serve.engine.Generation.stages_s`): :meth:`observe`, and for a
+        cold request its split's ``branch`` (:func:`~inferscale.serve.cold_requests.branch`)
+        gives a residual for ``E``."""
+        now = time.monotonic() if now is None else now
+        self.observe(queued_s, prefill_s, computed_tokens, read, now)
+        if branch is not None and queued_s >= 0 and prefill_s >= 0:
+            c = self._compute_s(now)  # the residual's ρ: at its split or now, the larger
+            self.excess.observe(branch[0], queued_s + prefill_s - branch[1] -
+                                c * computed_tokens, now,
+                                max(branch[2], self._busy_now(now, c)), branch[3])
 
     def observe(self, queued_s: float, prefill_s: float, computed_tokens: int, read: bool,
                 now: float | None = None) -> None:
@@ -412,9 +391,3 @@ class LoadEstimator:
         """``c``: the steps' fit once it has one, else the requests' (:meth:`_fit`)."""
         return max(self._step_fit.values(), default=(0.0,))[0] or \
             (self._fit(now)[0] if fit is None else fit)
-
-
-def _bound(pending: OrderedDict, most: int = 4096) -> None:
-    """Forget the oldest halves of joins that never complete (aborted requests)."""
-    while len(pending) > most:
-        pending.popitem(last=False)

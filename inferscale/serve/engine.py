@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -155,7 +154,6 @@ class Generation:
     cached_tokens: int  # vLLM's num_cached_tokens: local prefix hits + external loads
     finish_reason: str | None
     reply: MemoryReply = field(default_factory=MemoryReply)
-    request_id: str = ""  # the engine's request id (its stats name it)
     stages_s: tuple[float, float] | None = None  # engine core: queued, prefill (compat)
 
 
@@ -169,25 +167,20 @@ class Progress:
 
 PROMPT_TOKEN_SOURCES = ("computed", "local_cache_hit", "external_kv_transfer", "total")
 _COUNTERS: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
-_FINISHED: deque[dict] = deque(maxlen=4096)  # vLLM's stats of finished requests, unread
 _WAITING: list = [None, 0.0]  # vLLM's waiting requests at its latest scheduler stats, when
 
 
 def _prompt_token_counter():
     """A vLLM stat logger adding up vLLM's own per-iteration prompt-token counters
-    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS``,
-    keeping its stats of finished requests (queue and prefill times) in ``_FINISHED`` and
-    its count of waiting requests in ``_WAITING``."""
+    (computed / local prefix-cache hit / external KV transfer) into ``_COUNTERS`` and
+    keeping its count of waiting requests in ``_WAITING``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
-
-    from inferscale.vllm_plugin.compat import finished_requests
 
     class PromptTokenCounter(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            _FINISHED.extend(finished_requests(iteration_stats))
             waiting = getattr(scheduler_stats, "num_waiting_reqs", None)
             if waiting is not None:
                 _WAITING[:] = [int(waiting), time.monotonic()]
@@ -239,15 +232,6 @@ class MemoryEngine:
     def prompt_token_counters() -> dict[str, int]:
         """vLLM's running prompt-token counters by source (its own stats)."""
         return dict(_COUNTERS)
-
-    @staticmethod
-    def finished_stats() -> list[dict]:
-        """vLLM's stats of the requests finished since the last call
-        (:func:`~inferscale.vllm_plugin.compat.finished_requests`)."""
-        out = []
-        while _FINISHED:
-            out.append(_FINISHED.popleft())
-        return out
 
     @staticmethod
     def waiting_now() -> tuple[int | None, float]:
@@ -405,7 +389,7 @@ class MemoryEngine:
                     reply = MemoryReply.from_params(out.kv_transfer_params)
                 if comp.token_ids:
                     yield piece
-        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply, rid,
+        yield Generation(tokens, text, ttft or 0.0, len(prompt_ids), cached, finish, reply,
                          stages)
 
     async def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, *,

@@ -246,20 +246,6 @@ def engine_stages(output: Any) -> tuple[float, float] | None:
     return scheduled - queued, first - scheduled
 
 
-def finished_requests(iteration_stats: Any) -> list[dict]:
-    """vLLM's stats of the requests that finished in an iteration (a stat logger's
-    ``record``): ``request_id`` (the caller's, not vLLM's internal id), ``queued_s`` (queued
-    to first scheduled: for a request that waited for an asynchronous KV load, the load
-    too), ``prefill_s`` (first scheduled to first token), ``prompt_tokens``,
-    ``cached_tokens`` (local prefix-cache hits and external loads). The same
-    ``IterationStats.finished_requests`` of ``FinishedRequestStats`` in vLLM 0.26 and
-    0.32 (``vllm/v1/metrics/stats.py``)."""
-    return [{"request_id": f.request_id, "queued_s": f.queued_time,
-             "prefill_s": f.prefill_time, "prompt_tokens": f.num_prompt_tokens,
-             "cached_tokens": f.num_cached_tokens}
-            for f in getattr(iteration_stats, "finished_requests", None) or ()]
-
-
 @dataclass(frozen=True)
 class CacheLayout:
     """Where token ``(block b, offset o)``, head ``h``, dim ``d`` of K and of V live in a

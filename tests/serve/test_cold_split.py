@@ -13,8 +13,12 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from inferscale.serve.backend import AnswerInfo
+from inferscale.serve.cold_requests import ColdRequests
 from inferscale.serve.cold_split import ColdSplitConfig, Estimates, LoadEstimator, split
+from inferscale.serve.engine import Generation
 from inferscale.vllm_plugin.failures import Fallback, FallbackReason
+from inferscale.vllm_plugin.metadata import ColdSplit, MemoryReply
 
 lengths_st = st.lists(st.integers(1, 400), min_size=1, max_size=60)
 row_st = st.sampled_from([1, 64, 11_520, 65_536, 131_072])  # SmolLM2 fp8 .. 8B bf16
@@ -251,21 +255,26 @@ def test_a_stale_wait_is_dropped_while_nothing_waits():
     assert split(lengths, row, est.estimates(now=2.5)).chunks <= loads
 
 
-def test_vllm_stats_and_replies_join_in_either_order():
-    est = LoadEstimator(ColdSplitConfig(alpha=1.0))
-    row = {"request_id": "is-1", "queued_s": 0.3, "prefill_s": 0.02, "prompt_tokens": 900,
-           "cached_tokens": 600}
-    est.engine_stats([row], now=0.0)
-    assert est.estimates(now=0.0).wait_s == 0.0  # not joined yet
-    est.request_read("is-1", False, now=0.0)
-    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)
-    est.request_read("is-2", True, now=0.0)
-    est.engine_stats([{**row, "request_id": "is-2", "queued_s": 9.0}], now=0.0)
-    assert est.estimates(now=0.0).wait_s == pytest.approx(0.3)  # it waited for a read
+def test_an_answered_request_feeds_the_estimator_by_its_own_timestamps():
+    """``ColdRequests.finished`` hands the estimator the answer's vLLM queue and prefill
+    times and its computed tokens (prompt less cached); a request that waited for a read
+    adds no queue time to ``W`` (its queue includes the read); an answer without vLLM's
+    timestamps (stats off) feeds nothing."""
+    cold = ColdRequests(ColdSplitConfig(alpha=1.0))
+    est = cold.estimator
+
+    def answer(stages, read=False):
+        reply = MemoryReply(cold=ColdSplit(0, 10, read=read)) if read else MemoryReply()
+        cold.finished(None, None, Generation([1], "x", 0.1, 900, 600, "stop", reply,
+                                             stages), AnswerInfo("ann", "kv"))
+
+    answer(None)
+    assert est.estimates().wait_s == 0.0 and not est._samples
+    answer((0.3, 0.02))
+    assert est.estimates().wait_s == pytest.approx(0.3, rel=1e-3)
+    answer((9.0, 0.02), read=True)
+    assert est.estimates().wait_s == pytest.approx(0.3, rel=1e-3)  # it waited for a read
     assert [x for _, x, _ in est._samples] == [300, 300]
-    for i in range(5000):  # aborted requests: never joined, forgotten
-        est.request_read(f"gone-{i}", False)
-    assert len(est._reads) == 4096
 
 
 def test_bandwidth_queue_and_steps_come_from_the_workers():

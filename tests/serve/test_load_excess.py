@@ -146,7 +146,7 @@ def test_the_h200_run_loads_nothing_once_loads_came_late():
 
 
 def test_the_estimator_measures_the_excess_from_finished_requests():
-    """vLLM's stats and the split's branch join per request: loaders 90 ms later than
+    """Each finished request with its split's branch: loaders 90 ms later than
     ``max(R, W) + D + c T`` and computed requests 10 ms later than ``W + c T`` give E ~80
     ms, and the split then loads nothing; requests without a branch (resident users)
     add no residual."""
@@ -157,14 +157,9 @@ def test_the_estimator_measures_the_excess_from_finished_requests():
         computed = 1_300 if loaded else 2_500
         base = 0.07 if loaded else 0.0
         late = 0.09 if loaded else 0.01
-        est.engine_stats([{"request_id": f"r{i}", "queued_s": 0.0,
-                           "prefill_s": base + c * computed + late,
-                           "prompt_tokens": 2_600, "cached_tokens": 2_600 - computed}],
-                         now=float(i))
-        est.request_read(f"r{i}", loaded, (loaded, base, 0.0, 0.0), now=float(i))
-    est.engine_stats([{"request_id": "warm", "queued_s": 0.0, "prefill_s": 0.5,
-                       "prompt_tokens": 100, "cached_tokens": 0}], now=6.0)
-    est.request_read("warm", False, None, now=6.0)
+        est.finished(0.0, base + c * computed + late, computed, loaded,
+                     (loaded, base, 0.0, 0.0), now=float(i))
+    est.finished(0.0, 0.5, 100, False, None, now=6.0)
     assert est.excess.counts() == (3, 3)
     e = est.estimates(now=6.0)
     assert e.load_excess_s == pytest.approx(0.08 * 0.5 ** (2 / 60), abs=1e-6)  # last at 4
@@ -181,14 +176,12 @@ def test_a_finished_cold_request_gives_its_branch():
     assert branch(s_none) == (False, 0.06, 0.09, 0.06)
     cold = ColdRequests(ColdSplitConfig(excess=ExcessConfig(min_samples=1)))
     ref = MemoryRef("ann", "a" * 32, tuple(f"f{i}" for i in range(50)), tuple(LENGTHS))
-    for rid, s, reply in (
-            ("a", s_load, MemoryReply(cold=ColdSplit(s_load.chunks - 1, 50 - s_load.chunks,
-                                                     read=True))),
-            ("b", s_none, MemoryReply(cold=ColdSplit(0, 49))),
-            ("c", None, MemoryReply(facts_by_tier={"gpu": 49}))):
-        gen = Generation([1], "x", 0.1, 2_600, 0, "stop", reply, request_id=rid)
-        cold.estimator.engine_stats([{"request_id": rid, "queued_s": 0.0, "prefill_s": 0.3,
-                                      "prompt_tokens": 2_600, "cached_tokens": 0}], now=0.0)
+    for s, reply in (
+            (s_load, MemoryReply(cold=ColdSplit(s_load.chunks - 1, 50 - s_load.chunks,
+                                                read=True))),
+            (s_none, MemoryReply(cold=ColdSplit(0, 49))),
+            (None, MemoryReply(facts_by_tier={"gpu": 49}))):
+        gen = Generation([1], "x", 0.1, 2_600, 0, "stop", reply, (0.0, 0.3))
         cold.finished(ref, s, gen, AnswerInfo("ann", "kv"))
     assert cold.estimator.excess.counts() == (1, 1)
 
@@ -201,10 +194,8 @@ def test_a_residual_counts_at_the_congestion_it_finished_in_when_larger():
                                         excess=ExcessConfig(min_samples=1)))
     est.storage([{"bytes": 0, "busy_s": 0.0, "queued_bytes": 0, "prefill_busy": 0.8,
                   "prefill_busy_age_s": 0.0}], now=0.0)
-    for rid, loaded, late in (("l", True, 0.4), ("c", False, 0.05)):
-        est.engine_stats([{"request_id": rid, "queued_s": late, "prefill_s": 0.0,
-                           "prompt_tokens": 100, "cached_tokens": 100}], now=0.0)
-        est.request_read(rid, loaded, (loaded, 0.0, 0.0, 0.0), now=0.0)
+    for loaded, late in ((True, 0.4), (False, 0.05)):
+        est.finished(late, 0.0, 0, loaded, (loaded, 0.0, 0.0, 0.0), now=0.0)
     assert est.excess.excess(0.0, busy=0.0) == 0.0
     assert est.excess.excess(0.0, busy=0.8) == pytest.approx(0.35)
     assert est.estimates(now=0.0).load_excess_s == pytest.approx(0.35)  # ρ 0.8 now
