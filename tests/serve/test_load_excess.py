@@ -102,24 +102,30 @@ def test_an_overload_burst_does_not_price_loads_at_a_quiet_engine():
 
 
 def test_a_burst_behind_a_second_of_prefill_does_not_price_a_read_hidden_in_50_ms():
-    """The eleventh H100 run (200 users): the warm-up's loaders, decided with 140-1,019
-    ms of prefill ahead but at ρ ~0.03 (the workers' report lags a burst), came up to
-    385 ms later than the computed requests; at 5 rps a cold request with 46 ms ahead
-    (ρ 0.09) then loaded nothing. Counted per wait, they price only splits with a wait
-    like theirs, and the 46 ms split reads a leading run."""
-    ex = LoadExcess()
-    for r, w in ((0.16, 0.14), (0.13, 0.3), (0.385, 0.48), (0.13, 0.6), (-0.1, 0.9),
-                 (0.2, 1.0)):
-        ex.observe(True, r, now=0.0, busy=0.03, wait_s=w)
-    for w in (0.0, 0.0, 0.01, 0.03, 0.05, 0.07, 0.4, 0.5, 0.7):
-        ex.observe(False, 0.035, now=0.0, busy=0.09, wait_s=w)
-    assert ex.excess(0.0, busy=0.09, wait_s=0.046) == 0.0  # no loader near 46 ms
-    assert ex.excess(0.0, busy=0.09, wait_s=0.5) > 0.1
+    """The eleventh H100 run (200 users, ``load-h100-llama31-8b-run11-u200.json``): the
+    warm-up's nine loaders' residuals (its ``split_state``, ρ 0.011-0.032: the workers'
+    report lags a burst) priced loads at 5 rps (ρ 0.09) so that a cold request with 46 ms
+    ahead loaded nothing. Their splits' waits are not in the record, only the warm-up's
+    (p50 481 ms, at most 1,019), so they are spread like it here; the computed requests' ~35 ms
+    residuals at waits of both kinds. By ρ alone E prices the 46 ms split; per wait it
+    prices only splits with a wait like the loaders', and the 46 ms split reads a run."""
+    loaders = (0.1626, 0.127, -0.0129, 0.3851, 0.1328, -0.075, -0.1008, -0.1861, -0.147)
+    waits = (0.141, 0.254, 0.451, 0.662, 0.998, 0.3, 0.5, 0.8, 1.019)
+    by_wait, by_rho = LoadExcess(), LoadExcess(ExcessConfig(wait_ratio=1e9))
+    for ex in (by_wait, by_rho):
+        for r, w in zip(loaders, waits):
+            ex.observe(True, r, now=0.0, busy=0.03, wait_s=w)
+        for w in (0.0, 0.0, 0.01, 0.03, 0.05, 0.07, 0.4, 0.5, 0.7):
+            ex.observe(False, 0.035, now=0.0, busy=0.09, wait_s=w)
+    assert by_rho.excess(0.0, busy=0.09, wait_s=0.046) > 0.1  # what held the 5 rps step
+    assert by_wait.excess(0.0, busy=0.09, wait_s=0.046) == 0.0  # no loader near 46 ms
+    assert by_wait.excess(0.0, busy=0.09, wait_s=0.5) > 0.1
     est = {**H200, "wait_s": 0.046, "compute_s_per_token": 11e-6,
            "bandwidth": 1.38e9, "overhead_s": 9.3e-3, "read_overhead_s": 6e-3}
-    assert split(LENGTHS, 65_536, Estimates(**est, load_excess_s=0.149)).chunks == 0
     assert split(LENGTHS, 65_536, Estimates(
-        **est, load_excess_s=ex.excess(0.0, busy=0.09, wait_s=0.046))).chunks > 0
+        **est, load_excess_s=by_rho.excess(0.0, busy=0.09, wait_s=0.046))).chunks == 0
+    assert split(LENGTHS, 65_536, Estimates(
+        **est, load_excess_s=by_wait.excess(0.0, busy=0.09, wait_s=0.046))).chunks > 0
 
 
 @pytest.mark.parametrize("bad", [dict(window=0), dict(min_samples=0),
